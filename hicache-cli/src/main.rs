@@ -1,0 +1,2 @@
+//! The hicache command.
+fn main() {}

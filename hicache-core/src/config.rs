@@ -1,0 +1,331 @@
+//! Configuration: every knob, with SGLang's names where SGLang has them, and the constants it hard-codes made
+//! configurable (spec §7.6, §12).
+//!
+//! Read with [`HiCacheConfig::from_json`]: unknown fields are refused, every error names the field, and the
+//! storage backend's extra config must be valid JSON (SGLang logs a parse error and carries on without it).
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Error;
+use crate::layout::HostLayout;
+
+/// When device pages are written to the host (and on to storage).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WritePolicy {
+    /// Back up every inserted node at once (SGLang's server default).
+    #[default]
+    WriteThrough,
+    /// Back up a node on its second hit.
+    WriteThroughSelective,
+    /// Back up only when the device copy is evicted (and then on to storage too, unlike SGLang 0.5.2).
+    WriteBack,
+}
+
+/// How host↔device copies are issued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IoBackend {
+    /// Gather/scatter kernels (SGLang's default).
+    #[default]
+    Kernel,
+    /// One `cuMemcpyAsync` per contiguous run.
+    Direct,
+    /// `cuMemcpyBatchAsync` where the driver has it.
+    Batch,
+    /// Chosen per transfer from its run lengths.
+    Auto,
+}
+
+/// Which storage tier backs the host pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StorageBackendKind {
+    /// Local files.
+    File,
+    /// Mooncake Store.
+    Mooncake,
+    /// DeepSeek 3FS (SGLang's name; `3fs` is accepted too).
+    #[serde(alias = "3fs")]
+    Hf3fs,
+    /// NIXL.
+    Nixl,
+    /// In-process memory (tests and benchmarks).
+    Memory,
+}
+
+/// When a prefetch from storage stops and the request runs with what arrived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefetchPolicy {
+    /// At the first scheduling of the request.
+    #[default]
+    BestEffort,
+    /// Only when every hit page has arrived.
+    WaitComplete,
+    /// When complete or when the timeout passes.
+    Timeout,
+}
+
+macro_rules! display_as_serde_name {
+    ($($kind:ty),*) => {$(
+        impl fmt::Display for $kind {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                match serde_json::to_value(self) {
+                    Ok(serde_json::Value::String(name)) => f.write_str(&name),
+                    _ => write!(f, "{self:?}"),
+                }
+            }
+        }
+    )*};
+}
+display_as_serde_name!(WritePolicy, IoBackend, StorageBackendKind, PrefetchPolicy);
+
+/// Every knob of hicache. Defaults are SGLang 0.5.2's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HiCacheConfig {
+    /// Tokens per page (`--page-size`).
+    pub page_size: usize,
+    /// Host pool tokens = device pool tokens × ratio (`--hicache-ratio`); must exceed 1.
+    pub hicache_ratio: f64,
+    /// Host pool size in GB of 10^9 bytes; overrides the ratio when above 0 (`--hicache-size`).
+    pub hicache_size: u64,
+    /// Write policy (`--hicache-write-policy`).
+    pub write_policy: WritePolicy,
+    /// Host↔device copy method (`--hicache-io-backend`).
+    pub io_backend: IoBackend,
+    /// Host pool layout (`--hicache-mem-layout`).
+    pub mem_layout: HostLayout,
+    /// Storage tier, if any (`--hicache-storage-backend`).
+    pub storage_backend: Option<StorageBackendKind>,
+    /// Prefetch stop policy (`--hicache-storage-prefetch-policy`).
+    pub prefetch_policy: PrefetchPolicy,
+    /// Backend-specific settings (`--hicache-storage-backend-extra-config`): a JSON object, or a string holding one.
+    pub storage_backend_extra_config: Option<serde_json::Value>,
+    /// Served model name, used in storage keys.
+    pub model_name: Option<String>,
+    /// Fewest tokens worth prefetching from storage (SGLang: 256; the controller uses max(this, page size)).
+    pub prefetch_threshold: usize,
+    /// Prefetch timeout for the `timeout` policy: base seconds (SGLang 0.5.2: 3 s, fixed).
+    pub prefetch_timeout_base_s: f64,
+    /// Prefetch timeout: seconds added per 1024 tokens (SGLang 0.5.2: 0).
+    pub prefetch_timeout_per_ki_token_s: f64,
+    /// Prefetch timeout: upper bound in seconds.
+    pub prefetch_timeout_max_s: f64,
+    /// Pages per storage batch, for hit queries and I/O (SGLang: 128).
+    pub storage_batch_pages: usize,
+    /// Share of (host − device) tokens that ongoing prefetches may hold (SGLang: 0.8).
+    pub prefetch_capacity_fraction: f64,
+    /// Fewest host tokens worth loading back to the device (SGLang: 10).
+    pub load_back_threshold: usize,
+    /// Hits before `write_through_selective` backs a node up (SGLang: 2).
+    pub write_through_selective_threshold: u32,
+    /// L3 bandwidth cap in bytes per second for backups; 0 for none.
+    pub storage_write_bytes_per_s: u64,
+}
+
+impl Default for HiCacheConfig {
+    fn default() -> Self {
+        Self {
+            page_size: 1,
+            hicache_ratio: 2.0,
+            hicache_size: 0,
+            write_policy: WritePolicy::WriteThrough,
+            io_backend: IoBackend::Kernel,
+            mem_layout: HostLayout::LayerFirst,
+            storage_backend: None,
+            prefetch_policy: PrefetchPolicy::BestEffort,
+            storage_backend_extra_config: None,
+            model_name: None,
+            prefetch_threshold: 256,
+            prefetch_timeout_base_s: 3.0,
+            prefetch_timeout_per_ki_token_s: 0.0,
+            prefetch_timeout_max_s: 3.0,
+            storage_batch_pages: 128,
+            prefetch_capacity_fraction: 0.8,
+            load_back_threshold: 10,
+            write_through_selective_threshold: 2,
+            storage_write_bytes_per_s: 0,
+        }
+    }
+}
+
+impl HiCacheConfig {
+    /// Reads and validates a config from JSON; absent fields take their defaults.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the field: syntax errors, unknown fields, wrong types, values out of range.
+    pub fn from_json(text: &str) -> Result<Self, Error> {
+        let mut deserializer = serde_json::Deserializer::from_str(text);
+        let config: Self = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
+            let path = error.path().to_string();
+            let inner = error.into_inner();
+            let field = if path == "." { "(document)".to_owned() } else { path };
+            Error::InvalidConfig { field, reason: inner.to_string() }
+        })?;
+        deserializer.end().map_err(|error| Error::InvalidConfig { field: "(document)".into(), reason: error.to_string() })?;
+        config.validated()
+    }
+
+    /// Checks every value's range; parses a string-valued extra config into an object.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the first bad field and what it accepts.
+    pub fn validated(mut self) -> Result<Self, Error> {
+        let bad = |field: &str, reason: String| Err(Error::InvalidConfig { field: field.to_owned(), reason });
+        if self.page_size == 0 {
+            return bad("page_size", "must be at least 1".into());
+        }
+        if self.hicache_size == 0 && !(self.hicache_ratio > 1.0 && self.hicache_ratio.is_finite()) {
+            return bad(
+                "hicache_ratio",
+                format!("{} must be a finite number above 1 (the host pool must be larger than the device pool)", self.hicache_ratio),
+            );
+        }
+        for (field, value) in [
+            ("prefetch_timeout_base_s", self.prefetch_timeout_base_s),
+            ("prefetch_timeout_per_ki_token_s", self.prefetch_timeout_per_ki_token_s),
+            ("prefetch_timeout_max_s", self.prefetch_timeout_max_s),
+        ] {
+            if !(value >= 0.0 && value.is_finite()) {
+                return bad(field, format!("{value} must be a finite number of seconds ≥ 0"));
+            }
+        }
+        if self.prefetch_timeout_max_s < self.prefetch_timeout_base_s {
+            return bad(
+                "prefetch_timeout_max_s",
+                format!("{} is below prefetch_timeout_base_s {}", self.prefetch_timeout_max_s, self.prefetch_timeout_base_s),
+            );
+        }
+        if self.storage_batch_pages == 0 {
+            return bad("storage_batch_pages", "must be at least 1".into());
+        }
+        if !(self.prefetch_capacity_fraction > 0.0 && self.prefetch_capacity_fraction <= 1.0) {
+            return bad("prefetch_capacity_fraction", format!("{} is not in (0, 1]", self.prefetch_capacity_fraction));
+        }
+        if self.write_through_selective_threshold == 0 {
+            return bad("write_through_selective_threshold", "must be at least 1".into());
+        }
+        if self.mem_layout == HostLayout::PageFirst && self.io_backend == IoBackend::Direct {
+            // SGLang silently falls back to layer_first; say so instead
+            return bad(
+                "mem_layout",
+                "page_first cannot be used with io_backend direct; use layer_first or page_first_direct".into(),
+            );
+        }
+        self.storage_backend_extra_config = match self.storage_backend_extra_config.take() {
+            Some(serde_json::Value::String(text)) => {
+                let value: serde_json::Value = serde_json::from_str(&text).map_err(|error| Error::InvalidConfig {
+                    field: "storage_backend_extra_config".into(),
+                    reason: format!("not valid JSON: {error}"),
+                })?;
+                Some(value)
+            }
+            other => other,
+        };
+        if let Some(value) = &self.storage_backend_extra_config {
+            if !value.is_object() {
+                return bad("storage_backend_extra_config", format!("must be a JSON object, found {value}"));
+            }
+        }
+        Ok(self)
+    }
+
+    /// The threshold the controller applies: max(prefetch threshold, page size).
+    pub fn effective_prefetch_threshold(&self) -> usize {
+        self.prefetch_threshold.max(self.page_size)
+    }
+
+    /// Timeout of a prefetch of `tokens` tokens: base + per-1024-token × tokens / 1024, capped at the maximum.
+    pub fn prefetch_timeout(&self, tokens: usize) -> std::time::Duration {
+        let seconds = self.prefetch_timeout_base_s + self.prefetch_timeout_per_ki_token_s * tokens as f64 / 1024.0;
+        std::time::Duration::from_secs_f64(seconds.min(self.prefetch_timeout_max_s))
+    }
+
+    /// The host pool size in tokens for a device pool of `device_tokens` tokens and `bytes_per_token` bytes each:
+    /// `hicache_size` GB (10^9 bytes) when set, otherwise the ratio; rounded down to whole pages.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] when the host pool would not be larger than the device pool.
+    pub fn host_pool_tokens(&self, device_tokens: usize, bytes_per_token: usize) -> Result<usize, Error> {
+        let tokens = if self.hicache_size > 0 {
+            (self.hicache_size as u128 * 1_000_000_000 / bytes_per_token.max(1) as u128) as usize
+        } else {
+            (device_tokens as f64 * self.hicache_ratio) as usize
+        };
+        let tokens = tokens - tokens % self.page_size;
+        if tokens <= device_tokens {
+            let field = if self.hicache_size > 0 { "hicache_size" } else { "hicache_ratio" };
+            return Err(Error::InvalidConfig {
+                field: field.into(),
+                reason: format!("gives a host pool of {tokens} tokens, not larger than the device pool of {device_tokens}"),
+            });
+        }
+        Ok(tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_sglang_values() {
+        let config = HiCacheConfig::from_json("{}").unwrap();
+        assert_eq!(config, HiCacheConfig::default());
+        assert_eq!(config.effective_prefetch_threshold(), 256);
+        assert_eq!(config.prefetch_timeout(100_000), std::time::Duration::from_secs(3));
+        assert_eq!((config.storage_batch_pages, config.load_back_threshold), (128, 10));
+    }
+
+    #[test]
+    fn sglang_names_and_values_are_read() {
+        let config = HiCacheConfig::from_json(
+            r#"{"page_size": 64, "write_policy": "write_back", "io_backend": "direct", "mem_layout": "page_first_direct",
+                "storage_backend": "3fs", "prefetch_policy": "timeout",
+                "storage_backend_extra_config": "{\"master_server_address\": \"127.0.0.1:50051\"}",
+                "prefetch_timeout_base_s": 2, "prefetch_timeout_per_ki_token_s": 0.1, "prefetch_timeout_max_s": 30}"#,
+        )
+        .unwrap();
+        assert_eq!(config.storage_backend, Some(StorageBackendKind::Hf3fs));
+        assert_eq!(config.storage_backend_extra_config.as_ref().unwrap()["master_server_address"], "127.0.0.1:50051");
+        assert_eq!(config.effective_prefetch_threshold(), 256);
+        let config = HiCacheConfig { prefetch_timeout_base_s: 2.0, prefetch_timeout_per_ki_token_s: 0.1, prefetch_timeout_max_s: 30.0, ..HiCacheConfig::default() };
+        assert_eq!(config.prefetch_timeout(10_240), std::time::Duration::from_secs(3));
+        assert_eq!(config.prefetch_timeout(1 << 30), std::time::Duration::from_secs(30));
+    }
+
+    #[test]
+    fn errors_name_the_field_and_the_allowed_values() {
+        let message = |text: &str| HiCacheConfig::from_json(text).unwrap_err().to_string();
+        let policy = message(r#"{"write_policy": "write_sometimes"}"#);
+        assert!(policy.starts_with("config field `write_policy`: unknown variant `write_sometimes`"), "{policy}");
+        assert!(policy.contains("write_through_selective"), "{policy}");
+        assert!(message(r#"{"page_sise": 4}"#).contains("unknown field `page_sise`"));
+        assert!(message(r#"{"page_size": 0}"#).starts_with("config field `page_size`"));
+        assert!(message(r#"{"page_size": -1}"#).starts_with("config field `page_size`"));
+        assert!(message(r#"{"hicache_ratio": 0.5}"#).starts_with("config field `hicache_ratio`"));
+        assert!(message(r#"{"storage_backend_extra_config": "{oops"}"#).contains("storage_backend_extra_config`: not valid JSON"));
+        assert!(message(r#"{"storage_backend_extra_config": [1]}"#).contains("must be a JSON object"));
+        assert!(message(r#"{"prefetch_timeout_max_s": 1}"#).contains("below prefetch_timeout_base_s"));
+        assert!(message(r#"{"mem_layout": "page_first", "io_backend": "direct"}"#).starts_with("config field `mem_layout`"));
+        assert!(message("{} {}").contains("(document)"));
+        assert!(message("[").contains("(document)"));
+    }
+
+    #[test]
+    fn host_pool_size_follows_sglang() {
+        let config = HiCacheConfig { page_size: 64, ..HiCacheConfig::default() };
+        assert_eq!(config.host_pool_tokens(1000, 131_072).unwrap(), 1984);
+        let sized = HiCacheConfig { hicache_size: 1, page_size: 64, ..HiCacheConfig::default() };
+        // 1e9 / 131072 = 7629.39 → 7629 → 7616 whole pages
+        assert_eq!(sized.host_pool_tokens(1000, 131_072).unwrap(), 7616);
+        assert!(sized.host_pool_tokens(8000, 131_072).unwrap_err().to_string().contains("hicache_size"));
+    }
+}

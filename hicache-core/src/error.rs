@@ -1,0 +1,102 @@
+//! The crate's error type: one enum, each message naming the value at fault and what was expected.
+
+/// Errors of `hicache-core`. Expected outcomes (a miss, a partial batch, a revoked prefetch) are values, not errors.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Error {
+    /// A token in a token list is not an integer in `[0, 2^32)`.
+    #[error("token {position} ({text:?}): {reason}")]
+    InvalidToken {
+        /// 1-based position of the token.
+        position: usize,
+        /// The token as written.
+        text: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A token list could not be read at all.
+    #[error("token list: {reason}")]
+    InvalidTokenList {
+        /// What is wrong.
+        reason: String,
+    },
+    /// A page key is not 64 hex digits.
+    #[error("invalid page key {text:?}: {reason}")]
+    InvalidKey {
+        /// The key as given (shortened).
+        text: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A token sequence is not a whole number of pages and partial pages were refused.
+    #[error("{tokens} tokens are not a whole number of pages of {page_size} tokens ({} left over)", tokens % page_size)]
+    PartialPage {
+        /// Tokens given.
+        tokens: usize,
+        /// Tokens per page.
+        page_size: usize,
+    },
+    /// An argument is out of its domain.
+    #[error("{field}: {reason}")]
+    InvalidArgument {
+        /// The argument or field.
+        field: &'static str,
+        /// What is wrong and what was expected.
+        reason: String,
+    },
+    /// A configuration value is invalid.
+    #[error("config field `{field}`: {reason}")]
+    InvalidConfig {
+        /// Path of the field (`a.b`).
+        field: String,
+        /// What is wrong and the allowed values.
+        reason: String,
+    },
+    /// A host page was freed while idle, or listed twice in one call.
+    #[error("double free of host {page}")]
+    DoubleFree {
+        /// The page.
+        page: String,
+    },
+    /// A host page id of another pool (or out of range) was given to this pool.
+    #[error("host {page} does not belong to pool {pool}")]
+    ForeignPage {
+        /// The page.
+        page: String,
+        /// This pool's id.
+        pool: u32,
+    },
+    /// A host page is not in a state the operation accepts.
+    #[error("{operation} on {page}: expected {expected}, found {found}")]
+    PageState {
+        /// The page.
+        page: String,
+        /// The operation attempted.
+        operation: &'static str,
+        /// Accepted states.
+        expected: String,
+        /// The page's state.
+        found: String,
+    },
+    /// A storage backend failed as a whole (not one page: those are per-page outcomes).
+    #[error("storage backend {backend}: {message}")]
+    Storage {
+        /// Backend name.
+        backend: String,
+        /// The backend's message.
+        message: String,
+    },
+    /// A storage call did not finish before its deadline.
+    #[error("storage backend {backend}: {operation} timed out after {waited_ms} ms")]
+    Timeout {
+        /// Backend name.
+        backend: String,
+        /// The call.
+        operation: &'static str,
+        /// How long it waited.
+        waited_ms: u64,
+    },
+    /// An internal invariant was found broken (a bug in hicache).
+    #[error("internal invariant broken: {0}")]
+    Internal(String),
+}

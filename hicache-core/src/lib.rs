@@ -1,0 +1,26 @@
+//! GPU-agnostic core of hicache, a hierarchical KV cache for LLM inference.
+//!
+//! The device pool (L1) and pinned host pool (L2) hold KV pages of running and recent requests; a storage tier (L3)
+//! keeps them across requests and instances, found again by a chained hash of the token prefix. This crate holds
+//! what every part shares and runs without a GPU: page keys ([`hash`]), key namespaces ([`namespace`]), KV geometry
+//! ([`geometry`]) and host layouts ([`layout`]), the host page allocator ([`host_pool`]), cache and storage
+//! operations ([`ops`]), rate limiting ([`rate_limit`]), the storage trait with an in-memory and a fault-injection
+//! backend ([`storage`]), the configuration ([`config`]) and the token-list parser ([`tokens`]).
+//!
+//! **Invariant:** this crate never links CUDA or any FFI library and does I/O only through the storage trait.
+#![cfg_attr(not(loom), forbid(unsafe_code))]
+
+pub mod config;
+pub mod error;
+pub mod geometry;
+pub mod hash;
+pub mod host_pool;
+pub mod layout;
+pub mod namespace;
+pub mod ops;
+pub mod rate_limit;
+pub mod storage;
+mod sync;
+pub mod tokens;
+
+pub use error::Error;

@@ -1,0 +1,219 @@
+//! Storage key namespaces: SGLang's key strings for each backend, and hicache's native namespaced keys.
+//!
+//! SGLang's keys are the page hash plus a backend-specific suffix (spec §3.5, §10). They omit the KV dtype, the host
+//! layout (which decides the byte order of a generic flat page), the page size and the pipeline stage, so two
+//! deployments that differ in any of these read each other's bytes as their own (§17 item 10). The native form adds
+//! a digest of all of them to every key; [`StorageNamespace::descriptor`] is the readable text behind the digest.
+
+use std::fmt::Write as _;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::Error;
+use crate::geometry::{Attention, KvGeometry};
+use crate::hash::PageKey;
+use crate::layout::HostLayout;
+
+/// Which object of a page a key names, for backends that store K and V apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ObjectPart {
+    /// The whole flat page.
+    Page,
+    /// The K half of an MHA page.
+    K,
+    /// The V half of an MHA page.
+    V,
+}
+
+/// Everything that decides the bytes stored under a page key on one rank.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct StorageNamespace {
+    /// Served model name, as given (SGLang's `served_model_name`); may be empty.
+    pub model: String,
+    /// KV geometry of this rank.
+    pub geometry: KvGeometry,
+    /// Host layout (decides the generic flat page's byte order).
+    pub layout: HostLayout,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Attention tensor-parallel rank.
+    pub tp_rank: usize,
+    /// Attention tensor-parallel size.
+    pub tp_size: usize,
+    /// Pipeline stage.
+    pub pp_rank: usize,
+    /// Pipeline stages.
+    pub pp_size: usize,
+}
+
+impl StorageNamespace {
+    /// A single-rank namespace (TP 1, PP 1).
+    pub fn single_rank(model: impl Into<String>, geometry: KvGeometry, layout: HostLayout, page_size: usize) -> Self {
+        Self { model: model.into(), geometry, layout, page_size, tp_rank: 0, tp_size: 1, pp_rank: 0, pp_size: 1 }
+    }
+
+    /// Checks ranks against sizes and the page size.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the field.
+    pub fn validated(self) -> Result<Self, Error> {
+        let bad = |field: &'static str, reason: String| Err(Error::InvalidArgument { field, reason });
+        if self.page_size == 0 {
+            return bad("page_size", "must be at least 1".into());
+        }
+        if self.tp_rank >= self.tp_size {
+            return bad("tp_rank", format!("{} is not below tp_size {}", self.tp_rank, self.tp_size));
+        }
+        if self.pp_rank >= self.pp_size {
+            return bad("pp_rank", format!("{} is not below pp_size {}", self.pp_rank, self.pp_size));
+        }
+        self.geometry.validated()?;
+        Ok(self)
+    }
+
+    /// SGLang's model name in keys: `/` replaced by `-`.
+    pub fn sglang_model(&self) -> String {
+        self.model.replace('/', "-")
+    }
+
+    /// The canonical text of the namespace, one `key=value` per field, fixed order.
+    ///
+    /// MLA drops the TP rank and size: the latent is identical on every TP rank, so all ranks share objects (as
+    /// SGLang's MLA keys do).
+    pub fn descriptor(&self) -> String {
+        let mut text = String::from("hicache-namespace-v1");
+        let _ = write!(text, ";model={}", self.model);
+        let _ = match self.geometry.attention {
+            Attention::Mha { kv_heads, head_dim } => {
+                write!(text, ";attention=mha;layers={};kv_heads={kv_heads};head_dim={head_dim}", self.geometry.layers)
+            }
+            Attention::Mla { kv_lora_rank, rope_dim } => write!(
+                text,
+                ";attention=mla;layers={};kv_lora_rank={kv_lora_rank};rope_dim={rope_dim}",
+                self.geometry.layers
+            ),
+        };
+        let _ = write!(text, ";dtype={};layout={};page_size={}", self.geometry.dtype.name(), self.layout.name(), self.page_size);
+        if !self.geometry.is_mla() {
+            let _ = write!(text, ";tp={}/{}", self.tp_rank, self.tp_size);
+        }
+        let _ = write!(text, ";pp={}/{}", self.pp_rank, self.pp_size);
+        text
+    }
+
+    /// The first 16 hex digits of SHA-256 of the [descriptor](Self::descriptor).
+    pub fn digest(&self) -> String {
+        hex::encode(&Sha256::digest(self.descriptor().as_bytes())[..8])
+    }
+
+    /// The native key of a page object: `{hash}_{digest}` for the whole page, `{hash}_{digest}_k|_v` for halves.
+    pub fn native_key(&self, key: &PageKey, part: ObjectPart) -> String {
+        native_key_with_digest(key, &self.digest(), part)
+    }
+
+    /// SGLang's file backend key (`HiCacheFile`; the file is `{dir}/{key}.bin`): `{hash}_{model}_{tp_rank}_{tp_size}`
+    /// for MHA, `{hash}_{model}` for MLA.
+    pub fn sglang_file_key(&self, key: &PageKey) -> String {
+        if self.geometry.is_mla() {
+            format!("{key}_{}", self.sglang_model())
+        } else {
+            format!("{key}_{}_{}_{}", self.sglang_model(), self.tp_rank, self.tp_size)
+        }
+    }
+
+    /// SGLang's Mooncake keys of a page (`get_buffer_meta`): `{hash}_{tp_rank}_k`, `{hash}_{tp_rank}_v` for MHA;
+    /// `{hash}_k` for MLA.
+    pub fn sglang_mooncake_keys(&self, key: &PageKey) -> Vec<String> {
+        if self.geometry.is_mla() {
+            vec![format!("{key}_k")]
+        } else {
+            vec![format!("{key}_{}_k", self.tp_rank), format!("{key}_{}_v", self.tp_rank)]
+        }
+    }
+
+    /// SGLang's 3FS keys of a page: `{hash}-k`, `{hash}-v` for MHA in a page-first layout (zero-copy), otherwise the
+    /// plain hash (one flat page; namespacing comes from the per-rank file).
+    pub fn sglang_3fs_keys(&self, key: &PageKey) -> Vec<String> {
+        if !self.geometry.is_mla() && self.layout.page_part_is_contiguous() {
+            vec![format!("{key}-k"), format!("{key}-v")]
+        } else {
+            vec![key.to_string()]
+        }
+    }
+}
+
+/// The native key for a precomputed namespace digest (backends compute the digest once).
+pub fn native_key_with_digest(key: &PageKey, digest: &str, part: ObjectPart) -> String {
+    match part {
+        ObjectPart::Page => format!("{key}_{digest}"),
+        ObjectPart::K => format!("{key}_{digest}_k"),
+        ObjectPart::V => format!("{key}_{digest}_v"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::KvDtype;
+    use crate::hash::page_key;
+
+    fn llama(layout: HostLayout) -> StorageNamespace {
+        StorageNamespace {
+            tp_rank: 1,
+            tp_size: 2,
+            ..StorageNamespace::single_rank("meta-llama/Llama-3.1-8B", KvGeometry::llama31_8b(), layout, 64)
+        }
+    }
+
+    #[test]
+    fn sglang_key_strings() {
+        let key = page_key(None, &[1, 2, 3]);
+        let hash = key.to_string();
+        let mha = llama(HostLayout::PageFirst);
+        assert_eq!(mha.sglang_file_key(&key), format!("{hash}_meta-llama-Llama-3.1-8B_1_2"));
+        assert_eq!(mha.sglang_mooncake_keys(&key), [format!("{hash}_1_k"), format!("{hash}_1_v")]);
+        assert_eq!(mha.sglang_3fs_keys(&key), [format!("{hash}-k"), format!("{hash}-v")]);
+        assert_eq!(llama(HostLayout::LayerFirst).sglang_3fs_keys(&key), [hash.clone()]);
+        let mla = StorageNamespace { tp_rank: 3, tp_size: 8, ..StorageNamespace::single_rank("deepseek-ai/DeepSeek-V3", KvGeometry::deepseek_v3(), HostLayout::PageFirst, 64) };
+        assert_eq!(mla.sglang_file_key(&key), format!("{hash}_deepseek-ai-DeepSeek-V3"));
+        assert_eq!(mla.sglang_mooncake_keys(&key), [format!("{hash}_k")]);
+        assert_eq!(mla.sglang_3fs_keys(&key), [hash.clone()]);
+        let unnamed = StorageNamespace { model: String::new(), ..mha };
+        assert_eq!(unnamed.sglang_file_key(&key), format!("{hash}__1_2"));
+    }
+
+    #[test]
+    fn native_keys_separate_what_sglang_keys_do_not() {
+        let key = page_key(None, &[7; 64]);
+        let base = llama(HostLayout::LayerFirst);
+        let variants = [
+            StorageNamespace { layout: HostLayout::PageFirst, ..base.clone() },
+            StorageNamespace { page_size: 32, ..base.clone() },
+            StorageNamespace { geometry: KvGeometry { dtype: KvDtype::Fp8E4m3, ..base.geometry }, ..base.clone() },
+            StorageNamespace { tp_rank: 0, ..base.clone() },
+            StorageNamespace { tp_size: 4, ..base.clone() },
+            StorageNamespace { pp_rank: 1, pp_size: 2, ..base.clone() },
+            StorageNamespace { model: "other".into(), ..base.clone() },
+        ];
+        for variant in &variants {
+            assert_eq!(base.sglang_file_key(&key) == variant.sglang_file_key(&key), variant.tp_rank == base.tp_rank && variant.tp_size == base.tp_size && variant.model == base.model);
+            assert_ne!(base.native_key(&key, ObjectPart::Page), variant.native_key(&key, ObjectPart::Page), "{}", variant.descriptor());
+        }
+        assert_eq!(
+            base.descriptor(),
+            "hicache-namespace-v1;model=meta-llama/Llama-3.1-8B;attention=mha;layers=32;kv_heads=8;head_dim=128;dtype=bf16;layout=layer_first;page_size=64;tp=1/2;pp=0/1"
+        );
+        let native = base.native_key(&key, ObjectPart::K);
+        assert_eq!(native, format!("{key}_{}_k", base.digest()));
+        assert_eq!(base.digest().len(), 16);
+    }
+
+    #[test]
+    fn mla_ranks_share_native_keys_and_ranges_are_checked() {
+        let rank = |tp_rank| StorageNamespace { tp_rank, tp_size: 8, ..StorageNamespace::single_rank("m", KvGeometry::deepseek_v3(), HostLayout::PageFirst, 64) };
+        assert_eq!(rank(0).digest(), rank(5).digest());
+        assert!(rank(8).validated().unwrap_err().to_string().starts_with("tp_rank: 8 is not below tp_size 8"));
+        assert!(StorageNamespace { pp_size: 1, pp_rank: 1, ..rank(0) }.validated().is_err());
+    }
+}

@@ -1,0 +1,220 @@
+//! The storage (L3) trait: page objects by key, batched, read into and written from caller-provided host memory.
+//!
+//! A page is given as a list of byte segments whose concatenation is the flat page ([`crate::layout`]): one segment
+//! per part for the page-first layouts, so the bytes move straight between the host pool and the backend. Each
+//! backend instance serves one [`StorageNamespace`](crate::namespace::StorageNamespace) and renders its own key
+//! strings from the page keys.
+//!
+//! Outcomes are per page ([`GetOutcome`], [`SetOutcome`]); `Err` is for a failure of the whole call. SGLang's
+//! `batch_set` returns one bool for the batch and its `batch_get` a list or an int depending on the backend (§9);
+//! here every backend answers the same way.
+
+mod fault;
+mod memory;
+mod stats;
+
+#[cfg(feature = "testing")]
+pub mod conformance;
+
+use std::fmt;
+
+pub use fault::{FaultPlan, FaultyStorage};
+pub use memory::{MemoryStorage, MemoryStore};
+pub use stats::{StatsRecorder, StorageStats};
+
+use crate::error::Error;
+use crate::hash::PageKey;
+
+/// Destination of one page: segments whose concatenation receives the page.
+pub type PageSegmentsMut<'a> = Vec<&'a mut [u8]>;
+
+/// Source of one page: segments whose concatenation is the page.
+pub type PageSegments<'a> = Vec<&'a [u8]>;
+
+/// Why one page failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FailureKind {
+    /// An I/O error.
+    Io,
+    /// The stored bytes failed an integrity check (short, torn or checksum mismatch); the object is treated as absent.
+    Corrupt,
+    /// The caller's buffer is not the stored page's size.
+    SizeMismatch,
+    /// The page did not complete in time.
+    Timeout,
+    /// Refused by the backend (full, rejected, unavailable).
+    Rejected,
+    /// Injected by [`FaultyStorage`].
+    Injected,
+}
+
+/// One page's failure, with the backend's message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PageFailure {
+    /// The kind of failure.
+    pub kind: FailureKind,
+    /// What happened, with the numbers needed to act on it.
+    pub message: String,
+}
+
+impl PageFailure {
+    /// A failure of `kind`.
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> Self {
+        Self { kind, message: message.into() }
+    }
+}
+
+impl fmt::Display for PageFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}: {}", self.kind, self.message)
+    }
+}
+
+/// Outcome of reading one page.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GetOutcome {
+    /// The page's bytes are in the destination.
+    Hit,
+    /// No such page; the destination is untouched.
+    Miss,
+    /// The read failed; the destination's contents are unspecified.
+    Failed(PageFailure),
+}
+
+/// Outcome of writing one page.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SetOutcome {
+    /// The page was written.
+    Stored,
+    /// A page with this key was already stored (keys name content, so it was not rewritten).
+    AlreadyPresent,
+    /// The write failed; whatever was stored under the key before is unchanged.
+    Failed(PageFailure),
+}
+
+impl SetOutcome {
+    /// Whether the page is in storage after the call.
+    pub fn is_stored(&self) -> bool {
+        matches!(self, Self::Stored | Self::AlreadyPresent)
+    }
+}
+
+/// A storage tier for pages.
+///
+/// Every method may be called from several threads at once. Within one call, keys may repeat.
+pub trait StorageBackend: Send + Sync {
+    /// Short name of the backend (`memory`, `file`, ...).
+    fn name(&self) -> &str;
+
+    /// The number of keys present, counted from the first key and stopping at the first absent one.
+    ///
+    /// # Errors
+    ///
+    /// A failure of the whole call.
+    fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error>;
+
+    /// Reads pages into the caller's segments; one outcome per key.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `pages` does not have one entry per key, or a failure of the whole call.
+    fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error>;
+
+    /// Writes pages from the caller's segments; one outcome per key.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `pages` does not have one entry per key, or a failure of the whole call.
+    fn batch_set(&self, keys: &[PageKey], pages: &[PageSegments<'_>]) -> Result<Vec<SetOutcome>, Error>;
+
+    /// Removes pages of this namespace; returns how many were present.
+    ///
+    /// # Errors
+    ///
+    /// A failure of the whole call.
+    fn remove(&self, keys: &[PageKey]) -> Result<usize, Error>;
+
+    /// Removes every page of this namespace, and nothing else; returns how many were removed.
+    ///
+    /// # Errors
+    ///
+    /// A failure of the whole call.
+    fn clear(&self) -> Result<u64, Error>;
+
+    /// Counters since the backend was opened.
+    fn stats(&self) -> StorageStats;
+
+    /// Whether one page is present.
+    ///
+    /// # Errors
+    ///
+    /// As [`batch_exists`](Self::batch_exists).
+    fn exists(&self, key: &PageKey) -> Result<bool, Error> {
+        Ok(self.batch_exists(std::slice::from_ref(key))? == 1)
+    }
+
+    /// Reads one page.
+    ///
+    /// # Errors
+    ///
+    /// As [`batch_get`](Self::batch_get).
+    fn get(&self, key: &PageKey, page: PageSegmentsMut<'_>) -> Result<GetOutcome, Error> {
+        single(self.name(), self.batch_get(std::slice::from_ref(key), &mut [page])?)
+    }
+
+    /// Writes one page.
+    ///
+    /// # Errors
+    ///
+    /// As [`batch_set`](Self::batch_set).
+    fn set(&self, key: &PageKey, page: PageSegments<'_>) -> Result<SetOutcome, Error> {
+        single(self.name(), self.batch_set(std::slice::from_ref(key), &[page])?)
+    }
+}
+
+fn single<T>(backend: &str, outcomes: Vec<T>) -> Result<T, Error> {
+    let count = outcomes.len();
+    let mut outcomes = outcomes.into_iter();
+    match (outcomes.next(), outcomes.next()) {
+        (Some(outcome), None) => Ok(outcome),
+        _ => Err(Error::Storage { backend: backend.into(), message: format!("{count} outcomes for one key") }),
+    }
+}
+
+/// Checks that a batch has one page per key.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] naming both counts.
+pub fn check_batch(keys: usize, pages: usize) -> Result<(), Error> {
+    if keys == pages {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument { field: "pages", reason: format!("{pages} pages for {keys} keys") })
+    }
+}
+
+/// Total length of a page given as segments.
+pub fn segments_len<S: AsRef<[u8]>>(segments: &[S]) -> usize {
+    segments.iter().map(|segment| segment.as_ref().len()).sum()
+}
+
+/// Copies `bytes` into the segments in order.
+///
+/// # Panics
+///
+/// When the lengths differ (check with [`segments_len`] first).
+pub fn scatter(bytes: &[u8], segments: &mut [&mut [u8]]) {
+    assert_eq!(bytes.len(), segments_len(segments), "scatter: length mismatch");
+    let mut rest = bytes;
+    for segment in segments.iter_mut() {
+        let (head, tail) = rest.split_at(segment.len());
+        segment.copy_from_slice(head);
+        rest = tail;
+    }
+}
+
+/// The concatenation of the segments.
+pub fn gather(segments: &[&[u8]]) -> Vec<u8> {
+    segments.concat()
+}
