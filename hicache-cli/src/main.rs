@@ -1,2 +1,42 @@
-//! The hicache command.
-fn main() {}
+//! The `hicache` command: page keys, benchmarks and (as the backends land) manual transfers and workload replay.
+//!
+//! Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error. Errors are one line on stderr.
+
+mod commands;
+mod exit;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// hicache: a hierarchical KV cache for LLM inference (device → pinned host → storage).
+#[derive(Debug, Parser)]
+#[command(name = "hicache", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print SGLang-compatible page keys of a token sequence, one per line.
+    Hash(commands::hash::HashArgs),
+    /// Measure performance; each figure is printed next to a reference measured in the same run.
+    #[command(subcommand)]
+    Bench(commands::bench::BenchCommand),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Hash(args) => commands::hash::run(&args),
+        Command::Bench(command) => commands::bench::run(&command),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("hicache: error: {error:#}");
+            exit::code_for(&error)
+        }
+    }
+}

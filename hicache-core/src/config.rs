@@ -167,7 +167,9 @@ impl HiCacheConfig {
             let field = if path == "." { "(document)".to_owned() } else { path };
             Error::InvalidConfig { field, reason: inner.to_string() }
         })?;
-        deserializer.end().map_err(|error| Error::InvalidConfig { field: "(document)".into(), reason: error.to_string() })?;
+        deserializer
+            .end()
+            .map_err(|error| Error::InvalidConfig { field: "(document)".into(), reason: error.to_string() })?;
         config.validated()
     }
 
@@ -184,7 +186,10 @@ impl HiCacheConfig {
         if self.hicache_size == 0 && !(self.hicache_ratio > 1.0 && self.hicache_ratio.is_finite()) {
             return bad(
                 "hicache_ratio",
-                format!("{} must be a finite number above 1 (the host pool must be larger than the device pool)", self.hicache_ratio),
+                format!(
+                    "{} must be a finite number above 1 (the host pool must be larger than the device pool)",
+                    self.hicache_ratio
+                ),
             );
         }
         for (field, value) in [
@@ -199,7 +204,10 @@ impl HiCacheConfig {
         if self.prefetch_timeout_max_s < self.prefetch_timeout_base_s {
             return bad(
                 "prefetch_timeout_max_s",
-                format!("{} is below prefetch_timeout_base_s {}", self.prefetch_timeout_max_s, self.prefetch_timeout_base_s),
+                format!(
+                    "{} is below prefetch_timeout_base_s {}",
+                    self.prefetch_timeout_max_s, self.prefetch_timeout_base_s
+                ),
             );
         }
         if self.storage_batch_pages == 0 {
@@ -228,10 +236,10 @@ impl HiCacheConfig {
             }
             other => other,
         };
-        if let Some(value) = &self.storage_backend_extra_config {
-            if !value.is_object() {
-                return bad("storage_backend_extra_config", format!("must be a JSON object, found {value}"));
-            }
+        if let Some(value) = &self.storage_backend_extra_config
+            && !value.is_object()
+        {
+            return bad("storage_backend_extra_config", format!("must be a JSON object, found {value}"));
         }
         Ok(self)
     }
@@ -264,7 +272,9 @@ impl HiCacheConfig {
             let field = if self.hicache_size > 0 { "hicache_size" } else { "hicache_ratio" };
             return Err(Error::InvalidConfig {
                 field: field.into(),
-                reason: format!("gives a host pool of {tokens} tokens, not larger than the device pool of {device_tokens}"),
+                reason: format!(
+                    "gives a host pool of {tokens} tokens, not larger than the device pool of {device_tokens}"
+                ),
             });
         }
         Ok(tokens)
@@ -296,7 +306,12 @@ mod tests {
         assert_eq!(config.storage_backend, Some(StorageBackendKind::Hf3fs));
         assert_eq!(config.storage_backend_extra_config.as_ref().unwrap()["master_server_address"], "127.0.0.1:50051");
         assert_eq!(config.effective_prefetch_threshold(), 256);
-        let config = HiCacheConfig { prefetch_timeout_base_s: 2.0, prefetch_timeout_per_ki_token_s: 0.1, prefetch_timeout_max_s: 30.0, ..HiCacheConfig::default() };
+        let config = HiCacheConfig {
+            prefetch_timeout_base_s: 2.0,
+            prefetch_timeout_per_ki_token_s: 0.1,
+            prefetch_timeout_max_s: 30.0,
+            ..HiCacheConfig::default()
+        };
         assert_eq!(config.prefetch_timeout(10_240), std::time::Duration::from_secs(3));
         assert_eq!(config.prefetch_timeout(1 << 30), std::time::Duration::from_secs(30));
     }
@@ -311,10 +326,15 @@ mod tests {
         assert!(message(r#"{"page_size": 0}"#).starts_with("config field `page_size`"));
         assert!(message(r#"{"page_size": -1}"#).starts_with("config field `page_size`"));
         assert!(message(r#"{"hicache_ratio": 0.5}"#).starts_with("config field `hicache_ratio`"));
-        assert!(message(r#"{"storage_backend_extra_config": "{oops"}"#).contains("storage_backend_extra_config`: not valid JSON"));
+        assert!(
+            message(r#"{"storage_backend_extra_config": "{oops"}"#)
+                .contains("storage_backend_extra_config`: not valid JSON")
+        );
         assert!(message(r#"{"storage_backend_extra_config": [1]}"#).contains("must be a JSON object"));
         assert!(message(r#"{"prefetch_timeout_max_s": 1}"#).contains("below prefetch_timeout_base_s"));
-        assert!(message(r#"{"mem_layout": "page_first", "io_backend": "direct"}"#).starts_with("config field `mem_layout`"));
+        assert!(
+            message(r#"{"mem_layout": "page_first", "io_backend": "direct"}"#).starts_with("config field `mem_layout`")
+        );
         assert!(message("{} {}").contains("(document)"));
         assert!(message("[").contains("(document)"));
     }

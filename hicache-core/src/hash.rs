@@ -61,7 +61,11 @@ impl FromStr for PageKey {
     fn from_str(text: &str) -> Result<Self, Error> {
         let invalid = |reason: String| Error::InvalidKey { text: truncate_for_message(text), reason };
         if text.len() != 2 * KEY_BYTES {
-            return Err(invalid(format!("expected {} hex digits, found {} characters", 2 * KEY_BYTES, text.chars().count())));
+            return Err(invalid(format!(
+                "expected {} hex digits, found {} characters",
+                2 * KEY_BYTES,
+                text.chars().count()
+            )));
         }
         if let Some((at, ch)) = text.char_indices().find(|(_, ch)| !ch.is_ascii_hexdigit()) {
             return Err(invalid(format!("character {ch:?} at position {at} is not a hex digit")));
@@ -93,9 +97,7 @@ pub enum PartialPage {
     Hash,
 }
 
-const H0: [u32; 8] = [
-    0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
-];
+const H0: [u32; 8] = [0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19];
 
 /// Hashes pages one after another, chaining each key into the next; reuses its block buffer across pages.
 #[derive(Debug, Default)]
@@ -113,25 +115,21 @@ impl PageHasher {
     pub fn page_key(&mut self, prior: Option<&PageKey>, tokens: &[u32]) -> PageKey {
         let prior_len = if prior.is_some() { KEY_BYTES } else { 0 };
         let message_len = prior_len + 4 * tokens.len();
-        // message, then 0x80, then zeros, then the 64-bit big-endian bit length, to a multiple of 64 bytes
+        // message, then 0x80, then zeros, then the 64-bit big-endian bit length, to a multiple of 64 bytes; up to
+        // five blocks (a page of 64 tokens after a prior key) are built on the stack, exactly sized
         let block_count = (message_len + 1 + 8).div_ceil(64);
-        self.blocks.clear();
-        self.blocks.resize(block_count, [0u8; 64]);
-        let bytes: &mut [u8] = self.blocks.as_flattened_mut();
-        if let Some(prior) = prior {
-            bytes[..KEY_BYTES].copy_from_slice(&prior.0);
+        match block_count {
+            1 => digest_padded(&mut [[0u8; 64]; 1], prior, tokens, message_len),
+            2 => digest_padded(&mut [[0u8; 64]; 2], prior, tokens, message_len),
+            3 => digest_padded(&mut [[0u8; 64]; 3], prior, tokens, message_len),
+            4 => digest_padded(&mut [[0u8; 64]; 4], prior, tokens, message_len),
+            5 => digest_padded(&mut [[0u8; 64]; 5], prior, tokens, message_len),
+            _ => {
+                self.blocks.clear();
+                self.blocks.resize(block_count, [0u8; 64]);
+                digest_padded(&mut self.blocks, prior, tokens, message_len)
+            }
         }
-        write_le_tokens(&mut bytes[prior_len..message_len], tokens);
-        bytes[message_len] = 0x80;
-        let total = bytes.len();
-        bytes[total - 8..].copy_from_slice(&((message_len as u64) * 8).to_be_bytes());
-        let mut state = H0;
-        compress256(&mut state, &self.blocks);
-        let mut digest = [0u8; KEY_BYTES];
-        for (out, word) in digest.chunks_exact_mut(4).zip(state) {
-            out.copy_from_slice(&word.to_be_bytes());
-        }
-        PageKey(digest)
     }
 
     /// The chained keys of `tokens` split into pages of `page_size`, starting from `prior`.
@@ -164,6 +162,26 @@ impl PageHasher {
         }
         Ok(keys)
     }
+}
+
+/// Fills zeroed `blocks` with the padded message `prior || tokens` and compresses them.
+fn digest_padded(blocks: &mut [[u8; 64]], prior: Option<&PageKey>, tokens: &[u32], message_len: usize) -> PageKey {
+    let bytes: &mut [u8] = blocks.as_flattened_mut();
+    let prior_len = message_len - 4 * tokens.len();
+    if let Some(prior) = prior {
+        bytes[..KEY_BYTES].copy_from_slice(&prior.0);
+    }
+    write_le_tokens(&mut bytes[prior_len..message_len], tokens);
+    bytes[message_len] = 0x80;
+    let total = bytes.len();
+    bytes[total - 8..].copy_from_slice(&((message_len as u64) * 8).to_be_bytes());
+    let mut state = H0;
+    compress256(&mut state, blocks);
+    let mut digest = [0u8; KEY_BYTES];
+    for (out, word) in digest.chunks_exact_mut(4).zip(state) {
+        out.copy_from_slice(&word.to_be_bytes());
+    }
+    PageKey(digest)
 }
 
 #[cfg(target_endian = "little")]
@@ -218,10 +236,7 @@ mod tests {
 
     #[test]
     fn empty_page_without_prior_is_sha256_of_nothing() {
-        assert_eq!(
-            page_key(None, &[]).to_string(),
-            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-        );
+        assert_eq!(page_key(None, &[]).to_string(), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
     }
 
     #[test]

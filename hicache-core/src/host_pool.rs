@@ -129,7 +129,10 @@ impl HostPageAllocator {
         if index < self.states.len() {
             Ok(HostPageId { pool: self.pool, index: index as u32 })
         } else {
-            Err(Error::InvalidArgument { field: "page", reason: format!("{index} out of range ({} pages)", self.states.len()) })
+            Err(Error::InvalidArgument {
+                field: "page",
+                reason: format!("{index} out of range ({} pages)", self.states.len()),
+            })
         }
     }
 
@@ -231,7 +234,8 @@ impl HostPageAllocator {
     ///
     /// As [`protect_write`](Self::protect_write).
     pub fn update_synced(&mut self, pages: &[HostPageId]) -> Result<(), Error> {
-        const ALLOCATED: [PageState; 4] = [PageState::Reserved, PageState::Protected, PageState::Synced, PageState::Backup];
+        const ALLOCATED: [PageState; 4] =
+            [PageState::Reserved, PageState::Protected, PageState::Synced, PageState::Backup];
         self.transition(pages, "update_synced", &ALLOCATED, PageState::Synced)
     }
 
@@ -290,7 +294,9 @@ impl HostPageAllocator {
         let mut indices: Vec<u32> = pages.iter().map(|page| page.index).collect();
         indices.sort_unstable();
         match indices.windows(2).find(|pair| pair[0] == pair[1]) {
-            Some(pair) => Err(Error::DoubleFree { page: format!("page {} of pool {} (listed twice)", pair[0], self.pool) }),
+            Some(pair) => {
+                Err(Error::DoubleFree { page: format!("page {} of pool {} (listed twice)", pair[0], self.pool) })
+            }
             None => Ok(()),
         }
     }
@@ -303,7 +309,9 @@ impl HostPageAllocator {
     pub fn check_invariants(&self) -> Result<(), Error> {
         let mut seen = vec![false; self.states.len()];
         for &index in &self.free {
-            let slot = seen.get_mut(index as usize).ok_or_else(|| Error::Internal(format!("free page {index} out of range")))?;
+            let slot = seen
+                .get_mut(index as usize)
+                .ok_or_else(|| Error::Internal(format!("free page {index} out of range")))?;
             if std::mem::replace(slot, true) {
                 return Err(Error::Internal(format!("page {index} is on the free list twice")));
             }
@@ -354,7 +362,11 @@ mod tests {
         let mut pool = HostPageAllocator::new(2).unwrap();
         let pages = pool.alloc(2).unwrap();
         let error = pool.complete_io(&pages).unwrap_err().to_string();
-        assert_eq!(error, "complete_io on page 0 of pool 1: expected protected, found reserved".replace("pool 1", &format!("pool {}", pool.pool)));
+        assert_eq!(
+            error,
+            "complete_io on page 0 of pool 1: expected protected, found reserved"
+                .replace("pool 1", &format!("pool {}", pool.pool))
+        );
         pool.protect_write(&pages).unwrap();
         pool.complete_io(&pages).unwrap();
         pool.update_backup(&pages).unwrap();

@@ -263,8 +263,9 @@ mod tests {
     use crate::geometry::{Attention, KvDtype};
 
     fn geometries() -> impl Strategy<Value = KvGeometry> {
-        let mha = (1usize..5, 1usize..4, 1usize..5)
-            .prop_map(|(layers, kv_heads, head_dim)| KvGeometry::mha(layers, kv_heads, head_dim, KvDtype::Bf16).unwrap());
+        let mha = (1usize..5, 1usize..4, 1usize..5).prop_map(|(layers, kv_heads, head_dim)| {
+            KvGeometry::mha(layers, kv_heads, head_dim, KvDtype::Bf16).unwrap()
+        });
         let mla = (1usize..5, 1usize..6, 0usize..3).prop_map(|(layers, kv_lora_rank, rope_dim)| {
             KvGeometry::mla(layers, kv_lora_rank, rope_dim, KvDtype::Fp8E4m3).unwrap()
         });
@@ -272,8 +273,9 @@ mod tests {
     }
 
     fn maps() -> impl Strategy<Value = HostLayoutMap> {
-        (geometries(), prop::sample::select(HostLayout::ALL.to_vec()), 1usize..5, 1usize..5)
-            .prop_map(|(geometry, layout, page_size, pages)| HostLayoutMap::new(geometry, layout, page_size, pages).unwrap())
+        (geometries(), prop::sample::select(HostLayout::ALL.to_vec()), 1usize..5, 1usize..5).prop_map(
+            |(geometry, layout, page_size, pages)| HostLayoutMap::new(geometry, layout, page_size, pages).unwrap(),
+        )
     }
 
     fn all_items(map: &HostLayoutMap) -> Vec<(usize, usize, KvPart)> {
@@ -314,8 +316,8 @@ mod tests {
 
     #[test]
     fn split_refuses_duplicates_and_wrong_buffers() {
-        let map = HostLayoutMap::new(KvGeometry::mha(2, 1, 4, KvDtype::Bf16).unwrap(), HostLayout::LayerFirst, 2, 3)
-            .unwrap();
+        let map =
+            HostLayoutMap::new(KvGeometry::mha(2, 1, 4, KvDtype::Bf16).unwrap(), HostLayout::LayerFirst, 2, 3).unwrap();
         let mut buffer = vec![0u8; map.total_bytes()];
         let error = map.split_pages_mut(&mut buffer, &[1, 2, 1]).unwrap_err().to_string();
         assert!(error.contains("page 1 is listed more than once"), "{error}");

@@ -94,7 +94,13 @@ impl StorageNamespace {
                 self.geometry.layers
             ),
         };
-        let _ = write!(text, ";dtype={};layout={};page_size={}", self.geometry.dtype.name(), self.layout.name(), self.page_size);
+        let _ = write!(
+            text,
+            ";dtype={};layout={};page_size={}",
+            self.geometry.dtype.name(),
+            self.layout.name(),
+            self.page_size
+        );
         if !self.geometry.is_mla() {
             let _ = write!(text, ";tp={}/{}", self.tp_rank, self.tp_size);
         }
@@ -174,11 +180,20 @@ mod tests {
         assert_eq!(mha.sglang_file_key(&key), format!("{hash}_meta-llama-Llama-3.1-8B_1_2"));
         assert_eq!(mha.sglang_mooncake_keys(&key), [format!("{hash}_1_k"), format!("{hash}_1_v")]);
         assert_eq!(mha.sglang_3fs_keys(&key), [format!("{hash}-k"), format!("{hash}-v")]);
-        assert_eq!(llama(HostLayout::LayerFirst).sglang_3fs_keys(&key), [hash.clone()]);
-        let mla = StorageNamespace { tp_rank: 3, tp_size: 8, ..StorageNamespace::single_rank("deepseek-ai/DeepSeek-V3", KvGeometry::deepseek_v3(), HostLayout::PageFirst, 64) };
+        assert_eq!(llama(HostLayout::LayerFirst).sglang_3fs_keys(&key), vec![hash.clone()]);
+        let mla = StorageNamespace {
+            tp_rank: 3,
+            tp_size: 8,
+            ..StorageNamespace::single_rank(
+                "deepseek-ai/DeepSeek-V3",
+                KvGeometry::deepseek_v3(),
+                HostLayout::PageFirst,
+                64,
+            )
+        };
         assert_eq!(mla.sglang_file_key(&key), format!("{hash}_deepseek-ai-DeepSeek-V3"));
         assert_eq!(mla.sglang_mooncake_keys(&key), [format!("{hash}_k")]);
-        assert_eq!(mla.sglang_3fs_keys(&key), [hash.clone()]);
+        assert_eq!(mla.sglang_3fs_keys(&key), vec![hash.clone()]);
         let unnamed = StorageNamespace { model: String::new(), ..mha };
         assert_eq!(unnamed.sglang_file_key(&key), format!("{hash}__1_2"));
     }
@@ -197,8 +212,16 @@ mod tests {
             StorageNamespace { model: "other".into(), ..base.clone() },
         ];
         for variant in &variants {
-            assert_eq!(base.sglang_file_key(&key) == variant.sglang_file_key(&key), variant.tp_rank == base.tp_rank && variant.tp_size == base.tp_size && variant.model == base.model);
-            assert_ne!(base.native_key(&key, ObjectPart::Page), variant.native_key(&key, ObjectPart::Page), "{}", variant.descriptor());
+            assert_eq!(
+                base.sglang_file_key(&key) == variant.sglang_file_key(&key),
+                variant.tp_rank == base.tp_rank && variant.tp_size == base.tp_size && variant.model == base.model
+            );
+            assert_ne!(
+                base.native_key(&key, ObjectPart::Page),
+                variant.native_key(&key, ObjectPart::Page),
+                "{}",
+                variant.descriptor()
+            );
         }
         assert_eq!(
             base.descriptor(),
@@ -211,7 +234,11 @@ mod tests {
 
     #[test]
     fn mla_ranks_share_native_keys_and_ranges_are_checked() {
-        let rank = |tp_rank| StorageNamespace { tp_rank, tp_size: 8, ..StorageNamespace::single_rank("m", KvGeometry::deepseek_v3(), HostLayout::PageFirst, 64) };
+        let rank = |tp_rank| StorageNamespace {
+            tp_rank,
+            tp_size: 8,
+            ..StorageNamespace::single_rank("m", KvGeometry::deepseek_v3(), HostLayout::PageFirst, 64)
+        };
         assert_eq!(rank(0).digest(), rank(5).digest());
         assert!(rank(8).validated().unwrap_err().to_string().starts_with("tp_rank: 8 is not below tp_size 8"));
         assert!(StorageNamespace { pp_size: 1, pp_rank: 1, ..rank(0) }.validated().is_err());

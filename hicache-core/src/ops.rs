@@ -215,7 +215,10 @@ impl Progress {
 
 impl fmt::Debug for Progress {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Progress").field("completed", &self.completed()).field("terminated", &self.is_terminated()).finish()
+        f.debug_struct("Progress")
+            .field("completed", &self.completed())
+            .field("terminated", &self.is_terminated())
+            .finish()
     }
 }
 

@@ -113,7 +113,9 @@ impl TokenBucket {
             Admission::Granted
         } else {
             let missing = (needed - self.level) as u128;
-            Admission::Wait(Duration::from_nanos(missing.div_ceil(u128::from(self.rate)).try_into().unwrap_or(u64::MAX)))
+            Admission::Wait(Duration::from_nanos(
+                missing.div_ceil(u128::from(self.rate)).try_into().unwrap_or(u64::MAX),
+            ))
         }
     }
 
@@ -151,7 +153,9 @@ impl PrefetchCapacity {
         if host_tokens <= device_tokens {
             return Err(Error::InvalidArgument {
                 field: "host_tokens",
-                reason: format!("the host pool ({host_tokens} tokens) must be larger than the device pool ({device_tokens})"),
+                reason: format!(
+                    "the host pool ({host_tokens} tokens) must be larger than the device pool ({device_tokens})"
+                ),
             });
         }
         if !(fraction > 0.0 && fraction <= 1.0) {
@@ -251,7 +255,12 @@ mod tests {
         assert!(capacity.release(10_000).is_err());
         assert_eq!(capacity.occupied(), 701);
         assert!(PrefetchCapacity::for_pools(1000, 1000, 0.8).is_err());
-        assert!(PrefetchCapacity::for_pools(2000, 1000, 1.5).unwrap_err().to_string().contains("prefetch_capacity_fraction"));
+        assert!(
+            PrefetchCapacity::for_pools(2000, 1000, 1.5)
+                .unwrap_err()
+                .to_string()
+                .contains("prefetch_capacity_fraction")
+        );
     }
 
     proptest! {

@@ -14,11 +14,7 @@ use crate::error::Error;
 ///
 /// [`Error::InvalidToken`] naming the first bad token's position and text, or the JSON syntax error.
 pub fn parse_tokens(text: &str) -> Result<Vec<u32>, Error> {
-    if text.trim_start().starts_with('[') {
-        parse_json(text)
-    } else {
-        parse_separated(text)
-    }
+    if text.trim_start().starts_with('[') { parse_json(text) } else { parse_separated(text) }
 }
 
 fn parse_separated(text: &str) -> Result<Vec<u32>, Error> {
@@ -48,7 +44,8 @@ fn token_from_text(position: usize, word: &str) -> Result<u32, Error> {
 const OUT_OF_RANGE: &str = "token ids must be in [0, 4294967295] (SGLang hashes them as u32)";
 
 fn parse_json(text: &str) -> Result<Vec<u32>, Error> {
-    let values: Vec<serde_json::Value> = serde_json::from_str(text).map_err(|error| Error::InvalidTokenList { reason: format!("not a JSON array of integers: {error}") })?;
+    let values: Vec<serde_json::Value> = serde_json::from_str(text)
+        .map_err(|error| Error::InvalidTokenList { reason: format!("not a JSON array of integers: {error}") })?;
     values
         .iter()
         .enumerate()
@@ -72,7 +69,11 @@ fn parse_json(text: &str) -> Result<Vec<u32>, Error> {
 
 fn shorten(text: &str) -> String {
     const SHOWN: usize = 40;
-    if text.chars().count() <= SHOWN { text.to_owned() } else { format!("{}…", text.chars().take(SHOWN).collect::<String>()) }
+    if text.chars().count() <= SHOWN {
+        text.to_owned()
+    } else {
+        format!("{}…", text.chars().take(SHOWN).collect::<String>())
+    }
 }
 
 #[cfg(test)]

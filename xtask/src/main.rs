@@ -1,2 +1,86 @@
-//! xtask
-fn main() {}
+//! Project automation: `cargo xtask ci` (every check CI runs) and `cargo xtask fuzz` (bounded fuzzing).
+//!
+//! Commands are run with argument arrays, never through a shell. Under `CI=true` a step that cannot run fails.
+
+mod fuzz;
+#[cfg(test)]
+mod tidy;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+
+const USAGE: &str = "usage: cargo xtask ci [--no-fuzz] | cargo xtask fuzz [--seconds N] [TARGET...]";
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let root = project_root();
+    std::env::set_current_dir(&root).with_context(|| format!("entering {}", root.display()))?;
+    match args.first().map(String::as_str) {
+        Some("ci") => ci(&args[1..]),
+        Some("fuzz") => fuzz::run(&args[1..]),
+        _ => bail!("{USAGE}"),
+    }
+}
+
+fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+}
+
+/// Runs a program with arguments and extra environment; fails on a non-zero exit.
+pub(crate) fn run_program(program: &str, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<()> {
+    let started = Instant::now();
+    eprintln!(
+        "xtask: $ {}{program} {}",
+        env.iter().map(|(key, value)| format!("{key}={value} ")).collect::<String>(),
+        args.join(" ")
+    );
+    let status = Command::new(program)
+        .args(args)
+        .envs(env.iter().copied())
+        .status()
+        .with_context(|| format!("starting {program}"))?;
+    if !status.success() {
+        bail!("{program} {} failed ({status})", args.join(" "));
+    }
+    eprintln!("xtask: ok in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Everything CI checks, in order of cost.
+fn ci(args: &[String]) -> anyhow::Result<()> {
+    let with_fuzz = match args {
+        [] => true,
+        [flag] if flag == "--no-fuzz" => false,
+        _ => bail!("{USAGE}"),
+    };
+    let started = Instant::now();
+    run_program("cargo", &["fmt", "--all", "--", "--check"], &[])?;
+    // each feature set: the defaults, every feature, and the core library without its test helpers
+    run_program("cargo", &["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"], &[])?;
+    run_program(
+        "cargo",
+        &["clippy", "--workspace", "--all-targets", "--all-features", "--locked", "--", "-D", "warnings"],
+        &[],
+    )?;
+    run_program(
+        "cargo",
+        &["clippy", "-p", "hicache-core", "--lib", "--no-default-features", "--locked", "--", "-D", "warnings"],
+        &[],
+    )?;
+    // unit, integration, property and doc tests, and the tidy test (xtask's own tests)
+    run_program("cargo", &["test", "--workspace", "--all-features", "--locked"], &[])?;
+    // the lock-free state machines, model-checked
+    run_program(
+        "cargo",
+        &["test", "-p", "hicache-core", "--lib", "--release", "--locked", "--target-dir", "target/loom", "loom"],
+        &[("RUSTFLAGS", "--cfg loom"), ("LOOM_MAX_PREEMPTIONS", "3")],
+    )?;
+    if with_fuzz {
+        fuzz::run(&["--seconds".into(), "20".into()])?;
+    }
+    eprintln!("xtask: ci passed in {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}

@@ -108,7 +108,12 @@ pub fn put(backend: &dyn StorageBackend, keys: &[PageKey], pages: &[Vec<u8>]) ->
 }
 
 /// Reads pages into buffers of `bytes` filled with `fill`; returns outcomes and buffers.
-pub fn fetch(backend: &dyn StorageBackend, keys: &[PageKey], bytes: usize, fill: u8) -> (Vec<GetOutcome>, Vec<Vec<u8>>) {
+pub fn fetch(
+    backend: &dyn StorageBackend,
+    keys: &[PageKey],
+    bytes: usize,
+    fill: u8,
+) -> (Vec<GetOutcome>, Vec<Vec<u8>>) {
     let mut buffers = vec![vec![fill; bytes]; keys.len()];
     let mut targets: Vec<PageSegmentsMut<'_>> = buffers.iter_mut().map(|buffer| vec![buffer.as_mut_slice()]).collect();
     let outcomes = backend.batch_get(keys, &mut targets).expect("batch_get");
@@ -228,12 +233,18 @@ pub fn wrong_sizes_fail_the_page_only(harness: &dyn Harness) {
     let short = vec![1u8; bytes - 8];
     let outcomes = put(backend.as_ref(), &keys, &[pages[0].clone(), short, pages[2].clone()]);
     assert_eq!(outcomes[0], SetOutcome::Stored);
-    assert!(matches!(&outcomes[1], SetOutcome::Failed(failure) if failure.kind == FailureKind::SizeMismatch), "{outcomes:?}");
+    assert!(
+        matches!(&outcomes[1], SetOutcome::Failed(failure) if failure.kind == FailureKind::SizeMismatch),
+        "{outcomes:?}"
+    );
     assert_eq!(outcomes[2], SetOutcome::Stored);
     assert!(!backend.exists(&keys[1]).expect("exists"), "a refused page must not be stored");
     let mut large = vec![0u8; bytes + 8];
     let outcome = backend.get(&keys[0], vec![large.as_mut_slice()]).expect("get");
-    assert!(matches!(&outcome, GetOutcome::Failed(failure) if failure.kind == FailureKind::SizeMismatch), "{outcome:?}");
+    assert!(
+        matches!(&outcome, GetOutcome::Failed(failure) if failure.kind == FailureKind::SizeMismatch),
+        "{outcome:?}"
+    );
     let (outcomes, buffers) = fetch(backend.as_ref(), &keys[..1], bytes, 0);
     assert_eq!((outcomes[0].clone(), &buffers[0]), (GetOutcome::Hit, &pages[0]), "the stored page is intact");
 }
@@ -356,7 +367,8 @@ pub fn concurrent_writers_and_readers_agree(harness: &dyn Harness) {
         .map(|thread| {
             let (backend, keys, pages) = (backend.clone(), keys.clone(), pages.clone());
             std::thread::spawn(move || {
-                let order: Vec<usize> = (0..keys.len()).map(|index| (index * (thread + 1) + thread) % keys.len()).collect();
+                let order: Vec<usize> =
+                    (0..keys.len()).map(|index| (index * (thread + 1) + thread) % keys.len()).collect();
                 for chunk in order.chunks(4) {
                     let chunk_keys: Vec<PageKey> = chunk.iter().map(|&index| keys[index]).collect();
                     let chunk_pages: Vec<Vec<u8>> = chunk.iter().map(|&index| pages[index].clone()).collect();

@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, StorageBackend, StorageStats};
+use super::{
+    FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, StorageBackend, StorageStats,
+};
 use crate::error::Error;
 use crate::hash::PageKey;
 
@@ -42,7 +44,13 @@ pub struct FaultyStorage<S> {
 impl<S: StorageBackend> FaultyStorage<S> {
     /// Wraps `inner` with `plan`.
     pub fn new(inner: S, plan: FaultPlan) -> Self {
-        Self { inner, plan: Mutex::new(plan), released: Condvar::new(), calls: AtomicU64::new(0), hits: AtomicU64::new(0) }
+        Self {
+            inner,
+            plan: Mutex::new(plan),
+            released: Condvar::new(),
+            calls: AtomicU64::new(0),
+            hits: AtomicU64::new(0),
+        }
     }
 
     /// The wrapped backend.
@@ -88,7 +96,11 @@ impl<S: StorageBackend> FaultyStorage<S> {
                 if now >= deadline {
                     break;
                 }
-                guard = self.released.wait_timeout(guard, deadline - now).unwrap_or_else(|poisoned| poisoned.into_inner()).0;
+                guard = self
+                    .released
+                    .wait_timeout(guard, deadline - now)
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .0;
             }
             return Err(Error::Timeout {
                 backend: self.inner.name().to_owned(),
@@ -133,10 +145,10 @@ impl<S: StorageBackend> StorageBackend for FaultyStorage<S> {
         for (outcome, page) in outcomes.iter().zip(pages.iter_mut()) {
             if *outcome == GetOutcome::Hit {
                 let hit = self.hits.fetch_add(1, Ordering::SeqCst) + 1;
-                if plan.corrupt_hit == Some(hit) {
-                    if let Some(byte) = page.iter_mut().flat_map(|segment| segment.iter_mut()).next() {
-                        *byte ^= 0xa5;
-                    }
+                if plan.corrupt_hit == Some(hit)
+                    && let Some(byte) = page.iter_mut().flat_map(|segment| segment.iter_mut()).next()
+                {
+                    *byte ^= 0xa5;
                 }
             }
         }
@@ -181,7 +193,12 @@ mod tests {
     const PAGE: usize = 4;
 
     fn namespace() -> StorageNamespace {
-        StorageNamespace::single_rank("fault-test", KvGeometry::mha(1, 1, 1, KvDtype::Bf16).unwrap(), HostLayout::PageFirst, 1)
+        StorageNamespace::single_rank(
+            "fault-test",
+            KvGeometry::mha(1, 1, 1, KvDtype::Bf16).unwrap(),
+            HostLayout::PageFirst,
+            1,
+        )
     }
 
     fn fresh_keys(count: usize) -> Vec<PageKey> {
@@ -234,7 +251,8 @@ mod tests {
         let page = [9u8; PAGE];
         let outcomes = storage.batch_set(&fresh[4..6], &[vec![&page[..]], vec![&page[..]]]).unwrap();
         assert!(outcomes.iter().all(SetOutcome::is_stored), "two pages fit the partial batch");
-        let outcomes = storage.batch_set(&fresh_keys(9)[6..9], &[vec![&page[..]], vec![&page[..]], vec![&page[..]]]).unwrap();
+        let outcomes =
+            storage.batch_set(&fresh_keys(9)[6..9], &[vec![&page[..]], vec![&page[..]], vec![&page[..]]]).unwrap();
         assert!(matches!(outcomes[2], SetOutcome::Failed(_)));
         assert_eq!(storage.inner().batch_exists(&fresh_keys(9)[6..9]).unwrap(), 2);
     }
@@ -266,7 +284,10 @@ mod tests {
         assert!(Instant::now() >= deadline);
         assert!(matches!(error, Error::Timeout { operation: "batch_exists", .. }), "{error}");
 
-        storage.set_plan(FaultPlan { hang_until: Some(Instant::now() + Duration::from_secs(600)), ..FaultPlan::default() });
+        storage.set_plan(FaultPlan {
+            hang_until: Some(Instant::now() + Duration::from_secs(600)),
+            ..FaultPlan::default()
+        });
         let storage = Arc::new(storage);
         let blocked = {
             let (storage, keys) = (storage.clone(), keys.clone());

@@ -11,10 +11,13 @@ use crate::error::Error;
 use crate::hash::PageKey;
 use crate::namespace::StorageNamespace;
 
-/// The shared map: (namespace digest, page key) → page bytes.
+/// (namespace digest, page key) → page bytes.
+type Objects = HashMap<(Arc<str>, PageKey), Arc<[u8]>>;
+
+/// The shared map of objects of every namespace.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    objects: RwLock<HashMap<(Arc<str>, PageKey), Arc<[u8]>>>,
+    objects: RwLock<Objects>,
 }
 
 impl MemoryStore {
@@ -33,12 +36,12 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn read(&self) -> RwLockReadGuard<'_, HashMap<(Arc<str>, PageKey), Arc<[u8]>>> {
+    fn read(&self) -> RwLockReadGuard<'_, Objects> {
         // a panic while holding the lock cannot leave the map half-updated: every update is one insert or remove
         self.objects.read().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn write(&self) -> RwLockWriteGuard<'_, HashMap<(Arc<str>, PageKey), Arc<[u8]>>> {
+    fn write(&self) -> RwLockWriteGuard<'_, Objects> {
         self.objects.write().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
@@ -105,7 +108,9 @@ impl StorageBackend for MemoryStorage {
             .zip(pages.iter_mut())
             .map(|(object, page)| match object {
                 None => GetOutcome::Miss,
-                Some(bytes) if bytes.len() != segments_len(page) => GetOutcome::Failed(self.size_mismatch(segments_len(page))),
+                Some(bytes) if bytes.len() != segments_len(page) => {
+                    GetOutcome::Failed(self.size_mismatch(segments_len(page)))
+                }
                 Some(bytes) => {
                     scatter(&bytes, page);
                     GetOutcome::Hit

@@ -1,0 +1,152 @@
+//! The built `hicache` binary, run as a user runs it: outputs, exit codes and error messages.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+use serde_json::Value;
+
+const GOLDEN: &str = include_str!("../../hicache-core/tests/data/sglang_0_5_2_page_keys.json");
+
+fn hicache(args: &[&str], stdin: &str) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hicache"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary starts");
+    child.stdin.take().expect("stdin").write_all(stdin.as_bytes()).expect("write stdin");
+    child.wait_with_output().expect("the binary finishes")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8(output.stdout.clone()).expect("utf-8 stdout")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8(output.stderr.clone()).expect("utf-8 stderr")
+}
+
+/// Asserts a usage failure: exit code 2 and one line of error naming `needle`, no panic or backtrace.
+fn assert_usage_error(output: &Output, needle: &str) {
+    let message = stderr(output);
+    assert_eq!(output.status.code(), Some(2), "stderr: {message}");
+    assert!(message.contains(needle), "expected {needle:?} in {message:?}");
+    assert!(!message.contains("panicked") && !message.contains("backtrace"), "{message}");
+    assert_eq!(message.trim_end().lines().count(), 1, "one line: {message:?}");
+}
+
+fn golden_cases() -> Vec<Value> {
+    let golden: Value = serde_json::from_str(GOLDEN).expect("golden parses");
+    golden["cases"].as_array().expect("cases").clone()
+}
+
+fn tokens_text(case: &Value) -> String {
+    case["tokens"].as_array().expect("tokens").iter().map(|token| token.to_string()).collect::<Vec<_>>().join(" ")
+}
+
+fn expected_keys(case: &Value) -> Vec<String> {
+    case["keys"].as_array().expect("keys").iter().map(|key| key.as_str().expect("hex").to_owned()).collect()
+}
+
+#[test]
+fn hash_prints_sglang_keys_for_every_golden_case() {
+    for case in golden_cases() {
+        let page_size = case["page_size"].to_string();
+        let mut args = vec!["hash", "--page-size", &page_size, "--partial", "hash"];
+        let prior = case["prior"].as_str().map(str::to_owned);
+        if let Some(prior) = &prior {
+            args.extend(["--prior", prior]);
+        }
+        let output = hicache(&args, &tokens_text(&case));
+        assert!(output.status.success(), "{}: {}", case["name"], stderr(&output));
+        let keys: Vec<String> = stdout(&output).lines().map(str::to_owned).collect();
+        assert_eq!(keys, expected_keys(&case), "{}", case["name"]);
+    }
+}
+
+#[test]
+fn hash_reads_json_and_files_and_continues_chains() {
+    let case = golden_cases()
+        .into_iter()
+        .find(|case| case["name"].as_str().unwrap().starts_with("long conversation"))
+        .unwrap();
+    let expected = expected_keys(&case);
+    let tokens: Vec<u64> = case["tokens"].as_array().unwrap().iter().map(|token| token.as_u64().unwrap()).collect();
+    // the whole sequence from a JSON file, printed as JSON
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tokens.json");
+    std::fs::write(&file, serde_json::to_string(&tokens).unwrap()).unwrap();
+    let output = hicache(&["hash", "--page-size", "64", "--json", file.to_str().unwrap()], "");
+    assert!(output.status.success(), "{}", stderr(&output));
+    let printed: Vec<String> = serde_json::from_str(&stdout(&output)).unwrap();
+    assert_eq!(printed, expected);
+    // the second half alone, chained from the first half's last key, comma-separated on stdin
+    let half = tokens.len() / 2;
+    let text = tokens[half..].iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+    let prior = &expected[half / 64 - 1];
+    let output = hicache(&["hash", "--page-size", "64", "--prior", prior], &text);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(stdout(&output).lines().collect::<Vec<_>>(), expected[half / 64..]);
+}
+
+#[test]
+fn partial_pages_are_refused_unless_asked_for() {
+    let output = hicache(&["hash", "--page-size", "4"], "1 2 3 4 5 6");
+    assert_usage_error(&output, "6 tokens are not a whole number of pages of 4 tokens (2 left over)");
+    let output = hicache(&["hash", "--page-size", "4", "--partial", "drop"], "1 2 3 4 5 6");
+    assert_eq!(stdout(&output).lines().count(), 1);
+    let output = hicache(&["hash", "--page-size", "4", "--partial", "hash"], "1 2 3 4 5 6");
+    assert_eq!(stdout(&output).lines().count(), 2);
+}
+
+#[test]
+fn bad_inputs_fail_with_exit_code_2_and_a_clear_line() {
+    assert_usage_error(&hicache(&["hash", "--page-size", "2"], "1 2 4294967296 4"), "token 3 (\"4294967296\")");
+    assert_usage_error(&hicache(&["hash", "--page-size", "2"], "1 -2"), "token 2 (\"-2\")");
+    assert_usage_error(&hicache(&["hash", "--page-size", "2"], "1 two"), "not an integer");
+    assert_usage_error(&hicache(&["hash", "--page-size", "2"], "[1, 2"), "not a JSON array");
+    assert_usage_error(
+        &hicache(&["hash", "--page-size", "2", "--prior", "abc"], "1 2"),
+        "--prior: invalid page key \"abc\"",
+    );
+    assert_usage_error(&hicache(&["hash", "--page-size", "0"], "1 2"), "--page-size must be at least 1");
+    assert_usage_error(
+        &hicache(&["hash", "--page-size", "2", "/no/such/tokens.txt"], ""),
+        "cannot read token file /no/such/tokens.txt",
+    );
+    let output = hicache(&["hash"], "");
+    assert_eq!(output.status.code(), Some(2));
+    assert!(stderr(&output).contains("--page-size"), "{}", stderr(&output));
+    let output = hicache(&["bench", "hash", "--seconds", "0"], "");
+    assert_usage_error(&output, "--seconds must be positive");
+}
+
+#[test]
+fn bench_hash_reports_both_page_sizes_as_json() {
+    let output = hicache(&["bench", "hash", "--json", "--seconds", "0.01", "--tokens", "4096"], "");
+    assert!(output.status.success(), "{}", stderr(&output));
+    let figures: Vec<Value> = serde_json::from_str(&stdout(&output)).expect("a JSON list");
+    let sizes: Vec<u64> = figures.iter().map(|figure| figure["page_size"].as_u64().unwrap()).collect();
+    assert_eq!(sizes, [1, 64]);
+    for figure in &figures {
+        for field in ["mtok_per_s", "raw_sha256_mtok_per_s", "ratio"] {
+            assert!(figure[field].as_f64().is_some_and(|value| value > 0.0), "{field} in {figure}");
+        }
+    }
+}
+
+#[test]
+fn help_describes_every_option() {
+    let output = hicache(&["hash", "--help"], "");
+    let help = stdout(&output);
+    for option in ["--page-size", "--prior", "--partial", "--json", "[FILE]", "reject", "drop"] {
+        assert!(help.contains(option), "hash --help lacks {option}: {help}");
+    }
+    let help = stdout(&hicache(&["bench", "hash", "--help"], ""));
+    for option in ["--json", "--seconds", "--tokens"] {
+        assert!(help.contains(option), "bench hash --help lacks {option}: {help}");
+    }
+    let help = stdout(&hicache(&["--help"], ""));
+    assert!(help.contains("hash") && help.contains("bench"), "{help}");
+}
