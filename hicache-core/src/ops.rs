@@ -288,6 +288,7 @@ mod tests {
 }
 
 #[cfg(all(test, loom))]
+#[expect(unsafe_code, reason = "loom's UnsafeCell stands for the host page the worker writes and the scheduler reads")]
 mod loom_tests {
     use loom::cell::UnsafeCell;
 
