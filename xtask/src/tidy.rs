@@ -22,7 +22,8 @@ fn named_paths(text: &str) -> Vec<String> {
     text.split('`')
         .skip(1)
         .step_by(2)
-        .filter(|word| !word.contains(' ') && !word.contains('{') && !word.starts_with("--"))
+        .filter(|word| !word.contains(' ') && !word.contains('{'))
+        .filter(|word| word.starts_with(|first: char| first.is_ascii_alphanumeric() || first == '.'))
         .filter(|word| {
             word.contains('/') || [".rs", ".md", ".toml", ".json", ".py"].iter().any(|ext| word.ends_with(ext))
         })
