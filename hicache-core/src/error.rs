@@ -100,3 +100,11 @@ pub enum Error {
     #[error("internal invariant broken: {0}")]
     Internal(String),
 }
+
+/// `text` cut to `shown` characters (with an ellipsis), so an error never carries a whole input.
+pub(crate) fn shorten(text: &str, shown: usize) -> String {
+    match text.char_indices().nth(shown) {
+        None => text.to_owned(),
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+    }
+}

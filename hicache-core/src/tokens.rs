@@ -3,7 +3,7 @@
 //! SGLang hashes each token id as an unsigned 32-bit little-endian integer and raises `OverflowError` for anything
 //! outside `[0, 2^32)`; hicache refuses such a token up front, naming its position.
 
-use crate::error::Error;
+use crate::error::{Error, shorten};
 
 /// Parses token ids from text.
 ///
@@ -26,7 +26,7 @@ fn parse_separated(text: &str) -> Result<Vec<u32>, Error> {
 }
 
 fn token_from_text(position: usize, word: &str) -> Result<u32, Error> {
-    let invalid = |reason: &str| Error::InvalidToken { position, text: shorten(word), reason: reason.to_owned() };
+    let invalid = |reason: &str| Error::InvalidToken { position, text: shorten(word, 40), reason: reason.to_owned() };
     let (negative, digits) = match word.strip_prefix('-') {
         Some(rest) => (true, rest),
         None => (false, word.strip_prefix('+').unwrap_or(word)),
@@ -52,7 +52,7 @@ fn parse_json(text: &str) -> Result<Vec<u32>, Error> {
         .map(|(index, value)| {
             let invalid = |reason: &str| Error::InvalidToken {
                 position: index + 1,
-                text: shorten(&value.to_string()),
+                text: shorten(&value.to_string(), 40),
                 reason: reason.to_owned(),
             };
             match value {
@@ -65,15 +65,6 @@ fn parse_json(text: &str) -> Result<Vec<u32>, Error> {
             }
         })
         .collect()
-}
-
-fn shorten(text: &str) -> String {
-    const SHOWN: usize = 40;
-    if text.chars().count() <= SHOWN {
-        text.to_owned()
-    } else {
-        format!("{}…", text.chars().take(SHOWN).collect::<String>())
-    }
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ mod sha_ni;
 use sha_ni::ShaNi;
 use sha2::block_api::compress256;
 
-use crate::error::Error;
+use crate::error::{Error, shorten};
 
 /// Length of a page key in bytes (a SHA-256 digest).
 pub const KEY_BYTES: usize = 32;
@@ -79,7 +79,7 @@ impl FromStr for PageKey {
 
     /// Parses exactly 64 hex digits (either case, as Python's `bytes.fromhex`; shown back in lowercase).
     fn from_str(text: &str) -> Result<Self, Error> {
-        let invalid = |reason: String| Error::InvalidKey { text: truncate_for_message(text), reason };
+        let invalid = |reason: String| Error::InvalidKey { text: shorten(text, 80), reason };
         if text.len() != 2 * KEY_BYTES {
             return Err(invalid(format!(
                 "expected {} hex digits, found {} characters",
@@ -93,15 +93,6 @@ impl FromStr for PageKey {
         let mut bytes = [0u8; KEY_BYTES];
         hex::decode_to_slice(text, &mut bytes).map_err(|error| invalid(error.to_string()))?;
         Ok(Self(bytes))
-    }
-}
-
-fn truncate_for_message(text: &str) -> String {
-    const SHOWN: usize = 80;
-    if text.chars().count() <= SHOWN {
-        text.to_owned()
-    } else {
-        format!("{}…", text.chars().take(SHOWN).collect::<String>())
     }
 }
 
