@@ -367,6 +367,17 @@ pub fn page_key(prior: Option<&PageKey>, tokens: &[u32]) -> PageKey {
 
 /// The chained keys of a token sequence; see [`PageHasher::page_keys`].
 ///
+/// ```
+/// use hicache_core::hash::{PartialPage, page_keys};
+///
+/// // two pages of two tokens; the second key chains the first (values from SGLang 0.5.2's get_hash_str)
+/// let keys = page_keys(&[0, 1, 2_147_483_648, 4_294_967_295], 2, None, PartialPage::Reject)?;
+/// assert_eq!(keys[0].to_string(), "01acecb507abfe1a354aa8064f4af5d3f1acd019e37db3c11c97523b71c76e9d");
+/// assert_eq!(keys[1].to_string(), "2980cae880febb5d95be412a87bb93fde9fc42626ef0a4b816fb957a2812a25a");
+/// assert!(page_keys(&[1, 2, 3], 2, None, PartialPage::Reject).is_err());
+/// # Ok::<(), hicache_core::Error>(())
+/// ```
+///
 /// # Errors
 ///
 /// As [`PageHasher::page_keys`].
