@@ -1,0 +1,362 @@
+//! The local file storage tier: one file per page, in SGLang's layout or in hicache's checksummed native layout.
+//!
+//! * **SGLang layout** ([`FileFormat::Sglang`]): `{dir}/{hash}_{model}_{tp_rank}_{tp_size}.bin` (MHA) or
+//!   `{dir}/{hash}_{model}.bin` (MLA), `/` in the model replaced by `-`, raw flat page bytes: what SGLang 0.5.2's
+//!   `HiCacheFile` reads and writes (spec §10.1), so both can share a directory.
+//! * **Native layout** ([`FileFormat::Native`]): `{dir}/hicache-v1/{namespace digest}/{first two hex}/{hash}.page`,
+//!   the page bytes followed by a 16-byte footer (magic, version, XXH3-64 of the page). The namespace digest covers
+//!   dtype, layout, page size and TP/PP geometry; the two-hex shard keeps directories small.
+//!
+//! Both layouts write a temporary file in the same directory and rename it, so a reader never sees a partial page
+//! under its real name, and two writers of one key (in two processes) each rename a whole file. Reads check the
+//! length (and, natively, the checksum); a short, torn or corrupt file is reported as
+//! [`FailureKind::Corrupt`] and removed, never as an error of the batch. Batches run on up to
+//! [`FileConfig::io_threads`] threads, reading straight into and writing straight from the caller's segments.
+//! `clear` removes this namespace's files only (SGLang's removes the whole directory).
+
+mod index;
+mod page_file;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use hicache_core::Error;
+use hicache_core::hash::PageKey;
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::{
+    FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, StatsRecorder, StorageBackend,
+    StorageStats, check_batch, segments_len,
+};
+
+/// The environment variable SGLang reads for the directory.
+pub const DIR_ENV: &str = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR";
+
+/// SGLang's default directory.
+pub const DEFAULT_DIR: &str = "/tmp/hicache";
+
+/// Which file layout to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum FileFormat {
+    /// SGLang 0.5.2's `HiCacheFile` names and raw bytes.
+    Sglang,
+    /// hicache's namespaced, checksummed pages.
+    #[default]
+    Native,
+}
+
+/// Settings of a file backend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileConfig {
+    /// The directory holding the pages.
+    pub dir: PathBuf,
+    /// The file layout.
+    pub format: FileFormat,
+    /// Most threads one batch uses.
+    pub io_threads: usize,
+    /// Bytes of page files this namespace may hold; least recently used pages are removed beyond it. `None`: no
+    /// limit (SGLang's behaviour).
+    pub capacity_bytes: Option<u64>,
+}
+
+impl FileConfig {
+    /// `dir` if given, else `$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`, else `/tmp/hicache`, as SGLang.
+    pub fn resolve_dir(dir: Option<&Path>) -> PathBuf {
+        match dir {
+            Some(dir) => dir.to_path_buf(),
+            None => std::env::var_os(DIR_ENV).map_or_else(|| PathBuf::from(DEFAULT_DIR), PathBuf::from),
+        }
+    }
+
+    /// A config for `dir` in `format` with one I/O thread per core (at most 16).
+    pub fn new(dir: impl Into<PathBuf>, format: FileFormat) -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        Self { dir: dir.into(), format, io_threads: cores.clamp(1, 16), capacity_bytes: None }
+    }
+}
+
+/// A file backend for one namespace.
+#[derive(Debug)]
+pub struct FileStorage {
+    config: FileConfig,
+    /// Where this namespace's files live (the directory itself, or the native namespace folder).
+    root: PathBuf,
+    /// SGLang layout: what follows `{hash}_` in a file name, before `.bin`.
+    sglang_suffix: String,
+    page_bytes: usize,
+    /// Size of one page file (the page, plus the footer in the native layout).
+    file_bytes: u64,
+    /// With a capacity: the pages held and their recency.
+    index: Option<Mutex<index::LruIndex>>,
+    stats: StatsRecorder,
+}
+
+static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl FileStorage {
+    /// Opens (creating if needed) the directory for `namespace`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for an invalid namespace or a model name that cannot be a file name;
+    /// [`Error::Storage`] when the directory cannot be created.
+    pub fn open(config: FileConfig, namespace: &StorageNamespace) -> Result<Self, Error> {
+        let namespace = namespace.clone().validated()?;
+        let model = namespace.sglang_model();
+        if model.contains('\0') || model.len() > 128 {
+            return Err(Error::InvalidArgument {
+                field: "model",
+                reason: format!("{:?} cannot be part of a file name (NUL byte, or over 128 bytes)", namespace.model),
+            });
+        }
+        if config.io_threads == 0 {
+            return Err(Error::InvalidArgument { field: "io_threads", reason: "must be at least 1".into() });
+        }
+        let sglang_suffix = if namespace.geometry.is_mla() {
+            model
+        } else {
+            format!("{model}_{}_{}", namespace.tp_rank, namespace.tp_size)
+        };
+        let root = match config.format {
+            FileFormat::Sglang => config.dir.clone(),
+            FileFormat::Native => config.dir.join("hicache-v1").join(namespace.digest()),
+        };
+        std::fs::create_dir_all(&root)
+            .map_err(|error| storage_error(format!("creating {}: {error}", root.display())))?;
+        let page_bytes = namespace.geometry.bytes_per_page(namespace.page_size);
+        let file_bytes =
+            (page_bytes + if config.format == FileFormat::Native { page_file::FOOTER_BYTES } else { 0 }) as u64;
+        if let Some(capacity) = config.capacity_bytes
+            && capacity < file_bytes
+        {
+            return Err(Error::InvalidArgument {
+                field: "capacity_bytes",
+                reason: format!("{capacity} bytes cannot hold one page file of {file_bytes} bytes"),
+            });
+        }
+        let mut storage =
+            Self { config, root, sglang_suffix, page_bytes, file_bytes, index: None, stats: StatsRecorder::default() };
+        if storage.config.capacity_bytes.is_some() {
+            storage.index = Some(Mutex::new(storage.scan()?));
+        }
+        Ok(storage)
+    }
+
+    /// Rebuilds the capacity account from the directory: this namespace's page files, oldest first.
+    fn scan(&self) -> Result<index::LruIndex, Error> {
+        let mut found = Vec::new();
+        page_file::list_files(&self.root, &mut |path, bytes, modified| {
+            let Some(name) = path.file_name().and_then(|name| name.to_str()) else { return };
+            let own = match self.config.format {
+                FileFormat::Native => name.len() == 69 && name.ends_with(".page"),
+                FileFormat::Sglang => self.is_own_sglang_file(name),
+            };
+            if let (true, Ok(key)) = (own, name[..64.min(name.len())].parse::<PageKey>()) {
+                found.push((modified, key, bytes));
+            }
+        })
+        .map_err(|error| storage_error(format!("scanning {}: {error}", self.root.display())))?;
+        found.sort_unstable();
+        let mut index = index::LruIndex::default();
+        for (_, key, bytes) in found {
+            index.insert(key, bytes);
+        }
+        Ok(index)
+    }
+
+    fn lock_index(&self) -> Option<MutexGuard<'_, index::LruIndex>> {
+        // every update of the index is one call that leaves it consistent, so a poisoned lock's data is sound
+        self.index.as_ref().map(|index| index.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+
+    /// Pages and bytes this namespace holds, when it has a capacity.
+    pub fn usage(&self) -> Option<(usize, u64)> {
+        self.lock_index().map(|index| (index.len(), index.total()))
+    }
+
+    /// The file of a page.
+    pub fn page_path(&self, key: &PageKey) -> PathBuf {
+        match self.config.format {
+            FileFormat::Sglang => self.root.join(format!("{key}_{}.bin", self.sglang_suffix)),
+            FileFormat::Native => {
+                let hex = key.to_string();
+                self.root.join(&hex[..2]).join(format!("{hex}.page"))
+            }
+        }
+    }
+
+    fn footer(&self) -> bool {
+        self.config.format == FileFormat::Native
+    }
+
+    fn get_one(&self, key: &PageKey, page: &mut [&mut [u8]]) -> GetOutcome {
+        if segments_len(page) != self.page_bytes {
+            return GetOutcome::Failed(size_mismatch(segments_len(page), self.page_bytes));
+        }
+        let path = self.page_path(key);
+        let outcome = match page_file::read(&path, page, self.footer()) {
+            Ok(page_file::Read::Done) => GetOutcome::Hit,
+            Ok(page_file::Read::Missing) => GetOutcome::Miss,
+            Ok(page_file::Read::Corrupt(reason)) => {
+                // a torn or corrupt page is as good as absent; remove it so it is written again
+                let _ = std::fs::remove_file(&path);
+                GetOutcome::Failed(PageFailure::new(FailureKind::Corrupt, format!("{}: {reason}", path.display())))
+            }
+            Err(error) => GetOutcome::Failed(PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display()))),
+        };
+        if let Some(mut index) = self.lock_index() {
+            match outcome {
+                GetOutcome::Hit => index.touch(key),
+                GetOutcome::Miss | GetOutcome::Failed(PageFailure { kind: FailureKind::Corrupt, .. }) => {
+                    index.remove(key);
+                }
+                GetOutcome::Failed(_) => {}
+            }
+        }
+        outcome
+    }
+
+    fn set_one(&self, key: &PageKey, page: &[&[u8]]) -> SetOutcome {
+        if segments_len(page) != self.page_bytes {
+            return SetOutcome::Failed(size_mismatch(segments_len(page), self.page_bytes));
+        }
+        let path = self.page_path(key);
+        if path.exists() {
+            if let Some(mut index) = self.lock_index() {
+                // present, perhaps written by another process: now held and recent
+                index.insert(*key, self.file_bytes);
+            }
+            return SetOutcome::AlreadyPresent;
+        }
+        let unique = format!("{}-{}", std::process::id(), TEMP_COUNTER.fetch_add(1, Ordering::Relaxed));
+        if let Err(error) = page_file::write_atomic(&path, page, self.footer(), &unique) {
+            return SetOutcome::Failed(PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display())));
+        }
+        let victims = match (self.lock_index(), self.config.capacity_bytes) {
+            (Some(mut index), Some(capacity)) => {
+                index.insert(*key, self.file_bytes);
+                index.evict_to(capacity, key)
+            }
+            _ => Vec::new(),
+        };
+        // files are removed outside the lock; a reader that raced the removal sees a miss
+        for victim in &victims {
+            let _ = std::fs::remove_file(self.page_path(victim));
+        }
+        self.stats.record_removed(victims.len() as u64);
+        SetOutcome::Stored
+    }
+
+    /// The threads a batch of `pages` pages uses and the pages each takes.
+    fn split(&self, pages: usize) -> usize {
+        pages.div_ceil(self.config.io_threads.min(pages).max(1)).max(1)
+    }
+
+    /// Whether a file name in the SGLang directory belongs to this namespace: `{64 hex}_{suffix}.bin`, exactly.
+    fn is_own_sglang_file(&self, name: &str) -> bool {
+        name.len() > 65
+            && name.as_bytes()[..64].iter().all(u8::is_ascii_hexdigit)
+            && name.as_bytes()[64] == b'_'
+            && name[65..].strip_suffix(".bin") == Some(self.sglang_suffix.as_str())
+    }
+}
+
+fn storage_error(message: String) -> Error {
+    Error::Storage { backend: "file".into(), message }
+}
+
+fn size_mismatch(given: usize, expected: usize) -> PageFailure {
+    PageFailure::new(FailureKind::SizeMismatch, format!("page buffer of {given} bytes, expected {expected}"))
+}
+
+impl StorageBackend for FileStorage {
+    fn name(&self) -> &str {
+        "file"
+    }
+
+    fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {
+        let hits = keys.iter().take_while(|key| self.page_path(key).exists()).count();
+        self.stats.record_exists(keys.len(), hits);
+        Ok(hits)
+    }
+
+    fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
+        check_batch(keys.len(), pages.len())?;
+        let chunk = self.split(keys.len());
+        let outcomes: Vec<GetOutcome> = std::thread::scope(|scope| {
+            let workers: Vec<_> = keys
+                .chunks(chunk)
+                .zip(pages.chunks_mut(chunk))
+                .map(|(keys, pages)| {
+                    scope.spawn(move || {
+                        keys.iter().zip(pages.iter_mut()).map(|(key, page)| self.get_one(key, page)).collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            workers.into_iter().flat_map(|worker| worker.join().expect("file I/O worker panicked")).collect()
+        });
+        self.stats.record_get(&outcomes, |_| self.page_bytes);
+        Ok(outcomes)
+    }
+
+    fn batch_set(&self, keys: &[PageKey], pages: &[PageSegments<'_>]) -> Result<Vec<SetOutcome>, Error> {
+        check_batch(keys.len(), pages.len())?;
+        let chunk = self.split(keys.len());
+        let outcomes: Vec<SetOutcome> = std::thread::scope(|scope| {
+            let workers: Vec<_> = keys
+                .chunks(chunk)
+                .zip(pages.chunks(chunk))
+                .map(|(keys, pages)| {
+                    scope.spawn(move || {
+                        keys.iter().zip(pages).map(|(key, page)| self.set_one(key, page)).collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            workers.into_iter().flat_map(|worker| worker.join().expect("file I/O worker panicked")).collect()
+        });
+        // a key repeated in the batch may have been written by two threads: the second rename replaced identical
+        // bytes, but only one write stored the page
+        let mut outcomes = outcomes;
+        for later in 1..keys.len() {
+            if outcomes[later] == SetOutcome::Stored && keys[..later].contains(&keys[later]) {
+                outcomes[later] = SetOutcome::AlreadyPresent;
+            }
+        }
+        self.stats.record_set(&outcomes, |_| self.page_bytes);
+        Ok(outcomes)
+    }
+
+    fn remove(&self, keys: &[PageKey]) -> Result<usize, Error> {
+        let mut removed = 0;
+        for key in keys {
+            let path = self.page_path(key);
+            if let Some(mut index) = self.lock_index() {
+                index.remove(key);
+            }
+            match std::fs::remove_file(&path) {
+                Ok(()) => removed += 1,
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => return Err(storage_error(format!("removing {}: {error}", path.display()))),
+            }
+        }
+        self.stats.record_removed(removed as u64);
+        Ok(removed)
+    }
+
+    fn clear(&self) -> Result<u64, Error> {
+        let removed = match self.config.format {
+            FileFormat::Native => page_file::remove_tree_files(&self.root, &|_| true),
+            FileFormat::Sglang => page_file::remove_tree_files(&self.root, &|name| self.is_own_sglang_file(name)),
+        }
+        .map_err(|error| storage_error(format!("clearing {}: {error}", self.root.display())))?;
+        if let Some(mut index) = self.lock_index() {
+            *index = index::LruIndex::default();
+        }
+        self.stats.record_removed(removed);
+        Ok(removed)
+    }
+
+    fn stats(&self) -> StorageStats {
+        self.stats.snapshot()
+    }
+}

@@ -1,0 +1,57 @@
+//! The storage conformance suite on the file backend, in both layouts, each over one shared temporary directory.
+
+use std::path::PathBuf;
+
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::StorageBackend;
+use hicache_core::storage::conformance::Harness;
+use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
+
+/// Backends of every namespace over one directory, as processes sharing it.
+struct Files {
+    dir: tempfile::TempDir,
+    format: FileFormat,
+    capacity_bytes: Option<u64>,
+}
+
+impl Files {
+    fn new(format: FileFormat) -> Self {
+        Self { dir: tempfile::tempdir().expect("temporary directory"), format, capacity_bytes: None }
+    }
+
+    fn with_capacity(format: FileFormat, capacity_bytes: u64) -> Self {
+        Self { capacity_bytes: Some(capacity_bytes), ..Self::new(format) }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.path().to_path_buf()
+    }
+}
+
+impl Harness for Files {
+    fn open(&self, namespace: &StorageNamespace) -> Box<dyn StorageBackend> {
+        let config = FileConfig { capacity_bytes: self.capacity_bytes, ..FileConfig::new(self.path(), self.format) };
+        Box::new(FileStorage::open(config, namespace).expect("opens"))
+    }
+}
+
+mod native {
+    use super::*;
+    hicache_core::storage_conformance_tests!(Files::new(FileFormat::Native));
+}
+
+mod sglang_layout {
+    use super::*;
+    hicache_core::storage_conformance_tests!(Files::new(FileFormat::Sglang));
+}
+
+/// A capacity far above what the suite writes: the account is kept and checked, nothing is evicted.
+mod native_with_capacity {
+    use super::*;
+    hicache_core::storage_conformance_tests!(Files::with_capacity(FileFormat::Native, 1 << 30));
+}
+
+mod sglang_layout_with_capacity {
+    use super::*;
+    hicache_core::storage_conformance_tests!(Files::with_capacity(FileFormat::Sglang, 1 << 30));
+}
