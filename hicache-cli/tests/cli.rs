@@ -150,3 +150,69 @@ fn help_describes_every_option() {
     let help = stdout(&hicache(&["--help"], ""));
     assert!(help.contains("hash") && help.contains("bench"), "{help}");
 }
+
+#[test]
+fn bench_storage_reports_backend_and_raw_figures_as_json() {
+    let dir = tempfile::tempdir().unwrap();
+    for format in ["native", "sglang"] {
+        let output = hicache(
+            &["bench", "storage", "--backend", "file", "--format", format, "--dir", dir.path().to_str().unwrap()]
+                .into_iter()
+                .chain(["--pages", "16", "--page-bytes", "65536", "--batch", "5", "--rounds", "1", "--json"])
+                .collect::<Vec<_>>(),
+            "",
+        );
+        assert!(output.status.success(), "{}", stderr(&output));
+        let figure: Value = serde_json::from_str(&stdout(&output)).expect("one JSON object");
+        assert_eq!(figure["backend"], "file");
+        assert_eq!((figure["pages"].as_u64(), figure["page_bytes"].as_u64()), (Some(16), Some(65536)));
+        for field in ["set_gbps", "get_gbps", "raw_write_gbps", "raw_read_gbps"] {
+            assert!(figure[field].as_f64().is_some_and(|value| value > 0.0), "{field} in {figure}");
+        }
+    }
+    // the benchmark cleans up after itself: no pages, no raw file
+    let leftovers: Vec<_> = walk(dir.path());
+    assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
+    let output = hicache(
+        &[
+            "bench",
+            "storage",
+            "--backend",
+            "memory",
+            "--pages",
+            "4",
+            "--page-bytes",
+            "1024",
+            "--rounds",
+            "1",
+            "--dir",
+            dir.path().to_str().unwrap(),
+        ],
+        "",
+    );
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(stdout(&output).contains("set") && stdout(&output).contains("raw sequential read"), "{}", stdout(&output));
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        if entry.path().is_dir() {
+            files.extend(walk(&entry.path()));
+        } else {
+            files.push(entry.path());
+        }
+    }
+    files
+}
+
+#[test]
+fn backends_not_compiled_in_say_how_to_rebuild() {
+    let output = hicache(&["bench", "storage", "--backend", "nixl", "--pages", "1", "--page-bytes", "64"], "");
+    assert_usage_error(&output, "the nixl backend is not compiled into this hicache; rebuild with");
+    assert!(stderr(&output).contains("--features nixl"), "{}", stderr(&output));
+    let output = hicache(&["bench", "storage", "--backend", "floppy"], "");
+    assert_eq!(output.status.code(), Some(2));
+    assert!(stderr(&output).contains("floppy"), "{}", stderr(&output));
+    assert_usage_error(&hicache(&["bench", "storage", "--page-bytes", "3"], ""), "--page-bytes even");
+}

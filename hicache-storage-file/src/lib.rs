@@ -68,10 +68,12 @@ impl FileConfig {
         }
     }
 
-    /// A config for `dir` in `format` with one I/O thread per core (at most 16).
+    /// A config for `dir` in `format` with two I/O threads per core, between 2 and 16 (page-cache writes stall on
+    /// page allocation; a second thread per core keeps the core busy meanwhile: measured 0.64–0.90 of raw write
+    /// speed with one per core, 0.86–0.91 with two, on a two-core machine).
     pub fn new(dir: impl Into<PathBuf>, format: FileFormat) -> Self {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        Self { dir: dir.into(), format, io_threads: cores.clamp(1, 16), capacity_bytes: None }
+        Self { dir: dir.into(), format, io_threads: (2 * cores).clamp(2, 16), capacity_bytes: None }
     }
 }
 

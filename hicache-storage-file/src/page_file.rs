@@ -26,19 +26,14 @@ pub(crate) enum Read {
     Corrupt(String),
 }
 
-fn checksum(segments: &[&[u8]]) -> u64 {
-    let mut hasher = Xxh3::new();
-    for segment in segments {
-        hasher.update(segment);
-    }
-    hasher.digest()
-}
+/// Bytes read or written (and checksummed) at a time, small enough to stay in cache between the two.
+const CHUNK_BYTES: usize = 1 << 20;
 
-fn footer_bytes(segments: &[&[u8]]) -> [u8; FOOTER_BYTES] {
+fn footer_with(checksum: u64) -> [u8; FOOTER_BYTES] {
     let mut footer = [0u8; FOOTER_BYTES];
     footer[..4].copy_from_slice(&MAGIC);
     footer[4..8].copy_from_slice(&VERSION.to_le_bytes());
-    footer[8..].copy_from_slice(&checksum(segments).to_le_bytes());
+    footer[8..].copy_from_slice(&checksum.to_le_bytes());
     footer
 }
 
@@ -55,22 +50,28 @@ pub(crate) fn read(path: &Path, page: &mut [&mut [u8]], footer: bool) -> io::Res
     if found != expected as u64 {
         return Ok(Read::Corrupt(format!("{found} bytes, expected {expected}")));
     }
+    // read and checksum a chunk at a time, while the chunk is still in cache
+    let mut hasher = footer.then(Xxh3::new);
     for segment in page.iter_mut() {
-        match file.read_exact(segment) {
-            Ok(()) => {}
-            Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => {
-                return Ok(Read::Corrupt("shorter than its length when read".into()));
+        for chunk in segment.chunks_mut(CHUNK_BYTES) {
+            match file.read_exact(chunk) {
+                Ok(()) => {}
+                Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => {
+                    return Ok(Read::Corrupt("shorter than its length when read".into()));
+                }
+                Err(error) => return Err(error),
             }
-            Err(error) => return Err(error),
+            if let Some(hasher) = &mut hasher {
+                hasher.update(chunk);
+            }
         }
     }
-    if footer {
+    if let Some(hasher) = hasher {
         let mut stored = [0u8; FOOTER_BYTES];
         if file.read_exact(&mut stored).is_err() {
             return Ok(Read::Corrupt("footer missing".into()));
         }
-        let segments: Vec<&[u8]> = page.iter().map(|segment| &**segment).collect();
-        let computed = footer_bytes(&segments);
+        let computed = footer_with(hasher.digest());
         if stored[..8] != computed[..8] {
             return Ok(Read::Corrupt("not a hicache page file (bad magic or version)".into()));
         }
@@ -95,11 +96,15 @@ pub(crate) fn write_atomic(path: &Path, page: &[&[u8]], footer: bool, unique: &s
             }
             other => other?,
         };
-        for segment in page {
-            file.write_all(segment)?;
+        let mut hasher = footer.then(Xxh3::new);
+        for chunk in page.iter().flat_map(|segment| segment.chunks(CHUNK_BYTES)) {
+            file.write_all(chunk)?;
+            if let Some(hasher) = &mut hasher {
+                hasher.update(chunk);
+            }
         }
-        if footer {
-            file.write_all(&footer_bytes(page))?;
+        if let Some(hasher) = hasher {
+            file.write_all(&footer_with(hasher.digest()))?;
         }
         std::fs::rename(&temp, path)
     })();

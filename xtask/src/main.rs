@@ -58,18 +58,19 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
     };
     let started = Instant::now();
     run_program("cargo", &["fmt", "--all", "--", "--check"], &[])?;
-    // each feature set: the defaults, every feature, and the core library without its test helpers
-    run_program("cargo", &["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"], &[])?;
-    run_program(
-        "cargo",
-        &["clippy", "--workspace", "--all-targets", "--all-features", "--locked", "--", "-D", "warnings"],
-        &[],
-    )?;
-    run_program(
-        "cargo",
-        &["clippy", "-p", "hicache-core", "--lib", "--no-default-features", "--locked", "--", "-D", "warnings"],
-        &[],
-    )?;
+    // each feature set: the defaults, every feature, the core library without its test helpers, the CLI without
+    // its backends
+    let feature_sets: [&[&str]; 4] = [
+        &["--workspace", "--all-targets"],
+        &["--workspace", "--all-targets", "--all-features"],
+        &["-p", "hicache-core", "--lib", "--no-default-features"],
+        &["-p", "hicache-cli", "--all-targets", "--no-default-features"],
+    ];
+    for set in feature_sets {
+        let args: Vec<&str> =
+            ["clippy"].into_iter().chain(set.iter().copied()).chain(["--locked", "--", "-D", "warnings"]).collect();
+        run_program("cargo", &args, &[])?;
+    }
     // unit, integration, property and doc tests, and the tidy test (xtask's own tests)
     run_program("cargo", &["test", "--workspace", "--all-features", "--locked"], &[])?;
     // the lock-free state machines, model-checked

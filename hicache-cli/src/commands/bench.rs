@@ -16,6 +16,9 @@ pub(crate) enum BenchCommand {
     /// The headline figure hashes a batch of independent requests (as a scheduler does each round), which the SHA
     /// extensions run interleaved; the figure for one chain alone is printed beside it.
     Hash(BenchHashArgs),
+    /// Batched set and get of a storage backend (GB/s), next to raw sequential write and read of the same bytes in
+    /// the same directory.
+    Storage(super::bench_storage::BenchStorageArgs),
 }
 
 /// Arguments of `hicache bench hash`.
@@ -55,6 +58,7 @@ struct HashFigure {
 pub(crate) fn run(command: &BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Hash(args) => bench_hash(args),
+        BenchCommand::Storage(args) => super::bench_storage::run(args),
     }
 }
 

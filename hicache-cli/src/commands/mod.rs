@@ -1,4 +1,5 @@
 //! One module per subcommand.
 
 pub(crate) mod bench;
+pub(crate) mod bench_storage;
 pub(crate) mod hash;

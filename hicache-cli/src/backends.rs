@@ -1,0 +1,99 @@
+//! Opening a storage backend by name: the ones compiled in, and a clear answer for the others.
+
+use std::path::PathBuf;
+
+use clap::ValueEnum;
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::{MemoryStorage, StorageBackend};
+
+use crate::exit::Usage;
+
+/// Storage backends by name (`--backend`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum BackendName {
+    /// In-process memory.
+    Memory,
+    /// Local files (cargo feature `file`, on by default).
+    File,
+    /// NIXL (cargo feature `nixl`).
+    Nixl,
+    /// Mooncake Store (cargo feature `mooncake`).
+    Mooncake,
+    /// DeepSeek 3FS (cargo feature `3fs`).
+    #[value(name = "3fs", alias = "hf3fs")]
+    ThreeFs,
+}
+
+/// Layout of the file backend (`--format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum FileFormatArg {
+    /// hicache's namespaced, checksummed pages.
+    Native,
+    /// SGLang 0.5.2's HiCacheFile names and raw bytes.
+    Sglang,
+}
+
+/// Where and how a backend keeps its pages.
+#[derive(Clone, Debug)]
+pub(crate) struct BackendOptions {
+    /// Directory of file-like backends; else the backend's environment variable, else its default.
+    pub(crate) dir: Option<PathBuf>,
+    /// File layout.
+    #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
+    pub(crate) format: FileFormatArg,
+    /// Threads per batch of file-like backends (default: two per core, between 2 and 16).
+    #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
+    pub(crate) io_threads: Option<usize>,
+}
+
+/// Opens `name` for `namespace`.
+pub(crate) fn open(
+    name: BackendName,
+    namespace: &StorageNamespace,
+    options: &BackendOptions,
+) -> anyhow::Result<Box<dyn StorageBackend>> {
+    match name {
+        BackendName::Memory => Ok(Box::new(MemoryStorage::new(namespace))),
+        BackendName::File => open_file(namespace, options),
+        other => Err(not_compiled(other)),
+    }
+}
+
+#[cfg(feature = "file")]
+fn open_file(namespace: &StorageNamespace, options: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
+    use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
+    let format = match options.format {
+        FileFormatArg::Native => FileFormat::Native,
+        FileFormatArg::Sglang => FileFormat::Sglang,
+    };
+    let dir = FileConfig::resolve_dir(options.dir.as_deref());
+    let mut config = FileConfig::new(dir, format);
+    config.io_threads = options.io_threads.unwrap_or(config.io_threads);
+    Ok(Box::new(FileStorage::open(config, namespace)?))
+}
+
+#[cfg(not(feature = "file"))]
+fn open_file(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
+    Err(not_compiled(BackendName::File))
+}
+
+fn not_compiled(name: BackendName) -> anyhow::Error {
+    let feature = name.to_possible_value().map(|value| value.get_name().to_owned()).unwrap_or_default();
+    Usage(format!(
+        "the {feature} backend is not compiled into this hicache; rebuild with `cargo build --release -p hicache-cli \
+         --features {feature}`"
+    ))
+    .into()
+}
+
+/// The directory a file-like backend would use, for reports.
+pub(crate) fn file_dir(options: &BackendOptions) -> PathBuf {
+    #[cfg(feature = "file")]
+    {
+        hicache_storage_file::FileConfig::resolve_dir(options.dir.as_deref())
+    }
+    #[cfg(not(feature = "file"))]
+    {
+        options.dir.clone().unwrap_or_else(|| PathBuf::from("/tmp/hicache"))
+    }
+}

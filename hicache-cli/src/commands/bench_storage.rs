@@ -1,0 +1,225 @@
+//! `hicache bench storage`: batched set and get of a storage backend, next to raw sequential I/O of the same bytes
+//! in the same directory, in the same run.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use hicache_core::geometry::{KvDtype, KvGeometry};
+use hicache_core::hash::{PageKey, PartialPage, page_keys};
+use hicache_core::layout::HostLayout;
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, StorageBackend};
+use serde::Serialize;
+
+use crate::backends::{self, BackendName, BackendOptions, FileFormatArg};
+use crate::exit::Usage;
+
+/// Arguments of `hicache bench storage`.
+#[derive(Debug, Args)]
+pub(crate) struct BenchStorageArgs {
+    /// Storage backend to measure.
+    #[arg(long, value_enum, default_value_t = BackendName::File)]
+    backend: BackendName,
+    /// Directory for file-like backends and for the raw reference file (default: the backend's environment
+    /// variable, else its default directory).
+    #[arg(long, value_name = "PATH")]
+    dir: Option<PathBuf>,
+    /// File layout of the file backend.
+    #[arg(long, value_enum, default_value_t = FileFormatArg::Native)]
+    format: FileFormatArg,
+    /// Threads per batch of the file backend (default: two per core, between 2 and 16).
+    #[arg(long, value_name = "N")]
+    io_threads: Option<usize>,
+    /// Pages written and read.
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    pages: usize,
+    /// Bytes per page (even; 8 MiB is a Llama-3.1-8B page of 64 tokens).
+    #[arg(long, default_value_t = 8 << 20, value_name = "B")]
+    page_bytes: usize,
+    /// Pages per batch call (SGLang's storage batch is 128).
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    batch: usize,
+    /// Rounds; each figure is the best round.
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    rounds: usize,
+    /// Print one JSON object {backend, pages, page_bytes, set_gbps, get_gbps, raw_write_gbps, raw_read_gbps}.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The result of `bench storage`.
+#[derive(Debug, Serialize)]
+struct StorageFigure {
+    backend: String,
+    pages: usize,
+    page_bytes: usize,
+    set_gbps: f64,
+    get_gbps: f64,
+    raw_write_gbps: f64,
+    raw_read_gbps: f64,
+    /// set_gbps / raw_write_gbps.
+    set_ratio: f64,
+    /// get_gbps / raw_read_gbps.
+    get_ratio: f64,
+}
+
+fn gbps(bytes: usize, started: Instant) -> f64 {
+    bytes as f64 / started.elapsed().as_secs_f64().max(1e-9) / 1e9
+}
+
+/// A namespace whose pages are exactly `page_bytes` (one token, one layer, one FP8 head of `page_bytes / 2`).
+fn namespace(page_bytes: usize) -> anyhow::Result<StorageNamespace> {
+    let geometry = KvGeometry::mha(1, 1, page_bytes / 2, KvDtype::Fp8E4m3)?;
+    Ok(StorageNamespace::single_rank(
+        format!("hicache-bench-{}", std::process::id()),
+        geometry,
+        HostLayout::PageFirst,
+        1,
+    ))
+}
+
+pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
+    if args.pages == 0
+        || args.batch == 0
+        || args.rounds == 0
+        || args.page_bytes < 2
+        || !args.page_bytes.is_multiple_of(2)
+    {
+        return Err(
+            Usage("--pages, --batch and --rounds must be at least 1, --page-bytes even and at least 2".into()).into()
+        );
+    }
+    let options = BackendOptions { dir: args.dir.clone(), format: args.format, io_threads: args.io_threads };
+    let dir = backends::file_dir(&options);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let namespace = namespace(args.page_bytes)?;
+    let backend = backends::open(args.backend, &namespace, &options)?;
+    let total = args.pages * args.page_bytes;
+    let source = fill(total);
+    let mut target = vec![0u8; total];
+    let tokens: Vec<u32> = (0..args.pages as u32).map(|page| page ^ std::process::id()).collect();
+    let keys = page_keys(&tokens, 1, None, PartialPage::Reject)?;
+    let raw_path = dir.join(format!(".hicache-bench-raw-{}.bin", std::process::id()));
+    let mut best = [0f64; 4];
+    let result = (|| -> anyhow::Result<()> {
+        for _ in 0..args.rounds {
+            backend.clear()?;
+            let _ = std::fs::remove_file(&raw_path);
+            // each phase starts with no dirty pages, so no phase pays for another's writeback (on two cores the
+            // kernel's flusher otherwise takes one of them)
+            rustix::fs::sync();
+            let started = Instant::now();
+            raw_write(&raw_path, &source, args.page_bytes)?;
+            best[0] = best[0].max(gbps(total, started));
+            rustix::fs::sync();
+            let started = Instant::now();
+            set_all(backend.as_ref(), &keys, &source, args)?;
+            best[1] = best[1].max(gbps(total, started));
+            rustix::fs::sync();
+            let started = Instant::now();
+            raw_read(&raw_path, &mut target, args.page_bytes)?;
+            best[2] = best[2].max(gbps(total, started));
+            target.fill(0);
+            let started = Instant::now();
+            get_all(backend.as_ref(), &keys, &mut target, args)?;
+            best[3] = best[3].max(gbps(total, started));
+            if target != source {
+                bail!("{} returned bytes that differ from those written", backend.name());
+            }
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_file(&raw_path);
+    let _ = backend.clear();
+    result?;
+    let [raw_write_gbps, set_gbps, raw_read_gbps, get_gbps] = best;
+    let figure = StorageFigure {
+        backend: backend.name().to_owned(),
+        pages: args.pages,
+        page_bytes: args.page_bytes,
+        set_gbps,
+        get_gbps,
+        raw_write_gbps,
+        raw_read_gbps,
+        set_ratio: set_gbps / raw_write_gbps,
+        get_ratio: get_gbps / raw_read_gbps,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&figure)?);
+    } else {
+        println!(
+            "{} × {} B pages in {}: set {:.2} GB/s (raw sequential write {:.2} GB/s, ratio {:.2}); \
+             get {:.2} GB/s (raw sequential read {:.2} GB/s, ratio {:.2})",
+            figure.pages,
+            figure.page_bytes,
+            dir.display(),
+            figure.set_gbps,
+            figure.raw_write_gbps,
+            figure.set_ratio,
+            figure.get_gbps,
+            figure.raw_read_gbps,
+            figure.get_ratio
+        );
+    }
+    Ok(())
+}
+
+/// Pseudo-random bytes (xorshift words), so no layer below can compress or deduplicate them.
+fn fill(bytes: usize) -> Vec<u8> {
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let mut data = vec![0u8; bytes];
+    for chunk in data.chunks_mut(8) {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
+    }
+    data
+}
+
+fn raw_write(path: &Path, data: &[u8], chunk: usize) -> anyhow::Result<()> {
+    let mut file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    for piece in data.chunks(chunk) {
+        file.write_all(piece).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn raw_read(path: &Path, data: &mut [u8], chunk: usize) -> anyhow::Result<()> {
+    let mut file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    for piece in data.chunks_mut(chunk) {
+        file.read_exact(piece).with_context(|| format!("reading {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn set_all(backend: &dyn StorageBackend, keys: &[PageKey], data: &[u8], args: &BenchStorageArgs) -> anyhow::Result<()> {
+    for (keys, bytes) in keys.chunks(args.batch).zip(data.chunks(args.batch * args.page_bytes)) {
+        let pages: Vec<PageSegments<'_>> = bytes.chunks(args.page_bytes).map(|page| vec![page]).collect();
+        let outcomes = backend.batch_set(keys, &pages)?;
+        if let Some(failed) = outcomes.iter().find(|outcome| !outcome.is_stored()) {
+            bail!("{}: a page was not stored: {failed:?}", backend.name());
+        }
+    }
+    Ok(())
+}
+
+fn get_all(
+    backend: &dyn StorageBackend,
+    keys: &[PageKey],
+    data: &mut [u8],
+    args: &BenchStorageArgs,
+) -> anyhow::Result<()> {
+    for (keys, bytes) in keys.chunks(args.batch).zip(data.chunks_mut(args.batch * args.page_bytes)) {
+        let mut pages: Vec<PageSegmentsMut<'_>> = bytes.chunks_mut(args.page_bytes).map(|page| vec![page]).collect();
+        let outcomes = backend.batch_get(keys, &mut pages)?;
+        if let Some(missed) = outcomes.iter().find(|outcome| **outcome != GetOutcome::Hit) {
+            bail!("{}: a page written in this run did not read back: {missed:?}", backend.name());
+        }
+    }
+    Ok(())
+}
