@@ -41,6 +41,9 @@ pub(crate) struct BackendOptions {
     /// File layout.
     #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
     pub(crate) format: FileFormatArg,
+    /// Read and write the file backend's page files with O_DIRECT when the host memory is aligned.
+    #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
+    pub(crate) direct_io: bool,
     /// Threads per batch of file-like backends (default: two per core, between 2 and 16).
     #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
     pub(crate) io_threads: Option<usize>,
@@ -69,6 +72,7 @@ fn open_file(namespace: &StorageNamespace, options: &BackendOptions) -> anyhow::
     let dir = FileConfig::resolve_dir(options.dir.as_deref());
     let mut config = FileConfig::new(dir, format);
     config.io_threads = options.io_threads.unwrap_or(config.io_threads);
+    config.direct_io = options.direct_io;
     Ok(Box::new(FileStorage::open(config, namespace)?))
 }
 

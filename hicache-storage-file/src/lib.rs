@@ -4,8 +4,9 @@
 //!   `{dir}/{hash}_{model}.bin` (MLA), `/` in the model replaced by `-`, raw flat page bytes: what SGLang 0.5.2's
 //!   `HiCacheFile` reads and writes (spec §10.1), so both can share a directory.
 //! * **Native layout** ([`FileFormat::Native`]): `{dir}/hicache-v1/{namespace digest}/{first two hex}/{hash}.page`,
-//!   the page bytes followed by a 16-byte footer (magic, version, XXH3-64 of the page). The namespace digest covers
-//!   dtype, layout, page size and TP/PP geometry; the two-hex shard keeps directories small.
+//!   the page bytes followed by a footer (magic, version, XXH3-64 of the page; 16 bytes, or a 4 KiB block for pages
+//!   of whole 4 KiB blocks, so that `O_DIRECT` can read and write the file). The namespace digest covers dtype,
+//!   layout, page size and TP/PP geometry; the two-hex shard keeps directories small.
 //!
 //! Both layouts write a temporary file in the same directory and rename it, so a reader never sees a partial page
 //! under its real name, and two writers of one key (in two processes) each rename a whole file. Reads check the
@@ -57,6 +58,10 @@ pub struct FileConfig {
     /// Bytes of page files this namespace may hold; least recently used pages are removed beyond it. `None`: no
     /// limit (SGLang's behaviour).
     pub capacity_bytes: Option<u64>,
+    /// Read and write with `O_DIRECT`, bypassing the page cache, for pages whose segments are whole 4 KiB blocks at
+    /// 4 KiB-aligned addresses (other pages go through the page cache). For stores larger than memory: the host
+    /// pool already holds the hot pages, so caching them twice wastes memory.
+    pub direct_io: bool,
 }
 
 impl FileConfig {
@@ -73,7 +78,7 @@ impl FileConfig {
     /// speed with one per core, 0.86–0.91 with two, on a two-core machine).
     pub fn new(dir: impl Into<PathBuf>, format: FileFormat) -> Self {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        Self { dir: dir.into(), format, io_threads: (2 * cores).clamp(2, 16), capacity_bytes: None }
+        Self { dir: dir.into(), format, io_threads: (2 * cores).clamp(2, 16), capacity_bytes: None, direct_io: false }
     }
 }
 
@@ -85,11 +90,12 @@ pub struct FileStorage {
     root: PathBuf,
     /// SGLang layout: what follows `{hash}_` in a file name, before `.bin`.
     sglang_suffix: String,
-    page_bytes: usize,
-    /// Size of one page file (the page, plus the footer in the native layout).
-    file_bytes: u64,
+    /// Page and footer sizes, and whether to use direct I/O.
+    shape: page_file::FileShape,
     /// With a capacity: the pages held and their recency.
     index: Option<Mutex<index::LruIndex>>,
+    /// Pages read or written with `O_DIRECT`.
+    direct_pages: AtomicU64,
     stats: StatsRecorder,
 }
 
@@ -126,8 +132,14 @@ impl FileStorage {
         std::fs::create_dir_all(&root)
             .map_err(|error| storage_error(format!("creating {}: {error}", root.display())))?;
         let page_bytes = namespace.geometry.bytes_per_page(namespace.page_size);
-        let file_bytes =
-            (page_bytes + if config.format == FileFormat::Native { page_file::FOOTER_BYTES } else { 0 }) as u64;
+        let shape = page_file::FileShape::new(page_bytes, config.format == FileFormat::Native, config.direct_io);
+        let file_bytes = shape.file_bytes() as u64;
+        if config.direct_io {
+            page_file::probe_direct(&root).map_err(|error| Error::InvalidArgument {
+                field: "direct_io",
+                reason: format!("the file system of {} does not take O_DIRECT: {error}", root.display()),
+            })?;
+        }
         if let Some(capacity) = config.capacity_bytes
             && capacity < file_bytes
         {
@@ -136,8 +148,15 @@ impl FileStorage {
                 reason: format!("{capacity} bytes cannot hold one page file of {file_bytes} bytes"),
             });
         }
-        let mut storage =
-            Self { config, root, sglang_suffix, page_bytes, file_bytes, index: None, stats: StatsRecorder::default() };
+        let mut storage = Self {
+            config,
+            root,
+            sglang_suffix,
+            shape,
+            index: None,
+            direct_pages: AtomicU64::new(0),
+            stats: StatsRecorder::default(),
+        };
         if storage.config.capacity_bytes.is_some() {
             storage.index = Some(Mutex::new(storage.scan()?));
         }
@@ -171,6 +190,11 @@ impl FileStorage {
         self.index.as_ref().map(|index| index.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
     }
 
+    /// Pages read or written with `O_DIRECT` so far (the others went through the page cache).
+    pub fn direct_io_pages(&self) -> u64 {
+        self.direct_pages.load(Ordering::Relaxed)
+    }
+
     /// Pages and bytes this namespace holds, when it has a capacity.
     pub fn usage(&self) -> Option<(usize, u64)> {
         self.lock_index().map(|index| (index.len(), index.total()))
@@ -187,16 +211,19 @@ impl FileStorage {
         }
     }
 
-    fn footer(&self) -> bool {
-        self.config.format == FileFormat::Native
+    fn file_bytes(&self) -> u64 {
+        self.shape.file_bytes() as u64
     }
 
     fn get_one(&self, key: &PageKey, page: &mut [&mut [u8]]) -> GetOutcome {
-        if segments_len(page) != self.page_bytes {
-            return GetOutcome::Failed(size_mismatch(segments_len(page), self.page_bytes));
+        if segments_len(page) != self.shape.page_bytes {
+            return GetOutcome::Failed(size_mismatch(segments_len(page), self.shape.page_bytes));
         }
         let path = self.page_path(key);
-        let outcome = match page_file::read(&path, page, self.footer()) {
+        if self.shape.use_direct(page) {
+            self.direct_pages.fetch_add(1, Ordering::Relaxed);
+        }
+        let outcome = match page_file::read(&path, page, self.shape) {
             Ok(page_file::Read::Done) => GetOutcome::Hit,
             Ok(page_file::Read::Missing) => GetOutcome::Miss,
             Ok(page_file::Read::Corrupt(reason)) => {
@@ -219,24 +246,27 @@ impl FileStorage {
     }
 
     fn set_one(&self, key: &PageKey, page: &[&[u8]]) -> SetOutcome {
-        if segments_len(page) != self.page_bytes {
-            return SetOutcome::Failed(size_mismatch(segments_len(page), self.page_bytes));
+        if segments_len(page) != self.shape.page_bytes {
+            return SetOutcome::Failed(size_mismatch(segments_len(page), self.shape.page_bytes));
         }
         let path = self.page_path(key);
         if path.exists() {
             if let Some(mut index) = self.lock_index() {
                 // present, perhaps written by another process: now held and recent
-                index.insert(*key, self.file_bytes);
+                index.insert(*key, self.file_bytes());
             }
             return SetOutcome::AlreadyPresent;
         }
         let unique = format!("{}-{}", std::process::id(), TEMP_COUNTER.fetch_add(1, Ordering::Relaxed));
-        if let Err(error) = page_file::write_atomic(&path, page, self.footer(), &unique) {
+        if self.shape.use_direct(page) {
+            self.direct_pages.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Err(error) = page_file::write_atomic(&path, page, self.shape, &unique) {
             return SetOutcome::Failed(PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display())));
         }
         let victims = match (self.lock_index(), self.config.capacity_bytes) {
             (Some(mut index), Some(capacity)) => {
-                index.insert(*key, self.file_bytes);
+                index.insert(*key, self.file_bytes());
                 index.evict_to(capacity, key)
             }
             _ => Vec::new(),
@@ -297,7 +327,7 @@ impl StorageBackend for FileStorage {
                 .collect();
             workers.into_iter().flat_map(|worker| worker.join().expect("file I/O worker panicked")).collect()
         });
-        self.stats.record_get(&outcomes, |_| self.page_bytes);
+        self.stats.record_get(&outcomes, |_| self.shape.page_bytes);
         Ok(outcomes)
     }
 
@@ -324,7 +354,7 @@ impl StorageBackend for FileStorage {
                 outcomes[later] = SetOutcome::AlreadyPresent;
             }
         }
-        self.stats.record_set(&outcomes, |_| self.page_bytes);
+        self.stats.record_set(&outcomes, |_| self.shape.page_bytes);
         Ok(outcomes)
     }
 

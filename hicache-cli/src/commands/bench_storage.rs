@@ -1,15 +1,15 @@
 //! `hicache bench storage`: batched set and get of a storage backend, next to raw sequential I/O of the same bytes
 //! in the same directory, in the same run.
 
-use std::fs::File;
 use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Args;
 use hicache_core::geometry::{KvDtype, KvGeometry};
-use hicache_core::hash::{PageKey, PartialPage, page_keys};
+use hicache_core::hash::{PageKey, PartialPage, page_key, page_keys};
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, StorageBackend};
@@ -31,6 +31,10 @@ pub(crate) struct BenchStorageArgs {
     /// File layout of the file backend.
     #[arg(long, value_enum, default_value_t = FileFormatArg::Native)]
     format: FileFormatArg,
+    /// Bypass the page cache: the file backend with O_DIRECT from 4 KiB-aligned host memory, and the raw reference
+    /// with O_DIRECT too (so both measure the disk). Needs --page-bytes in whole 4 KiB blocks.
+    #[arg(long)]
+    direct: bool,
     /// Threads per batch of the file backend (default: two per core, between 2 and 16).
     #[arg(long, value_name = "N")]
     io_threads: Option<usize>,
@@ -93,47 +97,63 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
             Usage("--pages, --batch and --rounds must be at least 1, --page-bytes even and at least 2".into()).into()
         );
     }
-    let options = BackendOptions { dir: args.dir.clone(), format: args.format, io_threads: args.io_threads };
+    if args.direct && !args.page_bytes.is_multiple_of(BLOCK) {
+        return Err(Usage(format!("--direct needs --page-bytes in whole {BLOCK}-byte blocks")).into());
+    }
+    let options = BackendOptions {
+        dir: args.dir.clone(),
+        format: args.format,
+        io_threads: args.io_threads,
+        direct_io: args.direct,
+    };
     let dir = backends::file_dir(&options);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let namespace = namespace(args.page_bytes)?;
     let backend = backends::open(args.backend, &namespace, &options)?;
     let total = args.pages * args.page_bytes;
-    let source = fill(total);
-    let mut target = vec![0u8; total];
-    let tokens: Vec<u32> = (0..args.pages as u32).map(|page| page ^ std::process::id()).collect();
-    let keys = page_keys(&tokens, 1, None, PartialPage::Reject)?;
-    let raw_path = dir.join(format!(".hicache-bench-raw-{}.bin", std::process::id()));
+    let mut source_blocks = vec![Block([0; BLOCK]); total.div_ceil(BLOCK)];
+    let source = &mut bytemuck::cast_slice_mut::<Block, u8>(&mut source_blocks)[..total];
+    fill(source);
+    let source = &*source;
+    let mut target_blocks = vec![Block([0; BLOCK]); total.div_ceil(BLOCK)];
+    let target = &mut bytemuck::cast_slice_mut::<Block, u8>(&mut target_blocks)[..total];
+    let raw_path = |round: usize| dir.join(format!(".hicache-bench-raw-{}-{round}.bin", std::process::id()));
     let mut best = [0f64; 4];
     let result = (|| -> anyhow::Result<()> {
-        for _ in 0..args.rounds {
-            backend.clear()?;
-            let _ = std::fs::remove_file(&raw_path);
+        for round in 0..args.rounds {
+            // fresh keys and a fresh raw file each round: nothing is deleted between measurements, so no phase
+            // pays for another's unlinks (file systems mounted with `discard` trim at the next journal commit)
+            let tokens: Vec<u32> = (0..args.pages as u32).map(|page| page ^ std::process::id()).collect();
+            let keys = page_keys(&tokens, 1, None, PartialPage::Reject)?;
+            let keys: Vec<PageKey> = keys.iter().map(|key| page_key(Some(key), &[round as u32])).collect();
+            let raw_path = raw_path(round);
             // each phase starts with no dirty pages, so no phase pays for another's writeback (on two cores the
             // kernel's flusher otherwise takes one of them)
             rustix::fs::sync();
             let started = Instant::now();
-            raw_write(&raw_path, &source, args.page_bytes)?;
+            raw_write(&raw_path, source, args.page_bytes, args.direct)?;
             best[0] = best[0].max(gbps(total, started));
             rustix::fs::sync();
             let started = Instant::now();
-            set_all(backend.as_ref(), &keys, &source, args)?;
+            set_all(backend.as_ref(), &keys, source, args)?;
             best[1] = best[1].max(gbps(total, started));
             rustix::fs::sync();
             let started = Instant::now();
-            raw_read(&raw_path, &mut target, args.page_bytes)?;
+            raw_read(&raw_path, target, args.page_bytes, args.direct)?;
             best[2] = best[2].max(gbps(total, started));
             target.fill(0);
             let started = Instant::now();
-            get_all(backend.as_ref(), &keys, &mut target, args)?;
+            get_all(backend.as_ref(), &keys, target, args)?;
             best[3] = best[3].max(gbps(total, started));
-            if target != source {
+            if *target != *source {
                 bail!("{} returned bytes that differ from those written", backend.name());
             }
         }
         Ok(())
     })();
-    let _ = std::fs::remove_file(&raw_path);
+    for round in 0..args.rounds {
+        let _ = std::fs::remove_file(raw_path(round));
+    }
     let _ = backend.clear();
     result?;
     let [raw_write_gbps, set_gbps, raw_read_gbps, get_gbps] = best;
@@ -152,11 +172,12 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&figure)?);
     } else {
         println!(
-            "{} × {} B pages in {}: set {:.2} GB/s (raw sequential write {:.2} GB/s, ratio {:.2}); \
+            "{} × {} B pages in {}{}: set {:.2} GB/s (raw sequential write {:.2} GB/s, ratio {:.2}); \
              get {:.2} GB/s (raw sequential read {:.2} GB/s, ratio {:.2})",
             figure.pages,
             figure.page_bytes,
             dir.display(),
+            if args.direct { " with O_DIRECT" } else { "" },
             figure.set_gbps,
             figure.raw_write_gbps,
             figure.set_ratio,
@@ -168,29 +189,47 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Host memory in 4 KiB blocks at 4 KiB-aligned addresses, as a pinned host pool's pages are (O_DIRECT needs it).
+const BLOCK: usize = 4096;
+
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C, align(4096))]
+struct Block([u8; BLOCK]);
+
 /// Pseudo-random bytes (xorshift words), so no layer below can compress or deduplicate them.
-fn fill(bytes: usize) -> Vec<u8> {
+fn fill(data: &mut [u8]) {
     let mut state = 0x2545_f491_4f6c_dd1d_u64;
-    let mut data = vec![0u8; bytes];
     for chunk in data.chunks_mut(8) {
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
         chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
     }
-    data
 }
 
-fn raw_write(path: &Path, data: &[u8], chunk: usize) -> anyhow::Result<()> {
-    let mut file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+fn open_options(direct: bool) -> std::fs::OpenOptions {
+    let mut options = std::fs::OpenOptions::new();
+    if direct {
+        options.custom_flags(libc::O_DIRECT);
+    }
+    options
+}
+
+fn raw_write(path: &Path, data: &[u8], chunk: usize, direct: bool) -> anyhow::Result<()> {
+    let mut file = open_options(direct)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
     for piece in data.chunks(chunk) {
         file.write_all(piece).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }
 
-fn raw_read(path: &Path, data: &mut [u8], chunk: usize) -> anyhow::Result<()> {
-    let mut file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+fn raw_read(path: &Path, data: &mut [u8], chunk: usize, direct: bool) -> anyhow::Result<()> {
+    let mut file = open_options(direct).read(true).open(path).with_context(|| format!("opening {}", path.display()))?;
     for piece in data.chunks_mut(chunk) {
         file.read_exact(piece).with_context(|| format!("reading {}", path.display()))?;
     }
