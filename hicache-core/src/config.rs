@@ -160,6 +160,13 @@ impl HiCacheConfig {
     ///
     /// [`Error::InvalidConfig`] naming the field: syntax errors, unknown fields, wrong types, values out of range.
     pub fn from_json(text: &str) -> Result<Self, Error> {
+        // serde would also read a struct from a JSON array, by position; a config names its fields
+        if !text.trim_start().starts_with('{') {
+            return Err(Error::InvalidConfig {
+                field: "(document)".into(),
+                reason: "a config is a JSON object of named fields".into(),
+            });
+        }
         let mut deserializer = serde_json::Deserializer::from_str(text);
         let config: Self = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
             let path = error.path().to_string();
@@ -337,6 +344,20 @@ mod tests {
         );
         assert!(message("{} {}").contains("(document)"));
         assert!(message("[").contains("(document)"));
+    }
+
+    /// Found by the config fuzz target: without serde_json's `float_roundtrip`, a ratio written out and read back
+    /// came back one unit in the last place off; and a JSON array was read as a config, field by position.
+    #[test]
+    fn configs_survive_a_round_trip_and_arrays_are_refused() {
+        let config = HiCacheConfig::from_json(
+            r#"{"page_size": 555550, "hicache_ratio": 77777777777777777775577777777777555555777}"#,
+        )
+        .unwrap();
+        let again = HiCacheConfig::from_json(&serde_json::to_string(&config).unwrap()).unwrap();
+        assert_eq!(again, config);
+        let error = HiCacheConfig::from_json("[555550,\n\n\t77777777777777777775577777777777555555777]").unwrap_err();
+        assert_eq!(error.to_string(), "config field `(document)`: a config is a JSON object of named fields");
     }
 
     #[test]

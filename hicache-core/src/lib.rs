@@ -4,7 +4,8 @@
 //! keeps them across requests and instances, found again by a chained hash of the token prefix. This crate holds
 //! what every part shares and runs without a GPU: page keys ([`hash`]), key namespaces ([`namespace`]), KV geometry
 //! ([`geometry`]) and host layouts ([`layout`]), the host page allocator ([`host_pool`]), cache and storage
-//! operations ([`ops`]), rate limiting ([`rate_limit`]), the storage trait with an in-memory and a fault-injection
+//! operations ([`ops`]), device↔host transfers and the CPU transfer engine ([`transfer`]), rate limiting
+//! ([`rate_limit`]), the storage trait with an in-memory and a fault-injection
 //! backend ([`storage`]), the configuration ([`config`]) and the token-list parser ([`tokens`]).
 //!
 //! **Invariant:** this crate never links CUDA or any FFI library and does I/O only through the storage trait.
@@ -24,5 +25,6 @@ pub mod rate_limit;
 pub mod storage;
 mod sync;
 pub mod tokens;
+pub mod transfer;
 
 pub use error::Error;

@@ -279,9 +279,29 @@ impl FileStorage {
         SetOutcome::Stored
     }
 
-    /// The threads a batch of `pages` pages uses and the pages each takes.
-    fn split(&self, pages: usize) -> usize {
-        pages.div_ceil(self.config.io_threads.min(pages).max(1)).max(1)
+    /// Runs `work` on every (key, item) pair, on up to `io_threads` threads taking contiguous runs (inline for a
+    /// single run); the outcomes come back in key order.
+    fn in_parallel<T: Send, O: Send>(
+        &self,
+        keys: &[PageKey],
+        items: &mut [T],
+        work: impl Fn(&PageKey, &mut T) -> O + Sync,
+    ) -> Vec<O> {
+        let run = keys.len().div_ceil(self.config.io_threads.min(keys.len()).max(1)).max(1);
+        if run >= keys.len() {
+            return keys.iter().zip(items).map(|(key, item)| work(key, item)).collect();
+        }
+        let work = &work;
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = keys
+                .chunks(run)
+                .zip(items.chunks_mut(run))
+                .map(|(keys, items)| {
+                    scope.spawn(move || keys.iter().zip(items).map(|(key, item)| work(key, item)).collect::<Vec<_>>())
+                })
+                .collect();
+            workers.into_iter().flat_map(|worker| worker.join().expect("file I/O worker panicked")).collect()
+        })
     }
 
     /// Whether a file name in the SGLang directory belongs to this namespace: `{64 hex}_{suffix}.bin`, exactly.
@@ -314,41 +334,17 @@ impl StorageBackend for FileStorage {
 
     fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
         check_batch(keys.len(), pages.len())?;
-        let chunk = self.split(keys.len());
-        let outcomes: Vec<GetOutcome> = std::thread::scope(|scope| {
-            let workers: Vec<_> = keys
-                .chunks(chunk)
-                .zip(pages.chunks_mut(chunk))
-                .map(|(keys, pages)| {
-                    scope.spawn(move || {
-                        keys.iter().zip(pages.iter_mut()).map(|(key, page)| self.get_one(key, page)).collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            workers.into_iter().flat_map(|worker| worker.join().expect("file I/O worker panicked")).collect()
-        });
+        let outcomes = self.in_parallel(keys, pages, |key, page| self.get_one(key, page));
         self.stats.record_get(&outcomes, |_| self.shape.page_bytes);
         Ok(outcomes)
     }
 
     fn batch_set(&self, keys: &[PageKey], pages: &[PageSegments<'_>]) -> Result<Vec<SetOutcome>, Error> {
         check_batch(keys.len(), pages.len())?;
-        let chunk = self.split(keys.len());
-        let outcomes: Vec<SetOutcome> = std::thread::scope(|scope| {
-            let workers: Vec<_> = keys
-                .chunks(chunk)
-                .zip(pages.chunks(chunk))
-                .map(|(keys, pages)| {
-                    scope.spawn(move || {
-                        keys.iter().zip(pages).map(|(key, page)| self.set_one(key, page)).collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            workers.into_iter().flat_map(|worker| worker.join().expect("file I/O worker panicked")).collect()
-        });
+        let mut sources: Vec<&PageSegments<'_>> = pages.iter().collect();
+        let mut outcomes = self.in_parallel(keys, &mut sources, |key, page| self.set_one(key, page));
         // a key repeated in the batch may have been written by two threads: the second rename replaced identical
         // bytes, but only one write stored the page
-        let mut outcomes = outcomes;
         for later in 1..keys.len() {
             if outcomes[later] == SetOutcome::Stored && keys[..later].contains(&keys[later]) {
                 outcomes[later] = SetOutcome::AlreadyPresent;

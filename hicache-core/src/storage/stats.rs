@@ -29,7 +29,7 @@ pub struct StorageStats {
     pub bytes_read: u64,
     /// Bytes written.
     pub bytes_written: u64,
-    /// Pages removed (by `remove` and `clear`).
+    /// Pages removed (by `remove`, `clear`, and eviction in backends with a capacity).
     pub removed: u64,
 }
 

@@ -1,0 +1,304 @@
+//! The CPU transfer engine: real copies between a device pool and a host pool held in plain memory.
+//!
+//! Two streams, as on the GPU: backups run in order on the write stream, layer loads in order on the load stream. In
+//! [`Completion::Immediate`] mode a copy happens when it is submitted. In [`Completion::Manual`] mode it happens only
+//! when a test lets it ([`CpuEngine::complete_next`], [`CpuEngine::run_pending`]) or someone waits on its event, so
+//! tests can hold transfers in flight deterministically: until then the destination keeps its old bytes, and a
+//! reader that forgot to wait sees them.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{DeviceLayoutMap, TransferEngine, TransferEvent};
+use crate::error::Error;
+use crate::host_pool::HostPageId;
+use crate::layout::HostLayoutMap;
+use crate::ops::DeviceSlot;
+
+/// When submitted copies happen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Completion {
+    /// At submission.
+    Immediate,
+    /// When stepped, run, or waited for.
+    Manual,
+}
+
+/// A stream of the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stream {
+    /// Device → host backups.
+    Write = 0,
+    /// Host → device layer loads.
+    Load = 1,
+}
+
+#[derive(Debug)]
+enum Work {
+    Backup { slots: Vec<DeviceSlot>, pages: Vec<usize> },
+    LoadLayer { layer: usize, pages: Vec<usize>, slots: Vec<DeviceSlot> },
+}
+
+#[derive(Debug)]
+struct Job {
+    seq: u64,
+    after: Option<(Stream, u64)>,
+    work: Work,
+}
+
+#[derive(Debug)]
+struct State {
+    device_map: DeviceLayoutMap,
+    host_map: HostLayoutMap,
+    device: Vec<u8>,
+    host: Vec<u8>,
+    queues: [VecDeque<Job>; 2],
+    /// Per stream: the last sequence number submitted, and the last completed.
+    submitted: [u64; 2],
+    completed: [u64; 2],
+}
+
+impl State {
+    /// Runs `stream`'s jobs up to and including `seq`, each after its dependency.
+    fn run_until(&mut self, stream: Stream, seq: u64) {
+        while self.completed[stream as usize] < seq {
+            let Some(job) = self.queues[stream as usize].pop_front() else { break };
+            if let Some((other, after)) = job.after {
+                self.run_until(other, after);
+            }
+            self.execute(&job.work);
+            self.completed[stream as usize] = job.seq;
+        }
+    }
+
+    fn execute(&mut self, work: &Work) {
+        let page_size = self.host_map.page_size();
+        let geometry = *self.device_map.geometry();
+        let item = geometry.item_bytes();
+        let (device_map, host_map) = (self.device_map, self.host_map);
+        match work {
+            Work::Backup { slots, pages } => {
+                for (&page, page_slots) in pages.iter().zip(slots.chunks(page_size)) {
+                    for (offset, &slot) in page_slots.iter().enumerate() {
+                        for layer in 0..geometry.layers {
+                            for &part in geometry.parts() {
+                                let from = device_map.item_offset(slot as usize, layer, part);
+                                let to = host_map.item_offset(page * page_size + offset, layer, part);
+                                self.host[to..to + item].copy_from_slice(&self.device[from..from + item]);
+                            }
+                        }
+                    }
+                }
+            }
+            Work::LoadLayer { layer, pages, slots } => {
+                for (&page, page_slots) in pages.iter().zip(slots.chunks(page_size)) {
+                    for (offset, &slot) in page_slots.iter().enumerate() {
+                        for &part in geometry.parts() {
+                            let from = host_map.item_offset(page * page_size + offset, *layer, part);
+                            let to = device_map.item_offset(slot as usize, *layer, part);
+                            self.device[to..to + item].copy_from_slice(&self.host[from..from + item]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The CPU engine.
+#[derive(Debug)]
+pub struct CpuEngine {
+    state: Arc<Mutex<State>>,
+    completion: Completion,
+}
+
+/// An event of the CPU engine: a position on one of its streams (or none, for work already done).
+#[derive(Clone, Debug)]
+pub struct CpuEvent {
+    state: Arc<Mutex<State>>,
+    position: Option<(Stream, u64)>,
+}
+
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    // every job runs to completion under the lock before its position is recorded, so a poisoned state is only ever
+    // one whose last copy panicked midway: its bytes are as unspecified as an interrupted DMA's, its counters sound
+    state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl TransferEvent for CpuEvent {
+    fn is_complete(&self) -> bool {
+        self.position.is_none_or(|(stream, seq)| lock(&self.state).completed[stream as usize] >= seq)
+    }
+
+    fn wait(&self) {
+        if let Some((stream, seq)) = self.position {
+            lock(&self.state).run_until(stream, seq);
+        }
+    }
+}
+
+impl CpuEngine {
+    /// An engine over a zeroed device pool of `device_map` and host pool of `host_map` (same geometry).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the two maps' geometries differ.
+    pub fn new(device_map: DeviceLayoutMap, host_map: HostLayoutMap, completion: Completion) -> Result<Self, Error> {
+        if device_map.geometry() != host_map.geometry() {
+            return Err(Error::InvalidArgument {
+                field: "host_map",
+                reason: format!(
+                    "geometry {:?} differs from the device pool's {:?}",
+                    host_map.geometry(),
+                    device_map.geometry()
+                ),
+            });
+        }
+        let state = State {
+            device: vec![0; device_map.total_bytes()],
+            host: vec![0; host_map.total_bytes()],
+            device_map,
+            host_map,
+            queues: [VecDeque::new(), VecDeque::new()],
+            submitted: [0; 2],
+            completed: [0; 2],
+        };
+        Ok(Self { state: Arc::new(Mutex::new(state)), completion })
+    }
+
+    /// Runs `f` on the device pool's bytes (`[layer][part][slot][item]`, see [`DeviceLayoutMap`]).
+    pub fn with_device<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        f(&mut lock(&self.state).device)
+    }
+
+    /// Runs `f` on the host pool's bytes (in the host layout, see [`HostLayoutMap`]).
+    pub fn with_host<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        f(&mut lock(&self.state).host)
+    }
+
+    /// The device pool's map.
+    pub fn device_map(&self) -> DeviceLayoutMap {
+        lock(&self.state).device_map
+    }
+
+    /// The host pool's map.
+    pub fn host_map(&self) -> HostLayoutMap {
+        lock(&self.state).host_map
+    }
+
+    /// Copies submitted and not yet done, per stream (write, load).
+    pub fn pending(&self) -> (usize, usize) {
+        let state = lock(&self.state);
+        (state.queues[0].len(), state.queues[1].len())
+    }
+
+    /// Completes the oldest pending copy of `stream` (and what it waits for); false when none is pending.
+    pub fn complete_next(&self, stream: Stream) -> bool {
+        let mut state = lock(&self.state);
+        match state.queues[stream as usize].front().map(|job| job.seq) {
+            Some(seq) => {
+                state.run_until(stream, seq);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Completes every pending copy.
+    pub fn run_pending(&self) {
+        let mut state = lock(&self.state);
+        for stream in [Stream::Write, Stream::Load] {
+            let last = state.submitted[stream as usize];
+            state.run_until(stream, last);
+        }
+    }
+
+    fn check(
+        &self,
+        state: &State,
+        slots: &[DeviceSlot],
+        pages: &[HostPageId],
+        after: &CpuEvent,
+    ) -> Result<Vec<usize>, Error> {
+        let page_size = state.host_map.page_size();
+        if pages.len().checked_mul(page_size) != Some(slots.len()) {
+            return Err(Error::InvalidArgument {
+                field: "slots",
+                reason: format!("{} device slots for {} host pages of {page_size} tokens", slots.len(), pages.len()),
+            });
+        }
+        if let Some(&slot) = slots.iter().find(|&&slot| slot as usize >= state.device_map.slots()) {
+            return Err(Error::InvalidArgument {
+                field: "slots",
+                reason: format!("device slot {slot} out of range ({} slots)", state.device_map.slots()),
+            });
+        }
+        if let Some(page) = pages.iter().find(|page| page.index() >= state.host_map.pages()) {
+            return Err(Error::InvalidArgument {
+                field: "pages",
+                reason: format!("host {page} out of range ({} pages)", state.host_map.pages()),
+            });
+        }
+        if !Arc::ptr_eq(&self.state, &after.state) {
+            return Err(Error::InvalidArgument { field: "after", reason: "an event of another engine".into() });
+        }
+        Ok(pages.iter().map(|page| page.index()).collect())
+    }
+
+    fn submit(&self, mut state: MutexGuard<'_, State>, stream: Stream, work: Work, after: &CpuEvent) -> CpuEvent {
+        state.submitted[stream as usize] += 1;
+        let seq = state.submitted[stream as usize];
+        state.queues[stream as usize].push_back(Job { seq, after: after.position, work });
+        if self.completion == Completion::Immediate {
+            state.run_until(stream, seq);
+        }
+        CpuEvent { state: self.state.clone(), position: Some((stream, seq)) }
+    }
+}
+
+fn first_repeat<T: Copy + Eq + std::hash::Hash>(items: impl IntoIterator<Item = T>) -> Option<T> {
+    let mut seen = HashSet::new();
+    items.into_iter().find(|item| !seen.insert(*item))
+}
+
+impl TransferEngine for CpuEngine {
+    type Event = CpuEvent;
+
+    fn start_event(&mut self) -> CpuEvent {
+        // the caller's work on the CPU is done by the time it asks
+        CpuEvent { state: self.state.clone(), position: None }
+    }
+
+    fn backup(&mut self, slots: &[DeviceSlot], pages: &[HostPageId], after: &CpuEvent) -> Result<CpuEvent, Error> {
+        let state = lock(&self.state);
+        let pages = self.check(&state, slots, pages, after)?;
+        if let Some(page) = first_repeat(pages.iter().copied()) {
+            return Err(Error::InvalidArgument { field: "pages", reason: format!("host page {page} is listed twice") });
+        }
+        Ok(self.submit(state, Stream::Write, Work::Backup { slots: slots.to_vec(), pages }, after))
+    }
+
+    fn load_layer(
+        &mut self,
+        layer: usize,
+        pages: &[HostPageId],
+        slots: &[DeviceSlot],
+        after: &CpuEvent,
+    ) -> Result<CpuEvent, Error> {
+        let state = lock(&self.state);
+        let pages = self.check(&state, slots, pages, after)?;
+        if layer >= state.device_map.geometry().layers {
+            return Err(Error::InvalidArgument {
+                field: "layer",
+                reason: format!("{layer} out of range ({} layers)", state.device_map.geometry().layers),
+            });
+        }
+        if let Some(slot) = first_repeat(slots.iter().copied()) {
+            return Err(Error::InvalidArgument {
+                field: "slots",
+                reason: format!("device slot {slot} is listed twice"),
+            });
+        }
+        Ok(self.submit(state, Stream::Load, Work::LoadLayer { layer, pages, slots: slots.to_vec() }, after))
+    }
+}

@@ -1,0 +1,116 @@
+//! Device↔host transfers: what the controller needs from a device, and the device pool's byte map.
+//!
+//! A [`TransferEngine`] copies whole pages between the device KV pool (L1) and the host pool (L2): a **backup**
+//! copies every layer of some device slots into host pages (device → host), a **layer load** copies one layer of
+//! host pages into device slots (host → device), so the model can use layer *i* while later layers are still in
+//! flight. Each returns a [`TransferEvent`] that can be queried without blocking and waited on. A **start event**,
+//! recorded on the caller's stream before a transfer is submitted, orders the transfer after the caller's earlier
+//! work (the KV a backup reads was written by earlier kernels; the slots a load writes were freed by earlier ones).
+//!
+//! Slots and pages pair up in order: host page `i` ↔ device slots `[i·P, (i+1)·P)`. The CPU engine
+//! ([`CpuEngine`]) does real copies between plain memory buffers: it is the embedded default (no GPU) and the
+//! reference the CUDA engine is tested against.
+
+mod cpu;
+
+pub use cpu::{Completion, CpuEngine, CpuEvent, Stream};
+
+use crate::error::Error;
+use crate::geometry::{KvGeometry, KvPart};
+use crate::host_pool::HostPageId;
+use crate::ops::DeviceSlot;
+
+/// Completion of a submitted transfer (or of the caller's work, for a start event).
+pub trait TransferEvent: Clone + Send + Sync {
+    /// Whether the work is done, without blocking.
+    fn is_complete(&self) -> bool;
+
+    /// Blocks until the work is done.
+    fn wait(&self);
+}
+
+/// Moves pages between the device pool and the host pool.
+pub trait TransferEngine: Send {
+    /// The engine's completion event.
+    type Event: TransferEvent;
+
+    /// An event recorded on the caller's stream now: a transfer given it as `after` starts only once the caller's
+    /// work submitted before it is done.
+    fn start_event(&mut self) -> Self::Event;
+
+    /// Copies every layer of `slots` into `pages` (device → host), after `after`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the slots are not `page_size` per page or a slot or page is out of range;
+    /// nothing is copied then.
+    fn backup(&mut self, slots: &[DeviceSlot], pages: &[HostPageId], after: &Self::Event)
+    -> Result<Self::Event, Error>;
+
+    /// Copies layer `layer` of `pages` into `slots` (host → device), after `after`.
+    ///
+    /// # Errors
+    ///
+    /// As [`backup`](Self::backup), and for a layer out of range.
+    fn load_layer(
+        &mut self,
+        layer: usize,
+        pages: &[HostPageId],
+        slots: &[DeviceSlot],
+        after: &Self::Event,
+    ) -> Result<Self::Event, Error>;
+}
+
+/// The device pool's byte map: SGLang's device KV pool keeps, per layer, a K and a V buffer (MHA) or one latent
+/// buffer (MLA) of `slots` items each; here they are laid out one after another, `[layer][part][slot][item]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceLayoutMap {
+    geometry: KvGeometry,
+    slots: usize,
+}
+
+impl DeviceLayoutMap {
+    /// A map of `slots` token slots.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `slots` is zero, does not fit a [`DeviceSlot`], or the size overflows.
+    pub fn new(geometry: KvGeometry, slots: usize) -> Result<Self, Error> {
+        let geometry = geometry.validated()?;
+        if slots == 0 || DeviceSlot::try_from(slots - 1).is_err() {
+            return Err(Error::InvalidArgument { field: "slots", reason: format!("{slots} is not in [1, 2^32]") });
+        }
+        slots.checked_mul(geometry.bytes_per_token()).filter(|&bytes| bytes <= isize::MAX as usize).ok_or_else(
+            || Error::InvalidArgument { field: "slots", reason: format!("{slots} slots overflow the address space") },
+        )?;
+        Ok(Self { geometry, slots })
+    }
+
+    /// The geometry.
+    pub const fn geometry(&self) -> &KvGeometry {
+        &self.geometry
+    }
+
+    /// Token slots.
+    pub const fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Size of the whole pool.
+    pub const fn total_bytes(&self) -> usize {
+        self.slots * self.geometry.bytes_per_token()
+    }
+
+    /// Byte offset of one item.
+    ///
+    /// # Panics
+    ///
+    /// When the slot, layer or part is out of range (a caller bug).
+    pub fn item_offset(&self, slot: usize, layer: usize, part: KvPart) -> usize {
+        assert!(slot < self.slots, "device slot {slot} out of range ({} slots)", self.slots);
+        assert!(layer < self.geometry.layers, "layer {layer} out of range ({} layers)", self.geometry.layers);
+        let parts = self.geometry.parts();
+        assert!(parts.contains(&part), "part {part:?} is not in a {:?} pool", self.geometry.attention);
+        ((layer * parts.len() + part.index()) * self.slots + slot) * self.geometry.item_bytes()
+    }
+}
