@@ -96,6 +96,14 @@ pub enum Error {
         /// How long it waited.
         waited_ms: u64,
     },
+    /// TP ranks entered different collectives in one round, or the group broke earlier: the ranks are out of step.
+    #[error("collective out of step at rank {rank}: {reason}")]
+    CollectiveMismatch {
+        /// The rank reporting.
+        rank: usize,
+        /// What differed.
+        reason: String,
+    },
     /// An internal invariant was found broken (a bug in hicache).
     #[error("internal invariant broken: {0}")]
     Internal(String),

@@ -4,7 +4,7 @@
 //! keeps them across requests and instances, found again by a chained hash of the token prefix. This crate holds
 //! what every part shares and runs without a GPU: page keys ([`hash`]), key namespaces ([`namespace`]), KV geometry
 //! ([`geometry`]) and host layouts ([`layout`]), the host page allocator ([`host_pool`]), cache and storage
-//! operations ([`ops`]), device↔host transfers and the CPU transfer engine ([`transfer`]), rate limiting
+//! operations ([`ops`]), TP collectives ([`collective`]), device↔host transfers and the CPU transfer engine ([`transfer`]), rate limiting
 //! ([`rate_limit`]), the storage trait with an in-memory and a fault-injection
 //! backend ([`storage`]), the configuration ([`config`]) and the token-list parser ([`tokens`]).
 //!
@@ -13,6 +13,7 @@
 //! and the loom model of `ops.rs` (loom's cells).
 #![deny(unsafe_code)]
 
+pub mod collective;
 pub mod config;
 pub mod error;
 pub mod geometry;

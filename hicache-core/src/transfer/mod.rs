@@ -12,8 +12,10 @@
 //! reference the CUDA engine is tested against.
 
 mod cpu;
+mod layer_counter;
 
 pub use cpu::{Completion, CpuEngine, CpuEvent, Stream};
+pub use layer_counter::{LayerDoneCounter, SlotBusy, SlotReuse};
 
 use crate::error::Error;
 use crate::geometry::{KvGeometry, KvPart};
