@@ -15,6 +15,7 @@
 
 pub mod collective;
 pub mod config;
+pub mod controller;
 pub mod error;
 pub mod geometry;
 pub mod hash;

@@ -1,0 +1,187 @@
+//! The controller's device↔host half on the CPU engine, with transfers held in flight deterministically: acks only
+//! after the copy, synced states only at the ack, producer slots that wait or report busy, a reset that quiesces,
+//! and TP ranks that stay in step through one MIN per check.
+
+use std::time::Duration;
+
+use hicache_core::collective::{Collective, InProcessGroup, ReduceOp};
+use hicache_core::controller::CacheController;
+use hicache_core::geometry::{KvDtype, KvGeometry, KvPart};
+use hicache_core::host_pool::PageState;
+use hicache_core::layout::{HostLayout, HostLayoutMap};
+use hicache_core::ops::{DeviceSlot, NodeId};
+use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, SlotBusy, SlotReuse, Stream, TransferEvent};
+
+const PAGE: usize = 2;
+const LAYERS: usize = 3;
+const DEVICE_PAGES: usize = 6;
+const HOST_PAGES: usize = 8;
+
+fn geometry() -> KvGeometry {
+    KvGeometry::mha(LAYERS, 1, 4, KvDtype::Bf16).unwrap()
+}
+
+fn controller(completion: Completion) -> CacheController<CpuEngine> {
+    let device = DeviceLayoutMap::new(geometry(), DEVICE_PAGES * PAGE).unwrap();
+    let host = HostLayoutMap::new(geometry(), HostLayout::PageFirst, PAGE, HOST_PAGES).unwrap();
+    let engine = CpuEngine::new(device, host, completion).unwrap();
+    // every device byte distinct, so any misplaced copy shows
+    engine.with_device(|bytes| {
+        bytes.iter_mut().enumerate().for_each(|(index, byte)| *byte = (index * 7 + index / 251) as u8)
+    });
+    CacheController::new(engine, PAGE, HOST_PAGES, DEVICE_PAGES, LAYERS).unwrap()
+}
+
+fn item(controller: &CacheController<CpuEngine>, slot: DeviceSlot, layer: usize, part: KvPart) -> Vec<u8> {
+    let map = controller.engine().device_map();
+    let offset = map.item_offset(slot as usize, layer, part);
+    controller.engine().with_device(|bytes| bytes[offset..offset + map.geometry().item_bytes()].to_vec())
+}
+
+#[test]
+fn writes_are_acked_after_the_copy_and_only_then_synced() {
+    let mut controller = controller(Completion::Manual);
+    let slots = controller.alloc_device(2).unwrap();
+    let pages = controller.write(&slots, NodeId(7)).unwrap().unwrap();
+    assert_eq!(controller.host().state(pages[0]).unwrap(), PageState::Protected);
+    assert_eq!(controller.completed_writes(), 0, "held in flight");
+    assert!(controller.engine().complete_next(Stream::Write));
+    assert_eq!(controller.completed_writes(), 1);
+    let acks = controller.take_write_acks(1).unwrap();
+    assert_eq!(acks[0].node_ids, [NodeId(7)]);
+    assert!(pages.iter().all(|&page| controller.host().state(page).unwrap() == PageState::Synced));
+    // and the host holds the device's bytes: read them back through a load into fresh slots
+    controller.evict_device(&slots, &pages).unwrap();
+    let originals: Vec<Vec<u8>> = slots.iter().map(|&slot| item(&controller, slot, 2, KvPart::V)).collect();
+    let loaded = controller.load(&pages, NodeId(8), None).unwrap().unwrap();
+    controller.start_loading(SlotReuse::Refuse).unwrap().unwrap();
+    controller.engine().run_pending();
+    let count = controller.completed_loads();
+    assert_eq!(controller.take_load_acks(count).unwrap().len(), 1);
+    let after: Vec<Vec<u8>> = loaded.iter().map(|&slot| item(&controller, slot, 2, KvPart::V)).collect();
+    assert_eq!(after, originals);
+    assert!(pages.iter().all(|&page| controller.host().state(page).unwrap() == PageState::Synced));
+}
+
+#[test]
+fn pools_that_are_full_say_so_and_allocate_nothing() {
+    let mut controller = controller(Completion::Immediate);
+    let slots = controller.alloc_device(DEVICE_PAGES).unwrap();
+    assert!(controller.alloc_device(1).is_none());
+    assert!(controller.write(&slots, NodeId(1)).unwrap().is_some());
+    assert_eq!(controller.host().available(), HOST_PAGES - DEVICE_PAGES);
+    assert!(controller.write(&slots, NodeId(2)).unwrap().is_none(), "6 more pages do not fit in 2");
+    assert_eq!(controller.host().available(), HOST_PAGES - DEVICE_PAGES, "a refused write allocates nothing");
+    let error = controller.write(&slots[..3], NodeId(3)).unwrap_err().to_string();
+    assert!(error.contains("3 slots are not whole pages of 2"), "{error}");
+}
+
+#[test]
+fn a_fourth_load_waits_or_is_refused_never_asserts() {
+    let mut controller = controller(Completion::Manual);
+    let slots = controller.alloc_device(4).unwrap();
+    let pages = controller.write(&slots, NodeId(1)).unwrap().unwrap();
+    controller.engine().run_pending();
+    controller.take_write_acks(1).unwrap();
+    controller.evict_device(&slots, &pages).unwrap();
+    for (round, page) in pages.iter().enumerate().take(3) {
+        controller.load(std::slice::from_ref(page), NodeId(10 + round as u64), None).unwrap().unwrap();
+        assert_eq!(controller.start_loading(SlotReuse::Refuse).unwrap(), Ok(Some(round)));
+    }
+    controller.load(&pages[3..], NodeId(13), None).unwrap().unwrap();
+    assert_eq!(controller.start_loading(SlotReuse::Refuse).unwrap(), Err(SlotBusy { slot: 0 }));
+    assert_eq!(controller.outstanding(), (0, 1, 3), "the refused load stays queued");
+    assert_eq!(controller.start_loading(SlotReuse::Wait).unwrap(), Ok(Some(0)));
+    assert_eq!(controller.completed_loads(), 1, "waiting finished the oldest load, and only it");
+    assert_eq!(controller.start_loading(SlotReuse::Refuse).unwrap(), Ok(None), "nothing queued");
+}
+
+#[test]
+fn the_forward_pass_waits_layer_by_layer() {
+    let mut controller = controller(Completion::Manual);
+    let slots = controller.alloc_device(1).unwrap();
+    let pages = controller.write(&slots, NodeId(1)).unwrap().unwrap();
+    controller.engine().run_pending();
+    controller.take_write_acks(1).unwrap();
+    controller.evict_device(&slots, &pages).unwrap();
+    controller.load(&pages, NodeId(2), None).unwrap().unwrap();
+    let slot = controller.start_loading(SlotReuse::Refuse).unwrap().unwrap();
+    controller.layers().set_consumer(slot);
+    controller.layers().wait_until(0);
+    assert!(controller.layers().consumer_event(0).unwrap().is_complete());
+    assert!(!controller.layers().consumer_event(1).unwrap().is_complete(), "layer 1 still loading");
+    assert_eq!(controller.completed_loads(), 0);
+}
+
+#[test]
+fn reset_quiesces_and_leaves_nothing_stale() {
+    let mut controller = controller(Completion::Manual);
+    let slots = controller.alloc_device(3).unwrap();
+    let pages = controller.write(&slots[..4], NodeId(1)).unwrap().unwrap();
+    controller.write(&slots[4..], NodeId(2)).unwrap().unwrap();
+    assert_eq!(controller.engine().pending(), (2, 0));
+    controller.reset();
+    assert_eq!(controller.engine().pending(), (0, 0), "in-flight copies finished before the pools were cleared");
+    assert_eq!(controller.outstanding(), (0, 0, 0));
+    assert_eq!(controller.host().available(), HOST_PAGES);
+    assert_eq!(controller.host().state(pages[0]).unwrap(), PageState::Idle);
+    assert!(controller.take_write_acks(1).is_err(), "no ack of before the reset can be taken");
+    assert_eq!(controller.alloc_device(DEVICE_PAGES).map(|slots| slots.len()), Some(DEVICE_PAGES * PAGE));
+}
+
+#[test]
+fn eviction_checks_states() {
+    let mut controller = controller(Completion::Immediate);
+    let slots = controller.alloc_device(1).unwrap();
+    let pages = controller.write(&slots, NodeId(1)).unwrap().unwrap();
+    let error = controller.evict_device(&slots, &pages).unwrap_err().to_string();
+    assert!(error.contains("expected synced, found protected"), "unacked writes cannot be evicted: {error}");
+    assert!(controller.evict_host(&pages).is_err());
+    controller.take_write_acks(controller.completed_writes()).unwrap();
+    controller.evict_device(&slots, &pages).unwrap();
+    controller.evict_host(&pages).unwrap();
+    assert!(controller.evict_host(&pages).is_err(), "twice");
+    assert!(controller.free_device(&slots).is_err(), "the slots were freed by the eviction");
+}
+
+/// Each rank's copies finish at different times; every check, each rank counts its finished writes and all take
+/// the MIN — entered unconditionally, every tick, whatever the local state (§17 item 16). The allocators end equal.
+#[test]
+fn tp_ranks_stay_in_step_through_one_min_per_check() {
+    const RANKS: usize = 4;
+    let groups = InProcessGroup::new(RANKS, Duration::from_secs(30)).unwrap();
+    let threads: Vec<_> = groups
+        .into_iter()
+        .map(|mut group| {
+            std::thread::spawn(move || {
+                let mut controller = controller(Completion::Manual);
+                let mut taken = Vec::new();
+                for tick in 0..12usize {
+                    if tick < 4 {
+                        let slots = controller.alloc_device(1).unwrap();
+                        controller.write(&slots, NodeId(tick as u64)).unwrap().unwrap();
+                    }
+                    // rank r finishes one copy on ticks where (tick + r) % 3 != 0
+                    if (tick + group.rank()) % 3 != 0 {
+                        controller.engine().complete_next(Stream::Write);
+                    }
+                    let mut counts = [controller.completed_writes() as i64];
+                    group.all_reduce(&mut counts, ReduceOp::Min).unwrap();
+                    for ack in controller.take_write_acks(counts[0] as usize).unwrap() {
+                        taken.push((tick, ack.node_ids[0]));
+                    }
+                }
+                controller.engine().run_pending();
+                let mut counts = [controller.completed_writes() as i64];
+                group.all_reduce(&mut counts, ReduceOp::Min).unwrap();
+                controller.take_write_acks(counts[0] as usize).unwrap();
+                (taken, controller.host().states().to_vec())
+            })
+        })
+        .collect();
+    let results: Vec<_> = threads.into_iter().map(|thread| thread.join().unwrap()).collect();
+    for result in &results[1..] {
+        assert_eq!(result, &results[0], "ranks diverged");
+    }
+    assert!(results[0].1.iter().filter(|&&state| state == PageState::Synced).count() == 4);
+}
