@@ -15,12 +15,18 @@
 //!
 //! Storage (L2↔L3) prefetch and backup, write policies and TP lockstep live beside this and are built on it.
 
+mod hit_query;
+mod release;
+
 use std::collections::VecDeque;
 
 use crate::error::Error;
 use crate::host_pool::{HostPageAllocator, HostPageId};
 use crate::ops::{CacheOperation, DeviceSlot, NodeId, OpIds};
 use crate::transfer::{LayerDoneCounter, SlotBusy, SlotReuse, TransferEngine, TransferEvent};
+
+pub use hit_query::{HitQuery, storage_hit_query};
+pub use release::{Release, ReleaseLedger};
 
 /// A finished (or finishing) transfer: its event and the tree nodes whose data it moved.
 #[derive(Clone, Debug)]
