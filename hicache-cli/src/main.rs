@@ -25,6 +25,9 @@ enum Command {
     /// Measure performance; each figure is printed next to a reference measured in the same run.
     #[command(subcommand)]
     Bench(commands::bench::BenchCommand),
+    /// Check configuration files.
+    #[command(subcommand)]
+    Config(commands::config::ConfigCommand),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +35,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Hash(args) => commands::hash::run(&args),
         Command::Bench(command) => commands::bench::run(&command),
+        Command::Config(command) => commands::config::run(&command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -220,3 +220,28 @@ fn backends_not_compiled_in_say_how_to_rebuild() {
     assert!(stderr(&output).contains("floppy"), "{}", stderr(&output));
     assert_usage_error(&hicache(&["bench", "storage", "--page-bytes", "3"], ""), "--page-bytes even");
 }
+
+#[test]
+fn config_check_prints_resolved_values_and_names_bad_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.json");
+    std::fs::write(&good, r#"{"page_size": 64, "write_policy": "write_back", "storage_backend": "file"}"#).unwrap();
+    let output = hicache(&["config", "check", "--json", good.to_str().unwrap()], "");
+    assert!(output.status.success(), "{}", stderr(&output));
+    let resolved: Value = serde_json::from_str(&stdout(&output)).unwrap();
+    assert_eq!(resolved["page_size"], 64);
+    assert_eq!(resolved["write_policy"], "write_back");
+    assert_eq!(resolved["prefetch_threshold"], 256, "defaults are filled in");
+    let text = stdout(&hicache(&["config", "check", good.to_str().unwrap()], ""));
+    assert!(text.contains("valid") && text.contains("storage_batch_pages = 128"), "{text}");
+
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, r#"{"page_size": 64, "prefetch_policy": "eventually"}"#).unwrap();
+    let output = hicache(&["config", "check", bad.to_str().unwrap()], "");
+    assert_usage_error(&output, "config field `prefetch_policy`: unknown variant `eventually`");
+    assert!(stderr(&output).contains("wait_complete"), "the allowed values are listed: {}", stderr(&output));
+    assert_usage_error(
+        &hicache(&["config", "check", "/no/such/config.json"], ""),
+        "cannot read config file /no/such/config.json",
+    );
+}

@@ -2,4 +2,5 @@
 
 pub(crate) mod bench;
 pub(crate) mod bench_storage;
+pub(crate) mod config;
 pub(crate) mod hash;
