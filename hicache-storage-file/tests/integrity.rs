@@ -149,7 +149,10 @@ fn capacity_evicts_least_recently_used_pages_and_survives_a_restart() {
     let storage = FileStorage::open(config.clone(), &namespace("m")).unwrap();
     let keys = random_keys(6);
     let pages = random_pages(6, PAGE);
-    put(&storage, &keys[..3], &pages[..3]);
+    // one page per call: within one batch the pages are written in parallel, in no defined recency order
+    for index in 0..3 {
+        put(&storage, &keys[index..=index], &pages[index..=index]);
+    }
     assert_eq!(storage.usage(), Some((3, 3 * file_bytes)));
     // reading page 0 makes it recent, so page 1 is the least recently used
     assert_eq!(fetch(&storage, &keys[..1], PAGE, 0).0, [GetOutcome::Hit]);
