@@ -18,6 +18,7 @@
 mod index;
 mod page_file;
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -343,11 +344,22 @@ impl StorageBackend for FileStorage {
         check_batch(keys.len(), pages.len())?;
         let mut sources: Vec<&PageSegments<'_>> = pages.iter().collect();
         let mut outcomes = self.in_parallel(keys, &mut sources, |key, page| self.set_one(key, page));
-        // a key repeated in the batch may have been written by two threads: the second rename replaced identical
-        // bytes, but only one write stored the page
-        for later in 1..keys.len() {
-            if outcomes[later] == SetOutcome::Stored && keys[..later].contains(&keys[later]) {
-                outcomes[later] = SetOutcome::AlreadyPresent;
+        // a key repeated in the batch may have been written by two threads, in either order: one write stored the
+        // page, so the first occurrence reports it stored and the others present
+        let written: HashSet<PageKey> = keys
+            .iter()
+            .zip(&outcomes)
+            .filter(|(_, outcome)| **outcome == SetOutcome::Stored)
+            .map(|(key, _)| *key)
+            .collect();
+        let mut reported = HashSet::new();
+        for (key, outcome) in keys.iter().zip(outcomes.iter_mut()) {
+            if outcome.is_stored() {
+                *outcome = if written.contains(key) && reported.insert(*key) {
+                    SetOutcome::Stored
+                } else {
+                    SetOutcome::AlreadyPresent
+                };
             }
         }
         self.stats.record_set(&outcomes, |_| self.shape.page_bytes);
