@@ -38,6 +38,19 @@ fn item(controller: &CacheController<CpuEngine>, slot: DeviceSlot, layer: usize,
     controller.engine().with_device(|bytes| bytes[offset..offset + map.geometry().item_bytes()].to_vec())
 }
 
+/// Writes `count` device pages to the host, acks the write and drops the device copy: host pages in the backup state.
+fn host_only_pages(
+    controller: &mut CacheController<CpuEngine>,
+    count: usize,
+) -> Vec<hicache_core::host_pool::HostPageId> {
+    let slots = controller.alloc_device(count).unwrap();
+    let pages = controller.write(&slots, NodeId(1)).unwrap().unwrap();
+    controller.engine().run_pending();
+    controller.take_write_acks(1).unwrap();
+    controller.evict_device(&slots, &pages).unwrap();
+    pages
+}
+
 #[test]
 fn writes_are_acked_after_the_copy_and_only_then_synced() {
     let mut controller = controller(Completion::Manual);
@@ -79,11 +92,7 @@ fn pools_that_are_full_say_so_and_allocate_nothing() {
 #[test]
 fn a_fourth_load_waits_or_is_refused_never_asserts() {
     let mut controller = controller(Completion::Manual);
-    let slots = controller.alloc_device(4).unwrap();
-    let pages = controller.write(&slots, NodeId(1)).unwrap().unwrap();
-    controller.engine().run_pending();
-    controller.take_write_acks(1).unwrap();
-    controller.evict_device(&slots, &pages).unwrap();
+    let pages = host_only_pages(&mut controller, 4);
     for (round, page) in pages.iter().enumerate().take(3) {
         controller.load(std::slice::from_ref(page), NodeId(10 + round as u64), None).unwrap().unwrap();
         assert_eq!(controller.start_loading(SlotReuse::Refuse).unwrap(), Ok(Some(round)));
@@ -99,11 +108,7 @@ fn a_fourth_load_waits_or_is_refused_never_asserts() {
 #[test]
 fn the_forward_pass_waits_layer_by_layer() {
     let mut controller = controller(Completion::Manual);
-    let slots = controller.alloc_device(1).unwrap();
-    let pages = controller.write(&slots, NodeId(1)).unwrap().unwrap();
-    controller.engine().run_pending();
-    controller.take_write_acks(1).unwrap();
-    controller.evict_device(&slots, &pages).unwrap();
+    let pages = host_only_pages(&mut controller, 1);
     controller.load(&pages, NodeId(2), None).unwrap().unwrap();
     let slot = controller.start_loading(SlotReuse::Refuse).unwrap().unwrap();
     controller.layers().set_consumer(slot);
