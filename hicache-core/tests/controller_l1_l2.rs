@@ -44,7 +44,7 @@ fn host_only_pages(
     count: usize,
 ) -> Vec<hicache_core::host_pool::HostPageId> {
     let slots = controller.alloc_device(count).unwrap();
-    let pages = controller.write(&slots, NodeId(1)).unwrap().unwrap();
+    let pages = controller.write(&slots, NodeId(1), None).unwrap().unwrap();
     controller.engine().run_pending();
     controller.take_write_acks(1).unwrap();
     controller.evict_device(&slots, &pages).unwrap();
@@ -55,7 +55,7 @@ fn host_only_pages(
 fn writes_are_acked_after_the_copy_and_only_then_synced() {
     let mut controller = controller(Completion::Manual);
     let slots = controller.alloc_device(2).unwrap();
-    let pages = controller.write(&slots, NodeId(7)).unwrap().unwrap();
+    let pages = controller.write(&slots, NodeId(7), None).unwrap().unwrap();
     assert_eq!(controller.host().state(pages[0]).unwrap(), PageState::Protected);
     assert_eq!(controller.completed_writes(), 0, "held in flight");
     assert!(controller.engine().complete_next(Stream::Write));
@@ -81,11 +81,11 @@ fn pools_that_are_full_say_so_and_allocate_nothing() {
     let mut controller = controller(Completion::Immediate);
     let slots = controller.alloc_device(DEVICE_PAGES).unwrap();
     assert!(controller.alloc_device(1).is_none());
-    assert!(controller.write(&slots, NodeId(1)).unwrap().is_some());
+    assert!(controller.write(&slots, NodeId(1), None).unwrap().is_some());
     assert_eq!(controller.host().available(), HOST_PAGES - DEVICE_PAGES);
-    assert!(controller.write(&slots, NodeId(2)).unwrap().is_none(), "6 more pages do not fit in 2");
+    assert!(controller.write(&slots, NodeId(2), None).unwrap().is_none(), "6 more pages do not fit in 2");
     assert_eq!(controller.host().available(), HOST_PAGES - DEVICE_PAGES, "a refused write allocates nothing");
-    let error = controller.write(&slots[..3], NodeId(3)).unwrap_err().to_string();
+    let error = controller.write(&slots[..3], NodeId(3), None).unwrap_err().to_string();
     assert!(error.contains("3 slots are not whole pages of 2"), "{error}");
 }
 
@@ -122,8 +122,8 @@ fn the_forward_pass_waits_layer_by_layer() {
 fn reset_quiesces_and_leaves_nothing_stale() {
     let mut controller = controller(Completion::Manual);
     let slots = controller.alloc_device(3).unwrap();
-    let pages = controller.write(&slots[..4], NodeId(1)).unwrap().unwrap();
-    controller.write(&slots[4..], NodeId(2)).unwrap().unwrap();
+    let pages = controller.write(&slots[..4], NodeId(1), None).unwrap().unwrap();
+    controller.write(&slots[4..], NodeId(2), None).unwrap().unwrap();
     assert_eq!(controller.engine().pending(), (2, 0));
     controller.reset();
     assert_eq!(controller.engine().pending(), (0, 0), "in-flight copies finished before the pools were cleared");
@@ -138,7 +138,7 @@ fn reset_quiesces_and_leaves_nothing_stale() {
 fn eviction_checks_states() {
     let mut controller = controller(Completion::Immediate);
     let slots = controller.alloc_device(1).unwrap();
-    let pages = controller.write(&slots, NodeId(1)).unwrap().unwrap();
+    let pages = controller.write(&slots, NodeId(1), None).unwrap().unwrap();
     let error = controller.evict_device(&slots, &pages).unwrap_err().to_string();
     assert!(error.contains("expected synced, found protected"), "unacked writes cannot be evicted: {error}");
     assert!(controller.evict_host(&pages).is_err());
@@ -164,7 +164,7 @@ fn tp_ranks_stay_in_step_through_one_min_per_check() {
                 for tick in 0..12usize {
                     if tick < 4 {
                         let slots = controller.alloc_device(1).unwrap();
-                        controller.write(&slots, NodeId(tick as u64)).unwrap().unwrap();
+                        controller.write(&slots, NodeId(tick as u64), None).unwrap().unwrap();
                     }
                     // rank r finishes one copy on ticks where (tick + r) % 3 != 0
                     if (tick + group.rank()) % 3 != 0 {

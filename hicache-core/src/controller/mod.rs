@@ -13,20 +13,32 @@
 //! * [`reset`](CacheController::reset) waits for every transfer in flight, then clears queues, acks, slots and both
 //!   allocators and restarts the ids: nothing stale survives it (§17 item 14).
 //!
-//! Storage (L2↔L3) prefetch and backup, write policies and TP lockstep live beside this and are built on it.
+//!
+//! With a storage tier ([`with_storage`](CacheController::with_storage)), a write given page keys goes on to storage
+//! when it is acked, whatever the write policy (SGLang's `write_back` never reaches storage: §17 item 3); its host
+//! pages stay *pinned* (not evictable) until the backup is done. Prefetches and the per-tick TP reduction are in
+//! `prefetch.rs`, the I/O threads in `storage.rs`.
 
 mod hit_query;
+mod prefetch;
 mod release;
+mod storage;
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
 
 use crate::error::Error;
-use crate::host_pool::{HostPageAllocator, HostPageId};
-use crate::ops::{CacheOperation, DeviceSlot, NodeId, OpIds};
+use crate::hash::PageKey;
+use crate::host_pool::{HostPageAllocator, HostPageId, PageState};
+use crate::ops::{CacheOperation, DeviceSlot, NodeId, OpId, OpIds};
+use crate::rate_limit::{Clock, PrefetchCapacity};
+use crate::storage::StorageBackend;
 use crate::transfer::{LayerDoneCounter, SlotBusy, SlotReuse, TransferEngine, TransferEvent};
 
 pub use hit_query::{HitQuery, storage_hit_query};
+pub use prefetch::{PrefetchDone, PrefetchStart, TickReport};
 pub use release::{Release, ReleaseLedger};
+pub use storage::{DEFAULT_TICK_SLOTS, PageBackup, PrefetchExplanation, PrefetchStop, StorageSettings};
 
 /// A finished (or finishing) transfer: its event and the tree nodes whose data it moved.
 #[derive(Clone, Debug)]
@@ -37,6 +49,59 @@ pub struct Ack<E> {
     pub node_ids: Vec<NodeId>,
     /// The host pages the transfer used.
     pub host_pages: Vec<HostPageId>,
+    /// The backup to storage this write started when it was acked, if it had keys and there is a storage tier.
+    pub storage_op: Option<OpId>,
+}
+
+/// A backup to storage finished on every rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackupReport {
+    /// The operation.
+    pub op: OpId,
+    /// The tree nodes whose pages it wrote.
+    pub node_ids: Vec<NodeId>,
+    /// The host pages (unpinned now).
+    pub host_pages: Vec<HostPageId>,
+    /// Each page's outcome on this rank.
+    pub pages: Vec<PageBackup>,
+}
+
+#[derive(Debug)]
+struct BackupEntry {
+    op: OpId,
+    node_ids: Vec<NodeId>,
+    host_pages: Vec<HostPageId>,
+    shared: Arc<storage::BackupShared>,
+}
+
+/// The storage tier and everything in flight to or from it.
+struct StorageHalf {
+    settings: StorageSettings,
+    clock: Arc<dyn Clock>,
+    workers: storage::Workers,
+    capacity: PrefetchCapacity,
+    requests: HashMap<String, OpId>,
+    prefetches: BTreeMap<OpId, prefetch::PrefetchEntry>,
+    backups: VecDeque<BackupEntry>,
+    ledger: ReleaseLedger,
+    /// Host pages backups to storage are reading, with how many backups read each.
+    pins: HashMap<HostPageId, u32>,
+}
+
+impl std::fmt::Debug for StorageHalf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StorageHalf")
+            .field("settings", &self.settings)
+            .field("prefetches", &self.prefetches.len())
+            .field("backups", &self.backups.len())
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug)]
+struct PendingWrite<E> {
+    ack: Ack<E>,
+    keys: Option<Vec<PageKey>>,
 }
 
 /// The controller's L1↔L2 half.
@@ -49,10 +114,11 @@ pub struct CacheController<E: TransferEngine> {
     device: HostPageAllocator,
     ids: OpIds,
     load_queue: Vec<CacheOperation>,
-    write_acks: VecDeque<Ack<E::Event>>,
+    write_acks: VecDeque<PendingWrite<E::Event>>,
     load_acks: VecDeque<Ack<E::Event>>,
     layers: LayerDoneCounter<E::Event>,
     layer_count: usize,
+    storage: Option<StorageHalf>,
 }
 
 impl<E: TransferEngine> CacheController<E> {
@@ -95,7 +161,63 @@ impl<E: TransferEngine> CacheController<E> {
             load_acks: VecDeque::new(),
             layers: LayerDoneCounter::new(),
             layer_count: layers,
+            storage: None,
         })
+    }
+
+    /// Adds a storage tier: starts its I/O threads, which read and write host pages through the engine's
+    /// [`host_memory`](TransferEngine::host_memory). `clock` times prefetches (the `timeout` policy).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the settings' page size differs from the controller's, a batch is empty,
+    /// or the prefetch capacity is zero; [`Error::Internal`] when a thread cannot start.
+    pub fn with_storage(
+        mut self,
+        storage: Arc<dyn StorageBackend>,
+        settings: StorageSettings,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, Error> {
+        if settings.page_size != self.page_size {
+            return Err(Error::InvalidArgument {
+                field: "page_size",
+                reason: format!("storage settings say {}, the controller {}", settings.page_size, self.page_size),
+            });
+        }
+        if settings.batch_pages == 0 || settings.tick_slots == 0 {
+            return Err(Error::InvalidArgument {
+                field: "batch_pages",
+                reason: "storage batches and tick slots must be at least 1".into(),
+            });
+        }
+        let workers = storage::Workers::start(storage, self.engine.host_memory(), &settings)?;
+        self.storage = Some(StorageHalf {
+            capacity: PrefetchCapacity::with_limit(settings.capacity_tokens),
+            settings,
+            clock,
+            workers,
+            requests: HashMap::new(),
+            prefetches: BTreeMap::new(),
+            backups: VecDeque::new(),
+            ledger: ReleaseLedger::new(),
+            pins: HashMap::new(),
+        });
+        Ok(self)
+    }
+
+    /// The page size in tokens.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// Whether a storage tier is attached.
+    pub fn has_storage(&self) -> bool {
+        self.storage.is_some()
+    }
+
+    /// The prefetch capacity account (tokens held by prefetches, and the limit).
+    pub fn prefetch_capacity(&self) -> Option<&PrefetchCapacity> {
+        self.storage.as_ref().map(|storage| &storage.capacity)
     }
 
     /// The engine.
@@ -165,15 +287,30 @@ impl<E: TransferEngine> CacheController<E> {
     }
 
     /// Backs `device_slots` up to new host pages now (one all-layer transfer); `None` when the host pool is full.
+    /// With `keys` (one per page) and a storage tier, the pages go on to storage once the write is acked.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for slots that are not whole pages; the engine's errors (nothing is allocated then).
-    pub fn write(&mut self, device_slots: &[DeviceSlot], node_id: NodeId) -> Result<Option<Vec<HostPageId>>, Error> {
+    /// [`Error::InvalidArgument`] for slots that are not whole pages or keys that are not one per page; the engine's
+    /// errors (nothing is allocated then).
+    pub fn write(
+        &mut self,
+        device_slots: &[DeviceSlot],
+        node_id: NodeId,
+        keys: Option<&[PageKey]>,
+    ) -> Result<Option<Vec<HostPageId>>, Error> {
         if !device_slots.len().is_multiple_of(self.page_size) {
             return Err(Error::InvalidArgument {
                 field: "device_slots",
                 reason: format!("{} slots are not whole pages of {}", device_slots.len(), self.page_size),
+            });
+        }
+        if let Some(keys) = keys
+            && keys.len() * self.page_size != device_slots.len()
+        {
+            return Err(Error::InvalidArgument {
+                field: "keys",
+                reason: format!("{} keys for {} pages", keys.len(), device_slots.len() / self.page_size),
             });
         }
         let Some(host_pages) = self.host.alloc(device_slots.len() / self.page_size) else { return Ok(None) };
@@ -187,7 +324,8 @@ impl<E: TransferEngine> CacheController<E> {
         };
         self.host.protect_write(&host_pages)?;
         self.ids.next_id();
-        self.write_acks.push_back(Ack { finish, node_ids: vec![node_id], host_pages: host_pages.clone() });
+        let ack = Ack { finish, node_ids: vec![node_id], host_pages: host_pages.clone(), storage_op: None };
+        self.write_acks.push_back(PendingWrite { ack, keys: keys.map(<[PageKey]>::to_vec) });
         Ok(Some(host_pages))
     }
 
@@ -236,13 +374,13 @@ impl<E: TransferEngine> CacheController<E> {
         }
         let finish = events.last().expect("at least one layer").clone();
         self.layers.set_layer_events(slot, events);
-        self.load_acks.push_back(Ack { finish, node_ids: op.node_ids, host_pages: op.host_pages });
+        self.load_acks.push_back(Ack { finish, node_ids: op.node_ids, host_pages: op.host_pages, storage_op: None });
         Ok(Ok(Some(slot)))
     }
 
     /// Writes whose transfer is done, counted from the oldest and stopping at the first still in flight.
     pub fn completed_writes(&self) -> usize {
-        self.write_acks.iter().take_while(|ack| ack.finish.is_complete()).count()
+        self.write_acks.iter().take_while(|write| write.ack.finish.is_complete()).count()
     }
 
     /// Loads whose transfer is done, counted from the oldest and stopping at the first still in flight.
@@ -250,18 +388,138 @@ impl<E: TransferEngine> CacheController<E> {
         self.load_acks.iter().take_while(|ack| ack.finish.is_complete()).count()
     }
 
-    /// Takes the `count` oldest write acks (after a TP MIN of [`completed_writes`](Self::completed_writes)); their
-    /// host pages become synced. An ack another rank finished first is waited for.
+    /// Takes the `count` oldest write acks (after a TP MIN of [`completed_writes`](Self::completed_writes); the
+    /// [`tick`](Self::tick) does both); their host pages become synced, and those written with keys start their
+    /// backup to storage. An ack another rank finished first is waited for.
     ///
     /// # Errors
     ///
     /// [`Error::Internal`] when more acks are asked for than were submitted.
     pub fn take_write_acks(&mut self, count: usize) -> Result<Vec<Ack<E::Event>>, Error> {
-        let acks = Self::take(&mut self.write_acks, count, "write")?;
-        for ack in &acks {
+        if count > self.write_acks.len() {
+            return Err(Error::Internal(format!("{count} write acks asked for, {} submitted", self.write_acks.len())));
+        }
+        let writes: Vec<PendingWrite<E::Event>> = self.write_acks.drain(..count).collect();
+        let mut acks = Vec::with_capacity(writes.len());
+        for PendingWrite { mut ack, keys } in writes {
+            ack.finish.wait();
             self.host.complete_io(&ack.host_pages)?;
+            if let Some(keys) = keys {
+                ack.storage_op = self.backup_to_storage(&ack.host_pages, keys, ack.node_ids.clone())?;
+            }
+            acks.push(ack);
         }
         Ok(acks)
+    }
+
+    /// Waits for every write in flight and takes all acks: what `write_back` eviction needs before it drops the
+    /// device copy. Every rank has the same writes queued, so the count needs no collective.
+    ///
+    /// # Errors
+    ///
+    /// As [`take_write_acks`](Self::take_write_acks).
+    pub fn take_all_write_acks(&mut self) -> Result<Vec<Ack<E::Event>>, Error> {
+        self.take_write_acks(self.write_acks.len())
+    }
+
+    /// Starts a backup of synced or backed-up host pages to storage and pins them until it is done; `None` without a
+    /// storage tier. MLA ranks other than 0 skip the write and finish at once.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when there is not one key per page; [`Error::PageState`] for pages in other
+    /// states.
+    pub fn backup_to_storage(
+        &mut self,
+        host_pages: &[HostPageId],
+        keys: Vec<PageKey>,
+        node_ids: Vec<NodeId>,
+    ) -> Result<Option<OpId>, Error> {
+        let Some(storage) = &mut self.storage else { return Ok(None) };
+        if keys.len() != host_pages.len() {
+            return Err(Error::InvalidArgument {
+                field: "keys",
+                reason: format!("{} keys for {} host pages", keys.len(), host_pages.len()),
+            });
+        }
+        for &page in host_pages {
+            let state = self.host.state(page)?;
+            if !matches!(state, PageState::Synced | PageState::Backup) {
+                return Err(Error::PageState {
+                    page: page.to_string(),
+                    operation: "backup_to_storage",
+                    expected: "synced or backup".into(),
+                    found: state.to_string(),
+                });
+            }
+        }
+        let op = self.ids.next_id();
+        let shared = Arc::new(storage::BackupShared::new(host_pages.len()));
+        if storage.settings.backup_skip {
+            *shared.pages.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) =
+                vec![PageBackup::Skipped; host_pages.len()];
+            shared.done.set();
+        } else {
+            storage.workers.backup(shared.clone(), host_pages.to_vec(), keys);
+        }
+        for &page in host_pages {
+            *storage.pins.entry(page).or_default() += 1;
+        }
+        storage.backups.push_back(BackupEntry { op, node_ids, host_pages: host_pages.to_vec(), shared });
+        Ok(Some(op))
+    }
+
+    /// Backups to storage that are done, counted from the oldest and stopping at the first still running.
+    pub fn completed_backups(&self) -> usize {
+        self.storage
+            .as_ref()
+            .map_or(0, |storage| storage.backups.iter().take_while(|backup| backup.shared.done.is_set()).count())
+    }
+
+    /// Takes the `count` oldest finished backups (after a TP MIN of [`completed_backups`](Self::completed_backups);
+    /// the tick does both) and unpins their pages.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Internal`] when more are asked for than were submitted.
+    pub fn take_backups(&mut self, count: usize) -> Result<Vec<BackupReport>, Error> {
+        let Some(storage) = &mut self.storage else {
+            return if count == 0 { Ok(Vec::new()) } else { Err(Error::Internal("no storage tier".into())) };
+        };
+        if count > storage.backups.len() {
+            return Err(Error::Internal(format!("{count} backups asked for, {} submitted", storage.backups.len())));
+        }
+        let mut reports = Vec::with_capacity(count);
+        for backup in storage.backups.drain(..count) {
+            backup.shared.done.wait();
+            for page in &backup.host_pages {
+                if let Some(pins) = storage.pins.get_mut(page) {
+                    *pins -= 1;
+                    if *pins == 0 {
+                        storage.pins.remove(page);
+                    }
+                }
+            }
+            let pages =
+                std::mem::take(&mut *backup.shared.pages.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+            reports.push(BackupReport {
+                op: backup.op,
+                node_ids: backup.node_ids,
+                host_pages: backup.host_pages,
+                pages,
+            });
+        }
+        Ok(reports)
+    }
+
+    /// Backups to storage submitted and not yet taken.
+    pub fn backups_in_flight(&self) -> usize {
+        self.storage.as_ref().map_or(0, |storage| storage.backups.len())
+    }
+
+    /// Whether any of `host_pages` is being written to storage (and so cannot be evicted).
+    pub fn is_pinned(&self, host_pages: &[HostPageId]) -> bool {
+        self.storage.as_ref().is_some_and(|storage| host_pages.iter().any(|page| storage.pins.contains_key(page)))
     }
 
     /// Takes the `count` oldest load acks; their host pages become synced (host and device hold the same data).
@@ -303,17 +561,52 @@ impl<E: TransferEngine> CacheController<E> {
     ///
     /// # Errors
     ///
-    /// [`Error::PageState`] when a page is not in the backup state (nothing is freed then).
+    /// [`Error::PageState`] when a page is not in the backup state or a backup to storage is reading it (nothing is
+    /// freed then).
     pub fn evict_host(&mut self, host_pages: &[HostPageId]) -> Result<(), Error> {
-        self.host.expect_state(host_pages, "evict_host", crate::host_pool::PageState::Backup)?;
+        self.host.expect_state(host_pages, "evict_host", PageState::Backup)?;
+        if let Some(storage) = &self.storage
+            && let Some(page) = host_pages.iter().find(|page| storage.pins.contains_key(page))
+        {
+            return Err(Error::PageState {
+                page: page.to_string(),
+                operation: "evict_host",
+                expected: "not pinned by a backup to storage".into(),
+                found: "pinned".into(),
+            });
+        }
         self.host.free(host_pages)
     }
 
-    /// Waits for every transfer in flight, then clears queues, acks, producer slots and both allocators, and
-    /// restarts operation ids.
+    /// Waits for every transfer in flight, stops every prefetch and backup and waits until the I/O threads are done
+    /// with host memory, then clears queues, acks, producer slots, storage records and both allocators, and
+    /// restarts operation ids. Storage keeps its pages.
     pub fn reset(&mut self) {
-        for ack in self.write_acks.iter().chain(&self.load_acks) {
+        for write in &self.write_acks {
+            write.ack.finish.wait();
+        }
+        for ack in &self.load_acks {
             ack.finish.wait();
+        }
+        if let Some(storage) = &mut self.storage {
+            for entry in storage.prefetches.values() {
+                entry.stop_for_reset();
+            }
+            for backup in &storage.backups {
+                backup.shared.cancel.store(true, std::sync::atomic::Ordering::Release);
+            }
+            for entry in storage.prefetches.values() {
+                entry.wait_quiet();
+            }
+            for backup in &storage.backups {
+                backup.shared.done.wait();
+            }
+            storage.requests.clear();
+            storage.prefetches.clear();
+            storage.backups.clear();
+            storage.ledger = ReleaseLedger::new();
+            storage.pins.clear();
+            storage.capacity = PrefetchCapacity::with_limit(storage.settings.capacity_tokens);
         }
         self.layers.reset();
         self.write_acks.clear();

@@ -9,7 +9,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{DeviceLayoutMap, TransferEngine, TransferEvent};
+use super::{DeviceLayoutMap, HostMemory, TransferEngine, TransferEvent};
 use crate::error::Error;
 use crate::host_pool::HostPageId;
 use crate::layout::HostLayoutMap;
@@ -256,6 +256,63 @@ impl CpuEngine {
     }
 }
 
+/// The CPU engine's host pool as [`HostMemory`]: copies under the engine's lock.
+#[derive(Debug)]
+pub struct CpuHostMemory {
+    state: Arc<Mutex<State>>,
+    page_bytes: usize,
+}
+
+impl CpuHostMemory {
+    /// The host buffer's segments of `pages`, in flat page order, after checking the buffer's size.
+    fn segments(state: &State, pages: &[HostPageId], bytes: usize) -> Result<Vec<(usize, usize)>, Error> {
+        let map = state.host_map;
+        if let Some(page) = pages.iter().find(|page| page.index() >= map.pages()) {
+            return Err(Error::InvalidArgument {
+                field: "pages",
+                reason: format!("host {page} out of range ({} pages)", map.pages()),
+            });
+        }
+        let expected = pages.len() * map.page_bytes();
+        if bytes != expected {
+            return Err(Error::InvalidArgument {
+                field: "buffer",
+                reason: format!("{bytes} bytes for {} pages of {}", pages.len(), map.page_bytes()),
+            });
+        }
+        Ok(pages
+            .iter()
+            .flat_map(|page| map.page_segments(page.index()).into_iter().map(|segment| (segment.offset, segment.len)))
+            .collect())
+    }
+}
+
+impl HostMemory for CpuHostMemory {
+    fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+
+    fn read_pages(&self, pages: &[HostPageId], out: &mut [u8]) -> Result<(), Error> {
+        let state = lock(&self.state);
+        let mut at = 0;
+        for (offset, len) in Self::segments(&state, pages, out.len())? {
+            out[at..at + len].copy_from_slice(&state.host[offset..offset + len]);
+            at += len;
+        }
+        Ok(())
+    }
+
+    fn write_pages(&self, pages: &[HostPageId], data: &[u8]) -> Result<(), Error> {
+        let mut state = lock(&self.state);
+        let mut at = 0;
+        for (offset, len) in Self::segments(&state, pages, data.len())? {
+            state.host[offset..offset + len].copy_from_slice(&data[at..at + len]);
+            at += len;
+        }
+        Ok(())
+    }
+}
+
 fn first_repeat<T: Copy + Eq + std::hash::Hash>(items: impl IntoIterator<Item = T>) -> Option<T> {
     let mut seen = HashSet::new();
     items.into_iter().find(|item| !seen.insert(*item))
@@ -263,6 +320,11 @@ fn first_repeat<T: Copy + Eq + std::hash::Hash>(items: impl IntoIterator<Item = 
 
 impl TransferEngine for CpuEngine {
     type Event = CpuEvent;
+
+    fn host_memory(&self) -> Arc<dyn HostMemory> {
+        let page_bytes = lock(&self.state).host_map.page_bytes();
+        Arc::new(CpuHostMemory { state: self.state.clone(), page_bytes })
+    }
 
     fn start_event(&mut self) -> CpuEvent {
         // the caller's work on the CPU is done by the time it asks

@@ -1,0 +1,471 @@
+//! Prefetch from storage and the scheduler's tick: the one point where TP ranks agree on everything that can differ
+//! between them (spec §7.3–§7.5, §8; fixes §17 items 1, 2, 16 and 18).
+//!
+//! A prefetch goes through these steps, each decided at a tick from values reduced over the TP group, so every rank
+//! changes its allocator in the same way at the same tick:
+//!
+//! 1. [`prefetch`](CacheController::prefetch) queues a hit query. No host memory is reserved yet (SGLang reserves
+//!    the whole prompt before it knows the hit, and may evict L2 for it: §17 item 18).
+//! 2. When every rank's query is done, the TP minimum of the hit decides: below the threshold the prefetch is
+//!    revoked; otherwise host pages are reserved for exactly the hit (evicting through the caller's callback when the
+//!    pool is short) and the fetch thread reads them.
+//! 3. The scheduler asks for the result with [`finish_prefetch`](CacheController::finish_prefetch). `best_effort`
+//!    terminates the fetch at once; `wait_complete` waits until every rank's fetch is done; `timeout` waits until
+//!    done or until any rank's limit passed. When every rank's count is final, the TP minimum of the fetched tokens
+//!    is the result: those pages go to the caller, already in the backup state.
+//! 4. Pages past the minimum go back to the allocator when every rank's fetch thread is quiet (it will not touch
+//!    them again): released by (operation, page range), exactly once, on the scheduler's thread (§17 items 1–2).
+//!
+//! The tick's collective has a fixed shape whatever the local state: two counters (write acks, backup acks) and
+//! [`StorageSettings::tick_slots`] prefetch slots of six values, all reduced with one MIN (a MAX is a MIN of the
+//! negation). Every rank enters it once per tick, so no rank can skip a collective another enters (§17 item 16).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::storage::{PrefetchExplanation, PrefetchShared, PrefetchStop};
+use super::{Ack, BackupReport, CacheController};
+use crate::collective::{Collective, ReduceOp};
+use crate::config::PrefetchPolicy;
+use crate::error::Error;
+use crate::hash::PageKey;
+use crate::host_pool::HostPageId;
+use crate::ops::OpId;
+use crate::transfer::TransferEngine;
+
+/// Values per prefetch slot in the tick's collective.
+const SLOT_VALUES: usize = 6;
+/// Counters before the slots: completed writes, completed backups.
+const HEADER: usize = 2;
+
+/// The answer of [`CacheController::prefetch`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PrefetchStart {
+    /// Queued; the result comes from a later tick.
+    Started(OpId),
+    /// Not started, and why.
+    Refused(PrefetchStop),
+}
+
+/// A prefetch whose result is known on every rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefetchDone {
+    /// The request.
+    pub request_id: String,
+    /// Host pages holding the fetched tokens, in order, in the backup state; the caller owns them now (insert them
+    /// into the tree, or give them back with [`CacheController::evict_host`]).
+    pub host_pages: Vec<HostPageId>,
+    /// Their page keys.
+    pub keys: Vec<PageKey>,
+    /// Everything about how it went.
+    pub explanation: PrefetchExplanation,
+}
+
+/// What a tick decided.
+#[derive(Debug)]
+pub struct TickReport<E> {
+    /// Device → host writes acked on every rank; their host pages are synced now.
+    pub write_acks: Vec<Ack<E>>,
+    /// Backups to storage finished on every rank; their host pages are unpinned.
+    pub backups: Vec<BackupReport>,
+    /// Prefetches whose results are known.
+    pub prefetches: Vec<PrefetchDone>,
+}
+
+#[derive(Debug)]
+enum Stage {
+    /// The hit query runs.
+    Querying,
+    /// Host pages reserved; the fetch thread reads them.
+    Fetching { pages: Vec<HostPageId>, keys: Vec<PageKey> },
+    /// Result given; these pages return to the allocator when every rank's fetch thread is quiet.
+    Draining { tail: Vec<HostPageId> },
+}
+
+#[derive(Debug)]
+pub(super) struct PrefetchEntry {
+    request_id: String,
+    tokens: usize,
+    started_at: Duration,
+    shared: Arc<PrefetchShared>,
+    stage: Stage,
+    /// The scheduler asked for the result.
+    wanted: bool,
+    aborted: bool,
+    /// Some rank's `timeout` limit had passed at the last tick.
+    timed_out: bool,
+    /// Tokens counted against the prefetch capacity.
+    admitted: u64,
+    explanation: PrefetchExplanation,
+}
+
+impl PrefetchEntry {
+    pub(super) fn stop_for_reset(&self) {
+        self.shared.progress.terminate();
+    }
+
+    /// Waits until the fetch thread is done with the host pages (at once when none were reserved).
+    pub(super) fn wait_quiet(&self) {
+        if matches!(self.stage, Stage::Fetching { .. } | Stage::Draining { .. }) {
+            self.shared.quiet.wait();
+        }
+    }
+
+    fn in_collective(&self) -> bool {
+        match self.stage {
+            Stage::Querying | Stage::Draining { .. } => true,
+            Stage::Fetching { .. } => self.wanted || self.aborted,
+        }
+    }
+}
+
+/// One prefetch's values in the tick's collective, before and after the MIN.
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    hit_ready: bool,
+    hit_pages: i64,
+    /// The fetched count will not grow: terminated, or the fetch thread is done.
+    last: bool,
+    fetched_tokens: i64,
+    quiet: bool,
+    /// The `timeout` limit has not passed here (reduced: on no rank).
+    in_time: bool,
+}
+
+impl Slot {
+    fn write(self, out: &mut [i64]) {
+        out.copy_from_slice(&[
+            i64::from(self.hit_ready),
+            self.hit_pages,
+            i64::from(self.last),
+            self.fetched_tokens,
+            i64::from(self.quiet),
+            i64::from(self.in_time),
+        ]);
+    }
+
+    fn read(values: &[i64]) -> Self {
+        Self {
+            hit_ready: values[0] == 1,
+            hit_pages: values[1],
+            last: values[2] == 1,
+            fetched_tokens: values[3],
+            quiet: values[4] == 1,
+            in_time: values[5] == 1,
+        }
+    }
+}
+
+impl<E: TransferEngine> CacheController<E> {
+    /// Starts a prefetch of `tokens` (whole pages are asked for; a partial tail is dropped) for `request_id`, chained
+    /// from `last_key`, the key of the last page the request has on the host.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the request already has a prefetch.
+    pub fn prefetch(
+        &mut self,
+        request_id: &str,
+        tokens: &[u32],
+        last_key: Option<PageKey>,
+    ) -> Result<PrefetchStart, Error> {
+        let Some(storage) = &mut self.storage else { return Ok(PrefetchStart::Refused(PrefetchStop::NoStorage)) };
+        if storage.requests.contains_key(request_id) {
+            return Err(Error::InvalidArgument {
+                field: "request_id",
+                reason: format!("request {request_id} has a prefetch already"),
+            });
+        }
+        let whole = tokens.len() - tokens.len() % self.page_size;
+        if whole < storage.settings.prefetch_threshold {
+            return Ok(PrefetchStart::Refused(PrefetchStop::BelowThreshold));
+        }
+        if !storage.capacity.try_admit(whole as u64) {
+            return Ok(PrefetchStart::Refused(PrefetchStop::CapacityLimited));
+        }
+        let op = self.ids.next_id();
+        let shared = Arc::new(PrefetchShared::default());
+        storage.workers.query(shared.clone(), tokens[..whole].to_vec(), last_key);
+        let started_at = storage.clock.now();
+        let explanation = PrefetchExplanation {
+            request_id: request_id.to_owned(),
+            op,
+            requested_tokens: whole,
+            threshold: storage.settings.prefetch_threshold,
+            local_hit_tokens: 0,
+            tp_min_hit_tokens: 0,
+            reserved_tokens: 0,
+            local_fetched_tokens: 0,
+            fetched_tokens: 0,
+            elapsed: Duration::ZERO,
+            stop: PrefetchStop::Revoked,
+            error: None,
+        };
+        storage.requests.insert(request_id.to_owned(), op);
+        storage.prefetches.insert(
+            op,
+            PrefetchEntry {
+                request_id: request_id.to_owned(),
+                tokens: whole,
+                started_at,
+                shared,
+                stage: Stage::Querying,
+                wanted: false,
+                aborted: false,
+                timed_out: false,
+                admitted: whole as u64,
+                explanation,
+            },
+        );
+        Ok(PrefetchStart::Started(op))
+    }
+
+    /// Whether `request_id` has a prefetch whose result is not known yet.
+    pub fn prefetch_pending(&self, request_id: &str) -> bool {
+        self.storage.as_ref().and_then(|storage| storage.requests.get(request_id)).is_some()
+    }
+
+    /// The scheduler wants `request_id` now: its prefetch stops as the policy allows, and the result comes from a
+    /// tick. `best_effort` terminates the fetch at once. False when the request has no pending prefetch.
+    pub fn finish_prefetch(&mut self, request_id: &str) -> bool {
+        let Some(entry) = self.prefetch_entry(request_id) else { return false };
+        entry.wanted = true;
+        if self.storage.as_ref().is_some_and(|storage| storage.settings.policy == PrefetchPolicy::BestEffort) {
+            self.prefetch_entry(request_id).expect("found above").shared.progress.terminate();
+        }
+        true
+    }
+
+    /// Aborts `request_id`'s prefetch: it stops at once and keeps nothing; its pages return at a tick. False when
+    /// the request has no pending prefetch.
+    pub fn abort_prefetch(&mut self, request_id: &str) -> bool {
+        let Some(entry) = self.prefetch_entry(request_id) else { return false };
+        entry.aborted = true;
+        entry.shared.progress.terminate();
+        true
+    }
+
+    fn prefetch_entry(&mut self, request_id: &str) -> Option<&mut PrefetchEntry> {
+        let storage = self.storage.as_mut()?;
+        let op = storage.requests.get(request_id)?;
+        storage.prefetches.get_mut(op)
+    }
+
+    /// Tokens this rank has fetched so far for `request_id`'s pending prefetch.
+    pub fn prefetch_progress(&self, request_id: &str) -> Option<usize> {
+        let storage = self.storage.as_ref()?;
+        let entry = storage.prefetches.get(storage.requests.get(request_id)?)?;
+        Some(entry.shared.progress.completed() as usize)
+    }
+
+    /// Prefetches not finished, including those whose pages are still draining.
+    pub fn prefetches_in_flight(&self) -> usize {
+        self.storage.as_ref().map_or(0, |storage| storage.prefetches.len())
+    }
+
+    /// The scheduler's tick without host eviction: see [`tick_with`](Self::tick_with).
+    ///
+    /// # Errors
+    ///
+    /// As [`tick_with`](Self::tick_with).
+    pub fn tick(&mut self, collective: &mut dyn Collective) -> Result<TickReport<E::Event>, Error> {
+        self.tick_with(collective, &mut |_, _| {})
+    }
+
+    /// The scheduler's tick: one fixed-shape collective, then everything it decided: write acks (their storage
+    /// backups start), finished backups, prefetch hits (host pages reserved, evicting through `evict_host(self,
+    /// pages)` when the pool is short, as SGLang's `evict_host` and retry), prefetch results, drained pages.
+    ///
+    /// # Errors
+    ///
+    /// The collective's errors (the group is broken then, and nothing was changed); allocator errors (bugs).
+    pub fn tick_with(
+        &mut self,
+        collective: &mut dyn Collective,
+        evict_host: &mut dyn FnMut(&mut Self, usize),
+    ) -> Result<TickReport<E::Event>, Error> {
+        let slots = self.storage.as_ref().map_or(0, |storage| storage.settings.tick_slots);
+        let mut values = vec![0i64; HEADER + slots * SLOT_VALUES];
+        values[0] = self.completed_writes() as i64;
+        let mut ops = Vec::new();
+        if let Some(storage) = &mut self.storage {
+            values[1] = storage.backups.iter().take_while(|backup| backup.shared.done.is_set()).count() as i64;
+            let now = storage.clock.now();
+            for (op, entry) in storage.prefetches.iter_mut().filter(|(_, entry)| entry.in_collective()).take(slots) {
+                if entry.timed_out && entry.wanted {
+                    entry.shared.progress.terminate();
+                }
+                let limit = storage.settings.timeout(entry.tokens);
+                let quiet = entry.shared.quiet.is_set();
+                let terminated = entry.shared.progress.is_terminated();
+                let slot = Slot {
+                    hit_ready: entry.shared.hit.get().is_some(),
+                    hit_pages: entry.shared.hit.get().map_or(0, |hit| hit.keys.len() as i64),
+                    last: quiet || terminated,
+                    fetched_tokens: entry.shared.progress.completed() as i64,
+                    quiet,
+                    in_time: !(storage.settings.policy == PrefetchPolicy::Timeout
+                        && entry.wanted
+                        && now.saturating_sub(entry.started_at) > limit),
+                };
+                slot.write(&mut values[HEADER + ops.len() * SLOT_VALUES..][..SLOT_VALUES]);
+                ops.push(*op);
+            }
+        }
+        collective.all_reduce(&mut values, ReduceOp::Min)?;
+
+        let mut report = TickReport { write_acks: Vec::new(), backups: Vec::new(), prefetches: Vec::new() };
+        report.write_acks = self.take_write_acks(values[0] as usize)?;
+        report.backups = self.take_backups(values[1] as usize)?;
+        for (index, op) in ops.into_iter().enumerate() {
+            let slot = Slot::read(&values[HEADER + index * SLOT_VALUES..][..SLOT_VALUES]);
+            let storage = self.storage.as_mut().expect("slots only with storage");
+            let mut entry = storage.prefetches.remove(&op).expect("slots name live prefetches");
+            let done = match entry.stage {
+                Stage::Querying if slot.hit_ready => {
+                    self.reserve(op, &mut entry, slot.hit_pages as usize, evict_host)?
+                }
+                Stage::Fetching { .. } => {
+                    entry.timed_out = !slot.in_time;
+                    if slot.last { self.resolve(&mut entry, slot)? } else { None }
+                }
+                Stage::Draining { .. } if slot.quiet => {
+                    self.drain(&mut entry)?;
+                    None
+                }
+                Stage::Querying | Stage::Draining { .. } => None,
+            };
+            report.prefetches.extend(done);
+            let storage = self.storage.as_mut().expect("checked above");
+            if matches!(&entry.stage, Stage::Draining { tail } if tail.is_empty()) {
+                // retired: nothing of it is left in the host pool
+                storage.capacity.release(entry.admitted)?;
+            } else {
+                storage.prefetches.insert(op, entry);
+            }
+        }
+        Ok(report)
+    }
+
+    /// The hit is known on every rank: revoke, or reserve host pages for it and start the fetch.
+    fn reserve(
+        &mut self,
+        op: OpId,
+        entry: &mut PrefetchEntry,
+        hit_pages: usize,
+        evict_host: &mut dyn FnMut(&mut Self, usize),
+    ) -> Result<Option<PrefetchDone>, Error> {
+        let found = entry.shared.hit.get().expect("ready on this rank too");
+        entry.explanation.local_hit_tokens = found.keys.len() * self.page_size;
+        entry.explanation.error.clone_from(&found.error);
+        entry.explanation.tp_min_hit_tokens = hit_pages * self.page_size;
+        let threshold = self.storage.as_ref().expect("storage").settings.prefetch_threshold;
+        let policy = self.storage.as_ref().expect("storage").settings.policy;
+        let stop = if entry.aborted {
+            Some(PrefetchStop::Aborted)
+        } else if entry.wanted && policy == PrefetchPolicy::BestEffort {
+            // taken by the scheduler before the hit was known: nothing to wait for
+            Some(PrefetchStop::CutOff)
+        } else if hit_pages * self.page_size < threshold {
+            Some(PrefetchStop::Revoked)
+        } else {
+            None
+        };
+        let pages = match stop {
+            Some(_) => None,
+            None => match self.host.alloc(hit_pages) {
+                Some(pages) => Some(pages),
+                None => {
+                    let short = hit_pages - self.host.available();
+                    evict_host(self, short);
+                    self.host.alloc(hit_pages)
+                }
+            },
+        };
+        let storage = self.storage.as_mut().expect("storage");
+        let Some(pages) = pages else {
+            entry.explanation.stop = stop.unwrap_or(PrefetchStop::HostPoolFull);
+            return Ok(Some(self.finish_entry(entry, Vec::new(), Vec::new())));
+        };
+        // hold the hit's tokens against the capacity from now on, not the whole request's
+        let hit_tokens = (hit_pages * self.page_size) as u64;
+        storage.capacity.release(entry.admitted - hit_tokens)?;
+        entry.admitted = hit_tokens;
+        entry.explanation.reserved_tokens = hit_pages * self.page_size;
+        let keys = found.keys[..hit_pages].to_vec();
+        storage.ledger.hold(op, pages.clone())?;
+        storage.workers.fetch(entry.shared.clone(), pages.clone(), keys.clone());
+        entry.stage = Stage::Fetching { pages, keys };
+        Ok(None)
+    }
+
+    /// Every rank's count is final: the minimum is the result.
+    fn resolve(&mut self, entry: &mut PrefetchEntry, slot: Slot) -> Result<Option<PrefetchDone>, Error> {
+        if !(entry.wanted || entry.aborted) {
+            return Ok(None);
+        }
+        let Stage::Fetching { pages, keys } = std::mem::replace(&mut entry.stage, Stage::Querying) else {
+            unreachable!("resolve is called on fetching prefetches")
+        };
+        let kept = if entry.aborted { 0 } else { slot.fetched_tokens as usize / self.page_size };
+        let local = entry.shared.progress.completed() as usize;
+        let failure = entry.shared.failure.get().cloned();
+        let policy = self.storage.as_ref().expect("storage").settings.policy;
+        entry.explanation.local_fetched_tokens = local;
+        entry.explanation.fetched_tokens = kept * self.page_size;
+        entry.explanation.stop = if entry.aborted {
+            PrefetchStop::Aborted
+        } else if kept == pages.len() {
+            PrefetchStop::Complete
+        } else if failure.is_some() {
+            PrefetchStop::Failed
+        } else if local > kept * self.page_size {
+            PrefetchStop::TpMinimum
+        } else if policy == PrefetchPolicy::Timeout {
+            PrefetchStop::TimedOut
+        } else {
+            PrefetchStop::CutOff
+        };
+        if failure.is_some() {
+            entry.explanation.error = failure;
+        }
+        let op = entry.explanation.op;
+        let storage = self.storage.as_mut().expect("storage");
+        let given = storage.ledger.release(&super::Release { op, range: 0..kept })?;
+        self.host.update_prefetch(&given)?;
+        entry.stage = Stage::Draining { tail: pages[kept..].to_vec() };
+        let done = self.finish_entry(entry, given, keys[..kept].to_vec());
+        if slot.quiet {
+            self.drain(entry)?;
+        }
+        Ok(Some(done))
+    }
+
+    /// Every rank's fetch thread is done with the pages: the tail goes back to the allocator.
+    fn drain(&mut self, entry: &mut PrefetchEntry) -> Result<(), Error> {
+        let Stage::Draining { tail } = std::mem::replace(&mut entry.stage, Stage::Draining { tail: Vec::new() }) else {
+            unreachable!("drain is called on draining prefetches")
+        };
+        let storage = self.storage.as_mut().expect("storage");
+        let start = entry.explanation.reserved_tokens / self.page_size - tail.len();
+        let release = super::Release { op: entry.explanation.op, range: start..start + tail.len() };
+        let pages = storage.ledger.release(&release)?;
+        self.host.free(&pages)
+    }
+
+    fn finish_entry(&mut self, entry: &mut PrefetchEntry, pages: Vec<HostPageId>, keys: Vec<PageKey>) -> PrefetchDone {
+        let storage = self.storage.as_mut().expect("storage");
+        entry.explanation.elapsed = storage.clock.now().saturating_sub(entry.started_at);
+        storage.requests.remove(&entry.request_id);
+        if matches!(entry.stage, Stage::Querying) {
+            // nothing was reserved
+            entry.stage = Stage::Draining { tail: Vec::new() };
+        }
+        PrefetchDone {
+            request_id: entry.request_id.clone(),
+            host_pages: pages,
+            keys,
+            explanation: entry.explanation.clone(),
+        }
+    }
+}

@@ -1,0 +1,453 @@
+//! The storage half's settings, records and I/O threads (spec §7.2–§7.6).
+//!
+//! Three threads per controller, each taking jobs in order from a channel:
+//! * the **query** thread hashes a prefetch's tokens and asks storage which leading pages it holds
+//!   ([`storage_hit_query`]), batch by batch with early exit; it touches no host memory;
+//! * the **fetch** thread reads the pages of a reserved prefetch, a batch at a time, into host pages, and counts
+//!   them only after their bytes are in host memory ([`Progress`]: data before count); it stops at the first page
+//!   that fails or when the scheduler terminates the prefetch, and then marks the operation *quiet*: it will not
+//!   touch its host pages again, so the scheduler may free them;
+//! * the **backup** thread writes host pages to storage a batch at a time, recording every page's outcome and going
+//!   on past a failed page (SGLang stops at the first failed batch and records nothing: §17 item 27), under an
+//!   optional bandwidth cap.
+//!
+//! The threads never touch the allocators: they report through shared records the scheduler reads at its tick.
+
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::hit_query::storage_hit_query;
+use crate::config::{HiCacheConfig, PrefetchPolicy};
+use crate::error::Error;
+use crate::hash::{PageHasher, PageKey};
+use crate::host_pool::HostPageId;
+use crate::ops::{OpId, Progress};
+use crate::rate_limit::{Admission, Clock, SystemClock, TokenBucket};
+use crate::storage::{GetOutcome, PageSegments, PageSegmentsMut, SetOutcome, StorageBackend};
+use crate::transfer::HostMemory;
+
+/// How the storage half behaves: SGLang's knobs (all configurable here) and this rank's role.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StorageSettings {
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Pages per storage call, for hit queries and I/O (SGLang: 128).
+    pub batch_pages: usize,
+    /// Fewest tokens worth prefetching: requests below it are not queried, hits below it are revoked.
+    pub prefetch_threshold: usize,
+    /// When a prefetch may stop.
+    pub policy: PrefetchPolicy,
+    /// `timeout` policy: base.
+    pub timeout_base: Duration,
+    /// `timeout` policy: added per 1024 tokens.
+    pub timeout_per_ki_token: Duration,
+    /// `timeout` policy: upper bound.
+    pub timeout_max: Duration,
+    /// Tokens ongoing prefetches may hold in the host pool.
+    pub capacity_tokens: u64,
+    /// This rank does not write to storage (MLA ranks other than 0: the latent KV is the same on every rank).
+    pub backup_skip: bool,
+    /// Bandwidth cap of backups in bytes per second; 0 for none.
+    pub write_bytes_per_s: u64,
+    /// Prefetch operations reduced per tick (the fixed shape of the tick's collective); later ones wait a tick.
+    pub tick_slots: usize,
+}
+
+impl StorageSettings {
+    /// Settings from a config, for pools of `host_tokens` and `device_tokens`, on rank `tp_rank` of an MLA model or
+    /// not.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] from [`HiCacheConfig::validated`]; [`Error::InvalidArgument`] when the host pool is
+    /// not larger than the device pool.
+    pub fn from_config(
+        config: &HiCacheConfig,
+        host_tokens: usize,
+        device_tokens: usize,
+        mla: bool,
+        tp_rank: usize,
+    ) -> Result<Self, Error> {
+        let config = config.clone().validated()?;
+        let capacity = crate::rate_limit::PrefetchCapacity::for_pools(
+            host_tokens as u64,
+            device_tokens as u64,
+            config.prefetch_capacity_fraction,
+        )?;
+        Ok(Self {
+            page_size: config.page_size,
+            batch_pages: config.storage_batch_pages,
+            prefetch_threshold: config.effective_prefetch_threshold(),
+            policy: config.prefetch_policy,
+            timeout_base: Duration::from_secs_f64(config.prefetch_timeout_base_s),
+            timeout_per_ki_token: Duration::from_secs_f64(config.prefetch_timeout_per_ki_token_s),
+            timeout_max: Duration::from_secs_f64(config.prefetch_timeout_max_s),
+            capacity_tokens: capacity.limit(),
+            backup_skip: mla && tp_rank != 0,
+            write_bytes_per_s: config.storage_write_bytes_per_s,
+            tick_slots: DEFAULT_TICK_SLOTS,
+        })
+    }
+
+    /// The `timeout` policy's limit for a prefetch of `tokens`: base + per-1K × tokens / 1024, capped.
+    pub fn timeout(&self, tokens: usize) -> Duration {
+        let extra = self.timeout_per_ki_token.as_secs_f64() * tokens as f64 / 1024.0;
+        (self.timeout_base + Duration::from_secs_f64(extra)).min(self.timeout_max)
+    }
+}
+
+/// Prefetch operations per tick unless configured otherwise.
+pub const DEFAULT_TICK_SLOTS: usize = 32;
+
+/// Why a prefetch stopped (or never started).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PrefetchStop {
+    /// The controller has no storage tier.
+    NoStorage,
+    /// The request's uncached tokens are fewer than the threshold: not worth a query.
+    BelowThreshold,
+    /// Ongoing prefetches hold their share of the host pool already.
+    CapacityLimited,
+    /// Storage holds fewer leading tokens than the threshold (TP minimum): nothing was fetched.
+    Revoked,
+    /// The host pool could not hold the hit, even after eviction.
+    HostPoolFull,
+    /// Every hit page arrived on every rank.
+    Complete,
+    /// `best_effort`: the scheduler took the request before every page arrived.
+    CutOff,
+    /// `timeout`: the limit passed on some rank before every page arrived.
+    TimedOut,
+    /// A read failed on this rank.
+    Failed,
+    /// Another rank fetched fewer pages (a failure or a cut-off there): the TP minimum is used.
+    TpMinimum,
+    /// The request was aborted; nothing is kept.
+    Aborted,
+}
+
+/// What happened to one request's prefetch, for logs, metrics and tests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefetchExplanation {
+    /// The request.
+    pub request_id: String,
+    /// The operation.
+    pub op: OpId,
+    /// Whole-page tokens asked for.
+    pub requested_tokens: usize,
+    /// The threshold applied.
+    pub threshold: usize,
+    /// Leading tokens storage holds, as this rank's query found.
+    pub local_hit_tokens: usize,
+    /// The TP minimum of the hit (what was reserved and fetched against).
+    pub tp_min_hit_tokens: usize,
+    /// Tokens of host pages reserved.
+    pub reserved_tokens: usize,
+    /// Tokens this rank had fetched when the prefetch stopped.
+    pub local_fetched_tokens: usize,
+    /// Tokens kept: the TP minimum of the fetched tokens (0 when aborted or revoked).
+    pub fetched_tokens: usize,
+    /// From the call to `prefetch` until the result.
+    pub elapsed: Duration,
+    /// Why it stopped.
+    pub stop: PrefetchStop,
+    /// This rank's storage error, if one ended the query or the fetch.
+    pub error: Option<String>,
+}
+
+/// Outcome of one page of a backup to storage, on this rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PageBackup {
+    /// Written, or already present.
+    Stored,
+    /// Not written by this rank (MLA: rank 0 writes).
+    Skipped,
+    /// The write failed.
+    Failed(String),
+    /// Not attempted: the controller was reset first.
+    Cancelled,
+}
+
+/// A flag the I/O threads set once and the scheduler reads or waits for.
+#[derive(Debug, Default)]
+pub(super) struct Latch {
+    set: Mutex<bool>,
+    changed: Condvar,
+}
+
+impl Latch {
+    pub(super) fn set(&self) {
+        *self.set.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = true;
+        self.changed.notify_all();
+    }
+
+    pub(super) fn is_set(&self) -> bool {
+        *self.set.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub(super) fn wait(&self) {
+        let mut set = self.set.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        while !*set {
+            set = self.changed.wait(set).unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+    }
+}
+
+/// What this rank's query found.
+#[derive(Debug)]
+pub(super) struct HitFound {
+    pub(super) keys: Vec<PageKey>,
+    pub(super) error: Option<String>,
+}
+
+/// A prefetch as the I/O threads and the scheduler share it.
+#[derive(Debug, Default)]
+pub(super) struct PrefetchShared {
+    /// Tokens fetched (bytes in host memory first), and the scheduler's terminate flag.
+    pub(super) progress: Progress,
+    /// Set once by the query thread.
+    pub(super) hit: OnceLock<HitFound>,
+    /// Set by the fetch thread when it is done with the host pages for good.
+    pub(super) quiet: Latch,
+    /// The read error that stopped the fetch, if any.
+    pub(super) failure: OnceLock<String>,
+}
+
+/// A backup as the backup thread and the scheduler share it.
+#[derive(Debug)]
+pub(super) struct BackupShared {
+    pub(super) pages: Mutex<Vec<PageBackup>>,
+    pub(super) cancel: std::sync::atomic::AtomicBool,
+    pub(super) done: Latch,
+}
+
+impl BackupShared {
+    pub(super) fn new(pages: usize) -> Self {
+        Self {
+            pages: Mutex::new(vec![PageBackup::Cancelled; pages]),
+            cancel: std::sync::atomic::AtomicBool::new(false),
+            done: Latch::default(),
+        }
+    }
+}
+
+struct QueryJob {
+    shared: Arc<PrefetchShared>,
+    tokens: Vec<u32>,
+    last_key: Option<PageKey>,
+}
+
+struct FetchJob {
+    shared: Arc<PrefetchShared>,
+    pages: Vec<HostPageId>,
+    keys: Vec<PageKey>,
+}
+
+struct BackupJob {
+    shared: Arc<BackupShared>,
+    pages: Vec<HostPageId>,
+    keys: Vec<PageKey>,
+}
+
+/// The three I/O threads; dropping this closes their channels and joins them.
+pub(super) struct Workers {
+    query: Option<Sender<QueryJob>>,
+    fetch: Option<Sender<FetchJob>>,
+    backup: Option<Sender<BackupJob>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Workers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workers").field("threads", &self.threads.len()).finish()
+    }
+}
+
+#[derive(Clone)]
+struct Io {
+    storage: Arc<dyn StorageBackend>,
+    host: Arc<dyn HostMemory>,
+    page_size: usize,
+    batch_pages: usize,
+}
+
+impl Workers {
+    pub(super) fn start(
+        storage: Arc<dyn StorageBackend>,
+        host: Arc<dyn HostMemory>,
+        settings: &StorageSettings,
+    ) -> Result<Self, Error> {
+        let io = Io { storage, host, page_size: settings.page_size, batch_pages: settings.batch_pages };
+        let (query, query_jobs) = channel();
+        let (fetch, fetch_jobs) = channel();
+        let (backup, backup_jobs) = channel();
+        let spawn = |name: &str, body: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(body)
+                .map_err(|error| Error::Internal(format!("cannot start the {name} thread: {error}")))
+        };
+        let bucket = match settings.write_bytes_per_s {
+            0 => None,
+            rate => Some(TokenBucket::new(rate, rate, SystemClock::new().now())?),
+        };
+        let threads = vec![
+            spawn(
+                "hicache-query",
+                Box::new({
+                    let io = io.clone();
+                    move || run_queries(&io, query_jobs)
+                }),
+            )?,
+            spawn(
+                "hicache-fetch",
+                Box::new({
+                    let io = io.clone();
+                    move || run_fetches(&io, fetch_jobs)
+                }),
+            )?,
+            spawn("hicache-backup", Box::new(move || run_backups(&io, backup_jobs, bucket)))?,
+        ];
+        Ok(Self { query: Some(query), fetch: Some(fetch), backup: Some(backup), threads })
+    }
+
+    pub(super) fn query(&self, shared: Arc<PrefetchShared>, tokens: Vec<u32>, last_key: Option<PageKey>) {
+        send(&self.query, QueryJob { shared, tokens, last_key });
+    }
+
+    pub(super) fn fetch(&self, shared: Arc<PrefetchShared>, pages: Vec<HostPageId>, keys: Vec<PageKey>) {
+        send(&self.fetch, FetchJob { shared, pages, keys });
+    }
+
+    pub(super) fn backup(&self, shared: Arc<BackupShared>, pages: Vec<HostPageId>, keys: Vec<PageKey>) {
+        send(&self.backup, BackupJob { shared, pages, keys });
+    }
+}
+
+fn send<T>(sender: &Option<Sender<T>>, job: T) {
+    // the threads only end when the senders are dropped, and every job catches its own panics
+    sender.as_ref().expect("workers are running").send(job).expect("the I/O thread is running");
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        self.query.take();
+        self.fetch.take();
+        self.backup.take();
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Runs `job`, turning a panic (a bug in a backend) into an error message, so the thread lives on (SGLang's
+/// prefetch thread dies on an uncaught `IOError` and no prefetch completes again: §17 item 11).
+fn guarded<T>(job: impl FnOnce() -> Result<T, Error>) -> Result<T, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)) {
+        Ok(result) => result.map_err(|error| error.to_string()),
+        Err(panic) => Err(format!(
+            "storage backend panicked: {}",
+            panic.downcast_ref::<&str>().copied().or(panic.downcast_ref::<String>().map(String::as_str)).unwrap_or("?")
+        )),
+    }
+}
+
+fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
+    let mut hasher = PageHasher::new();
+    for job in jobs {
+        let found = if job.shared.progress.is_terminated() {
+            HitFound { keys: Vec::new(), error: None }
+        } else {
+            match guarded(|| {
+                storage_hit_query(&*io.storage, &mut hasher, &job.tokens, io.page_size, job.last_key, io.batch_pages)
+            }) {
+                Ok(query) => HitFound { keys: query.keys, error: None },
+                Err(error) => HitFound { keys: Vec::new(), error: Some(error) },
+            }
+        };
+        let _ = job.shared.hit.set(found);
+    }
+}
+
+fn run_fetches(io: &Io, jobs: Receiver<FetchJob>) {
+    let page_bytes = io.host.page_bytes();
+    let mut staging = Vec::new();
+    for job in jobs {
+        let shared = &job.shared;
+        for (pages, keys) in job.pages.chunks(io.batch_pages).zip(job.keys.chunks(io.batch_pages)) {
+            if shared.progress.is_terminated() {
+                break;
+            }
+            staging.resize(pages.len() * page_bytes, 0);
+            let read = guarded(|| {
+                let mut segments: Vec<PageSegmentsMut<'_>> =
+                    staging.chunks_mut(page_bytes).map(|page| vec![page]).collect();
+                io.storage.batch_get(keys, &mut segments)
+            });
+            let (arrived, failure) = match read {
+                Ok(outcomes) => {
+                    let arrived = outcomes.iter().take_while(|outcome| **outcome == GetOutcome::Hit).count();
+                    let failure = outcomes.get(arrived).map(|outcome| match outcome {
+                        GetOutcome::Miss => format!("page {} was no longer in storage", keys[arrived]),
+                        GetOutcome::Failed(failure) => format!("page {}: {failure}", keys[arrived]),
+                        GetOutcome::Hit => unreachable!("counted above"),
+                    });
+                    (arrived.min(pages.len()), failure)
+                }
+                Err(error) => (0, Some(error)),
+            };
+            let copied = io.host.write_pages(&pages[..arrived], &staging[..arrived * page_bytes]);
+            let failure = failure.or_else(|| copied.as_ref().err().map(ToString::to_string));
+            if copied.is_ok() && arrived > 0 && shared.progress.increment((arrived * io.page_size) as u64).is_err() {
+                break;
+            }
+            if let Some(failure) = failure {
+                let _ = shared.failure.set(failure);
+                break;
+            }
+        }
+        shared.quiet.set();
+    }
+}
+
+fn run_backups(io: &Io, jobs: Receiver<BackupJob>, mut bucket: Option<TokenBucket>) {
+    let page_bytes = io.host.page_bytes();
+    let clock = SystemClock::new();
+    let mut staging = Vec::new();
+    for job in jobs {
+        let mut outcomes = Vec::with_capacity(job.pages.len());
+        for (pages, keys) in job.pages.chunks(io.batch_pages).zip(job.keys.chunks(io.batch_pages)) {
+            if job.shared.cancel.load(std::sync::atomic::Ordering::Acquire) {
+                break;
+            }
+            if let Some(bucket) = &mut bucket {
+                while let Admission::Wait(wait) = bucket.try_acquire((pages.len() * page_bytes) as u64, clock.now()) {
+                    std::thread::sleep(wait);
+                }
+            }
+            staging.resize(pages.len() * page_bytes, 0);
+            let result = match io.host.read_pages(pages, &mut staging) {
+                Ok(()) => guarded(|| {
+                    let segments: Vec<PageSegments<'_>> = staging.chunks(page_bytes).map(|page| vec![page]).collect();
+                    io.storage.batch_set(keys, &segments)
+                }),
+                Err(error) => Err(error.to_string()),
+            };
+            match result {
+                Ok(results) => outcomes.extend(results.into_iter().map(|outcome| match outcome {
+                    SetOutcome::Stored | SetOutcome::AlreadyPresent => PageBackup::Stored,
+                    SetOutcome::Failed(failure) => PageBackup::Failed(failure.to_string()),
+                })),
+                Err(error) => outcomes.extend(pages.iter().map(|_| PageBackup::Failed(error.clone()))),
+            }
+        }
+        let mut recorded = job.shared.pages.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for (slot, outcome) in recorded.iter_mut().zip(outcomes) {
+            *slot = outcome;
+        }
+        drop(recorded);
+        job.shared.done.set();
+    }
+}

@@ -1,0 +1,581 @@
+//! The controller's storage half on the CPU engine with in-memory and fault-injecting storage: backups that reach
+//! storage under every write policy, prefetches that reserve only the hit, the three stop policies, releases applied
+//! exactly once, and reset as a quiesce. Bytes are checked against a reference built from the device pool here.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use hicache_core::collective::SingleRank;
+use hicache_core::config::PrefetchPolicy;
+use hicache_core::controller::{
+    CacheController, PageBackup, PrefetchDone, PrefetchStart, PrefetchStop, StorageSettings, TickReport,
+};
+use hicache_core::error::Error;
+use hicache_core::geometry::{KvDtype, KvGeometry};
+use hicache_core::hash::{PageKey, PartialPage, page_keys};
+use hicache_core::host_pool::{HostPageId, PageState};
+use hicache_core::layout::{HostLayout, HostLayoutMap};
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::ops::NodeId;
+use hicache_core::rate_limit::{Clock, ManualClock, SystemClock};
+use hicache_core::storage::{
+    FaultPlan, FaultyStorage, GetOutcome, MemoryStorage, MemoryStore, PageSegments, PageSegmentsMut, SetOutcome,
+    StorageBackend, StorageStats,
+};
+use hicache_core::transfer::{Completion, CpuEngine, CpuEvent, DeviceLayoutMap, TransferEngine};
+use rand::RngExt as _;
+
+const PAGE: usize = 4;
+const LAYERS: usize = 2;
+const DEVICE_PAGES: usize = 16;
+const HOST_PAGES: usize = 40;
+const THRESHOLD: usize = 2 * PAGE;
+
+fn geometry() -> KvGeometry {
+    KvGeometry::mha(LAYERS, 1, 4, KvDtype::Bf16).unwrap()
+}
+
+fn namespace(rank: usize, size: usize) -> StorageNamespace {
+    let mut namespace = StorageNamespace::single_rank("storage-test", geometry(), HostLayout::LayerFirst, PAGE);
+    namespace.tp_rank = rank;
+    namespace.tp_size = size;
+    namespace
+}
+
+fn settings(policy: PrefetchPolicy) -> StorageSettings {
+    StorageSettings {
+        page_size: PAGE,
+        batch_pages: 2,
+        prefetch_threshold: THRESHOLD,
+        policy,
+        timeout_base: Duration::from_secs(3),
+        timeout_per_ki_token: Duration::ZERO,
+        timeout_max: Duration::from_secs(3),
+        capacity_tokens: ((HOST_PAGES - DEVICE_PAGES) * PAGE) as u64,
+        backup_skip: false,
+        write_bytes_per_s: 0,
+        tick_slots: 8,
+    }
+}
+
+fn controller(storage: Arc<dyn StorageBackend>, settings: StorageSettings, clock: Arc<dyn Clock>) -> Rig {
+    let device = DeviceLayoutMap::new(geometry(), DEVICE_PAGES * PAGE).unwrap();
+    let host = HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, HOST_PAGES).unwrap();
+    let engine = CpuEngine::new(device, host, Completion::Immediate).unwrap();
+    engine.with_device(|bytes| rand::rng().fill(bytes));
+    CacheController::new(engine, PAGE, HOST_PAGES, DEVICE_PAGES, LAYERS)
+        .unwrap()
+        .with_storage(storage, settings, clock)
+        .unwrap()
+}
+
+type Rig = CacheController<CpuEngine>;
+
+/// The flat pages (spec §3.4) of device slots, built from the device map and the layout's flat order, not through
+/// the engine's copies.
+fn expected_flat_pages(rig: &Rig, slots: &[u32]) -> Vec<u8> {
+    let device = rig.engine().device_map();
+    let host = rig.engine().host_map();
+    let item = geometry().item_bytes();
+    let mut out = vec![0u8; slots.len() / PAGE * host.page_bytes()];
+    rig.engine().with_device(|bytes| {
+        for (page, page_slots) in slots.chunks(PAGE).enumerate() {
+            for (token, &slot) in page_slots.iter().enumerate() {
+                for layer in 0..LAYERS {
+                    for &part in geometry().parts() {
+                        let from = device.item_offset(slot as usize, layer, part);
+                        let to = page * host.page_bytes() + host.flat_offset(token, layer, part);
+                        out[to..to + item].copy_from_slice(&bytes[from..from + item]);
+                    }
+                }
+            }
+        }
+    });
+    out
+}
+
+fn host_bytes(rig: &Rig, pages: &[HostPageId]) -> Vec<u8> {
+    let mut out = vec![0u8; pages.len() * rig.engine().host_map().page_bytes()];
+    rig.engine().host_memory().read_pages(pages, &mut out).unwrap();
+    out
+}
+
+fn tokens(seed: u32, pages: usize) -> Vec<u32> {
+    (0..(pages * PAGE) as u32).map(|index| seed.wrapping_mul(1_000_003).wrapping_add(index)).collect()
+}
+
+/// Ticks until `done` says so, collecting every report; fails after 10 s.
+fn tick_until(rig: &mut Rig, mut done: impl FnMut(&Rig, &[TickReport<CpuEvent>]) -> bool) -> Vec<TickReport<CpuEvent>> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut reports = Vec::new();
+    loop {
+        reports.push(rig.tick(&mut SingleRank).unwrap());
+        if done(rig, &reports) {
+            return reports;
+        }
+        assert!(Instant::now() < deadline, "not done after 10 s");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+fn prefetch_result(rig: &mut Rig, request: &str) -> PrefetchDone {
+    let reports = tick_until(rig, |_, reports| {
+        reports.iter().any(|report| report.prefetches.iter().any(|done| done.request_id == request))
+    });
+    reports.into_iter().flat_map(|report| report.prefetches).find(|done| done.request_id == request).unwrap()
+}
+
+/// Writes `pages` device pages of `tokens` with keys, acks the write, waits for the backup to storage, and drops
+/// the device copy; returns the device slots (freed) and the expected flat bytes.
+fn store_through(rig: &mut Rig, tokens: &[u32]) -> (Vec<PageKey>, Vec<u8>, Vec<HostPageId>) {
+    let keys = page_keys(tokens, PAGE, None, PartialPage::Reject).unwrap();
+    let slots = rig.alloc_device(keys.len()).unwrap();
+    let expected = expected_flat_pages(rig, &slots);
+    let pages = rig.write(&slots, NodeId(1), Some(&keys)).unwrap().unwrap();
+    let reports = tick_until(rig, |_, reports| reports.iter().any(|report| !report.backups.is_empty()));
+    let backup = reports.iter().flat_map(|report| &report.backups).next().unwrap();
+    assert!(backup.pages.iter().all(|page| *page == PageBackup::Stored), "{:?}", backup.pages);
+    rig.evict_device(&slots, &pages).unwrap();
+    (keys, expected, pages)
+}
+
+fn memory(store: &Arc<MemoryStore>, rank: usize, size: usize) -> MemoryStorage {
+    MemoryStorage::shared(store.clone(), &namespace(rank, size))
+}
+
+#[test]
+fn a_stored_prefix_is_prefetched_byte_for_byte_into_a_fresh_host_pool() {
+    let store = MemoryStore::new();
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
+    let mut writer = controller(Arc::new(memory(&store, 0, 1)), settings(PrefetchPolicy::WaitComplete), clock.clone());
+    let prompt = tokens(1, 5);
+    let (keys, expected, _) = store_through(&mut writer, &prompt);
+    assert_eq!(store.len(), 5);
+
+    let mut reader = controller(Arc::new(memory(&store, 0, 1)), settings(PrefetchPolicy::WaitComplete), clock);
+    let mut asked = prompt.clone();
+    asked.extend(tokens(2, 3)); // 3 more pages storage does not hold, and a partial tail
+    asked.extend([7, 7]);
+    assert_eq!(reader.prefetch("r1", &asked, None).unwrap(), PrefetchStart::Started(hicache_core::ops::OpId(1)));
+    assert!(reader.finish_prefetch("r1"));
+    let done = prefetch_result(&mut reader, "r1");
+    assert_eq!(done.keys, keys);
+    assert_eq!(done.explanation.stop, PrefetchStop::Complete);
+    assert_eq!(
+        (done.explanation.requested_tokens, done.explanation.tp_min_hit_tokens, done.explanation.fetched_tokens),
+        (8 * PAGE, 5 * PAGE, 5 * PAGE)
+    );
+    assert_eq!(host_bytes(&reader, &done.host_pages), expected);
+    assert!(done.host_pages.iter().all(|&page| reader.host().state(page).unwrap() == PageState::Backup));
+    // the caller owns them: it can load them to the device, or give them back
+    reader.evict_host(&done.host_pages).unwrap();
+    assert_eq!(reader.host().available(), HOST_PAGES);
+    assert_eq!(reader.prefetch_capacity().unwrap().occupied(), 0);
+    assert_eq!(reader.prefetches_in_flight(), 0);
+}
+
+#[test]
+fn host_pages_are_reserved_for_the_hit_only_and_a_small_hit_is_revoked() {
+    // §17 item 18: SGLang reserves the whole prompt before the hit is known
+    let store = MemoryStore::new();
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
+    let mut rig = controller(Arc::new(memory(&store, 0, 1)), settings(PrefetchPolicy::WaitComplete), clock);
+    let prompt = tokens(3, 20);
+    let (_, _, host_pages) = store_through(&mut rig, &prompt[..3 * PAGE]);
+    rig.evict_host(&host_pages).unwrap();
+    assert_eq!(rig.prefetch("big", &prompt, None).unwrap(), PrefetchStart::Started(hicache_core::ops::OpId(3)));
+    assert_eq!(rig.host().available(), HOST_PAGES, "nothing reserved before the hit is known");
+    let reports = tick_until(&mut rig, |rig, _| rig.prefetch_progress("big").is_some_and(|tokens| tokens > 0));
+    assert!(reports.iter().all(|report| report.prefetches.is_empty()));
+    assert!(rig.host().available() >= HOST_PAGES - 3, "3 pages reserved for a 3-page hit of a 20-page prompt");
+    rig.finish_prefetch("big");
+    let done = prefetch_result(&mut rig, "big");
+    assert_eq!(done.explanation.reserved_tokens, 3 * PAGE);
+    assert_eq!(done.host_pages.len(), 3);
+
+    // a hit below the threshold: revoked, nothing reserved, nothing held against the capacity
+    let one_page = tokens(5, 20);
+    let (_, _, pages) = store_through(&mut rig, &one_page[..PAGE]);
+    rig.evict_host(&pages).unwrap();
+    let before = rig.host().available();
+    rig.prefetch("small", &one_page, None).unwrap();
+    let done = prefetch_result(&mut rig, "small");
+    assert_eq!(done.explanation.stop, PrefetchStop::Revoked);
+    assert_eq!((done.explanation.local_hit_tokens, done.host_pages.len()), (PAGE, 0));
+    assert_eq!(rig.host().available(), before);
+    assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
+}
+
+#[test]
+fn short_requests_and_a_full_capacity_are_refused_before_any_query() {
+    let store = MemoryStore::new();
+    let storage = Arc::new(FaultyStorage::new(memory(&store, 0, 1), FaultPlan::default()));
+    let mut small = settings(PrefetchPolicy::WaitComplete);
+    small.capacity_tokens = (3 * PAGE) as u64;
+    let mut rig = controller(storage.clone(), small, Arc::new(SystemClock::new()));
+    assert_eq!(
+        rig.prefetch("short", &tokens(1, 1), None).unwrap(),
+        PrefetchStart::Refused(PrefetchStop::BelowThreshold)
+    );
+    assert!(matches!(rig.prefetch("a", &tokens(2, 4), None).unwrap(), PrefetchStart::Started(_)));
+    // SGLang's rule: a prefetch starting below the limit may take it over; the next one waits
+    assert_eq!(rig.prefetch("b", &tokens(3, 4), None).unwrap(), PrefetchStart::Refused(PrefetchStop::CapacityLimited));
+    let error = rig.prefetch("a", &tokens(2, 4), None).unwrap_err();
+    assert!(error.to_string().contains("request a has a prefetch already"), "{error}");
+    rig.finish_prefetch("a");
+    prefetch_result(&mut rig, "a");
+    assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
+    assert!(matches!(rig.prefetch("b", &tokens(3, 4), None).unwrap(), PrefetchStart::Started(_)));
+}
+
+/// A backend whose gets wait at a gate: each `open` lets one more batch through.
+#[derive(Debug)]
+struct Gated {
+    inner: MemoryStorage,
+    allowed: Mutex<usize>,
+    opened: Condvar,
+}
+
+impl Gated {
+    fn new(inner: MemoryStorage) -> Self {
+        Self { inner, allowed: Mutex::new(0), opened: Condvar::new() }
+    }
+
+    fn open(&self, batches: usize) {
+        *self.allowed.lock().unwrap() += batches;
+        self.opened.notify_all();
+    }
+}
+
+impl StorageBackend for Gated {
+    fn name(&self) -> &str {
+        "gated"
+    }
+
+    fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {
+        self.inner.batch_exists(keys)
+    }
+
+    fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
+        let mut allowed = self.allowed.lock().unwrap();
+        while *allowed == 0 {
+            allowed = self.opened.wait(allowed).unwrap();
+        }
+        *allowed -= 1;
+        drop(allowed);
+        self.inner.batch_get(keys, pages)
+    }
+
+    fn batch_set(&self, keys: &[PageKey], pages: &[PageSegments<'_>]) -> Result<Vec<SetOutcome>, Error> {
+        self.inner.batch_set(keys, pages)
+    }
+
+    fn remove(&self, keys: &[PageKey]) -> Result<usize, Error> {
+        self.inner.remove(keys)
+    }
+
+    fn clear(&self) -> Result<u64, Error> {
+        self.inner.clear()
+    }
+
+    fn stats(&self) -> StorageStats {
+        self.inner.stats()
+    }
+}
+
+/// Stores `pages` pages of `seed`'s tokens through a helper controller; returns the tokens and expected bytes.
+fn seed_storage(store: &Arc<MemoryStore>, seed: u32, pages: usize) -> (Vec<u32>, Vec<u8>) {
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
+    let mut writer = controller(Arc::new(memory(store, 0, 1)), settings(PrefetchPolicy::WaitComplete), clock);
+    let prompt = tokens(seed, pages);
+    let (_, expected, _) = store_through(&mut writer, &prompt);
+    (prompt, expected)
+}
+
+#[test]
+fn best_effort_cuts_off_with_what_arrived_and_releases_the_tail_once_when_the_reader_is_done() {
+    // §17 item 1: SGLang releases the unfinished tail twice
+    let store = MemoryStore::new();
+    let (prompt, expected) = seed_storage(&store, 6, 6);
+    let gated = Arc::new(Gated::new(memory(&store, 0, 1)));
+    let mut rig = controller(gated.clone(), settings(PrefetchPolicy::BestEffort), Arc::new(SystemClock::new()));
+    rig.prefetch("r", &prompt, None).unwrap();
+    gated.open(1);
+    tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(2 * PAGE));
+    let free_while_fetching = rig.host().available();
+    assert_eq!(free_while_fetching, HOST_PAGES - 6);
+    // the fetch thread now waits at the gate holding the second batch's pages
+    rig.finish_prefetch("r");
+    let reports = tick_until(&mut rig, |_, reports| reports.iter().any(|report| !report.prefetches.is_empty()));
+    let done = &reports.last().unwrap().prefetches[0];
+    assert_eq!(done.explanation.stop, PrefetchStop::CutOff);
+    assert_eq!((done.host_pages.len(), done.explanation.fetched_tokens), (2, 2 * PAGE));
+    assert_eq!(host_bytes(&rig, &done.host_pages), expected[..2 * rig.engine().host_map().page_bytes()]);
+    assert_eq!(rig.host().available(), free_while_fetching, "the tail stays reserved while the reader may write it");
+    assert_eq!(rig.prefetches_in_flight(), 1, "draining");
+    gated.open(10);
+    tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
+    assert_eq!(rig.host().available(), HOST_PAGES - 2, "the 4 tail pages came back, once");
+    rig.host().check_invariants().unwrap();
+    assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
+    rig.evict_host(&done.host_pages).unwrap();
+    assert_eq!(rig.host().available(), HOST_PAGES);
+}
+
+#[test]
+fn wait_complete_waits_for_every_page_and_timeout_stops_at_its_limit() {
+    let store = MemoryStore::new();
+    let (prompt, _) = seed_storage(&store, 7, 6);
+    for policy in [PrefetchPolicy::WaitComplete, PrefetchPolicy::Timeout] {
+        let gated = Arc::new(Gated::new(memory(&store, 0, 1)));
+        let clock = Arc::new(ManualClock::new());
+        let mut rig = controller(gated.clone(), settings(policy), clock.clone());
+        rig.prefetch("r", &prompt, None).unwrap();
+        gated.open(1);
+        tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(2 * PAGE));
+        rig.finish_prefetch("r");
+        clock.advance(Duration::from_secs(2));
+        for _ in 0..20 {
+            assert!(rig.tick(&mut SingleRank).unwrap().prefetches.is_empty(), "{policy}: not yet");
+        }
+        match policy {
+            PrefetchPolicy::WaitComplete => {
+                gated.open(10);
+                let done = prefetch_result(&mut rig, "r");
+                assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::Complete, 6));
+            }
+            _ => {
+                clock.advance(Duration::from_millis(1001));
+                // the limit passed: the next tick sees it, the one after terminates; the gate stays shut
+                let done = prefetch_result(&mut rig, "r");
+                assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::TimedOut, 2));
+                assert!(done.explanation.elapsed > Duration::from_secs(3));
+                gated.open(10);
+                tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_failed_page_stops_the_fetch_at_that_page() {
+    // §17 item 6: SGLang's 3FS path counts a whole batch of failed pages as fetched
+    let store = MemoryStore::new();
+    let (prompt, expected) = seed_storage(&store, 8, 6);
+    // gets pass only the first page of each batch to the backend; the second fails as injected
+    let faulty = Arc::new(FaultyStorage::new(
+        memory(&store, 0, 1),
+        FaultPlan { partial_batch: Some(1), ..FaultPlan::default() },
+    ));
+    let mut rig = controller(faulty, settings(PrefetchPolicy::WaitComplete), Arc::new(SystemClock::new()));
+    rig.prefetch("r", &prompt, None).unwrap();
+    rig.finish_prefetch("r");
+    let done = prefetch_result(&mut rig, "r");
+    let fetched = done.host_pages.len();
+    assert_eq!(fetched, 1, "the page after the failed one is not counted although it may have been read");
+    assert_eq!(done.explanation.stop, PrefetchStop::Failed);
+    assert!(done.explanation.error.as_deref().is_some_and(|error| error.contains("page")), "{:?}", done.explanation);
+    let page_bytes = rig.engine().host_map().page_bytes();
+    assert_eq!(host_bytes(&rig, &done.host_pages), expected[..fetched * page_bytes]);
+    tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
+    assert_eq!(rig.host().available(), HOST_PAGES - fetched);
+}
+
+#[test]
+fn a_page_evicted_between_exists_and_get_does_not_shift_later_pages() {
+    // §17 item 7: SGLang's 3FS get slices destinations by found-key position
+    let store = MemoryStore::new();
+    let (prompt, expected) = seed_storage(&store, 9, 6);
+    let faulty = Arc::new(FaultyStorage::new(
+        memory(&store, 0, 1),
+        FaultPlan { evict_after_exists: true, ..FaultPlan::default() },
+    ));
+    let mut rig = controller(faulty, settings(PrefetchPolicy::WaitComplete), Arc::new(SystemClock::new()));
+    rig.prefetch("r", &prompt, None).unwrap();
+    rig.finish_prefetch("r");
+    let done = prefetch_result(&mut rig, "r");
+    // the first key of each exists batch vanished before the read: the fetch stops there, nothing shifted
+    let page_bytes = rig.engine().host_map().page_bytes();
+    assert_eq!(done.explanation.stop, PrefetchStop::Failed);
+    assert_eq!(host_bytes(&rig, &done.host_pages), expected[..done.host_pages.len() * page_bytes]);
+}
+
+#[test]
+fn every_write_policy_reaches_storage_including_write_back() {
+    // §17 item 3: SGLang's write_back never writes to storage
+    let store = MemoryStore::new();
+    let mut rig =
+        controller(Arc::new(memory(&store, 0, 1)), settings(PrefetchPolicy::BestEffort), Arc::new(SystemClock::new()));
+    // write_back: the write happens at device eviction, and the eviction takes every ack at once
+    let prompt = tokens(10, 3);
+    let keys = page_keys(&prompt, PAGE, None, PartialPage::Reject).unwrap();
+    let slots = rig.alloc_device(3).unwrap();
+    let pages = rig.write(&slots, NodeId(4), Some(&keys)).unwrap().unwrap();
+    let acks = rig.take_all_write_acks().unwrap();
+    assert!(acks[0].storage_op.is_some());
+    rig.evict_device(&slots, &pages).unwrap();
+    let error = rig.evict_host(&pages).unwrap_err().to_string();
+    assert!(error.contains("pinned"), "pages being written to storage are not evictable: {error}");
+    assert!(rig.is_pinned(&pages));
+    let reports = tick_until(&mut rig, |_, reports| reports.iter().any(|report| !report.backups.is_empty()));
+    let backup = &reports.iter().flat_map(|report| &report.backups).next().unwrap();
+    assert_eq!(backup.node_ids, [NodeId(4)]);
+    assert!(!rig.is_pinned(&pages));
+    rig.evict_host(&pages).unwrap();
+    let reader = memory(&store, 0, 1);
+    assert_eq!(reader.batch_exists(&keys).unwrap(), 3);
+}
+
+#[test]
+fn backups_record_each_page_and_go_on_past_a_failure() {
+    // §17 item 27: SGLang stops at the first failed batch and records nothing
+    let store = MemoryStore::new();
+    let faulty = Arc::new(FaultyStorage::new(memory(&store, 0, 1), FaultPlan::default()));
+    let mut rig = controller(faulty.clone(), settings(PrefetchPolicy::BestEffort), Arc::new(SystemClock::new()));
+    let prompt = tokens(11, 6);
+    let keys = page_keys(&prompt, PAGE, None, PartialPage::Reject).unwrap();
+    let slots = rig.alloc_device(6).unwrap();
+    // the backup's calls are the 1st, 2nd and 3rd batch_set; fail the second as a whole
+    faulty.set_plan(FaultPlan { fail_call: Some(faulty.calls() + 2), ..FaultPlan::default() });
+    rig.write(&slots, NodeId(1), Some(&keys)).unwrap().unwrap();
+    let reports = tick_until(&mut rig, |_, reports| reports.iter().any(|report| !report.backups.is_empty()));
+    let backup = reports.iter().flat_map(|report| &report.backups).next().unwrap();
+    let stored: Vec<bool> = backup.pages.iter().map(|page| *page == PageBackup::Stored).collect();
+    assert_eq!(stored, [true, true, false, false, true, true]);
+    assert!(matches!(&backup.pages[2], PageBackup::Failed(message) if message.contains("injected failure")));
+    let reader = memory(&store, 0, 1);
+    let present: Vec<bool> = keys.iter().map(|key| reader.exists(key).unwrap()).collect();
+    assert_eq!(present, stored);
+}
+
+#[test]
+fn mla_ranks_other_than_zero_skip_the_write_and_ack_at_once() {
+    let store = MemoryStore::new();
+    let mut skip = settings(PrefetchPolicy::BestEffort);
+    skip.backup_skip = true;
+    let mut rig = controller(Arc::new(memory(&store, 1, 2)), skip, Arc::new(SystemClock::new()));
+    let prompt = tokens(12, 2);
+    let keys = page_keys(&prompt, PAGE, None, PartialPage::Reject).unwrap();
+    let slots = rig.alloc_device(2).unwrap();
+    rig.write(&slots, NodeId(1), Some(&keys)).unwrap().unwrap();
+    let report = rig.tick(&mut SingleRank).unwrap();
+    assert_eq!(report.write_acks.len(), 1);
+    let report = rig.tick(&mut SingleRank).unwrap();
+    assert_eq!(report.backups[0].pages, [PageBackup::Skipped, PageBackup::Skipped]);
+    assert!(store.is_empty());
+}
+
+#[test]
+fn an_aborted_prefetch_keeps_nothing_and_returns_every_page() {
+    let store = MemoryStore::new();
+    let (prompt, _) = seed_storage(&store, 13, 6);
+    let gated = Arc::new(Gated::new(memory(&store, 0, 1)));
+    let mut rig = controller(gated.clone(), settings(PrefetchPolicy::WaitComplete), Arc::new(SystemClock::new()));
+    rig.prefetch("r", &prompt, None).unwrap();
+    gated.open(1);
+    tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(2 * PAGE));
+    assert!(rig.abort_prefetch("r"));
+    let done = prefetch_result(&mut rig, "r");
+    assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::Aborted, 0));
+    assert_eq!(done.explanation.local_fetched_tokens, 2 * PAGE);
+    assert!(!rig.abort_prefetch("r"), "gone");
+    gated.open(10);
+    tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
+    assert_eq!(rig.host().available(), HOST_PAGES);
+}
+
+#[test]
+fn reset_waits_for_storage_io_and_leaves_nothing_behind() {
+    // §17 item 14: SGLang's reset neither joins its I/O thread nor clears its storage records
+    let store = MemoryStore::new();
+    let (prompt, _) = seed_storage(&store, 14, 6);
+    let gated = Arc::new(Gated::new(memory(&store, 0, 1)));
+    let mut rig = controller(gated.clone(), settings(PrefetchPolicy::WaitComplete), Arc::new(SystemClock::new()));
+    rig.prefetch("r", &prompt, None).unwrap();
+    gated.open(1);
+    tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(2 * PAGE));
+    let opener = {
+        let gated = gated.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            gated.open(1);
+        })
+    };
+    let started = Instant::now();
+    rig.reset(); // the fetch thread is inside a read: reset waits for it
+    assert!(started.elapsed() >= Duration::from_millis(40), "reset returned while the reader held host pages");
+    opener.join().unwrap();
+    assert_eq!((rig.prefetches_in_flight(), rig.host().available()), (0, HOST_PAGES));
+    assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
+    assert!(!rig.prefetch_pending("r"));
+    // and the controller works as new
+    gated.open(100);
+    rig.prefetch("r", &prompt, None).unwrap();
+    rig.finish_prefetch("r");
+    assert_eq!(prefetch_result(&mut rig, "r").host_pages.len(), 6);
+}
+
+#[test]
+fn host_eviction_on_demand_makes_room_for_a_hit() {
+    let store = MemoryStore::new();
+    let (prompt, _) = seed_storage(&store, 15, 6);
+    let mut rig = controller(
+        Arc::new(memory(&store, 0, 1)),
+        settings(PrefetchPolicy::WaitComplete),
+        Arc::new(SystemClock::new()),
+    );
+    // fill the host pool with backed-up pages the callback may evict
+    let mut evictable = Vec::new();
+    while rig.host().available() > 2 {
+        let slots = rig.alloc_device(1).unwrap();
+        let pages = rig.write(&slots, NodeId(9), None).unwrap().unwrap();
+        rig.take_all_write_acks().unwrap();
+        rig.evict_device(&slots, &pages).unwrap();
+        evictable.extend(pages);
+    }
+    rig.prefetch("r", &prompt, None).unwrap();
+    rig.finish_prefetch("r");
+    let mut asked = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let done = loop {
+        let report = rig
+            .tick_with(&mut SingleRank, &mut |rig, pages| {
+                asked.push(pages);
+                let victims: Vec<HostPageId> = evictable.drain(..pages).collect();
+                rig.evict_host(&victims).unwrap();
+            })
+            .unwrap();
+        if let Some(done) = report.prefetches.into_iter().next() {
+            break done;
+        }
+        assert!(Instant::now() < deadline);
+    };
+    assert_eq!(asked, [4], "6 pages needed, 2 free");
+    assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::Complete, 6));
+}
+
+#[test]
+fn a_full_host_pool_without_eviction_revokes_with_the_reason() {
+    let store = MemoryStore::new();
+    let (prompt, _) = seed_storage(&store, 16, 10);
+    let mut rig = controller(
+        Arc::new(memory(&store, 0, 1)),
+        settings(PrefetchPolicy::WaitComplete),
+        Arc::new(SystemClock::new()),
+    );
+    // two device-pool-fulls of synced pages leave 8 host pages, too few for the 10-page hit, and nothing evictable
+    for node in 1..=2 {
+        let slots = rig.alloc_device(DEVICE_PAGES).unwrap();
+        rig.write(&slots, NodeId(node), None).unwrap().unwrap();
+        rig.take_all_write_acks().unwrap();
+        if node == 1 {
+            rig.free_device(&slots).unwrap();
+        }
+    }
+    rig.alloc_device(0);
+    assert_eq!(rig.host().available(), HOST_PAGES - 2 * DEVICE_PAGES);
+    rig.prefetch("r", &prompt, None).unwrap();
+    let done = prefetch_result(&mut rig, "r");
+    assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::HostPoolFull, 0));
+    assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
+}
