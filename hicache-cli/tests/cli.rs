@@ -141,6 +141,17 @@ fn bench_hash_reports_both_page_sizes_as_json() {
 }
 
 #[test]
+fn bench_controller_reports_ops_and_time_per_op() {
+    let output = hicache(&["bench", "controller", "--json", "--ops", "2000"], "");
+    assert!(output.status.success(), "{}", stderr(&output));
+    let figure: Value = serde_json::from_str(&stdout(&output)).expect("a JSON object");
+    assert!(figure["ops"].as_u64().is_some_and(|ops| ops >= 2000), "{figure}");
+    assert!(figure["us_per_op"].as_f64().is_some_and(|us| us > 0.0), "{figure}");
+    assert!(figure["prefetched_pages"].as_u64().is_some_and(|pages| pages > 0), "storage served pages: {figure}");
+    assert_usage_error(&hicache(&["bench", "controller", "--ops", "0"], ""), "--ops and --page-size");
+}
+
+#[test]
 fn help_describes_every_option() {
     let output = hicache(&["hash", "--help"], "");
     let help = stdout(&output);

@@ -1,18 +1,15 @@
 //! Cache and storage operations: what the controller queues, merges and tracks (spec §2.2).
 //!
 //! A [`CacheOperation`] moves a run of pages between the device and host pools; queued operations are merged into
-//! one transfer. A [`StorageOperation`] backs host pages up to storage; a [`PrefetchOperation`] fetches pages from
-//! storage into host pages, with a [`Progress`] counter that the I/O worker advances only after the bytes are in
-//! host memory, and that the scheduler can terminate: after termination no increment succeeds, so the count it
-//! read is final.
+//! one transfer. A prefetch from storage (in `controller/`) carries a [`Progress`] counter that the I/O thread
+//! advances only after the bytes are in host memory, and that the scheduler can terminate: after termination no
+//! increment succeeds, so the count it read is final.
 
 use std::fmt;
-use std::time::Duration;
 
 use crate::error::Error;
-use crate::hash::PageKey;
 use crate::host_pool::HostPageId;
-use crate::sync::{Arc, AtomicU64, Ordering};
+use crate::sync::{AtomicU64, Ordering};
 
 /// Id of an operation, unique within its controller.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -99,57 +96,6 @@ impl CacheOperation {
         }
         Some(merged)
     }
-}
-
-/// A backup of host pages to storage, one key per page.
-#[derive(Clone, Debug)]
-pub struct StorageOperation {
-    /// The operation's id.
-    pub id: OpId,
-    /// Host pages to write, in key order.
-    pub host_pages: Vec<HostPageId>,
-    /// The page keys.
-    pub keys: Vec<PageKey>,
-    /// Tree node the pages belong to.
-    pub node_id: NodeId,
-    /// Tokens written so far.
-    pub progress: Arc<Progress>,
-}
-
-impl StorageOperation {
-    /// A validated backup operation.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] when there is not one key per host page.
-    pub fn new(id: OpId, host_pages: Vec<HostPageId>, keys: Vec<PageKey>, node_id: NodeId) -> Result<Self, Error> {
-        if host_pages.len() != keys.len() {
-            return Err(Error::InvalidArgument {
-                field: "keys",
-                reason: format!("{} keys for {} host pages", keys.len(), host_pages.len()),
-            });
-        }
-        Ok(Self { id, host_pages, keys, node_id, progress: Arc::new(Progress::default()) })
-    }
-}
-
-/// A prefetch from storage into reserved host pages for one request.
-#[derive(Clone, Debug)]
-pub struct PrefetchOperation {
-    /// The operation's id.
-    pub id: OpId,
-    /// The request it serves.
-    pub request_id: String,
-    /// Host pages reserved for it, in token order.
-    pub host_pages: Vec<HostPageId>,
-    /// Tokens to fetch (a whole number of pages).
-    pub tokens: Vec<u32>,
-    /// Key of the page before the first one fetched (the last host-resident page), if any.
-    pub last_key: Option<PageKey>,
-    /// When it was created, on the controller's clock.
-    pub started_at: Duration,
-    /// Tokens fetched so far, and whether the scheduler terminated it.
-    pub progress: Arc<Progress>,
 }
 
 /// A completed-token counter with a terminate flag, shared by an I/O worker and the scheduler.
@@ -291,6 +237,7 @@ mod tests {
 #[expect(unsafe_code, reason = "loom's UnsafeCell stands for the host page the worker writes and the scheduler reads")]
 mod loom_tests {
     use loom::cell::UnsafeCell;
+    use loom::sync::Arc;
 
     use super::*;
 

@@ -2,10 +2,6 @@
 //! that the lock-free state machines can be model-checked unchanged.
 
 #[cfg(loom)]
-pub(crate) use loom::sync::Arc;
-#[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
-#[cfg(not(loom))]
-pub(crate) use std::sync::Arc;
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{AtomicU64, Ordering};

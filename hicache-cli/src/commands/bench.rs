@@ -19,6 +19,8 @@ pub(crate) enum BenchCommand {
     /// Batched set and get of a storage backend (GB/s), next to raw sequential write and read of the same bytes in
     /// the same directory.
     Storage(super::bench_storage::BenchStorageArgs),
+    /// The controller's own cost per operation (µs), on the CPU engine with in-memory storage and tiny pages.
+    Controller(super::bench_controller::BenchControllerArgs),
 }
 
 /// Arguments of `hicache bench hash`.
@@ -59,6 +61,7 @@ pub(crate) fn run(command: &BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Hash(args) => bench_hash(args),
         BenchCommand::Storage(args) => super::bench_storage::run(args),
+        BenchCommand::Controller(args) => super::bench_controller::run(args),
     }
 }
 

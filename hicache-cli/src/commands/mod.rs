@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub(crate) mod bench;
+pub(crate) mod bench_controller;
 pub(crate) mod bench_storage;
 pub(crate) mod config;
 pub(crate) mod hash;
