@@ -190,3 +190,155 @@ fn tp_ranks_stay_in_step_through_one_min_per_check() {
     }
     assert!(results[0].1.iter().filter(|&&state| state == PageState::Synced).count() == 4);
 }
+
+/// What the ack state machine test does next.
+#[derive(Clone, Debug)]
+enum Step {
+    Write(usize),
+    Load,
+    StartLoading,
+    Complete(Stream),
+    TakeWrites,
+    TakeLoads,
+    EvictHost,
+}
+
+fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    prop_oneof![
+        (1usize..3).prop_map(Step::Write),
+        Just(Step::Load),
+        Just(Step::StartLoading),
+        Just(Step::Complete(Stream::Write)),
+        Just(Step::Complete(Stream::Load)),
+        Just(Step::TakeWrites),
+        Just(Step::TakeLoads),
+        Just(Step::EvictHost),
+    ]
+}
+
+/// The items of `slots`, all layers and parts, in order.
+fn items(controller: &CacheController<CpuEngine>, slots: &[DeviceSlot]) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    for &slot in slots {
+        for layer in 0..LAYERS {
+            for &part in geometry().parts() {
+                out.push(item(controller, slot, layer, part));
+            }
+        }
+    }
+    out
+}
+
+proptest::proptest! {
+    /// Random writes, loads, completions and ack takes against a model of the two FIFO streams: acks are counted
+    /// only after their copy, taken in order, host states follow (protected until the ack, synced after), and every
+    /// loaded byte is the byte that was written.
+    #[test]
+    fn acks_follow_the_copies(steps in proptest::collection::vec(step(), 1..60)) {
+        use hicache_core::host_pool::HostPageId;
+        let mut controller = controller(Completion::Manual);
+        // the model
+        let (mut writes_submitted, mut writes_done, mut writes_taken) = (0usize, 0usize, 0usize);
+        let (mut load_jobs_submitted, mut load_jobs_done) = (0usize, 0usize);
+        let mut load_acks: std::collections::VecDeque<usize> = Default::default(); // last job seq of each load
+        let mut queued_loads = 0usize;
+        let mut writes: std::collections::VecDeque<(Vec<DeviceSlot>, Vec<HostPageId>, Vec<Vec<u8>>)> = Default::default();
+        let mut host_only: Vec<(HostPageId, Vec<Vec<u8>>)> = Vec::new();
+        let mut loading: std::collections::VecDeque<Vec<(DeviceSlot, HostPageId, Vec<Vec<u8>>)>> = Default::default();
+        let mut queued: Vec<(DeviceSlot, HostPageId, Vec<Vec<u8>>)> = Vec::new();
+        for step in steps {
+            match step {
+                Step::Write(pages) => {
+                    let Some(slots) = controller.alloc_device(pages) else { continue };
+                    let expected = items(&controller, &slots);
+                    match controller.write(&slots, NodeId(1), None).unwrap() {
+                        Some(host) => {
+                            writes_submitted += 1;
+                            writes.push_back((slots, host, expected));
+                        }
+                        None => controller.free_device(&slots).unwrap(),
+                    }
+                }
+                Step::Load => {
+                    let Some((page, expected)) = host_only.pop() else { continue };
+                    match controller.load(&[page], NodeId(2), None).unwrap() {
+                        Some(slots) => {
+                            queued.push((slots[0], page, expected));
+                            queued_loads += 1;
+                        }
+                        None => host_only.push((page, expected)),
+                    }
+                }
+                Step::StartLoading => {
+                    if let Ok(Some(_)) = controller.start_loading(SlotReuse::Wait).unwrap() {
+                        // waiting for a busy slot finishes that slot's load (and the jobs before it)
+                        let ack_seq = load_jobs_submitted + LAYERS;
+                        if load_acks.len() >= 3 {
+                            let oldest = load_acks[load_acks.len() - 3];
+                            load_jobs_done = load_jobs_done.max(oldest);
+                        }
+                        load_jobs_submitted = ack_seq;
+                        load_acks.push_back(ack_seq);
+                        loading.push_back(std::mem::take(&mut queued));
+                        queued_loads = 0;
+                    }
+                }
+                Step::Complete(stream) => {
+                    let progressed = controller.engine().complete_next(stream);
+                    match stream {
+                        Stream::Write => {
+                            proptest::prop_assert_eq!(progressed, writes_done < writes_submitted);
+                            writes_done = (writes_done + 1).min(writes_submitted);
+                        }
+                        Stream::Load => {
+                            proptest::prop_assert_eq!(progressed, load_jobs_done < load_jobs_submitted);
+                            load_jobs_done = (load_jobs_done + 1).min(load_jobs_submitted);
+                        }
+                    }
+                }
+                Step::TakeWrites => {
+                    let count = controller.completed_writes();
+                    for ack in controller.take_write_acks(count).unwrap() {
+                        let (slots, host, expected) = writes.pop_front().unwrap();
+                        proptest::prop_assert_eq!(&ack.host_pages, &host);
+                        controller.evict_device(&slots, &host).unwrap();
+                        let per_page = expected.len() / host.len();
+                        for (index, page) in host.into_iter().enumerate() {
+                            host_only.push((page, expected[index * per_page..(index + 1) * per_page].to_vec()));
+                        }
+                        writes_taken += 1;
+                    }
+                }
+                Step::TakeLoads => {
+                    let count = controller.completed_loads();
+                    proptest::prop_assert_eq!(count, load_acks.iter().take_while(|&&seq| seq <= load_jobs_done).count());
+                    for _ in controller.take_load_acks(count).unwrap() {
+                        load_acks.pop_front();
+                        for (slot, page, expected) in loading.pop_front().unwrap() {
+                            let mut slots = vec![slot];
+                            slots.extend((1..PAGE as u32).map(|offset| slot + offset));
+                            proptest::prop_assert_eq!(&items(&controller, &slots), &expected, "loaded bytes");
+                            controller.evict_device(&slots, &[page]).unwrap();
+                            host_only.push((page, expected));
+                        }
+                    }
+                }
+                Step::EvictHost => {
+                    if let Some((page, _)) = host_only.pop() {
+                        controller.evict_host(&[page]).unwrap();
+                    }
+                }
+            }
+            let expected_completed = writes_done.min(writes_submitted).saturating_sub(writes_taken);
+            proptest::prop_assert_eq!(controller.completed_writes(), expected_completed);
+            for (_, host, _) in &writes {
+                for &page in host {
+                    proptest::prop_assert_eq!(controller.host().state(page).unwrap(), PageState::Protected);
+                }
+            }
+            proptest::prop_assert_eq!(controller.outstanding().1, queued_loads);
+            controller.host().check_invariants().unwrap();
+        }
+    }
+}

@@ -23,8 +23,8 @@ use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
 use proptest::prelude::*;
-use rand::rngs::StdRng;
 use rand::SeedableRng as _;
+use rand::rngs::StdRng;
 
 const PAGE: usize = 2;
 const LAYERS: usize = 2;
