@@ -217,6 +217,13 @@ fn step() -> impl proptest::strategy::Strategy<Value = Step> {
     ]
 }
 
+/// Items of a page or of a run of pages, as the test recorded them at write time.
+type Items = Vec<Vec<u8>>;
+/// An unacked write: device slots, host pages, the items written.
+type Written = (Vec<DeviceSlot>, Vec<hicache_core::host_pool::HostPageId>, Items);
+/// A loaded page: first device slot, host page, the items it must hold.
+type Loaded = (DeviceSlot, hicache_core::host_pool::HostPageId, Items);
+
 /// The items of `slots`, all layers and parts, in order.
 fn items(controller: &CacheController<CpuEngine>, slots: &[DeviceSlot]) -> Vec<Vec<u8>> {
     let mut out = Vec::new();
@@ -243,10 +250,10 @@ proptest::proptest! {
         let (mut load_jobs_submitted, mut load_jobs_done) = (0usize, 0usize);
         let mut load_acks: std::collections::VecDeque<usize> = Default::default(); // last job seq of each load
         let mut queued_loads = 0usize;
-        let mut writes: std::collections::VecDeque<(Vec<DeviceSlot>, Vec<HostPageId>, Vec<Vec<u8>>)> = Default::default();
-        let mut host_only: Vec<(HostPageId, Vec<Vec<u8>>)> = Vec::new();
-        let mut loading: std::collections::VecDeque<Vec<(DeviceSlot, HostPageId, Vec<Vec<u8>>)>> = Default::default();
-        let mut queued: Vec<(DeviceSlot, HostPageId, Vec<Vec<u8>>)> = Vec::new();
+        let mut writes: std::collections::VecDeque<Written> = Default::default();
+        let mut host_only: Vec<(HostPageId, Items)> = Vec::new();
+        let mut loading: std::collections::VecDeque<Vec<Loaded>> = Default::default();
+        let mut queued: Vec<Loaded> = Vec::new();
         for step in steps {
             match step {
                 Step::Write(pages) => {
