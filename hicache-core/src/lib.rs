@@ -4,9 +4,10 @@
 //! keeps them across requests and instances, found again by a chained hash of the token prefix. This crate holds
 //! what every part shares and runs without a GPU: page keys ([`hash`]), key namespaces ([`namespace`]), KV geometry
 //! ([`geometry`]) and host layouts ([`layout`]), the host page allocator ([`host_pool`]), cache and storage
-//! operations ([`ops`]), TP collectives ([`collective`]), device↔host transfers and the CPU transfer engine ([`transfer`]), rate limiting
-//! ([`rate_limit`]), the storage trait with an in-memory and a fault-injection
-//! backend ([`storage`]), the configuration ([`config`]) and the token-list parser ([`tokens`]).
+//! operations ([`ops`]), TP collectives ([`collective`]), device↔host transfers and the CPU transfer engine
+//! ([`transfer`]), the cache controller ([`controller`]) and the tiered prefix tree that drives it ([`tree`]), rate
+//! limiting ([`rate_limit`]), the storage trait with an in-memory and a fault-injection backend ([`storage`]), the
+//! configuration ([`config`]) and the token-list parser ([`tokens`]).
 //!
 //! **Invariant:** this crate never links CUDA or any FFI library and does I/O only through the storage trait.
 //! `unsafe` is denied except in `hash/sha_ni.rs` (one call into a `#[target_feature]` function after the CPU check)
@@ -28,5 +29,6 @@ pub mod storage;
 mod sync;
 pub mod tokens;
 pub mod transfer;
+pub mod tree;
 
 pub use error::Error;

@@ -557,6 +557,15 @@ impl<E: TransferEngine> CacheController<E> {
         self.host.update_backup(host_pages)
     }
 
+    /// Marks host pages synced again: their node got a fresh device copy (recomputed), so host and device agree.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PageState`] for idle pages.
+    pub fn host_resynced(&mut self, host_pages: &[HostPageId]) -> Result<(), Error> {
+        self.host.update_synced(host_pages)
+    }
+
     /// Frees host pages that are backed up and no longer on the device.
     ///
     /// # Errors

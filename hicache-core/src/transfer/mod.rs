@@ -23,7 +23,7 @@ use crate::host_pool::HostPageId;
 use crate::ops::DeviceSlot;
 
 /// Completion of a submitted transfer (or of the caller's work, for a start event).
-pub trait TransferEvent: Clone + Send + Sync {
+pub trait TransferEvent: Clone + Send + Sync + std::fmt::Debug {
     /// Whether the work is done, without blocking.
     fn is_complete(&self) -> bool;
 

@@ -1,0 +1,458 @@
+//! The tiered prefix tree (SGLang's `HiRadixCache`, spec §2.1, §5.4–§5.9, §7): a radix tree over token ids whose
+//! nodes hold device slots (L1), host pages (L2) and page keys, driving a [`CacheController`].
+//!
+//! * Children are keyed by their first page of tokens; every node's key is a whole number of pages, and splits
+//!   happen at page boundaries, so page keys stay aligned with nodes.
+//! * A node is *device-resident* (`device` set) or *evicted*; it is *backed up* when it has host pages. Device
+//!   residency is prefix-closed: a resident node's parent is resident (spec §2.1). An evicted node is always backed
+//!   up: evicting a node without a host copy deletes it.
+//! * `lock_ref` counts users along the path to the root (a request using a prefix, a copy in flight), and protects
+//!   from device eviction; `host_ref` protects host pages a prefetch will hang new nodes under.
+//! * Access order is a logical clock, not wall time, so TP ranks that make the same calls evict the same nodes.
+//!
+//! Departures from SGLang, each for a bug of §17: `write_back` backs up to storage as well (item 3), a failed
+//! `write_back` backup at eviction drops the node instead of crashing later (item 4), and everything that can differ
+//! between TP ranks goes through the controller's one reduction per tick (items 2, 16).
+
+mod evict;
+mod invariants;
+mod storage;
+
+use std::collections::HashMap;
+
+use crate::config::WritePolicy;
+use crate::controller::CacheController;
+use crate::error::Error;
+use crate::hash::{PageHasher, PageKey, PartialPage};
+use crate::host_pool::HostPageId;
+use crate::ops::{DeviceSlot, NodeId};
+use crate::transfer::TransferEngine;
+
+pub use storage::{PrefetchCheck, TickSummary};
+
+/// What [`HiRadixTree::match_prefix`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MatchResult {
+    /// Device slots of the matched prefix that is on the device (L1 hit), in token order.
+    pub device_slots: Vec<DeviceSlot>,
+    /// The deepest matched node that is on the device (the root when none is).
+    pub last_device_node: NodeId,
+    /// The deepest matched node that has a host copy (the root when none has).
+    pub last_host_node: NodeId,
+    /// The deepest matched node.
+    pub last_node: NodeId,
+    /// Tokens matched below `last_device_node` that are only on the host (L2 hit).
+    pub host_hit_length: usize,
+}
+
+/// Knobs of the tree (SGLang's constants, configurable).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TreeSettings {
+    /// When nodes are backed up to the host.
+    pub write_policy: WritePolicy,
+    /// Hits before `write_through_selective` backs a node up (SGLang: 2).
+    pub write_through_selective_threshold: u32,
+    /// Fewest host tokens worth loading back (SGLang: 10).
+    pub load_back_threshold: usize,
+}
+
+impl Default for TreeSettings {
+    fn default() -> Self {
+        Self { write_policy: WritePolicy::WriteThrough, write_through_selective_threshold: 2, load_back_threshold: 10 }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Node {
+    pub(crate) parent: Option<NodeId>,
+    pub(crate) children: HashMap<Box<[u32]>, NodeId>,
+    pub(crate) key: Vec<u32>,
+    pub(crate) device: Option<Vec<DeviceSlot>>,
+    pub(crate) host: Option<Vec<HostPageId>>,
+    /// One per page when storage is on, else empty.
+    pub(crate) hashes: Vec<PageKey>,
+    pub(crate) lock_ref: u32,
+    pub(crate) host_ref: u32,
+    pub(crate) hit_count: u32,
+    pub(crate) last_access: u64,
+}
+
+impl Node {
+    pub(crate) fn evicted(&self) -> bool {
+        self.device.is_none()
+    }
+
+    pub(crate) fn backed_up(&self) -> bool {
+        self.host.is_some()
+    }
+}
+
+/// The tree and the controller it drives.
+#[derive(Debug)]
+pub struct HiRadixTree<E: TransferEngine> {
+    controller: CacheController<E>,
+    settings: TreeSettings,
+    page_size: usize,
+    nodes: HashMap<NodeId, Node>,
+    root: NodeId,
+    next_id: u64,
+    clock: u64,
+    hasher: PageHasher,
+    /// Device tokens of unlocked resident nodes (evictable), and of locked ones.
+    evictable_tokens: usize,
+    protected_tokens: usize,
+    /// Nodes with a device → host write in flight, and whether the write holds a lock on them.
+    ongoing_writes: HashMap<NodeId, bool>,
+    /// Nodes with a host → device load in flight (locked until the ack).
+    ongoing_loads: HashMap<NodeId, ()>,
+    /// Prefetches in flight: request → (node they hang under, the tokens asked for).
+    ongoing_prefetches: HashMap<String, (NodeId, Vec<u32>)>,
+}
+
+impl<E: TransferEngine> HiRadixTree<E> {
+    /// A tree over `controller`; page keys are computed for new nodes only when the controller has storage.
+    pub fn new(controller: CacheController<E>, settings: TreeSettings) -> Self {
+        let root = NodeId(0);
+        let mut nodes = HashMap::new();
+        nodes.insert(root, Self::root_node());
+        Self {
+            page_size: controller.page_size(),
+            controller,
+            settings,
+            nodes,
+            root,
+            next_id: 1,
+            clock: 0,
+            hasher: PageHasher::new(),
+            evictable_tokens: 0,
+            protected_tokens: 0,
+            ongoing_writes: HashMap::new(),
+            ongoing_loads: HashMap::new(),
+            ongoing_prefetches: HashMap::new(),
+        }
+    }
+
+    fn root_node() -> Node {
+        Node {
+            parent: None,
+            children: HashMap::new(),
+            key: Vec::new(),
+            device: Some(Vec::new()),
+            host: Some(Vec::new()),
+            hashes: Vec::new(),
+            lock_ref: 1,
+            host_ref: 0,
+            hit_count: 0,
+            last_access: 0,
+        }
+    }
+
+    /// The controller.
+    pub fn controller(&self) -> &CacheController<E> {
+        &self.controller
+    }
+
+    /// The controller, mutably (to allocate and free device slots for requests).
+    pub fn controller_mut(&mut self) -> &mut CacheController<E> {
+        &mut self.controller
+    }
+
+    /// The root node.
+    pub fn root(&self) -> NodeId {
+        self.root
+    }
+
+    /// Tokens per page.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// Device tokens the tree could evict now, and device tokens locked by users.
+    pub fn device_tokens(&self) -> (usize, usize) {
+        (self.evictable_tokens, self.protected_tokens)
+    }
+
+    /// Nodes in the tree, the root included.
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub(crate) fn node(&self, id: NodeId) -> &Node {
+        self.nodes.get(&id).expect("node ids handed out by the tree are live")
+    }
+
+    pub(crate) fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        self.nodes.get_mut(&id).expect("node ids handed out by the tree are live")
+    }
+
+    /// The page keys of `node`'s last page, or `None` for the root or without storage.
+    pub fn last_key(&self, node: NodeId) -> Option<PageKey> {
+        self.nodes.get(&node).and_then(|node| node.hashes.last().copied())
+    }
+
+    fn tick_clock(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    fn new_id(&mut self) -> NodeId {
+        let id = NodeId(self.next_id);
+        self.next_id += 1;
+        id
+    }
+
+    fn child_key(&self, key: &[u32]) -> Box<[u32]> {
+        key[..self.page_size.min(key.len())].into()
+    }
+
+    /// Length of the common prefix of `a` and `b`, in whole pages.
+    fn match_len(&self, a: &[u32], b: &[u32]) -> usize {
+        let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+        common - common % self.page_size
+    }
+
+    fn aligned<'t>(&self, tokens: &'t [u32]) -> &'t [u32] {
+        &tokens[..tokens.len() - tokens.len() % self.page_size]
+    }
+
+    /// Finds the longest cached prefix of `tokens` (whole pages), splitting the node where the match ends inside it.
+    pub fn match_prefix(&mut self, tokens: &[u32]) -> MatchResult {
+        let tokens = self.aligned(tokens);
+        let now = self.tick_clock();
+        let mut node = self.root;
+        let mut device_slots = Vec::new();
+        let mut rest = tokens;
+        while !rest.is_empty() {
+            let Some(&child) = self.node(node).children.get(&self.child_key(rest)) else { break };
+            let prefix = self.match_len(&self.node(child).key, rest);
+            let child = if prefix < self.node(child).key.len() { self.split(child, prefix) } else { child };
+            let entry = self.node_mut(child);
+            entry.last_access = now;
+            if let Some(device) = &entry.device {
+                device_slots.extend_from_slice(device);
+            }
+            node = child;
+            rest = &rest[prefix..];
+        }
+        let last_node = node;
+        let mut host_hit_length = 0;
+        let mut last_device_node = last_node;
+        while self.node(last_device_node).evicted() {
+            let entry = self.node(last_device_node);
+            host_hit_length += entry.key.len();
+            last_device_node = entry.parent.expect("the root is resident");
+        }
+        let mut last_host_node = last_node;
+        while !self.node(last_host_node).backed_up() {
+            last_host_node = self.node(last_host_node).parent.expect("the root is backed up");
+        }
+        MatchResult { device_slots, last_device_node, last_host_node, last_node, host_hit_length }
+    }
+
+    /// Splits `child` after `prefix` tokens (whole pages, less than its key): a new node takes the first part and
+    /// becomes `child`'s parent. Returns the new node.
+    fn split(&mut self, child: NodeId, prefix: usize) -> NodeId {
+        let pages = prefix / self.page_size;
+        let id = self.new_id();
+        let child_key = self.child_key(&self.node(child).key);
+        let node = self.node_mut(child);
+        let parent = node.parent.expect("the root is never split");
+        let upper = Node {
+            parent: Some(parent),
+            children: HashMap::new(),
+            key: node.key.drain(..prefix).collect(),
+            device: node.device.as_mut().map(|device| device.drain(..prefix).collect()),
+            host: node.host.as_mut().map(|host| host.drain(..pages).collect()),
+            hashes: if node.hashes.is_empty() { Vec::new() } else { node.hashes.drain(..pages).collect() },
+            lock_ref: node.lock_ref,
+            host_ref: node.host_ref,
+            hit_count: node.hit_count,
+            last_access: node.last_access,
+        };
+        node.parent = Some(id);
+        let lower_key = self.child_key(&self.node(child).key);
+        let mut upper = upper;
+        upper.children.insert(lower_key, child);
+        self.nodes.insert(id, upper);
+        self.node_mut(parent).children.insert(child_key, id);
+        id
+    }
+
+    /// Locks `node` and its ancestors against device eviction; returns the resident tokens that became protected.
+    pub fn inc_lock_ref(&mut self, node: NodeId) -> usize {
+        let mut delta = 0;
+        let mut current = Some(node);
+        while let Some(id) = current {
+            if id == self.root {
+                break;
+            }
+            let entry = self.node_mut(id);
+            if entry.lock_ref == 0 && !entry.evicted() {
+                delta += entry.key.len();
+            }
+            entry.lock_ref += 1;
+            current = entry.parent;
+        }
+        self.evictable_tokens -= delta;
+        self.protected_tokens += delta;
+        delta
+    }
+
+    /// Releases a lock taken with [`inc_lock_ref`](Self::inc_lock_ref); returns the tokens that became evictable.
+    ///
+    /// # Panics
+    ///
+    /// When a node on the path is not locked (a caller bug).
+    pub fn dec_lock_ref(&mut self, node: NodeId) -> usize {
+        let mut delta = 0;
+        let mut current = Some(node);
+        while let Some(id) = current {
+            if id == self.root {
+                break;
+            }
+            let entry = self.node_mut(id);
+            assert!(entry.lock_ref > 0, "dec_lock_ref of unlocked node {id:?}");
+            entry.lock_ref -= 1;
+            if entry.lock_ref == 0 && !entry.evicted() {
+                delta += entry.key.len();
+            }
+            current = entry.parent;
+        }
+        self.evictable_tokens += delta;
+        self.protected_tokens -= delta;
+        delta
+    }
+
+    /// Inserts `tokens` (whole pages are kept) whose KV is in `device_slots` (one per token). Nodes already on the
+    /// device keep their slots, and the caller's duplicates are freed; evicted nodes take the caller's slots again
+    /// (recomputed); the rest becomes a new leaf. Returns the tokens that were already on the device.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when there are fewer slots than whole-page tokens; controller errors (bugs).
+    pub fn insert(&mut self, tokens: &[u32], device_slots: &[DeviceSlot]) -> Result<usize, Error> {
+        let tokens = self.aligned(tokens);
+        if device_slots.len() < tokens.len() {
+            return Err(Error::InvalidArgument {
+                field: "device_slots",
+                reason: format!("{} slots for {} tokens", device_slots.len(), tokens.len()),
+            });
+        }
+        let now = self.tick_clock();
+        let mut node = self.root;
+        let (mut rest, mut slots) = (tokens, &device_slots[..tokens.len()]);
+        let mut already = 0;
+        while !rest.is_empty() {
+            let Some(&child) = self.node(node).children.get(&self.child_key(rest)) else { break };
+            let prefix = self.match_len(&self.node(child).key, rest);
+            let child = if prefix < self.node(child).key.len() { self.split(child, prefix) } else { child };
+            self.node_mut(child).last_access = now;
+            let (mine, theirs) = slots.split_at(prefix);
+            if self.node(child).evicted() {
+                // recomputed: the node takes the caller's slots, its host copy is in sync again
+                let host = self.node(child).host.clone().expect("evicted nodes are backed up");
+                self.controller.host_resynced(&host)?;
+                let locked = self.node(child).lock_ref > 0;
+                self.node_mut(child).device = Some(mine.to_vec());
+                if locked {
+                    self.protected_tokens += prefix;
+                } else {
+                    self.evictable_tokens += prefix;
+                }
+            } else {
+                let duplicates: Vec<DeviceSlot> = {
+                    let kept = self.node(child).device.as_ref().expect("resident");
+                    mine.chunks(self.page_size)
+                        .zip(kept.chunks(self.page_size))
+                        .filter(|(given, kept)| given != kept)
+                        .flat_map(|(given, _)| given.iter().copied())
+                        .collect()
+                };
+                if !duplicates.is_empty() {
+                    self.controller.free_device(&duplicates)?;
+                }
+                already += prefix;
+                self.inc_hit_count(child)?;
+            }
+            node = child;
+            rest = &rest[prefix..];
+            slots = theirs;
+        }
+        if !rest.is_empty() {
+            let hashes = if self.controller.has_storage() {
+                let last = self.node(node).hashes.last().copied();
+                self.hasher.page_keys(rest, self.page_size, last, PartialPage::Reject)?
+            } else {
+                Vec::new()
+            };
+            let id = self.new_id();
+            let leaf = Node {
+                parent: Some(node),
+                children: HashMap::new(),
+                key: rest.to_vec(),
+                device: Some(slots.to_vec()),
+                host: None,
+                hashes,
+                lock_ref: 0,
+                host_ref: 0,
+                hit_count: 0,
+                last_access: now,
+            };
+            let child_key = self.child_key(rest);
+            self.nodes.insert(id, leaf);
+            self.node_mut(node).children.insert(child_key, id);
+            self.evictable_tokens += rest.len();
+            self.inc_hit_count(id)?;
+        }
+        Ok(already)
+    }
+
+    fn inc_hit_count(&mut self, node: NodeId) -> Result<(), Error> {
+        let threshold = match self.settings.write_policy {
+            WritePolicy::WriteBack => return Ok(()),
+            WritePolicy::WriteThrough => 1,
+            WritePolicy::WriteThroughSelective => self.settings.write_through_selective_threshold,
+        };
+        let entry = self.node_mut(node);
+        entry.hit_count += 1;
+        if !entry.backed_up() && entry.hit_count >= threshold {
+            self.write_backup(node, false)?;
+        }
+        Ok(())
+    }
+
+    /// Writes `node`'s device copy to new host pages (and on to storage when it has page keys), evicting host
+    /// pages once if the pool is full; returns the tokens written (0 when there was no room).
+    fn write_backup(&mut self, node: NodeId, write_back: bool) -> Result<usize, Error> {
+        let entry = self.node(node);
+        let slots = entry.device.clone().expect("only resident nodes are written");
+        let keys = (!entry.hashes.is_empty()).then(|| entry.hashes.clone());
+        let mut pages = self.controller.write(&slots, node, keys.as_deref())?;
+        if pages.is_none() {
+            self.evict_host(slots.len())?;
+            pages = self.controller.write(&slots, node, keys.as_deref())?;
+        }
+        let Some(pages) = pages else { return Ok(0) };
+        self.node_mut(node).host = Some(pages);
+        self.ongoing_writes.insert(node, !write_back);
+        if !write_back {
+            self.inc_lock_ref(node);
+        }
+        Ok(slots.len())
+    }
+
+    /// Empties the tree and resets the controller (SGLang's `/flush_cache`): in-flight copies and storage I/O are
+    /// waited for first; storage keeps its pages.
+    pub fn reset(&mut self) {
+        self.controller.reset();
+        self.nodes.clear();
+        self.nodes.insert(self.root, Self::root_node());
+        self.next_id = 1;
+        self.clock = 0;
+        self.evictable_tokens = 0;
+        self.protected_tokens = 0;
+        self.ongoing_writes.clear();
+        self.ongoing_loads.clear();
+        self.ongoing_prefetches.clear();
+    }
+}

@@ -1,0 +1,280 @@
+//! The tree's side of transfers: load-back, the tick (acks, backups, prefetch results), and prefetch from storage
+//! (spec §5.4, §5.8, §7.3, §7.4).
+
+use std::collections::HashMap;
+
+use super::evict::evict_host_nodes;
+use super::{HiRadixTree, Node};
+use crate::collective::Collective;
+use crate::controller::{PrefetchDone, PrefetchExplanation, PrefetchStart};
+use crate::error::Error;
+use crate::hash::PageKey;
+use crate::host_pool::HostPageId;
+use crate::ops::{DeviceSlot, NodeId};
+use crate::transfer::{SlotBusy, SlotReuse, TransferEngine};
+
+/// The answer of [`HiRadixTree::check_prefetch_progress`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefetchCheck {
+    /// No prefetch is pending for the request: schedule it (match its prefix again first).
+    Ready,
+    /// Its prefetch is stopping; the result arrives at a tick.
+    Waiting,
+}
+
+/// What one tick did.
+#[derive(Debug, Default)]
+pub struct TickSummary {
+    /// Device → host writes acked.
+    pub writes_acked: usize,
+    /// Host → device loads acked.
+    pub loads_acked: usize,
+    /// Pages written to storage by the backups that finished, and pages that failed.
+    pub pages_backed_up: usize,
+    /// Pages whose backup failed.
+    pub pages_backup_failed: usize,
+    /// Finished prefetches: the explanation, and the tokens that were new to the tree (the rest were there already).
+    pub prefetches: Vec<(PrefetchExplanation, usize)>,
+}
+
+impl<E: TransferEngine> HiRadixTree<E> {
+    /// Loads the evicted part of the match ending at `last_node` back to the device: all of it or nothing (spec
+    /// §5.8), when it is at least the load-back threshold, evicting device pages once if the pool is full. Returns
+    /// the device slots of the loaded tokens (empty when nothing was loaded); the load starts with
+    /// [`start_loading`](Self::start_loading). The loaded nodes stay locked until their load is acked.
+    ///
+    /// # Errors
+    ///
+    /// Controller errors (bugs).
+    pub fn load_back(&mut self, last_node: NodeId) -> Result<Vec<DeviceSlot>, Error> {
+        let mut to_load = Vec::new();
+        let mut node = last_node;
+        while self.node(node).evicted() {
+            to_load.push(node);
+            node = self.node(node).parent.expect("the root is resident");
+        }
+        to_load.reverse();
+        let ancestor = node;
+        let host: Vec<HostPageId> =
+            to_load.iter().flat_map(|id| self.node(*id).host.clone().expect("evicted nodes are backed up")).collect();
+        if host.is_empty() || host.len() * self.page_size < self.settings.load_back_threshold {
+            return Ok(Vec::new());
+        }
+        // the ancestor must stay resident, and the nodes to load on the host, while this makes room (a write_back
+        // eviction may need host room itself)
+        self.inc_lock_ref(ancestor);
+        let mut slots = self.controller.load(&host, last_node, None)?;
+        if slots.is_none() {
+            to_load.iter().for_each(|id| self.node_mut(*id).host_ref += 1);
+            let evicted = self.evict(host.len() * self.page_size);
+            to_load.iter().for_each(|id| self.node_mut(*id).host_ref -= 1);
+            evicted?;
+            slots = self.controller.load(&host, last_node, None)?;
+        }
+        self.dec_lock_ref(ancestor);
+        let Some(slots) = slots else { return Ok(Vec::new()) };
+        let mut offset = 0;
+        for id in &to_load {
+            let node = self.node_mut(*id);
+            let len = node.key.len();
+            node.device = Some(slots[offset..offset + len].to_vec());
+            // a node the caller locked while it was evicted is protected from the moment it is resident
+            if node.lock_ref > 0 {
+                self.protected_tokens += len;
+            } else {
+                self.evictable_tokens += len;
+            }
+            offset += len;
+        }
+        self.inc_lock_ref(last_node);
+        self.ongoing_loads.insert(last_node, ());
+        Ok(slots)
+    }
+
+    /// Starts every queued load (one event per layer) and returns the producer slot for the forward pass, `None`
+    /// when nothing was queued; waits when the slot's previous load is still in flight (§17 item 17).
+    ///
+    /// # Errors
+    ///
+    /// Engine errors.
+    pub fn start_loading(&mut self) -> Result<Option<usize>, Error> {
+        match self.controller.start_loading(SlotReuse::Wait)? {
+            Ok(slot) => Ok(slot),
+            Err(SlotBusy { slot }) => Err(Error::Internal(format!("producer slot {slot} busy after waiting"))),
+        }
+    }
+
+    /// Starts a prefetch of `tokens` (those after the match) for `request_id`, below `last_host_node` (the match's
+    /// deepest backed-up node, which must be the deepest matched node). Returns what the controller said.
+    ///
+    /// # Errors
+    ///
+    /// As [`CacheController::prefetch`](crate::controller::CacheController::prefetch).
+    pub fn prefetch_from_storage(
+        &mut self,
+        request_id: &str,
+        last_host_node: NodeId,
+        tokens: &[u32],
+    ) -> Result<PrefetchStart, Error> {
+        let last_key: Option<PageKey> = self.node(last_host_node).hashes.last().copied();
+        let start = self.controller.prefetch(request_id, tokens, last_key)?;
+        if let PrefetchStart::Started(_) = start {
+            self.node_mut(last_host_node).host_ref += 1;
+            let whole = tokens.len() - tokens.len() % self.page_size;
+            self.ongoing_prefetches.insert(request_id.to_owned(), (last_host_node, tokens[..whole].to_vec()));
+        }
+        Ok(start)
+    }
+
+    /// Whether `request_id` can be scheduled; a pending prefetch is asked to stop (by policy), and the request
+    /// waits for the tick that brings the result.
+    pub fn check_prefetch_progress(&mut self, request_id: &str) -> PrefetchCheck {
+        if !self.ongoing_prefetches.contains_key(request_id) {
+            return PrefetchCheck::Ready;
+        }
+        self.controller.finish_prefetch(request_id);
+        PrefetchCheck::Waiting
+    }
+
+    /// Aborts `request_id`'s prefetch (a request dropped from the queue); its pages return at later ticks.
+    pub fn release_aborted_request(&mut self, request_id: &str) {
+        if self.ongoing_prefetches.contains_key(request_id) {
+            self.controller.abort_prefetch(request_id);
+        }
+    }
+
+    /// The scheduler's tick (SGLang's `check_hicache_events`): the controller's one TP reduction, then write acks
+    /// (unlock), load acks (unlock), finished backups, and prefetch results inserted as host-only nodes.
+    ///
+    /// # Errors
+    ///
+    /// The collective's errors; controller errors (bugs).
+    pub fn tick(&mut self, collective: &mut dyn Collective) -> Result<TickSummary, Error> {
+        let (nodes, root, page_size) = (&mut self.nodes, self.root, self.page_size);
+        let report = self.controller.tick_with(collective, &mut |controller, pages| {
+            // a failure here leaves the prefetch without room: it is revoked, and the error shows at the next call
+            let _ = evict_host_nodes(nodes, root, page_size, controller, pages * page_size);
+        })?;
+        let mut summary = TickSummary { writes_acked: report.write_acks.len(), ..TickSummary::default() };
+        for ack in &report.write_acks {
+            self.write_acked(&ack.node_ids);
+        }
+        for backup in &report.backups {
+            let stored = backup.pages.iter().filter(|page| **page == crate::controller::PageBackup::Stored).count();
+            summary.pages_backed_up += stored;
+            summary.pages_backup_failed +=
+                backup.pages.iter().filter(|page| matches!(page, crate::controller::PageBackup::Failed(_))).count();
+        }
+        for done in report.prefetches {
+            let explanation = done.explanation.clone();
+            let new = self.prefetch_done(done)?;
+            summary.prefetches.push((explanation, new));
+        }
+        summary.loads_acked = self.loading_check()?;
+        Ok(summary)
+    }
+
+    fn write_acked(&mut self, node_ids: &[NodeId]) {
+        for id in node_ids {
+            if let Some(locked) = self.ongoing_writes.remove(id)
+                && locked
+            {
+                self.dec_lock_ref(*id);
+            }
+        }
+    }
+
+    /// Waits for every device → host write and takes the acks (`write_back` eviction).
+    pub(super) fn take_all_writes(&mut self) -> Result<(), Error> {
+        for ack in self.controller.take_all_write_acks()? {
+            self.write_acked(&ack.node_ids);
+        }
+        Ok(())
+    }
+
+    /// Takes finished loads and unlocks their nodes (no TP reduction: forward passes keep ranks in step, as SGLang).
+    fn loading_check(&mut self) -> Result<usize, Error> {
+        let count = self.controller.completed_loads();
+        let acks = self.controller.take_load_acks(count)?;
+        for ack in &acks {
+            for id in &ack.node_ids {
+                if self.ongoing_loads.remove(id).is_some() {
+                    self.dec_lock_ref(*id);
+                }
+            }
+        }
+        Ok(acks.len())
+    }
+
+    /// Inserts a prefetch's pages below the node it was asked under; pages of tokens already in the tree are given
+    /// back. Returns the tokens new to the tree.
+    fn prefetch_done(&mut self, done: PrefetchDone) -> Result<usize, Error> {
+        let Some((anchor, tokens)) = self.ongoing_prefetches.remove(&done.request_id) else {
+            return Err(Error::Internal(format!("a prefetch result for unknown request {}", done.request_id)));
+        };
+        self.node_mut(anchor).host_ref -= 1;
+        if done.host_pages.is_empty() {
+            return Ok(0);
+        }
+        let fetched = done.host_pages.len() * self.page_size;
+        let (duplicates, new) = self.insert_host(anchor, &tokens[..fetched], done.host_pages, done.keys);
+        if !duplicates.is_empty() {
+            self.controller.evict_host(&duplicates)?;
+        }
+        Ok(new)
+    }
+
+    /// Hangs host-only nodes for `tokens` below `anchor`; returns the pages of tokens already there, and the tokens
+    /// added.
+    fn insert_host(
+        &mut self,
+        anchor: NodeId,
+        tokens: &[u32],
+        pages: Vec<HostPageId>,
+        keys: Vec<PageKey>,
+    ) -> (Vec<HostPageId>, usize) {
+        let now = self.tick_clock();
+        let mut node = anchor;
+        let mut rest = tokens;
+        let mut duplicates = Vec::new();
+        let mut taken = 0;
+        while !rest.is_empty() {
+            let Some(&child) = self.node(node).children.get(&self.child_key(rest)) else { break };
+            let prefix = self.match_len(&self.node(child).key, rest);
+            let child = if prefix < self.node(child).key.len() { self.split(child, prefix) } else { child };
+            self.node_mut(child).last_access = now;
+            let prefix_pages = prefix / self.page_size;
+            duplicates.extend_from_slice(&pages[taken..taken + prefix_pages]);
+            taken += prefix_pages;
+            node = child;
+            rest = &rest[prefix..];
+        }
+        if !rest.is_empty() {
+            let id = self.new_id();
+            let child_key = self.child_key(rest);
+            let hashes = if self.controller.has_storage() { keys[taken..].to_vec() } else { Vec::new() };
+            self.nodes.insert(
+                id,
+                Node {
+                    parent: Some(node),
+                    children: HashMap::new(),
+                    key: rest.to_vec(),
+                    device: None,
+                    host: Some(pages[taken..].to_vec()),
+                    hashes,
+                    lock_ref: 0,
+                    host_ref: 0,
+                    hit_count: 0,
+                    last_access: now,
+                },
+            );
+            self.node_mut(node).children.insert(child_key, id);
+        }
+        (duplicates, rest.len())
+    }
+
+    /// Prefetches in flight (their requests wait for a tick).
+    pub fn prefetches_pending(&self) -> usize {
+        self.ongoing_prefetches.len()
+    }
+}

@@ -1,0 +1,345 @@
+//! The tiered prefix tree on the CPU engine with in-memory storage: matching and splitting at pages, the three write
+//! policies (write_back reaching storage, §17 items 3–4), device and host eviction, load-back, prefetch from storage,
+//! and the tree's invariants under random operation sequences (proptest). Every byte that comes back to the device
+//! is checked against bytes derived from the token prefix it belongs to.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hicache_core::collective::SingleRank;
+use hicache_core::config::{PrefetchPolicy, WritePolicy};
+use hicache_core::controller::{CacheController, PrefetchStart, PrefetchStop, StorageSettings};
+use hicache_core::geometry::{KvDtype, KvGeometry};
+use hicache_core::hash::{PartialPage, page_keys};
+use hicache_core::layout::{HostLayout, HostLayoutMap};
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::ops::DeviceSlot;
+use hicache_core::rate_limit::SystemClock;
+use hicache_core::storage::{MemoryStorage, MemoryStore};
+use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
+use hicache_core::tree::{HiRadixTree, PrefetchCheck, TreeSettings};
+use proptest::prelude::*;
+
+const PAGE: usize = 2;
+const LAYERS: usize = 2;
+
+fn geometry() -> KvGeometry {
+    KvGeometry::mha(LAYERS, 1, 4, KvDtype::Bf16).unwrap()
+}
+
+struct Rig {
+    tree: HiRadixTree<CpuEngine>,
+    requests: usize,
+}
+
+fn rig(policy: WritePolicy, device_pages: usize, host_pages: usize, store: Option<&Arc<MemoryStore>>) -> Rig {
+    let device = DeviceLayoutMap::new(geometry(), device_pages * PAGE).unwrap();
+    let host = HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, host_pages).unwrap();
+    let engine = CpuEngine::new(device, host, Completion::Immediate).unwrap();
+    let mut controller = CacheController::new(engine, PAGE, host_pages, device_pages, LAYERS).unwrap();
+    if let Some(store) = store {
+        let namespace = StorageNamespace::single_rank("tree-test", geometry(), HostLayout::LayerFirst, PAGE);
+        let settings = StorageSettings {
+            page_size: PAGE,
+            batch_pages: 4,
+            prefetch_threshold: 2 * PAGE,
+            policy: PrefetchPolicy::WaitComplete,
+            timeout_base: Duration::from_secs(3),
+            timeout_per_ki_token: Duration::ZERO,
+            timeout_max: Duration::from_secs(3),
+            capacity_tokens: ((host_pages - device_pages) * PAGE) as u64,
+            backup_skip: false,
+            write_bytes_per_s: 0,
+            tick_slots: 8,
+        };
+        controller = controller
+            .with_storage(
+                Arc::new(MemoryStorage::shared(store.clone(), &namespace)),
+                settings,
+                Arc::new(SystemClock::new()),
+            )
+            .unwrap();
+    }
+    let settings = TreeSettings { write_policy: policy, write_through_selective_threshold: 2, load_back_threshold: 1 };
+    Rig { tree: HiRadixTree::new(controller, settings), requests: 0 }
+}
+
+/// The bytes of one item: a function of the token's page key, its place in the page, the layer and the part.
+fn derived(seed: &[u8; 32], offset: usize, layer: usize, part: usize, out: &mut [u8]) {
+    let mut state = u64::from_le_bytes(seed[..8].try_into().unwrap()) ^ ((offset * 131 + layer * 7 + part) as u64);
+    for chunk in out.chunks_mut(8) {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
+    }
+}
+
+impl Rig {
+    /// Writes the KV of `tokens[from..]` (whole pages) into `slots`, as a prefill would.
+    fn fill(&self, tokens: &[u32], from: usize, slots: &[DeviceSlot]) {
+        self.visit(tokens, from, slots, |bytes, expected| bytes.copy_from_slice(expected));
+    }
+
+    /// Checks the KV of `tokens[..slots.len()]` in `slots`.
+    fn verify(&self, tokens: &[u32], slots: &[DeviceSlot]) {
+        self.visit(tokens, 0, slots, |bytes, expected| assert_eq!(bytes, expected, "device bytes differ"));
+    }
+
+    fn visit(&self, tokens: &[u32], from: usize, slots: &[DeviceSlot], mut each: impl FnMut(&mut [u8], &[u8])) {
+        let keys = page_keys(&tokens[..from + slots.len()], PAGE, None, PartialPage::Reject).unwrap();
+        let map = self.tree.controller().engine().device_map();
+        let item = geometry().item_bytes();
+        let mut expected = vec![0u8; item];
+        self.tree.controller().engine().with_device(|bytes| {
+            for (index, &slot) in slots.iter().enumerate() {
+                let position = from + index;
+                for layer in 0..LAYERS {
+                    for &part in geometry().parts() {
+                        derived(keys[position / PAGE].as_bytes(), position % PAGE, layer, part.index(), &mut expected);
+                        let at = map.item_offset(slot as usize, layer, part);
+                        each(&mut bytes[at..at + item], &expected);
+                    }
+                }
+            }
+        });
+    }
+
+    /// A request: match, prefetch what storage has beyond the match (when there is storage), load back, prefill the
+    /// rest, insert, release. Returns (device hit, host hit) tokens.
+    fn request(&mut self, tokens: &[u32]) -> Option<(usize, usize)> {
+        let matched = self.tree.match_prefix(tokens);
+        if self.tree.controller().has_storage() && matched.last_host_node == matched.last_node {
+            let after = matched.device_slots.len() + matched.host_hit_length;
+            let id = format!("request-{}", self.requests);
+            self.requests += 1;
+            if let Ok(PrefetchStart::Started(_)) =
+                self.tree.prefetch_from_storage(&id, matched.last_host_node, &tokens[after..])
+            {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while self.tree.check_prefetch_progress(&id) == PrefetchCheck::Waiting {
+                    self.tick();
+                    assert!(Instant::now() < deadline, "prefetch never finished");
+                }
+            }
+        }
+        let matched = self.tree.match_prefix(tokens);
+        let mut slots = matched.device_slots.clone();
+        let loaded = self.tree.load_back(matched.last_node).unwrap();
+        let host_hit = loaded.len();
+        // as the scheduler does: lock the deepest resident node of what the request uses
+        let locked = if loaded.is_empty() { matched.last_device_node } else { matched.last_node };
+        self.tree.inc_lock_ref(locked);
+        if !loaded.is_empty() {
+            let consumer = self.tree.start_loading().unwrap();
+            self.tree.controller_mut().layers().set_consumer(consumer);
+            for layer in 0..LAYERS {
+                self.tree.controller_mut().layers().wait_until(layer);
+            }
+            slots.extend(&loaded);
+        }
+        self.verify(tokens, &slots);
+        let cached = slots.len();
+        let new_pages = (tokens.len() - cached) / PAGE;
+        let fresh = match self.tree.controller_mut().alloc_device(new_pages) {
+            Some(fresh) => fresh,
+            None => {
+                self.tree.evict(new_pages * PAGE).unwrap();
+                match self.tree.controller_mut().alloc_device(new_pages) {
+                    Some(fresh) => fresh,
+                    None => {
+                        self.tree.dec_lock_ref(locked);
+                        return None;
+                    }
+                }
+            }
+        };
+        self.fill(tokens, cached, &fresh);
+        slots.extend(&fresh);
+        self.tree.insert(tokens, &slots).unwrap();
+        self.tree.dec_lock_ref(locked);
+        Some((matched.device_slots.len(), host_hit))
+    }
+
+    fn tick(&mut self) -> hicache_core::tree::TickSummary {
+        let summary = self.tree.tick(&mut SingleRank).unwrap();
+        self.tree.check_invariants().unwrap();
+        summary
+    }
+}
+
+fn tokens(conversation: u32, len_pages: usize) -> Vec<u32> {
+    (0..(len_pages * PAGE) as u32).map(|index| conversation * 10_000 + index).collect()
+}
+
+#[test]
+fn matches_split_at_pages_and_share_prefixes() {
+    let mut rig = rig(WritePolicy::WriteThrough, 32, 64, None);
+    let a = tokens(1, 4);
+    assert_eq!(rig.request(&a), Some((0, 0)));
+    let mut b = a[..2 * PAGE].to_vec();
+    b.extend(tokens(2, 3));
+    assert_eq!(rig.request(&b), Some((2 * PAGE, 0)), "two shared pages, split off a's node");
+    rig.tree.check_invariants().unwrap();
+    // a partial page is not matched
+    let mut c = a.clone();
+    c.push(9);
+    let matched = rig.tree.match_prefix(&c);
+    assert_eq!(matched.device_slots.len(), 4 * PAGE);
+    assert_eq!(rig.tree.node_count(), 1 + 3, "root, the shared pages, a's rest, b's rest");
+}
+
+#[test]
+fn write_policies_back_up_when_they_say() {
+    for (policy, writes_after) in [
+        (WritePolicy::WriteThrough, [1, 0]),
+        (WritePolicy::WriteThroughSelective, [0, 1]),
+        (WritePolicy::WriteBack, [0, 0]),
+    ] {
+        let mut rig = rig(policy, 32, 64, None);
+        let a = tokens(1, 3);
+        for (round, expected) in writes_after.iter().enumerate() {
+            rig.request(&a);
+            let summary = rig.tick();
+            assert_eq!(summary.writes_acked, *expected, "{policy}, round {round}");
+        }
+    }
+}
+
+#[test]
+fn write_back_backs_up_at_eviction_and_reaches_storage() {
+    // §17 item 3: SGLang's write_back never reaches storage
+    let store = MemoryStore::new();
+    let mut rig = rig(WritePolicy::WriteBack, 8, 16, Some(&store));
+    let a = tokens(1, 3);
+    rig.request(&a);
+    assert_eq!(rig.tree.evict(3 * PAGE).unwrap(), 3 * PAGE);
+    rig.tree.check_invariants().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.len() < 3 {
+        rig.tick();
+        assert!(Instant::now() < deadline, "the backup did not reach storage");
+    }
+    // and it comes back from the host
+    assert_eq!(rig.request(&a), Some((0, 3 * PAGE)));
+}
+
+#[test]
+fn write_back_eviction_without_host_room_drops_the_node_instead_of_crashing() {
+    // §17 item 4: SGLang appends the node anyway and asserts `backuped` later
+    let mut rig = rig(WritePolicy::WriteBack, 8, 9, None);
+    let a = tokens(1, 4);
+    rig.request(&a);
+    // fill the host pool with a locked, backed-up node
+    let b = tokens(2, 4);
+    rig.request(&b);
+    let matched = rig.tree.match_prefix(&b);
+    rig.tree.inc_lock_ref(matched.last_node);
+    assert_eq!(rig.tree.evict(4 * PAGE).unwrap(), 4 * PAGE, "some node gave its pages up");
+    rig.tree.check_invariants().unwrap();
+}
+
+#[test]
+fn evicted_pages_load_back_byte_for_byte_and_host_eviction_forgets_them() {
+    let mut rig = rig(WritePolicy::WriteThrough, 8, 16, None);
+    let a = tokens(1, 4);
+    rig.request(&a);
+    rig.tick();
+    assert_eq!(rig.tree.evict(8 * PAGE).unwrap(), 4 * PAGE);
+    assert_eq!(rig.tree.device_tokens(), (0, 0));
+    let matched = rig.tree.match_prefix(&a);
+    assert_eq!((matched.device_slots.len(), matched.host_hit_length), (0, 4 * PAGE));
+    assert_eq!(rig.request(&a), Some((0, 4 * PAGE)), "loaded back and verified");
+    rig.tick();
+    rig.tree.evict(8 * PAGE).unwrap();
+    assert_eq!(rig.tree.evict_host(8 * PAGE).unwrap(), 4 * PAGE);
+    assert_eq!(rig.tree.node_count(), 1);
+    assert_eq!(rig.request(&a), Some((0, 0)), "gone from L1 and L2");
+}
+
+#[test]
+fn pages_evicted_from_the_host_come_back_from_storage() {
+    let store = MemoryStore::new();
+    let mut rig = rig(WritePolicy::WriteThrough, 8, 16, Some(&store));
+    let a = tokens(1, 5);
+    rig.request(&a);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.len() < 5 {
+        rig.tick();
+        assert!(Instant::now() < deadline);
+    }
+    rig.tick();
+    rig.tree.evict(10 * PAGE).unwrap();
+    assert_eq!(rig.tree.evict_host(10 * PAGE).unwrap(), 5 * PAGE);
+    let mut b = a.clone();
+    b.extend(tokens(2, 1));
+    let matched = rig.tree.match_prefix(&b);
+    assert_eq!(matched.last_host_node, rig.tree.root());
+    let start = rig.tree.prefetch_from_storage("b", matched.last_host_node, &b).unwrap();
+    assert!(matches!(start, PrefetchStart::Started(_)), "{start:?}");
+    assert_eq!(rig.tree.check_prefetch_progress("b"), PrefetchCheck::Waiting);
+    let summary = loop {
+        let summary = rig.tick();
+        if !summary.prefetches.is_empty() {
+            break summary;
+        }
+        assert!(Instant::now() < deadline);
+    };
+    let (explanation, new) = &summary.prefetches[0];
+    assert_eq!(
+        (explanation.stop.clone(), explanation.fetched_tokens, *new),
+        (PrefetchStop::Complete, 5 * PAGE, 5 * PAGE)
+    );
+    assert_eq!(rig.tree.check_prefetch_progress("b"), PrefetchCheck::Ready);
+    assert_eq!(rig.request(&b), Some((0, 5 * PAGE)), "the L3 pages loaded to the device, verified");
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Request { conversation: u32, pages: usize },
+    Evict(usize),
+    EvictHost(usize),
+    Tick,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u32..4, 1usize..8).prop_map(|(conversation, pages)| Op::Request { conversation, pages }),
+        1 => (1usize..12).prop_map(|pages| Op::Evict(pages * PAGE)),
+        1 => (1usize..12).prop_map(|pages| Op::EvictHost(pages * PAGE)),
+        2 => Just(Op::Tick),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Random requests over a few conversations (shared prefixes of several lengths), evictions and ticks, under
+    /// every write policy: every invariant holds after every step, and every byte a request gets back is right.
+    #[test]
+    fn invariants_hold_under_random_operations(
+        ops in prop::collection::vec(op(), 1..80),
+        policy in 0usize..3,
+        storage in any::<bool>(),
+    ) {
+        let policy = [WritePolicy::WriteThrough, WritePolicy::WriteThroughSelective, WritePolicy::WriteBack][policy];
+        let store = MemoryStore::new();
+        let mut rig = rig(policy, 12, 20, storage.then_some(&store));
+        for op in ops {
+            match op {
+                Op::Request { conversation, pages } => {
+                    rig.request(&tokens(conversation, pages));
+                }
+                Op::Evict(tokens) => {
+                    rig.tree.evict(tokens).unwrap();
+                }
+                Op::EvictHost(tokens) => {
+                    rig.tree.evict_host(tokens).unwrap();
+                }
+                Op::Tick => {
+                    rig.tick();
+                }
+            }
+            rig.tree.check_invariants().unwrap();
+            rig.tree.controller().host().check_invariants().unwrap();
+        }
+    }
+}
