@@ -5,6 +5,7 @@
 mod backends;
 mod commands;
 mod exit;
+mod replay;
 
 use std::process::ExitCode;
 
@@ -25,6 +26,8 @@ enum Command {
     /// Measure performance; each figure is printed next to a reference measured in the same run.
     #[command(subcommand)]
     Bench(commands::bench::BenchCommand),
+    /// Replay a multi-turn chat workload through the cache and report hits per tier, TTFT and bytes moved.
+    Replay(replay::ReplayArgs),
     /// Check configuration files.
     #[command(subcommand)]
     Config(commands::config::ConfigCommand),
@@ -36,6 +39,7 @@ fn main() -> ExitCode {
         Command::Hash(args) => commands::hash::run(&args),
         Command::Bench(command) => commands::bench::run(&command),
         Command::Config(command) => commands::config::run(&command),
+        Command::Replay(args) => replay::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -151,6 +151,72 @@ fn bench_controller_reports_ops_and_time_per_op() {
     assert_usage_error(&hicache(&["bench", "controller", "--ops", "0"], ""), "--ops and --page-size");
 }
 
+fn replay_json(args: &[&str]) -> Value {
+    let mut all = vec!["replay", "--json"];
+    all.extend_from_slice(args);
+    let output = hicache(&all, "");
+    assert!(output.status.success(), "replay {args:?}: {}", stderr(&output));
+    serde_json::from_str(&stdout(&output)).expect("a JSON object")
+}
+
+fn tokens(report: &Value, tier: &str) -> u64 {
+    report[format!("tokens_from_{tier}")].as_u64().unwrap()
+}
+
+#[test]
+fn replay_by_default_serves_hits_from_every_tier_and_verifies_every_byte() {
+    let report = replay_json(&[]);
+    assert_eq!(report["verified"], true, "{report}");
+    assert!(report["verified_bytes"].as_u64().unwrap() > 0);
+    for tier in ["l1", "l2", "l3"] {
+        assert!(tokens(&report, tier) > 0, "no hits from {tier}: {report}");
+    }
+    let rounds = report["rounds"].as_array().unwrap();
+    assert_eq!(rounds.len(), 4);
+    assert_eq!(rounds[0]["hit_rate"], 0.0, "the first round is cold");
+    let requests: u64 = rounds.iter().map(|round| round["requests"].as_u64().unwrap()).sum();
+    assert_eq!(requests, report["requests"].as_u64().unwrap());
+    // the SGLang metric: cached over prompt tokens
+    let cached = tokens(&report, "l1") + tokens(&report, "l2") + tokens(&report, "l3");
+    let rate = cached as f64 / report["prompt_tokens"].as_f64().unwrap();
+    assert!((report["hit_rate"].as_f64().unwrap() - rate).abs() < 1e-9);
+    for field in ["page_ops_per_s", "ttft_p50_ms", "ttft_p90_ms"] {
+        assert!(report[field].as_f64().is_some_and(|value| value > 0.0), "{field}: {report}");
+    }
+    assert!(report["ttft_p90_ms"].as_f64() >= report["ttft_p50_ms"].as_f64());
+}
+
+#[test]
+fn with_a_small_host_pool_storage_serves_what_the_host_evicted() {
+    let small = ["--clients", "24", "--host-tokens", "20480", "--backend"];
+    let without = replay_json(&[&small[..], &["none"]].concat());
+    let with = replay_json(&[&small[..], &["memory"]].concat());
+    assert_eq!(tokens(&without, "l3"), 0);
+    assert!(tokens(&with, "l3") > 0, "{with}");
+    assert!(with["hit_rate"].as_f64() > without["hit_rate"].as_f64(), "with L3 {with}\nwithout {without}");
+    assert!(with["prefetch_stop_reasons"]["complete"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn four_tp_ranks_replay_in_lockstep() {
+    let report = replay_json(&["--tp-size", "4", "--clients", "12", "--rounds", "3", "--backend", "memory"]);
+    assert_eq!(report["tp_size"], 4);
+    assert_eq!(report["lockstep"], true, "{report}");
+    assert_eq!(report["verified"], true);
+}
+
+#[test]
+fn replay_refuses_bad_settings_with_exit_code_2() {
+    assert_usage_error(&hicache(&["replay", "--engine", "cuda"], ""), "--features cuda");
+    assert_usage_error(&hicache(&["replay", "--host-tokens", "1024", "--device-tokens", "2048"], ""), "--host-tokens");
+    assert_usage_error(&hicache(&["replay", "--device-tokens", "64"], ""), "cannot hold one conversation");
+    assert_usage_error(&hicache(&["replay", "--clients", "0"], ""), "--clients must be at least 1");
+    assert_usage_error(&hicache(&["replay", "--backend", "nixl"], ""), "--features nixl");
+    let output = hicache(&["replay", "--backend", "tape"], "");
+    assert_eq!(output.status.code(), Some(2));
+    assert!(stderr(&output).contains("'tape'") && stderr(&output).contains("memory, file"), "{}", stderr(&output));
+}
+
 #[test]
 fn help_describes_every_option() {
     let output = hicache(&["hash", "--help"], "");

@@ -24,8 +24,10 @@ mod prefetch;
 mod release;
 mod storage;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
+
+use rustc_hash::FxHashMap as HashMap;
 
 use crate::error::Error;
 use crate::hash::PageKey;
@@ -196,11 +198,11 @@ impl<E: TransferEngine> CacheController<E> {
             settings,
             clock,
             workers,
-            requests: HashMap::new(),
+            requests: HashMap::default(),
             prefetches: BTreeMap::new(),
             backups: VecDeque::new(),
             ledger: ReleaseLedger::new(),
-            pins: HashMap::new(),
+            pins: HashMap::default(),
         });
         Ok(self)
     }

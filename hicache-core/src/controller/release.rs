@@ -7,7 +7,7 @@
 //! page range of it; the ledger hands each page back once and refuses a second release of any page as an error (a
 //! bug to report, never a double free).
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
 use crate::error::Error;

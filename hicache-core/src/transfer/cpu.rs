@@ -6,7 +6,7 @@
 //! tests can hold transfers in flight deterministically: until then the destination keeps its old bytes, and a
 //! reader that forgot to wait sees them.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{DeviceLayoutMap, HostMemory, TransferEngine, TransferEvent};
@@ -50,12 +50,13 @@ struct Job {
 struct State {
     device_map: DeviceLayoutMap,
     host_map: HostLayoutMap,
-    device: Vec<u8>,
-    host: Vec<u8>,
+    memory: Arc<Memory>,
     queues: [VecDeque<Job>; 2],
     /// Per stream: the last sequence number submitted, and the last completed.
     submitted: [u64; 2],
     completed: [u64; 2],
+    /// Scratch bitmap for duplicate checks, all zero between calls.
+    seen: Vec<u64>,
 }
 
 impl State {
@@ -74,35 +75,78 @@ impl State {
     fn execute(&mut self, work: &Work) {
         let page_size = self.host_map.page_size();
         let geometry = *self.device_map.geometry();
-        let item = geometry.item_bytes();
         let (device_map, host_map) = (self.device_map, self.host_map);
+        let mut runs = Runs::new(geometry.item_bytes());
+        let mut device = lock(&self.memory.device);
+        let mut host = lock(&self.memory.host);
         match work {
             Work::Backup { slots, pages } => {
                 for (&page, page_slots) in pages.iter().zip(slots.chunks(page_size)) {
-                    for (offset, &slot) in page_slots.iter().enumerate() {
-                        for layer in 0..geometry.layers {
-                            for &part in geometry.parts() {
+                    for layer in 0..geometry.layers {
+                        for &part in geometry.parts() {
+                            for (offset, &slot) in page_slots.iter().enumerate() {
                                 let from = device_map.item_offset(slot as usize, layer, part);
                                 let to = host_map.item_offset(page * page_size + offset, layer, part);
-                                self.host[to..to + item].copy_from_slice(&self.device[from..from + item]);
+                                runs.push(from, to, &device, &mut host);
                             }
                         }
                     }
                 }
+                runs.flush(&device, &mut host);
             }
             Work::LoadLayer { layer, pages, slots } => {
                 for (&page, page_slots) in pages.iter().zip(slots.chunks(page_size)) {
-                    for (offset, &slot) in page_slots.iter().enumerate() {
-                        for &part in geometry.parts() {
+                    for &part in geometry.parts() {
+                        for (offset, &slot) in page_slots.iter().enumerate() {
                             let from = host_map.item_offset(page * page_size + offset, *layer, part);
                             let to = device_map.item_offset(slot as usize, *layer, part);
-                            self.device[to..to + item].copy_from_slice(&self.host[from..from + item]);
+                            runs.push(from, to, &host, &mut device);
                         }
                     }
                 }
+                runs.flush(&host, &mut device);
             }
         }
     }
+}
+
+/// Item copies merged into runs where both sides continue where the last item ended (consecutive slots of a page
+/// in `layer_first`, say), so a page is a few `memcpy`s rather than one per item.
+struct Runs {
+    item: usize,
+    from: usize,
+    to: usize,
+    len: usize,
+}
+
+impl Runs {
+    fn new(item: usize) -> Self {
+        Self { item, from: 0, to: 0, len: 0 }
+    }
+
+    fn push(&mut self, from: usize, to: usize, source: &[u8], destination: &mut [u8]) {
+        if self.len > 0 && from == self.from + self.len && to == self.to + self.len {
+            self.len += self.item;
+            return;
+        }
+        self.flush(source, destination);
+        (self.from, self.to, self.len) = (from, to, self.item);
+    }
+
+    fn flush(&mut self, source: &[u8], destination: &mut [u8]) {
+        if self.len > 0 {
+            destination[self.to..self.to + self.len].copy_from_slice(&source[self.from..self.from + self.len]);
+            self.len = 0;
+        }
+    }
+}
+
+/// The pools' bytes, each behind its own lock, so the storage tier's threads copy host pages while the forward
+/// pass reads the device pool. Lock order: the engine's state, then the device, then the host.
+#[derive(Debug)]
+struct Memory {
+    device: Mutex<Vec<u8>>,
+    host: Mutex<Vec<u8>>,
 }
 
 /// The CPU engine.
@@ -119,7 +163,7 @@ pub struct CpuEvent {
     position: Option<(Stream, u64)>,
 }
 
-fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+fn lock<T>(state: &Mutex<T>) -> MutexGuard<'_, T> {
     // every job runs to completion under the lock before its position is recorded, so a poisoned state is only ever
     // one whose last copy panicked midway: its bytes are as unspecified as an interrupted DMA's, its counters sound
     state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -154,26 +198,34 @@ impl CpuEngine {
                 ),
             });
         }
+        let memory = Memory {
+            device: Mutex::new(vec![0; device_map.total_bytes()]),
+            host: Mutex::new(vec![0; host_map.total_bytes()]),
+        };
         let state = State {
-            device: vec![0; device_map.total_bytes()],
-            host: vec![0; host_map.total_bytes()],
+            memory: Arc::new(memory),
             device_map,
             host_map,
             queues: [VecDeque::new(), VecDeque::new()],
             submitted: [0; 2],
             completed: [0; 2],
+            seen: Vec::new(),
         };
         Ok(Self { state: Arc::new(Mutex::new(state)), completion })
     }
 
     /// Runs `f` on the device pool's bytes (`[layer][part][slot][item]`, see [`DeviceLayoutMap`]).
     pub fn with_device<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
-        f(&mut lock(&self.state).device)
+        let memory = lock(&self.state).memory.clone();
+        let mut device = lock(&memory.device);
+        f(&mut device)
     }
 
     /// Runs `f` on the host pool's bytes (in the host layout, see [`HostLayoutMap`]).
     pub fn with_host<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
-        f(&mut lock(&self.state).host)
+        let memory = lock(&self.state).memory.clone();
+        let mut host = lock(&memory.host);
+        f(&mut host)
     }
 
     /// The device pool's map.
@@ -259,14 +311,14 @@ impl CpuEngine {
 /// The CPU engine's host pool as [`HostMemory`]: copies under the engine's lock.
 #[derive(Debug)]
 pub struct CpuHostMemory {
-    state: Arc<Mutex<State>>,
-    page_bytes: usize,
+    memory: Arc<Memory>,
+    map: HostLayoutMap,
 }
 
 impl CpuHostMemory {
     /// The host buffer's segments of `pages`, in flat page order, after checking the buffer's size.
-    fn segments(state: &State, pages: &[HostPageId], bytes: usize) -> Result<Vec<(usize, usize)>, Error> {
-        let map = state.host_map;
+    fn segments(&self, pages: &[HostPageId], bytes: usize) -> Result<Vec<(usize, usize)>, Error> {
+        let map = self.map;
         if let Some(page) = pages.iter().find(|page| page.index() >= map.pages()) {
             return Err(Error::InvalidArgument {
                 field: "pages",
@@ -289,41 +341,61 @@ impl CpuHostMemory {
 
 impl HostMemory for CpuHostMemory {
     fn page_bytes(&self) -> usize {
-        self.page_bytes
+        self.map.page_bytes()
     }
 
     fn read_pages(&self, pages: &[HostPageId], out: &mut [u8]) -> Result<(), Error> {
-        let state = lock(&self.state);
+        let segments = self.segments(pages, out.len())?;
+        let host = lock(&self.memory.host);
         let mut at = 0;
-        for (offset, len) in Self::segments(&state, pages, out.len())? {
-            out[at..at + len].copy_from_slice(&state.host[offset..offset + len]);
+        for (offset, len) in segments {
+            out[at..at + len].copy_from_slice(&host[offset..offset + len]);
             at += len;
         }
         Ok(())
     }
 
     fn write_pages(&self, pages: &[HostPageId], data: &[u8]) -> Result<(), Error> {
-        let mut state = lock(&self.state);
+        let segments = self.segments(pages, data.len())?;
+        let mut host = lock(&self.memory.host);
         let mut at = 0;
-        for (offset, len) in Self::segments(&state, pages, data.len())? {
-            state.host[offset..offset + len].copy_from_slice(&data[at..at + len]);
+        for (offset, len) in segments {
+            host[offset..offset + len].copy_from_slice(&data[at..at + len]);
             at += len;
         }
         Ok(())
     }
 }
 
-fn first_repeat<T: Copy + Eq + std::hash::Hash>(items: impl IntoIterator<Item = T>) -> Option<T> {
-    let mut seen = HashSet::new();
-    items.into_iter().find(|item| !seen.insert(*item))
+/// The first index listed twice, found with a bitmap kept in the state (cleared again before returning): O(n), no
+/// allocation after the first call.
+fn first_repeat(seen: &mut Vec<u64>, items: impl Iterator<Item = usize> + Clone) -> Option<usize> {
+    let mut repeat = None;
+    let mut marked = 0;
+    for item in items.clone() {
+        if seen.len() <= item / 64 {
+            seen.resize(item / 64 + 1, 0);
+        }
+        let (word, bit) = (item / 64, 1u64 << (item % 64));
+        if seen[word] & bit != 0 {
+            repeat = Some(item);
+            break;
+        }
+        seen[word] |= bit;
+        marked += 1;
+    }
+    for item in items.take(marked) {
+        seen[item / 64] &= !(1u64 << (item % 64));
+    }
+    repeat
 }
 
 impl TransferEngine for CpuEngine {
     type Event = CpuEvent;
 
     fn host_memory(&self) -> Arc<dyn HostMemory> {
-        let page_bytes = lock(&self.state).host_map.page_bytes();
-        Arc::new(CpuHostMemory { state: self.state.clone(), page_bytes })
+        let state = lock(&self.state);
+        Arc::new(CpuHostMemory { memory: state.memory.clone(), map: state.host_map })
     }
 
     fn start_event(&mut self) -> CpuEvent {
@@ -332,9 +404,9 @@ impl TransferEngine for CpuEngine {
     }
 
     fn backup(&mut self, slots: &[DeviceSlot], pages: &[HostPageId], after: &CpuEvent) -> Result<CpuEvent, Error> {
-        let state = lock(&self.state);
+        let mut state = lock(&self.state);
         let pages = self.check(&state, slots, pages, after)?;
-        if let Some(page) = first_repeat(pages.iter().copied()) {
+        if let Some(page) = first_repeat(&mut state.seen, pages.iter().copied()) {
             return Err(Error::InvalidArgument { field: "pages", reason: format!("host page {page} is listed twice") });
         }
         Ok(self.submit(state, Stream::Write, Work::Backup { slots: slots.to_vec(), pages }, after))
@@ -347,7 +419,7 @@ impl TransferEngine for CpuEngine {
         slots: &[DeviceSlot],
         after: &CpuEvent,
     ) -> Result<CpuEvent, Error> {
-        let state = lock(&self.state);
+        let mut state = lock(&self.state);
         let pages = self.check(&state, slots, pages, after)?;
         if layer >= state.device_map.geometry().layers {
             return Err(Error::InvalidArgument {
@@ -355,7 +427,7 @@ impl TransferEngine for CpuEngine {
                 reason: format!("{layer} out of range ({} layers)", state.device_map.geometry().layers),
             });
         }
-        if let Some(slot) = first_repeat(slots.iter().copied()) {
+        if let Some(slot) = first_repeat(&mut state.seen, slots.iter().map(|&slot| slot as usize)) {
             return Err(Error::InvalidArgument {
                 field: "slots",
                 reason: format!("device slot {slot} is listed twice"),

@@ -1,7 +1,9 @@
 //! Device and host eviction: least recently used leaves first (spec §5.6, §5.7).
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::BinaryHeap;
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use super::{HiRadixTree, Node};
 use crate::config::WritePolicy;
@@ -28,7 +30,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
             .collect();
         let mut evicted = 0;
         let mut written: Vec<NodeId> = Vec::new();
-        let mut pending: HashSet<NodeId> = HashSet::new();
+        let mut pending: HashSet<NodeId> = HashSet::default();
         while evicted < tokens {
             let Some(Reverse((_, id))) = heap.pop() else { break };
             let node = self.node(id);
@@ -38,7 +40,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
             let parent = node.parent.expect("the root is not a leaf");
             if node.backed_up() {
                 evicted += self.evict_backed_up(id)?;
-            } else if write_back && self.write_backup(id, true)? > 0 {
+            } else if write_back && self.rescue(id)? > 0 {
                 // the copy is in flight: the device slots are freed once every write is acked, below
                 evicted += self.node(id).key.len();
                 written.push(id);
@@ -70,6 +72,21 @@ impl<E: TransferEngine> HiRadixTree<E> {
         Ok(evicted)
     }
 
+    /// `write_back`'s eviction write of a device leaf. While backups to storage pin the host pool, it waits for the
+    /// oldest to finish and tries again rather than lose the KV: every rank has the same backups queued, so every
+    /// rank waits for the same ones. (A `write_through` node whose write the full host pool refused is dropped, as in
+    /// SGLang: waiting there stalled the scheduler and churned the host pool for less hit rate in replays.) Returns
+    /// the tokens written (0: none).
+    fn rescue(&mut self, id: NodeId) -> Result<usize, Error> {
+        let mut written = self.write_backup(id, true)?;
+        while written == 0 && self.controller.backups_in_flight() > 0 {
+            self.controller.take_backups(1)?;
+            self.stats.backup_waits += 1;
+            written = self.write_backup(id, true)?;
+        }
+        Ok(written)
+    }
+
     fn is_device_leaf(&self, id: NodeId) -> bool {
         let node = self.node(id);
         id != self.root && !node.evicted() && node.children.values().all(|child| self.node(*child).evicted())
@@ -83,6 +100,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
         self.controller.evict_device(&slots, &host)?;
         self.node_mut(id).device = None;
         self.evictable_tokens -= slots.len();
+        self.stats.device_evicted_tokens += slots.len();
         Ok(slots.len())
     }
 
@@ -114,6 +132,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
         let key = self.child_key(&node.key);
         self.node_mut(node.parent.expect("not the root")).children.remove(&key);
         self.evictable_tokens -= slots.len();
+        self.stats.dropped_tokens += slots.len();
         Ok(Some(slots.len()))
     }
 
@@ -125,7 +144,9 @@ impl<E: TransferEngine> HiRadixTree<E> {
     ///
     /// Controller errors (bugs).
     pub fn evict_host(&mut self, tokens: usize) -> Result<usize, Error> {
-        evict_host_nodes(&mut self.nodes, self.root, self.page_size, &mut self.controller, tokens)
+        let evicted = evict_host_nodes(&mut self.nodes, self.root, self.page_size, &mut self.controller, tokens)?;
+        self.stats.host_evicted_tokens += evicted;
+        Ok(evicted)
     }
 }
 

@@ -18,7 +18,7 @@ mod evict;
 mod invariants;
 mod storage;
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 use crate::config::WritePolicy;
 use crate::controller::CacheController;
@@ -43,6 +43,21 @@ pub struct MatchResult {
     pub last_node: NodeId,
     /// Tokens matched below `last_device_node` that are only on the host (L2 hit).
     pub host_hit_length: usize,
+}
+
+/// Counters of what the tree did, since it was made or reset.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TreeStats {
+    /// Tokens whose device copy was dropped while a host copy stayed.
+    pub device_evicted_tokens: usize,
+    /// Tokens dropped from the device with no host copy (lost; recomputed if asked again).
+    pub dropped_tokens: usize,
+    /// Tokens dropped from the host (storage may still hold them).
+    pub host_evicted_tokens: usize,
+    /// Tokens a backup to the host could not take (host pool full even after eviction).
+    pub write_refused_tokens: usize,
+    /// Times device eviction waited for a backup to storage to unpin host pages, rather than drop a node's KV.
+    pub backup_waits: usize,
 }
 
 /// Knobs of the tree (SGLang's constants, configurable).
@@ -107,13 +122,14 @@ pub struct HiRadixTree<E: TransferEngine> {
     ongoing_loads: HashMap<NodeId, ()>,
     /// Prefetches in flight: request → (node they hang under, the tokens asked for).
     ongoing_prefetches: HashMap<String, (NodeId, Vec<u32>)>,
+    stats: TreeStats,
 }
 
 impl<E: TransferEngine> HiRadixTree<E> {
     /// A tree over `controller`; page keys are computed for new nodes only when the controller has storage.
     pub fn new(controller: CacheController<E>, settings: TreeSettings) -> Self {
         let root = NodeId(0);
-        let mut nodes = HashMap::new();
+        let mut nodes = HashMap::default();
         nodes.insert(root, Self::root_node());
         Self {
             page_size: controller.page_size(),
@@ -126,16 +142,17 @@ impl<E: TransferEngine> HiRadixTree<E> {
             hasher: PageHasher::new(),
             evictable_tokens: 0,
             protected_tokens: 0,
-            ongoing_writes: HashMap::new(),
-            ongoing_loads: HashMap::new(),
-            ongoing_prefetches: HashMap::new(),
+            ongoing_writes: HashMap::default(),
+            ongoing_loads: HashMap::default(),
+            ongoing_prefetches: HashMap::default(),
+            stats: TreeStats::default(),
         }
     }
 
     fn root_node() -> Node {
         Node {
             parent: None,
-            children: HashMap::new(),
+            children: HashMap::default(),
             key: Vec::new(),
             device: Some(Vec::new()),
             host: Some(Vec::new()),
@@ -170,6 +187,11 @@ impl<E: TransferEngine> HiRadixTree<E> {
     /// Device tokens the tree could evict now, and device tokens locked by users.
     pub fn device_tokens(&self) -> (usize, usize) {
         (self.evictable_tokens, self.protected_tokens)
+    }
+
+    /// What the tree did so far.
+    pub fn stats(&self) -> &TreeStats {
+        &self.stats
     }
 
     /// Nodes in the tree, the root included.
@@ -259,7 +281,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
         let parent = node.parent.expect("the root is never split");
         let upper = Node {
             parent: Some(parent),
-            children: HashMap::new(),
+            children: HashMap::default(),
             key: node.key.drain(..prefix).collect(),
             device: node.device.as_mut().map(|device| device.drain(..prefix).collect()),
             host: node.host.as_mut().map(|host| host.drain(..pages).collect()),
@@ -388,7 +410,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
             let id = self.new_id();
             let leaf = Node {
                 parent: Some(node),
-                children: HashMap::new(),
+                children: HashMap::default(),
                 key: rest.to_vec(),
                 device: Some(slots.to_vec()),
                 host: None,
@@ -432,7 +454,10 @@ impl<E: TransferEngine> HiRadixTree<E> {
             self.evict_host(slots.len())?;
             pages = self.controller.write(&slots, node, keys.as_deref())?;
         }
-        let Some(pages) = pages else { return Ok(0) };
+        let Some(pages) = pages else {
+            self.stats.write_refused_tokens += slots.len();
+            return Ok(0);
+        };
         self.node_mut(node).host = Some(pages);
         self.ongoing_writes.insert(node, !write_back);
         if !write_back {
@@ -454,5 +479,6 @@ impl<E: TransferEngine> HiRadixTree<E> {
         self.ongoing_writes.clear();
         self.ongoing_loads.clear();
         self.ongoing_prefetches.clear();
+        self.stats = TreeStats::default();
     }
 }

@@ -1,7 +1,7 @@
 //! The tree's side of transfers: load-back, the tick (acks, backups, prefetch results), and prefetch from storage
 //! (spec §5.4, §5.8, §7.3, §7.4).
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 use super::evict::evict_host_nodes;
 use super::{HiRadixTree, Node};
@@ -27,9 +27,11 @@ pub enum PrefetchCheck {
 pub struct TickSummary {
     /// Device → host writes acked.
     pub writes_acked: usize,
+    /// Pages those writes copied.
+    pub pages_written: usize,
     /// Host → device loads acked.
     pub loads_acked: usize,
-    /// Pages written to storage by the backups that finished, and pages that failed.
+    /// Pages written to storage by the backups that finished.
     pub pages_backed_up: usize,
     /// Pages whose backup failed.
     pub pages_backup_failed: usize,
@@ -150,13 +152,16 @@ impl<E: TransferEngine> HiRadixTree<E> {
     ///
     /// The collective's errors; controller errors (bugs).
     pub fn tick(&mut self, collective: &mut dyn Collective) -> Result<TickSummary, Error> {
-        let (nodes, root, page_size) = (&mut self.nodes, self.root, self.page_size);
+        let (nodes, root, page_size, stats) = (&mut self.nodes, self.root, self.page_size, &mut self.stats);
         let report = self.controller.tick_with(collective, &mut |controller, pages| {
             // a failure here leaves the prefetch without room: it is revoked, and the error shows at the next call
-            let _ = evict_host_nodes(nodes, root, page_size, controller, pages * page_size);
+            if let Ok(evicted) = evict_host_nodes(nodes, root, page_size, controller, pages * page_size) {
+                stats.host_evicted_tokens += evicted;
+            }
         })?;
         let mut summary = TickSummary { writes_acked: report.write_acks.len(), ..TickSummary::default() };
         for ack in &report.write_acks {
+            summary.pages_written += ack.host_pages.len();
             self.write_acked(&ack.node_ids);
         }
         for backup in &report.backups {
@@ -257,7 +262,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
                 id,
                 Node {
                     parent: Some(node),
-                    children: HashMap::new(),
+                    children: HashMap::default(),
                     key: rest.to_vec(),
                     device: None,
                     host: Some(pages[taken..].to_vec()),

@@ -1,0 +1,398 @@
+//! `hicache replay`: SGLang's multi-turn chat benchmark simulated at the cache level, through the real tree,
+//! controller, transfer engine and storage tier, with every loaded byte checked.
+//!
+//! The default needs no flag, no GPU and no service: the CPU engine and the file tier in a temporary directory, a
+//! small model geometry, and pools smaller than the working set (device < host < all conversations), so the device,
+//! the host and storage all serve hits. Model compute is not run; a compute model turns uncached tokens into a
+//! prefill time for the TTFT estimate.
+
+mod kv;
+mod rank;
+mod report;
+mod workload;
+
+use std::io::IsTerminal as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::bail;
+use clap::{Args, ValueEnum};
+use hicache_core::collective::{Collective, InProcessGroup, SingleRank};
+use hicache_core::config::{HiCacheConfig, PrefetchPolicy, WritePolicy};
+use hicache_core::controller::{CacheController, StorageSettings};
+use hicache_core::geometry::{KvDtype, KvGeometry};
+use hicache_core::layout::{HostLayout, HostLayoutMap};
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::rate_limit::SystemClock;
+use hicache_core::storage::{MemoryStorage, MemoryStore, StorageBackend};
+use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
+use hicache_core::tree::{HiRadixTree, TreeSettings};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::backends::{self, BackendName, BackendOptions, FileFormatArg};
+use crate::exit::Usage;
+
+/// The storage tier of a replay (`--backend`): a backend, or none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum ReplayBackend {
+    /// No storage tier: device and host only.
+    None,
+    /// In-process memory.
+    Memory,
+    /// Local files (the default; in a temporary directory unless --dir is given).
+    File,
+    /// NIXL (cargo feature `nixl`).
+    Nixl,
+    /// Mooncake Store (cargo feature `mooncake`).
+    Mooncake,
+    /// DeepSeek 3FS (cargo feature `3fs`).
+    #[value(name = "3fs")]
+    ThreeFs,
+}
+
+/// The transfer engine (`--engine`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum EngineName {
+    /// Copies between plain memory buffers standing in for the GPU (no GPU needed).
+    Cpu,
+    /// The GPU (cargo feature `cuda`).
+    Cuda,
+}
+
+/// Arguments of `hicache replay`.
+#[derive(Debug, Args)]
+pub(crate) struct ReplayArgs {
+    /// Clients, each holding one multi-turn conversation.
+    #[arg(long, default_value_t = 48, value_name = "N")]
+    clients: usize,
+    /// Rounds (turns) per client.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    rounds: usize,
+    /// New user tokens per round (each prompt re-sends the whole history before them).
+    #[arg(long, default_value_t = 512, value_name = "N")]
+    request_length: usize,
+    /// Answer tokens per round.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    output_length: usize,
+    /// Tokens of a system prompt shared by every client (0: none).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    system_prompt: usize,
+    /// Mean first-round arrivals per second of simulated time (Poisson).
+    #[arg(long, default_value_t = 16.0, value_name = "R")]
+    request_rate: f64,
+    /// Requests per batch.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    max_parallel: usize,
+    /// Seed of the workload.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    seed: u64,
+    /// Tokens per page.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    page_size: usize,
+    /// Model layers.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    layers: usize,
+    /// KV heads of the model (split over TP ranks; replicated when fewer than ranks).
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    kv_heads: usize,
+    /// Head dimension (bf16).
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    head_dim: usize,
+    /// Host pool layout.
+    #[arg(long, value_enum, default_value_t = LayoutArg::LayerFirst)]
+    layout: LayoutArg,
+    /// Device pool size in tokens.
+    #[arg(long, default_value_t = 16_384, value_name = "N")]
+    device_tokens: usize,
+    /// Host pool size in tokens (must exceed the device pool).
+    #[arg(long, default_value_t = 32_768, value_name = "N")]
+    host_tokens: usize,
+    /// Storage tier.
+    #[arg(long, value_enum, default_value_t = ReplayBackend::File)]
+    backend: ReplayBackend,
+    /// Directory of the file tier (default: a temporary directory, removed at the end).
+    #[arg(long, value_name = "PATH")]
+    dir: Option<PathBuf>,
+    /// File layout of the file tier.
+    #[arg(long, value_enum, default_value_t = FileFormatArg::Native)]
+    format: FileFormatArg,
+    /// Transfer engine.
+    #[arg(long, value_enum, default_value_t = EngineName::Cpu)]
+    engine: EngineName,
+    /// When nodes are backed up to the host (and on to storage).
+    #[arg(long, value_enum, default_value_t = WritePolicyArg::WriteThrough)]
+    write_policy: WritePolicyArg,
+    /// When a prefetch stops. The default waits for it: a replay has no model compute for a prefetch to overlap
+    /// with, so SGLang's best_effort would cut every prefetch off at once and measure nothing of storage.
+    #[arg(long, value_enum, default_value_t = PrefetchPolicyArg::WaitComplete)]
+    prefetch_policy: PrefetchPolicyArg,
+    /// Fewest tokens worth prefetching (SGLang: 256).
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    prefetch_threshold: usize,
+    /// Compute model: prefill throughput in tokens per second. The default, 25 000, is an 8B-parameter model on
+    /// one H100: 2 × 8e9 FLOP per token at about 40% of the 989 TFLOP/s bf16 peak.
+    #[arg(long, default_value_t = 25_000.0, value_name = "R")]
+    prefill_tokens_per_s: f64,
+    /// Compute model: milliseconds per decode step (simulated time between batches only).
+    #[arg(long, default_value_t = 10.0, value_name = "MS")]
+    decode_ms_per_token: f64,
+    /// Tensor-parallel ranks, run as threads in this process; the report says whether they stayed in lockstep.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    tp_size: usize,
+    /// Print one JSON object (fields in docs/replay.md).
+    #[arg(long)]
+    json: bool,
+}
+
+/// Host layouts by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum LayoutArg {
+    /// `[layer][part][token][item]`.
+    LayerFirst,
+    /// `[part][token][layer][item]`.
+    PageFirst,
+    /// `[part][page][layer][token][item]`.
+    PageFirstDirect,
+}
+
+/// Write policies by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[expect(clippy::enum_variant_names, reason = "SGLang's names for the policies")]
+pub(crate) enum WritePolicyArg {
+    /// Back up every inserted node at once.
+    WriteThrough,
+    /// Back up a node on its second hit.
+    WriteThroughSelective,
+    /// Back up only at device eviction (and on to storage).
+    WriteBack,
+}
+
+/// Prefetch policies by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum PrefetchPolicyArg {
+    /// Stop at the first scheduling of the request.
+    BestEffort,
+    /// Stop when every hit page has arrived.
+    WaitComplete,
+    /// Stop when complete or at the timeout.
+    Timeout,
+}
+
+/// Where the ranks' storage lives.
+enum SharedStorage {
+    None,
+    Memory(Arc<MemoryStore>),
+    Backend { name: BackendName, options: BackendOptions, _temp: Option<tempfile::TempDir> },
+}
+
+pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
+    check(args)?;
+    let storage = match args.backend {
+        ReplayBackend::None => SharedStorage::None,
+        ReplayBackend::Memory => SharedStorage::Memory(MemoryStore::new()),
+        other => {
+            let name = match other {
+                ReplayBackend::File => BackendName::File,
+                ReplayBackend::Nixl => BackendName::Nixl,
+                ReplayBackend::Mooncake => BackendName::Mooncake,
+                _ => BackendName::ThreeFs,
+            };
+            let temp = match (&args.dir, name) {
+                (None, BackendName::File) => Some(tempfile::Builder::new().prefix("hicache-replay-").tempdir()?),
+                _ => None,
+            };
+            let dir = args.dir.clone().or_else(|| temp.as_ref().map(|temp| temp.path().to_owned()));
+            let options = BackendOptions { dir, format: args.format, direct_io: false, io_threads: None };
+            SharedStorage::Backend { name, options, _temp: temp }
+        }
+    };
+    let requests = (args.clients * args.rounds) as u64;
+    let bar = if args.json || !std::io::stderr().is_terminal() {
+        ProgressBar::with_draw_target(Some(requests), ProgressDrawTarget::hidden())
+    } else {
+        let bar = ProgressBar::new(requests);
+        bar.set_style(ProgressStyle::with_template("replay {bar:40} {pos}/{len} requests {elapsed}")?);
+        bar
+    };
+    let outcomes = if args.tp_size == 1 {
+        vec![run_one(args, 0, &storage, &mut SingleRank, &|done| bar.set_position(done))?]
+    } else {
+        let groups = InProcessGroup::new(args.tp_size, Duration::from_secs(60))?;
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|mut group| {
+                    let (storage, bar) = (&storage, &bar);
+                    scope.spawn(move || {
+                        let rank = group.rank();
+                        let progress = move |done| {
+                            if rank == 0 {
+                                bar.set_position(done);
+                            }
+                        };
+                        run_one(args, rank, storage, &mut group, &progress)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|handle| handle.join().unwrap_or_else(|_| bail!("a TP rank panicked")))
+                .collect::<anyhow::Result<Vec<_>>>()
+        })?
+    };
+    bar.finish_and_clear();
+    let description = describe(args, &storage);
+    report::print(args, &description, &outcomes)
+}
+
+fn check(args: &ReplayArgs) -> anyhow::Result<()> {
+    let usage = |message: String| -> anyhow::Result<()> { Err(Usage(message).into()) };
+    if args.engine == EngineName::Cuda {
+        return usage(
+            "the cuda engine is not compiled into this hicache; rebuild with `cargo build --release -p hicache-cli \
+             --features cuda`"
+                .into(),
+        );
+    }
+    for (name, value) in [
+        ("--clients", args.clients),
+        ("--rounds", args.rounds),
+        ("--request-length", args.request_length),
+        ("--max-parallel", args.max_parallel),
+        ("--page-size", args.page_size),
+        ("--layers", args.layers),
+        ("--kv-heads", args.kv_heads),
+        ("--head-dim", args.head_dim),
+        ("--tp-size", args.tp_size),
+    ] {
+        if value == 0 {
+            return usage(format!("{name} must be at least 1"));
+        }
+    }
+    if !(args.request_rate > 0.0 && args.request_rate.is_finite()) {
+        return usage(format!("--request-rate {} must be a positive number", args.request_rate));
+    }
+    if !(args.prefill_tokens_per_s > 0.0 && args.prefill_tokens_per_s.is_finite()) {
+        return usage(format!("--prefill-tokens-per-s {} must be a positive number", args.prefill_tokens_per_s));
+    }
+    if !(args.decode_ms_per_token >= 0.0 && args.decode_ms_per_token.is_finite()) {
+        return usage(format!("--decode-ms-per-token {} must be a number ≥ 0", args.decode_ms_per_token));
+    }
+    if args.device_tokens < args.page_size || args.host_tokens <= args.device_tokens {
+        return usage(format!(
+            "--host-tokens {} must exceed --device-tokens {}, which must hold a page of {}",
+            args.host_tokens, args.device_tokens, args.page_size
+        ));
+    }
+    if args.kv_heads > args.tp_size && !args.kv_heads.is_multiple_of(args.tp_size) {
+        return usage(format!("--kv-heads {} cannot be split over --tp-size {}", args.kv_heads, args.tp_size));
+    }
+    Ok(())
+}
+
+fn geometry(args: &ReplayArgs) -> anyhow::Result<KvGeometry> {
+    let heads = (args.kv_heads / args.tp_size).max(1);
+    Ok(KvGeometry::mha(args.layers, heads, args.head_dim, KvDtype::Bf16)?)
+}
+
+fn layout(args: &ReplayArgs) -> HostLayout {
+    match args.layout {
+        LayoutArg::LayerFirst => HostLayout::LayerFirst,
+        LayoutArg::PageFirst => HostLayout::PageFirst,
+        LayoutArg::PageFirstDirect => HostLayout::PageFirstDirect,
+    }
+}
+
+/// Builds one rank's engine, controller, storage and tree, and runs the workload on it.
+fn run_one(
+    args: &ReplayArgs,
+    rank: usize,
+    storage: &SharedStorage,
+    collective: &mut dyn Collective,
+    progress: &dyn Fn(u64),
+) -> anyhow::Result<rank::RankOutcome> {
+    let geometry = geometry(args)?;
+    let page = args.page_size;
+    let (device_pages, host_pages) = (args.device_tokens / page, args.host_tokens / page);
+    let engine = CpuEngine::new(
+        DeviceLayoutMap::new(geometry, device_pages * page)?,
+        HostLayoutMap::new(geometry, layout(args), page, host_pages)?,
+        Completion::Immediate,
+    )?;
+    let mut controller = CacheController::new(engine, page, host_pages, device_pages, args.layers)?;
+    let mut namespace = StorageNamespace::single_rank("hicache-replay", geometry, layout(args), page);
+    namespace.tp_rank = rank;
+    namespace.tp_size = args.tp_size;
+    let backend: Option<Arc<dyn StorageBackend>> = match storage {
+        SharedStorage::None => None,
+        SharedStorage::Memory(store) => Some(Arc::new(MemoryStorage::shared(store.clone(), &namespace))),
+        SharedStorage::Backend { name, options, .. } => Some(Arc::from(backends::open(*name, &namespace, options)?)),
+    };
+    let config = HiCacheConfig {
+        page_size: page,
+        write_policy: write_policy(args),
+        prefetch_policy: match args.prefetch_policy {
+            PrefetchPolicyArg::BestEffort => PrefetchPolicy::BestEffort,
+            PrefetchPolicyArg::WaitComplete => PrefetchPolicy::WaitComplete,
+            PrefetchPolicyArg::Timeout => PrefetchPolicy::Timeout,
+        },
+        prefetch_threshold: args.prefetch_threshold,
+        ..HiCacheConfig::default()
+    };
+    if let Some(backend) = backend {
+        let settings = StorageSettings::from_config(&config, host_pages * page, device_pages * page, false, rank)?;
+        controller = controller.with_storage(backend, settings, Arc::new(SystemClock::new()))?;
+    }
+    let settings = TreeSettings {
+        write_policy: config.write_policy,
+        write_through_selective_threshold: config.write_through_selective_threshold,
+        load_back_threshold: config.load_back_threshold,
+    };
+    let mut tree = HiRadixTree::new(controller, settings);
+    let mut workload = workload::Workload::new(workload::WorkloadSpec {
+        clients: args.clients,
+        rounds: args.rounds,
+        request_length: args.request_length,
+        output_length: args.output_length,
+        system_prompt: args.system_prompt,
+        request_rate: args.request_rate,
+        seed: args.seed,
+    });
+    if workload.longest().div_ceil(page) > device_pages {
+        bail!(Usage(format!(
+            "--device-tokens {} cannot hold one conversation of {} tokens",
+            args.device_tokens,
+            workload.longest()
+        )));
+    }
+    let spec = rank::LoopSpec {
+        max_parallel: args.max_parallel,
+        prefill_tokens_per_s: args.prefill_tokens_per_s,
+        decode_ms_per_token: args.decode_ms_per_token,
+    };
+    rank::run_rank(&mut tree, &mut workload, &spec, collective, progress)
+}
+
+fn write_policy(args: &ReplayArgs) -> WritePolicy {
+    match args.write_policy {
+        WritePolicyArg::WriteThrough => WritePolicy::WriteThrough,
+        WritePolicyArg::WriteThroughSelective => WritePolicy::WriteThroughSelective,
+        WritePolicyArg::WriteBack => WritePolicy::WriteBack,
+    }
+}
+
+fn describe(args: &ReplayArgs, storage: &SharedStorage) -> String {
+    let tier = match storage {
+        SharedStorage::None => "no storage tier".to_owned(),
+        SharedStorage::Memory(_) => "memory tier".to_owned(),
+        SharedStorage::Backend { name, options, _temp } => match name {
+            BackendName::File => format!("file tier in {}", backends::file_dir(options).display()),
+            other => format!("{other:?} tier"),
+        },
+    };
+    format!(
+        "{} clients × {} rounds, +{} tokens per prompt, {} answer tokens, page {}, cpu engine, {tier}, TP {}",
+        args.clients, args.rounds, args.request_length, args.output_length, args.page_size, args.tp_size
+    )
+}

@@ -1,0 +1,352 @@
+//! One rank's scheduler loop: requests arrive in simulated time, are matched and prefetched on arrival, wait for
+//! their prefetch, and run in batches — load-back, layer-by-layer check of every loaded byte, prefill of the rest,
+//! decode, insert. Cache work is real and timed; model compute is the compute model's estimate.
+
+use std::collections::BTreeMap;
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash as _, Hasher as _};
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use hicache_core::collective::Collective;
+use hicache_core::controller::{PrefetchStart, PrefetchStop};
+use hicache_core::hash::{PageHasher, PartialPage};
+use hicache_core::transfer::CpuEngine;
+use hicache_core::tree::{HiRadixTree, PrefetchCheck};
+
+use super::kv::KvPattern;
+use super::workload::Workload;
+
+/// Per-round (or total) figures of one rank.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Tally {
+    pub(crate) requests: usize,
+    pub(crate) prompt_tokens: usize,
+    pub(crate) from_l1: usize,
+    pub(crate) from_l2: usize,
+    pub(crate) from_l3: usize,
+    pub(crate) ttft_ms: Vec<f64>,
+}
+
+impl Tally {
+    fn add(&mut self, other: &Tally) {
+        self.requests += other.requests;
+        self.prompt_tokens += other.prompt_tokens;
+        self.from_l1 += other.from_l1;
+        self.from_l2 += other.from_l2;
+        self.from_l3 += other.from_l3;
+        self.ttft_ms.extend(&other.ttft_ms);
+    }
+}
+
+/// Everything a rank measured.
+#[derive(Debug, Default)]
+pub(crate) struct RankOutcome {
+    pub(crate) rounds: Vec<Tally>,
+    pub(crate) total: Tally,
+    /// Pages moved per path.
+    pub(crate) pages_device_to_host: u64,
+    pub(crate) pages_host_to_device: u64,
+    pub(crate) pages_host_to_storage: u64,
+    pub(crate) pages_storage_to_host: u64,
+    /// Pages touched by cache operations: matched (at arrival and at run), loaded, written, backed up, prefetched,
+    /// evicted from the device, prefilled and inserted.
+    pub(crate) page_ops: u64,
+    pub(crate) stop_reasons: BTreeMap<String, usize>,
+    pub(crate) verified_bytes: u64,
+    pub(crate) mismatch: Option<String>,
+    pub(crate) seconds: f64,
+    /// A hash of every decision, to compare TP ranks.
+    pub(crate) digest: u64,
+    /// The tree's eviction counters.
+    pub(crate) tree: hicache_core::tree::TreeStats,
+}
+
+/// The replay's knobs that the loop needs.
+#[derive(Clone, Debug)]
+pub(crate) struct LoopSpec {
+    pub(crate) max_parallel: usize,
+    pub(crate) prefill_tokens_per_s: f64,
+    pub(crate) decode_ms_per_token: f64,
+}
+
+struct Waiting {
+    client: usize,
+    round: usize,
+    id: String,
+    prefetch_wait: Duration,
+    prefetched_tokens: usize,
+    matched_pages: u64,
+}
+
+/// Runs the workload on one rank's tree.
+pub(crate) fn run_rank(
+    tree: &mut HiRadixTree<CpuEngine>,
+    workload: &mut Workload,
+    spec: &LoopSpec,
+    collective: &mut dyn Collective,
+    progress: &dyn Fn(u64),
+) -> anyhow::Result<RankOutcome> {
+    let page = tree.page_size();
+    let pattern = KvPattern::new(tree.controller().engine().device_map(), page);
+    let layers = pattern_layers(tree);
+    let mut hasher = PageHasher::new();
+    let mut outcome = RankOutcome { rounds: vec![Tally::default(); workload.spec.rounds], ..RankOutcome::default() };
+    let mut digest = DefaultHasher::new();
+    // arrivals in simulated time: (time, client, round), earliest first
+    let mut arrivals: Vec<(f64, usize, usize)> =
+        workload.first_arrivals.iter().enumerate().map(|(client, &at)| (at, client, 0)).collect();
+    let mut waiting: Vec<Waiting> = Vec::new();
+    let mut now = 0.0f64;
+    let started = Instant::now();
+    let mut done = 0u64;
+    let mut idle_ticks = 0u64;
+    loop {
+        arrivals.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        while arrivals.first().is_some_and(|arrival| arrival.0 <= now) {
+            let (_, client, round) = arrivals.remove(0);
+            let request = admit(tree, workload, client, round)?;
+            outcome.page_ops += request.matched_pages;
+            waiting.push(request);
+        }
+        if waiting.is_empty() {
+            match arrivals.first() {
+                Some(arrival) => {
+                    now = arrival.0;
+                    continue;
+                }
+                None => break,
+            }
+        }
+        for request in waiting.iter().take(spec.max_parallel * 2) {
+            tree.check_prefetch_progress(&request.id);
+        }
+        let summary = tree.tick(collective)?;
+        outcome.pages_device_to_host += summary.pages_written as u64;
+        outcome.pages_host_to_storage += summary.pages_backed_up as u64;
+        for (explanation, new_tokens) in &summary.prefetches {
+            *outcome.stop_reasons.entry(stop_name(&explanation.stop).to_owned()).or_default() += 1;
+            outcome.pages_storage_to_host += (explanation.fetched_tokens / page) as u64;
+            if let Some(request) = waiting.iter_mut().find(|request| request.id == explanation.request_id) {
+                // a prefetch that brought pages is on the request's critical path; one revoked after its query
+                // overlaps the request's time in the queue
+                if explanation.fetched_tokens > 0 {
+                    request.prefetch_wait = explanation.elapsed;
+                }
+                request.prefetched_tokens = *new_tokens;
+            }
+            explanation.fetched_tokens.hash(&mut digest);
+        }
+        if collective.world_size() > 1 {
+            tree.controller().host().states().hash(&mut digest);
+        }
+        // the batch: waiting requests in arrival order whose prefetch is over
+        let mut batch = Vec::new();
+        let mut index = 0;
+        while index < waiting.len() && batch.len() < spec.max_parallel {
+            if tree.check_prefetch_progress(&waiting[index].id) == PrefetchCheck::Ready {
+                batch.push(waiting.remove(index));
+            } else {
+                index += 1;
+            }
+        }
+        if batch.is_empty() {
+            idle_ticks += 1;
+            if idle_ticks.is_multiple_of(64) {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            continue;
+        }
+        let mut step_compute = 0.0;
+        let mut ran = Vec::new();
+        for request in batch {
+            match run_request(tree, workload, spec, &pattern, layers, &mut hasher, &request, &mut outcome)? {
+                Some((tally, compute_s)) => {
+                    step_compute += compute_s;
+                    (request.client, request.round, tally.from_l1, tally.from_l2, tally.from_l3).hash(&mut digest);
+                    outcome.rounds[request.round].add(&tally);
+                    ran.push(request);
+                }
+                None => waiting.insert(0, request),
+            }
+        }
+        if ran.is_empty() {
+            if tree.prefetches_pending() == 0 && tree.controller().outstanding() == (0, 0, 0) {
+                bail!(
+                    "the device pool cannot hold the next request (its prompt and answer are {} tokens)",
+                    workload.with_answer(waiting[0].client, waiting[0].round).len()
+                );
+            }
+            continue;
+        }
+        now += step_compute + spec.decode_ms_per_token * workload.spec.output_length as f64 / 1000.0;
+        for request in ran {
+            done += 1;
+            progress(done);
+            if request.round + 1 < workload.spec.rounds {
+                arrivals.push((now + workload.think_time(), request.client, request.round + 1));
+            }
+        }
+    }
+    // wind down: every backup to storage finished, every ack taken (the same condition on every rank)
+    while tree.controller().backups_in_flight() > 0 || tree.controller().outstanding() != (0, 0, 0) {
+        let summary = tree.tick(collective)?;
+        outcome.pages_device_to_host += summary.pages_written as u64;
+        outcome.pages_host_to_storage += summary.pages_backed_up as u64;
+    }
+    outcome.seconds = started.elapsed().as_secs_f64();
+    for round in outcome.rounds.clone() {
+        outcome.total.add(&round);
+    }
+    outcome.page_ops += outcome.pages_device_to_host
+        + outcome.pages_host_to_device
+        + outcome.pages_host_to_storage
+        + outcome.pages_storage_to_host;
+    outcome.digest = digest.finish();
+    outcome.tree = tree.stats().clone();
+    Ok(outcome)
+}
+
+fn pattern_layers(tree: &HiRadixTree<CpuEngine>) -> usize {
+    tree.controller().engine().device_map().geometry().layers
+}
+
+/// A request arrives: match its prompt, and prefetch what storage may hold beyond the match.
+fn admit(
+    tree: &mut HiRadixTree<CpuEngine>,
+    workload: &Workload,
+    client: usize,
+    round: usize,
+) -> anyhow::Result<Waiting> {
+    let id = format!("c{client}r{round}");
+    let prompt = workload.prompt(client, round);
+    let matched = tree.match_prefix(prompt);
+    if tree.controller().has_storage() && matched.last_host_node == matched.last_node {
+        let after = matched.device_slots.len() + matched.host_hit_length;
+        // a refused prefetch (too short, capacity) leaves nothing to wait for
+        let _: PrefetchStart = tree.prefetch_from_storage(&id, matched.last_host_node, &prompt[after..])?;
+    }
+    let matched_pages = ((matched.device_slots.len() + matched.host_hit_length) / tree.page_size()) as u64;
+    Ok(Waiting { client, round, id, prefetch_wait: Duration::ZERO, prefetched_tokens: 0, matched_pages })
+}
+
+/// Runs one request; `None` when the device pool has no room for it now (it waits for the next step).
+#[expect(clippy::too_many_arguments, reason = "the loop's state, passed apart to keep the borrows disjoint")]
+fn run_request(
+    tree: &mut HiRadixTree<CpuEngine>,
+    workload: &Workload,
+    spec: &LoopSpec,
+    pattern: &KvPattern,
+    layers: usize,
+    hasher: &mut PageHasher,
+    request: &Waiting,
+    outcome: &mut RankOutcome,
+) -> anyhow::Result<Option<(Tally, f64)>> {
+    let page = tree.page_size();
+    let started = Instant::now();
+    let prompt = workload.prompt(request.client, request.round);
+    let sequence = workload.with_answer(request.client, request.round);
+    let keys = hasher.page_keys(sequence, page, None, PartialPage::Drop)?;
+    let matched = tree.match_prefix(prompt);
+    let loaded = tree.load_back(matched.last_node)?;
+    let locked = if loaded.is_empty() { matched.last_device_node } else { matched.last_node };
+    tree.inc_lock_ref(locked);
+    let device_hit = matched.device_slots.len();
+    let cached = device_hit + loaded.len();
+    let new_pages = (sequence.len() - cached).div_ceil(page);
+    let mut fresh = tree.controller_mut().alloc_device(new_pages);
+    if fresh.is_none() {
+        let freed = tree.evict(new_pages * page)?;
+        outcome.page_ops += (freed / page) as u64;
+        fresh = tree.controller_mut().alloc_device(new_pages);
+    }
+    let mut checking = Duration::ZERO;
+    if !loaded.is_empty() {
+        let consumer = tree.start_loading()?;
+        tree.controller_mut().layers().set_consumer(consumer);
+        outcome.pages_host_to_device += (loaded.len() / page) as u64;
+        // the forward pass: layer by layer, each checked as soon as its load event fired
+        for layer in 0..layers {
+            tree.controller_mut().layers().wait_until(layer);
+            let check = Instant::now();
+            let checked = tree
+                .controller()
+                .engine()
+                .with_device(|device| pattern.check_layer(device, &keys, device_hit, &loaded, layer));
+            record_check(outcome, checked, "loaded", request);
+            checking += check.elapsed();
+        }
+    }
+    let check = Instant::now();
+    let checked = tree.controller().engine().with_device(|device| {
+        (0..layers).try_fold(0, |bytes, layer| {
+            Ok(bytes + pattern.check_layer(device, &keys, 0, &matched.device_slots, layer)?)
+        })
+    });
+    record_check(outcome, checked, "device-resident", request);
+    checking += check.elapsed();
+    let Some(fresh) = fresh else {
+        tree.dec_lock_ref(locked);
+        return Ok(None);
+    };
+    // prefill and decode: the KV of every new token, then the whole sequence goes into the tree
+    let before_prefill = started.elapsed();
+    tree.controller().engine().with_device(|device| pattern.fill(device, &keys, cached, &fresh));
+    let mut slots = matched.device_slots.clone();
+    slots.extend(&loaded);
+    slots.extend(&fresh);
+    let aligned = sequence.len() - sequence.len() % page;
+    tree.insert(&sequence[..aligned], &slots[..aligned])?;
+    if slots.len() > aligned {
+        tree.controller_mut().free_device(&slots[aligned..])?;
+    }
+    tree.dec_lock_ref(locked);
+    // the run's match, the prefill's pages, and the insert of the whole sequence
+    outcome.page_ops += ((cached + fresh.len() + aligned) / page) as u64;
+
+    let from_l3 = request.prefetched_tokens.min(loaded.len());
+    let uncached = prompt.len() - cached.min(prompt.len());
+    let compute_s = uncached as f64 / spec.prefill_tokens_per_s;
+    // up to the prefill: matching, load-back and the layer waits; the byte check is the replay's, not the cache's
+    let cache_time = request.prefetch_wait + before_prefill.saturating_sub(checking);
+    let tally = Tally {
+        requests: 1,
+        prompt_tokens: prompt.len(),
+        from_l1: device_hit.min(prompt.len()),
+        from_l2: loaded.len() - from_l3,
+        from_l3,
+        ttft_ms: vec![cache_time.as_secs_f64() * 1000.0 + compute_s * 1000.0],
+    };
+    Ok(Some((tally, compute_s)))
+}
+
+fn record_check(outcome: &mut RankOutcome, checked: Result<u64, super::kv::Mismatch>, what: &str, request: &Waiting) {
+    match checked {
+        Ok(bytes) => outcome.verified_bytes += bytes,
+        Err(mismatch) => {
+            outcome.mismatch.get_or_insert_with(|| {
+                format!(
+                    "request {}: {what} token {} in device slot {} differs at layer {}",
+                    request.id, mismatch.position, mismatch.slot, mismatch.layer
+                )
+            });
+        }
+    }
+}
+
+/// SGLang-style names of stop reasons, for reports.
+pub(crate) fn stop_name(stop: &PrefetchStop) -> &'static str {
+    match stop {
+        PrefetchStop::NoStorage => "no_storage",
+        PrefetchStop::BelowThreshold => "below_threshold",
+        PrefetchStop::CapacityLimited => "capacity_limited",
+        PrefetchStop::Revoked => "revoked",
+        PrefetchStop::HostPoolFull => "host_pool_full",
+        PrefetchStop::Complete => "complete",
+        PrefetchStop::CutOff => "cut_off",
+        PrefetchStop::TimedOut => "timed_out",
+        PrefetchStop::Failed => "failed",
+        PrefetchStop::TpMinimum => "tp_minimum",
+        PrefetchStop::Aborted => "aborted",
+    }
+}

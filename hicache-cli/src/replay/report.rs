@@ -1,0 +1,202 @@
+//! The replay's report: per round and in total, as text or as one JSON object (fields in `docs/replay.md`).
+
+use std::collections::BTreeMap;
+
+use anyhow::bail;
+use serde::Serialize;
+
+use super::ReplayArgs;
+use super::rank::{RankOutcome, Tally};
+
+/// One round's (or the whole run's) figures.
+#[derive(Debug, Serialize)]
+struct RoundReport {
+    round: Option<usize>,
+    requests: usize,
+    prompt_tokens: usize,
+    hit_rate: f64,
+    tokens_from_l1: usize,
+    tokens_from_l2: usize,
+    tokens_from_l3: usize,
+    ttft_p50_ms: f64,
+    ttft_p90_ms: f64,
+}
+
+/// Bytes per path (rank 0's pools).
+#[derive(Debug, Serialize)]
+struct Paths<T> {
+    device_to_host: T,
+    host_to_device: T,
+    host_to_storage: T,
+    storage_to_host: T,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    hit_rate: f64,
+    tokens_from_l1: usize,
+    tokens_from_l2: usize,
+    tokens_from_l3: usize,
+    verified: bool,
+    verified_bytes: u64,
+    page_ops_per_s: f64,
+    ttft_p50_ms: f64,
+    ttft_p90_ms: f64,
+    requests: usize,
+    prompt_tokens: usize,
+    seconds: f64,
+    bytes: Paths<u64>,
+    gbps: Paths<f64>,
+    prefetch_stop_reasons: BTreeMap<String, usize>,
+    tree: hicache_core::tree::TreeStats,
+    tp_size: usize,
+    lockstep: bool,
+    rounds: Vec<RoundReport>,
+}
+
+fn percentile(values: &[f64], fraction: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[((sorted.len() - 1) as f64 * fraction).round() as usize]
+}
+
+fn round_report(round: Option<usize>, tally: &Tally) -> RoundReport {
+    let cached = tally.from_l1 + tally.from_l2 + tally.from_l3;
+    RoundReport {
+        round,
+        requests: tally.requests,
+        prompt_tokens: tally.prompt_tokens,
+        hit_rate: if tally.prompt_tokens == 0 { 0.0 } else { cached as f64 / tally.prompt_tokens as f64 },
+        tokens_from_l1: tally.from_l1,
+        tokens_from_l2: tally.from_l2,
+        tokens_from_l3: tally.from_l3,
+        ttft_p50_ms: percentile(&tally.ttft_ms, 0.5),
+        ttft_p90_ms: percentile(&tally.ttft_ms, 0.9),
+    }
+}
+
+pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcome]) -> anyhow::Result<()> {
+    let first = &outcomes[0];
+    let lockstep = outcomes.iter().all(|outcome| outcome.digest == first.digest);
+    let page_bytes = (super::geometry(args)?.bytes_per_token() * args.page_size) as u64;
+    let bytes = Paths {
+        device_to_host: first.pages_device_to_host * page_bytes,
+        host_to_device: first.pages_host_to_device * page_bytes,
+        host_to_storage: first.pages_host_to_storage * page_bytes,
+        storage_to_host: first.pages_storage_to_host * page_bytes,
+    };
+    let rate = |bytes: u64| bytes as f64 / first.seconds.max(1e-9) / 1e9;
+    let gbps = Paths {
+        device_to_host: rate(bytes.device_to_host),
+        host_to_device: rate(bytes.host_to_device),
+        host_to_storage: rate(bytes.host_to_storage),
+        storage_to_host: rate(bytes.storage_to_host),
+    };
+    let total = round_report(None, &first.total);
+    let mismatch = outcomes.iter().find_map(|outcome| outcome.mismatch.clone());
+    let report = Report {
+        hit_rate: total.hit_rate,
+        tokens_from_l1: total.tokens_from_l1,
+        tokens_from_l2: total.tokens_from_l2,
+        tokens_from_l3: total.tokens_from_l3,
+        verified: mismatch.is_none(),
+        verified_bytes: outcomes.iter().map(|outcome| outcome.verified_bytes).sum(),
+        page_ops_per_s: first.page_ops as f64 / first.seconds.max(1e-9),
+        ttft_p50_ms: total.ttft_p50_ms,
+        ttft_p90_ms: total.ttft_p90_ms,
+        requests: total.requests,
+        prompt_tokens: total.prompt_tokens,
+        seconds: first.seconds,
+        bytes,
+        gbps,
+        prefetch_stop_reasons: first.stop_reasons.clone(),
+        tree: first.tree.clone(),
+        tp_size: args.tp_size,
+        lockstep,
+        rounds: first.rounds.iter().enumerate().map(|(index, tally)| round_report(Some(index), tally)).collect(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_text(description, &report);
+    }
+    if let Some(mismatch) = mismatch {
+        bail!("verification failed: {mismatch}");
+    }
+    if !lockstep {
+        bail!("the TP ranks diverged: their decisions differ");
+    }
+    Ok(())
+}
+
+fn print_text(description: &str, report: &Report) {
+    println!("hicache replay: {description}");
+    println!();
+    println!("round  requests  hit rate   from L1   from L2   from L3   TTFT p50   TTFT p90");
+    let line = |name: String, round: &RoundReport| {
+        println!(
+            "{name:>5}  {:>8}  {:>7.1}%  {:>8}  {:>8}  {:>8}  {:>6.2} ms  {:>6.2} ms",
+            round.requests,
+            round.hit_rate * 100.0,
+            round.tokens_from_l1,
+            round.tokens_from_l2,
+            round.tokens_from_l3,
+            round.ttft_p50_ms,
+            round.ttft_p90_ms
+        );
+    };
+    for round in &report.rounds {
+        line(round.round.unwrap_or_default().to_string(), round);
+    }
+    let total = RoundReport {
+        round: None,
+        requests: report.requests,
+        prompt_tokens: report.prompt_tokens,
+        hit_rate: report.hit_rate,
+        tokens_from_l1: report.tokens_from_l1,
+        tokens_from_l2: report.tokens_from_l2,
+        tokens_from_l3: report.tokens_from_l3,
+        ttft_p50_ms: report.ttft_p50_ms,
+        ttft_p90_ms: report.ttft_p90_ms,
+    };
+    line("total".into(), &total);
+    println!();
+    let mb = |bytes: u64| bytes as f64 / 1e6;
+    println!(
+        "moved (rank 0): device→host {:.1} MB, host→device {:.1} MB, host→storage {:.1} MB, storage→host {:.1} MB",
+        mb(report.bytes.device_to_host),
+        mb(report.bytes.host_to_device),
+        mb(report.bytes.host_to_storage),
+        mb(report.bytes.storage_to_host)
+    );
+    println!(
+        "averaged over the run's {:.2} s: {:.2}, {:.2}, {:.2}, {:.2} GB/s",
+        report.seconds,
+        report.gbps.device_to_host,
+        report.gbps.host_to_device,
+        report.gbps.host_to_storage,
+        report.gbps.storage_to_host
+    );
+    let reasons: Vec<String> =
+        report.prefetch_stop_reasons.iter().map(|(reason, count)| format!("{reason} {count}")).collect();
+    println!("prefetches: {}", if reasons.is_empty() { "none".into() } else { reasons.join(", ") });
+    println!(
+        "evicted: {} tokens device → host, {} from the host, {} dropped without a host copy ({} refused by a full host)",
+        report.tree.device_evicted_tokens,
+        report.tree.host_evicted_tokens,
+        report.tree.dropped_tokens,
+        report.tree.write_refused_tokens
+    );
+    println!("page operations: {:.0} per second", report.page_ops_per_s);
+    if report.tp_size > 1 {
+        println!("TP ranks: {} in lockstep: {}", report.tp_size, if report.lockstep { "yes" } else { "NO" });
+    }
+    println!(
+        "verified: {} ({:.1} MB of loaded and cached KV checked byte for byte)",
+        if report.verified { "yes" } else { "NO" },
+        report.verified_bytes as f64 / 1e6
+    );
+}
