@@ -28,6 +28,9 @@ enum Command {
     Bench(commands::bench::BenchCommand),
     /// Replay a multi-turn chat workload through the cache and report hits per tier, TTFT and bytes moved.
     Replay(replay::ReplayArgs),
+    /// Move pages by hand between local files and a storage backend, and inspect it.
+    #[command(subcommand)]
+    Store(commands::store::StoreCommand),
     /// Check configuration files.
     #[command(subcommand)]
     Config(commands::config::ConfigCommand),
@@ -40,6 +43,7 @@ fn main() -> ExitCode {
         Command::Bench(command) => commands::bench::run(&command),
         Command::Config(command) => commands::config::run(&command),
         Command::Replay(args) => replay::run(&args),
+        Command::Store(command) => commands::store::run(&command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

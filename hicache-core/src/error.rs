@@ -86,6 +86,14 @@ pub enum Error {
         /// The backend's message.
         message: String,
     },
+    /// The backend does not offer this operation.
+    #[error("storage backend {backend} cannot {operation}")]
+    Unsupported {
+        /// The backend's name.
+        backend: String,
+        /// What was asked.
+        operation: &'static str,
+    },
     /// A storage call did not finish before its deadline.
     #[error("storage backend {backend}: {operation} timed out after {waited_ms} ms")]
     Timeout {

@@ -167,6 +167,17 @@ impl FileStorage {
     /// Rebuilds the capacity account from the directory: this namespace's page files, oldest first.
     fn scan(&self) -> Result<index::LruIndex, Error> {
         let mut found = Vec::new();
+        self.visit_own_files(&mut |modified, key, bytes| found.push((modified, key, bytes)))?;
+        found.sort_unstable();
+        let mut index = index::LruIndex::default();
+        for (_, key, bytes) in found {
+            index.insert(key, bytes);
+        }
+        Ok(index)
+    }
+
+    /// Calls `visit(modified, key, bytes)` for each of this namespace's page files (temporary files are not pages).
+    fn visit_own_files(&self, visit: &mut dyn FnMut(std::time::SystemTime, PageKey, u64)) -> Result<(), Error> {
         page_file::list_files(&self.root, &mut |path, bytes, modified| {
             let Some(name) = path.file_name().and_then(|name| name.to_str()) else { return };
             let own = match self.config.format {
@@ -174,16 +185,10 @@ impl FileStorage {
                 FileFormat::Sglang => self.is_own_sglang_file(name),
             };
             if let (true, Ok(key)) = (own, name[..64.min(name.len())].parse::<PageKey>()) {
-                found.push((modified, key, bytes));
+                visit(modified, key, bytes);
             }
         })
-        .map_err(|error| storage_error(format!("scanning {}: {error}", self.root.display())))?;
-        found.sort_unstable();
-        let mut index = index::LruIndex::default();
-        for (_, key, bytes) in found {
-            index.insert(key, bytes);
-        }
-        Ok(index)
+        .map_err(|error| storage_error(format!("scanning {}: {error}", self.root.display())))
     }
 
     fn lock_index(&self) -> Option<MutexGuard<'_, index::LruIndex>> {
@@ -398,5 +403,11 @@ impl StorageBackend for FileStorage {
 
     fn stats(&self) -> StorageStats {
         self.stats.snapshot()
+    }
+
+    fn list(&self) -> Result<Vec<(PageKey, u64)>, Error> {
+        let mut pages = Vec::new();
+        self.visit_own_files(&mut |_, key, bytes| pages.push((key, bytes)))?;
+        Ok(pages)
     }
 }

@@ -5,3 +5,4 @@ pub(crate) mod bench_controller;
 pub(crate) mod bench_storage;
 pub(crate) mod config;
 pub(crate) mod hash;
+pub(crate) mod store;

@@ -297,7 +297,12 @@ fn geometry(args: &ReplayArgs) -> anyhow::Result<KvGeometry> {
 }
 
 fn layout(args: &ReplayArgs) -> HostLayout {
-    match args.layout {
+    host_layout(args.layout)
+}
+
+/// The layout a `--layout` value names.
+pub(crate) fn host_layout(layout: LayoutArg) -> HostLayout {
+    match layout {
         LayoutArg::LayerFirst => HostLayout::LayerFirst,
         LayoutArg::PageFirst => HostLayout::PageFirst,
         LayoutArg::PageFirstDirect => HostLayout::PageFirstDirect,

@@ -46,6 +46,7 @@ macro_rules! storage_conformance_tests {
             namespaces_are_isolated_and_clear_is_scoped,
             mla_ranks_share_pages,
             remove_deletes_only_named_pages,
+            list_names_exactly_this_namespaces_pages,
             stats_count_operations,
             empty_batches_are_fine,
             concurrent_writers_and_readers_agree,
@@ -316,6 +317,27 @@ pub fn remove_deletes_only_named_pages(harness: &dyn Harness) {
     assert_eq!(backend.batch_exists(&keys).expect("batch_exists"), 1);
     assert!(backend.exists(&keys[2]).expect("exists"));
     assert_eq!(backend.remove(&[keys[1]]).expect("remove"), 0);
+}
+
+/// `list` names every page of the namespace once, and no page of another (backends that cannot list say so).
+pub fn list_names_exactly_this_namespaces_pages(harness: &dyn Harness) {
+    let (ours, theirs) = (mha_namespace(0, 2), mha_namespace(1, 2));
+    let (backend, other) = (harness.open(&ours), harness.open(&theirs));
+    let keys = random_keys(3);
+    assert_all_stored(&put(backend.as_ref(), &keys, &random_pages(3, page_bytes(&ours))));
+    assert_all_stored(&put(other.as_ref(), &random_keys(2), &random_pages(2, page_bytes(&theirs))));
+    let mut listed = match backend.list() {
+        Ok(listed) => listed,
+        Err(Error::Unsupported { .. }) => return,
+        Err(error) => panic!("list: {error}"),
+    };
+    listed.sort_unstable();
+    let mut expected = keys.clone();
+    expected.sort_unstable();
+    assert_eq!(listed.iter().map(|(key, _)| *key).collect::<Vec<_>>(), expected);
+    assert!(listed.iter().all(|(_, bytes)| *bytes >= page_bytes(&ours) as u64), "{listed:?}");
+    backend.remove(&keys[..1]).expect("remove");
+    assert_eq!(backend.list().expect("list").len(), 2);
 }
 
 /// The counters follow the calls.

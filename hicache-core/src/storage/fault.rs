@@ -177,6 +177,11 @@ impl<S: StorageBackend> StorageBackend for FaultyStorage<S> {
     fn stats(&self) -> StorageStats {
         self.inner.stats()
     }
+
+    fn list(&self) -> Result<Vec<(PageKey, u64)>, Error> {
+        self.enter("list")?;
+        self.inner.list()
+    }
 }
 
 #[cfg(test)]

@@ -166,4 +166,13 @@ impl StorageBackend for MemoryStorage {
     fn stats(&self) -> StorageStats {
         self.stats.snapshot()
     }
+
+    fn list(&self) -> Result<Vec<(PageKey, u64)>, Error> {
+        let objects = self.store.read();
+        Ok(objects
+            .iter()
+            .filter(|((namespace, _), _)| *namespace == self.namespace)
+            .map(|((_, key), bytes)| (*key, bytes.len() as u64))
+            .collect())
+    }
 }

@@ -144,6 +144,15 @@ pub trait StorageBackend: Send + Sync {
     /// Counters since the backend was opened.
     fn stats(&self) -> StorageStats;
 
+    /// Every page of this namespace with its stored size in bytes, in no particular order.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] when the backend cannot enumerate its pages (the default); a failure of the call.
+    fn list(&self) -> Result<Vec<(PageKey, u64)>, Error> {
+        Err(Error::Unsupported { backend: self.name().to_owned(), operation: "list its pages" })
+    }
+
     /// Whether one page is present.
     ///
     /// # Errors

@@ -1,0 +1,462 @@
+//! `hicache store`: pages moved by hand between local files and a storage backend, and the backend inspected.
+//!
+//! The backend and namespace come from flags, else from a config file (`--config`: `storage_backend`, `model_name`,
+//! `page_size`, `mem_layout`), else from SGLang's environment (`SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR` for the
+//! file tier's directory), else defaults. Pages are raw bytes in the flat page format (spec §3.4): one page, or pages
+//! concatenated in key order.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+
+use anyhow::{Context as _, bail};
+use clap::{Args, Subcommand, ValueEnum};
+use hicache_core::config::{HiCacheConfig, StorageBackendKind};
+use hicache_core::geometry::{KvDtype, KvGeometry};
+use hicache_core::hash::{PageHasher, PageKey};
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, SetOutcome, StorageBackend};
+use hicache_core::tokens::parse_tokens;
+use serde::Serialize;
+
+use super::hash::PartialArg;
+use crate::backends::{self, BackendName, BackendOptions, FileFormatArg};
+use crate::exit::Usage;
+use crate::replay::LayoutArg;
+
+/// `hicache store` subcommands.
+#[derive(Debug, Subcommand)]
+pub(crate) enum StoreCommand {
+    /// Write pages from a file of raw bytes (one page, or pages concatenated in key order).
+    Put(PutArgs),
+    /// Read pages into a file of raw bytes (concatenated in key order); fails naming the first missing page.
+    Get(GetArgs),
+    /// Say which pages are present, and how many lead the list.
+    Exists(KeyedArgs),
+    /// List the namespace's pages and their sizes in storage.
+    Ls(TargetArgs),
+    /// Remove pages.
+    Rm(KeyedArgs),
+    /// Remove every page of the namespace (and nothing else).
+    Clear(TargetArgs),
+    /// The backend, the namespace, and how many pages and bytes it holds.
+    Stat(TargetArgs),
+}
+
+/// KV dtypes by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum DtypeArg {
+    /// bfloat16.
+    Bf16,
+    /// IEEE half.
+    F16,
+    /// IEEE single.
+    F32,
+    /// FP8 E4M3.
+    Fp8E4m3,
+    /// FP8 E5M2.
+    Fp8E5m2,
+}
+
+/// The backend and the namespace (shared by every store command).
+#[derive(Debug, Args)]
+pub(crate) struct TargetArgs {
+    /// Storage backend (default: the config's storage_backend, else file).
+    #[arg(long, value_enum)]
+    backend: Option<BackendName>,
+    /// A hicache config (JSON, SGLang's names) supplying the backend, model, page size and layout.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Directory of file-like backends (default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else /tmp/hicache).
+    #[arg(long, value_name = "PATH")]
+    dir: Option<PathBuf>,
+    /// File layout of the file backend.
+    #[arg(long, value_enum, default_value_t = FileFormatArg::Native)]
+    format: FileFormatArg,
+    /// Served model name, part of the namespace (default: the config's model_name, else empty).
+    #[arg(long, value_name = "NAME")]
+    model: Option<String>,
+    /// Attention TP rank.
+    #[arg(long, default_value_t = 0, value_name = "R")]
+    tp_rank: usize,
+    /// Attention TP size.
+    #[arg(long, default_value_t = 1, value_name = "S")]
+    tp_size: usize,
+    /// An MLA model (keys shared by every rank): the geometry is --layers × (--kv-lora-rank + --rope-dim).
+    #[arg(long)]
+    mla: bool,
+    /// Layers on this rank.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    layers: usize,
+    /// KV heads on this rank (MHA).
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    kv_heads: usize,
+    /// Head dimension (MHA).
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    head_dim: usize,
+    /// Latent rank (MLA).
+    #[arg(long, default_value_t = 512, value_name = "N")]
+    kv_lora_rank: usize,
+    /// Rotary dimension (MLA).
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    rope_dim: usize,
+    /// KV element type.
+    #[arg(long, value_enum, default_value_t = DtypeArg::Bf16)]
+    dtype: DtypeArg,
+    /// Host layout (decides the flat page's byte order; default: the config's mem_layout, else layer_first).
+    #[arg(long, value_enum)]
+    layout: Option<LayoutArg>,
+    /// Tokens per page (default: the config's page_size, else 64).
+    #[arg(long, value_name = "N")]
+    page_size: Option<usize>,
+    /// Bytes per page, checked against the geometry (a guard against the wrong geometry).
+    #[arg(long, value_name = "B")]
+    page_bytes: Option<usize>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The pages a command is about: keys given, or computed from tokens.
+#[derive(Debug, Args)]
+pub(crate) struct KeysArgs {
+    /// A page key (64 hex digits); repeatable, in order.
+    #[arg(long = "key", value_name = "HEX")]
+    keys: Vec<String>,
+    /// A file of token ids whose page keys to use (integers separated by spaces or commas, or a JSON array).
+    #[arg(long, value_name = "FILE", conflicts_with = "keys")]
+    tokens: Option<PathBuf>,
+    /// Key of the page before the first token, to continue a chain.
+    #[arg(long, value_name = "HEX", requires = "tokens")]
+    prior: Option<String>,
+    /// What to do with a trailing partial page of --tokens.
+    #[arg(long, value_enum, default_value_t = PartialArg::Reject)]
+    partial: PartialArg,
+}
+
+/// Arguments of `store exists` and `store rm`.
+#[derive(Debug, Args)]
+pub(crate) struct KeyedArgs {
+    #[command(flatten)]
+    target: TargetArgs,
+    #[command(flatten)]
+    keys: KeysArgs,
+}
+
+/// Arguments of `store put`.
+#[derive(Debug, Args)]
+pub(crate) struct PutArgs {
+    #[command(flatten)]
+    target: TargetArgs,
+    #[command(flatten)]
+    keys: KeysArgs,
+    /// Raw bytes: the pages concatenated in key order.
+    #[arg(long = "in", value_name = "FILE")]
+    input: PathBuf,
+}
+
+/// Arguments of `store get`.
+#[derive(Debug, Args)]
+pub(crate) struct GetArgs {
+    #[command(flatten)]
+    target: TargetArgs,
+    #[command(flatten)]
+    keys: KeysArgs,
+    /// Where the pages go, concatenated in key order.
+    #[arg(long = "out", value_name = "FILE")]
+    output: PathBuf,
+}
+
+/// An opened backend and what is known about its pages.
+struct Opened {
+    backend: Box<dyn StorageBackend>,
+    namespace: StorageNamespace,
+    page_bytes: usize,
+    description: String,
+}
+
+/// One page's outcome in JSON.
+#[derive(Debug, Serialize)]
+struct PageReport {
+    key: String,
+    outcome: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<String>,
+}
+
+pub(crate) fn run(command: &StoreCommand) -> anyhow::Result<()> {
+    match command {
+        StoreCommand::Put(args) => put(args),
+        StoreCommand::Get(args) => get(args),
+        StoreCommand::Exists(args) => exists(args),
+        StoreCommand::Ls(args) => ls(args),
+        StoreCommand::Rm(args) => rm(args),
+        StoreCommand::Clear(args) => clear(args),
+        StoreCommand::Stat(args) => stat(args),
+    }
+}
+
+fn open(args: &TargetArgs) -> anyhow::Result<Opened> {
+    let config = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|error| Usage(format!("cannot read config {}: {error}", path.display())))?;
+            Some(HiCacheConfig::from_json(&text).with_context(|| format!("config {}", path.display()))?)
+        }
+        None => None,
+    };
+    let backend = match (args.backend, config.as_ref().and_then(|config| config.storage_backend)) {
+        (Some(backend), _) => backend,
+        (None, Some(kind)) => match kind {
+            StorageBackendKind::File => BackendName::File,
+            StorageBackendKind::Memory => BackendName::Memory,
+            StorageBackendKind::Mooncake => BackendName::Mooncake,
+            StorageBackendKind::Hf3fs => BackendName::ThreeFs,
+            StorageBackendKind::Nixl => BackendName::Nixl,
+        },
+        (None, None) => BackendName::File,
+    };
+    let page_size = args.page_size.or(config.as_ref().map(|config| config.page_size)).unwrap_or(64);
+    if page_size == 0 {
+        bail!(Usage("--page-size must be at least 1".into()));
+    }
+    let layout = match args.layout {
+        Some(layout) => crate::replay::host_layout(layout),
+        None => config.as_ref().map_or(hicache_core::layout::HostLayout::LayerFirst, |config| config.mem_layout),
+    };
+    let dtype = match args.dtype {
+        DtypeArg::Bf16 => KvDtype::Bf16,
+        DtypeArg::F16 => KvDtype::F16,
+        DtypeArg::F32 => KvDtype::F32,
+        DtypeArg::Fp8E4m3 => KvDtype::Fp8E4m3,
+        DtypeArg::Fp8E5m2 => KvDtype::Fp8E5m2,
+    };
+    let geometry = if args.mla {
+        KvGeometry::mla(args.layers, args.kv_lora_rank, args.rope_dim, dtype)?
+    } else {
+        KvGeometry::mha(args.layers, args.kv_heads, args.head_dim, dtype)?
+    };
+    let model = args.model.clone().or(config.as_ref().and_then(|config| config.model_name.clone())).unwrap_or_default();
+    let mut namespace = StorageNamespace::single_rank(model, geometry, layout, page_size);
+    namespace.tp_rank = args.tp_rank;
+    namespace.tp_size = args.tp_size;
+    let namespace = namespace.validated()?;
+    let page_bytes = geometry.bytes_per_page(page_size);
+    if let Some(given) = args.page_bytes
+        && given != page_bytes
+    {
+        bail!(Usage(format!(
+            "--page-bytes {given} does not match the geometry: {page_size} tokens × {} bytes = {page_bytes}",
+            geometry.bytes_per_token()
+        )));
+    }
+    let options = BackendOptions { dir: args.dir.clone(), format: args.format, direct_io: false, io_threads: None };
+    let opened = backends::open(backend, &namespace, &options)?;
+    let description = match backend {
+        BackendName::File => format!("file backend in {}", backends::file_dir(&options).display()),
+        other => format!("{other:?} backend").to_lowercase(),
+    };
+    Ok(Opened { backend: opened, namespace, page_bytes, description })
+}
+
+fn keys(args: &KeysArgs, page_size: usize) -> anyhow::Result<Vec<PageKey>> {
+    let keys = match &args.tokens {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|error| Usage(format!("cannot read token file {}: {error}", path.display())))?;
+            let tokens = parse_tokens(&text).with_context(|| format!("reading tokens from {}", path.display()))?;
+            let prior = args.prior.as_deref().map(str::parse::<PageKey>).transpose().context("--prior")?;
+            PageHasher::new().page_keys(&tokens, page_size, prior, args.partial.into())?
+        }
+        None => args
+            .keys
+            .iter()
+            .map(|key| key.parse::<PageKey>().with_context(|| format!("--key {key}")))
+            .collect::<anyhow::Result<_>>()?,
+    };
+    if keys.is_empty() {
+        bail!(Usage("no pages named: give --key HEX (repeatable) or --tokens FILE".into()));
+    }
+    Ok(keys)
+}
+
+fn print_json(value: &impl Serialize) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, value)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+fn put(args: &PutArgs) -> anyhow::Result<()> {
+    let opened = open(&args.target)?;
+    let keys = keys(&args.keys, opened.namespace.page_size)?;
+    let bytes = std::fs::read(&args.input)
+        .map_err(|error| Usage(format!("cannot read --in {}: {error}", args.input.display())))?;
+    if bytes.len() != keys.len() * opened.page_bytes {
+        bail!(Usage(format!(
+            "--in {} has {} bytes; {} pages of {} bytes are {}",
+            args.input.display(),
+            bytes.len(),
+            keys.len(),
+            opened.page_bytes,
+            keys.len() * opened.page_bytes
+        )));
+    }
+    let pages: Vec<PageSegments<'_>> = bytes.chunks(opened.page_bytes).map(|page| vec![page]).collect();
+    let outcomes = opened.backend.batch_set(&keys, &pages)?;
+    let reports: Vec<PageReport> = keys
+        .iter()
+        .zip(&outcomes)
+        .map(|(key, outcome)| match outcome {
+            SetOutcome::Stored => PageReport { key: key.to_string(), outcome: "stored", message: None },
+            SetOutcome::AlreadyPresent => PageReport { key: key.to_string(), outcome: "present", message: None },
+            SetOutcome::Failed(failure) => {
+                PageReport { key: key.to_string(), outcome: "failed", message: Some(failure.to_string()) }
+            }
+        })
+        .collect();
+    report_pages(&args.target, &reports)?;
+    let failed = reports.iter().filter(|report| report.outcome == "failed").count();
+    if failed > 0 {
+        bail!("{failed} of {} pages failed to store in the {}", keys.len(), opened.description);
+    }
+    Ok(())
+}
+
+fn report_pages(target: &TargetArgs, reports: &[PageReport]) -> anyhow::Result<()> {
+    if target.json {
+        return print_json(&reports);
+    }
+    let mut out = std::io::stdout().lock();
+    for report in reports {
+        match &report.message {
+            Some(message) => writeln!(out, "{} {}: {message}", report.outcome, report.key)?,
+            None => writeln!(out, "{} {}", report.outcome, report.key)?,
+        }
+    }
+    Ok(())
+}
+
+fn get(args: &GetArgs) -> anyhow::Result<()> {
+    let opened = open(&args.target)?;
+    let keys = keys(&args.keys, opened.namespace.page_size)?;
+    let mut bytes = vec![0u8; keys.len() * opened.page_bytes];
+    let mut pages: Vec<PageSegmentsMut<'_>> = bytes.chunks_mut(opened.page_bytes).map(|page| vec![page]).collect();
+    let outcomes = opened.backend.batch_get(&keys, &mut pages)?;
+    let reports: Vec<PageReport> = keys
+        .iter()
+        .zip(&outcomes)
+        .map(|(key, outcome)| match outcome {
+            GetOutcome::Hit => PageReport { key: key.to_string(), outcome: "hit", message: None },
+            GetOutcome::Miss => PageReport { key: key.to_string(), outcome: "miss", message: None },
+            GetOutcome::Failed(failure) => {
+                PageReport { key: key.to_string(), outcome: "failed", message: Some(failure.to_string()) }
+            }
+        })
+        .collect();
+    if let Some(bad) = reports.iter().find(|report| report.outcome != "hit") {
+        if args.target.json {
+            print_json(&reports)?;
+        }
+        let detail = bad.message.as_deref().map_or_else(|| "not in storage".to_owned(), |message| message.to_owned());
+        bail!("page {} ({}): {detail}; nothing written to {}", bad.key, opened.description, args.output.display());
+    }
+    std::fs::write(&args.output, &bytes)
+        .with_context(|| format!("writing {} bytes to {}", bytes.len(), args.output.display()))?;
+    report_pages(&args.target, &reports)
+}
+
+fn exists(args: &KeyedArgs) -> anyhow::Result<()> {
+    #[derive(Serialize)]
+    struct Exists {
+        leading: usize,
+        present: Vec<(String, bool)>,
+    }
+    let opened = open(&args.target)?;
+    let keys = keys(&args.keys, opened.namespace.page_size)?;
+    let leading = opened.backend.batch_exists(&keys)?;
+    let present = keys
+        .iter()
+        .map(|key| Ok((key.to_string(), opened.backend.exists(key)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if args.target.json {
+        return print_json(&Exists { leading, present });
+    }
+    let mut out = std::io::stdout().lock();
+    for (key, here) in &present {
+        writeln!(out, "{key} {}", if *here { "present" } else { "absent" })?;
+    }
+    writeln!(out, "{leading} of {} pages present from the first", keys.len())?;
+    Ok(())
+}
+
+fn ls(args: &TargetArgs) -> anyhow::Result<()> {
+    #[derive(Serialize)]
+    struct Listed {
+        key: String,
+        bytes: u64,
+    }
+    let opened = open(args)?;
+    let mut pages = opened.backend.list()?;
+    pages.sort_unstable();
+    if args.json {
+        let listed: Vec<Listed> =
+            pages.iter().map(|(key, bytes)| Listed { key: key.to_string(), bytes: *bytes }).collect();
+        return print_json(&listed);
+    }
+    let mut out = std::io::stdout().lock();
+    for (key, bytes) in &pages {
+        writeln!(out, "{key} {bytes}")?;
+    }
+    Ok(())
+}
+
+fn rm(args: &KeyedArgs) -> anyhow::Result<()> {
+    let opened = open(&args.target)?;
+    let keys = keys(&args.keys, opened.namespace.page_size)?;
+    let removed = opened.backend.remove(&keys)?;
+    if args.target.json {
+        return print_json(&serde_json::json!({ "removed": removed, "keys": keys.len() }));
+    }
+    println!("removed {removed} of {} pages", keys.len());
+    Ok(())
+}
+
+fn clear(args: &TargetArgs) -> anyhow::Result<()> {
+    let opened = open(args)?;
+    let removed = opened.backend.clear()?;
+    if args.json {
+        return print_json(&serde_json::json!({ "removed": removed }));
+    }
+    println!("removed {removed} pages of namespace {}", opened.namespace.descriptor());
+    Ok(())
+}
+
+fn stat(args: &TargetArgs) -> anyhow::Result<()> {
+    #[derive(Serialize)]
+    struct Stat {
+        backend: String,
+        namespace: String,
+        digest: String,
+        page_bytes: usize,
+        pages: usize,
+        bytes: u64,
+    }
+    let opened = open(args)?;
+    let pages = opened.backend.list()?;
+    let stat = Stat {
+        backend: opened.description.clone(),
+        namespace: opened.namespace.descriptor(),
+        digest: opened.namespace.digest(),
+        page_bytes: opened.page_bytes,
+        pages: pages.len(),
+        bytes: pages.iter().map(|(_, bytes)| bytes).sum(),
+    };
+    if args.json {
+        return print_json(&stat);
+    }
+    println!("backend: {}", stat.backend);
+    println!("namespace: {} (digest {})", stat.namespace, stat.digest);
+    println!("page: {} bytes", stat.page_bytes);
+    println!("pages: {} ({} bytes in storage)", stat.pages, stat.bytes);
+    Ok(())
+}

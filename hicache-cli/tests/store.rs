@@ -1,0 +1,182 @@
+//! `hicache store`: pages by hand between local files and a backend, through the built binary — round trips
+//! against an independent expectation (the bytes written, keys from `hicache hash`), and bad inputs with their exit
+//! codes and messages.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use rand::RngExt as _;
+use serde_json::Value;
+
+/// A small geometry: 2 layers × 1 head × 4 dims of bf16, pages of 4 tokens: 4 × 2 × 2 × 8 = 128 bytes per page.
+const GEOMETRY: [&str; 8] = ["--layers", "2", "--kv-heads", "1", "--head-dim", "4", "--page-size", "4"];
+const PAGE_BYTES: usize = 128;
+
+fn hicache(args: &[&str], env: &[(&str, &Path)]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_hicache"));
+    command.args(args).env_remove("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR");
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    command.output().expect("the binary runs")
+}
+
+fn store(action: &str, dir: &Path, extra: &[&str]) -> Output {
+    store_as("m", action, dir, extra)
+}
+
+fn store_as(model: &str, action: &str, dir: &Path, extra: &[&str]) -> Output {
+    let dir = dir.to_str().unwrap();
+    let mut args = vec!["store", action, "--dir", dir, "--model", model];
+    args.extend(GEOMETRY);
+    args.extend(extra);
+    hicache(&args, &[])
+}
+
+fn ok(output: Output) -> String {
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).unwrap()
+}
+
+fn failure(output: &Output, code: i32, needle: &str) {
+    let message = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(code), "{message}");
+    assert!(message.contains(needle), "expected {needle:?} in {message:?}");
+    assert!(!message.contains("panicked"), "{message}");
+}
+
+/// Writes `pages` random pages and a token file of that many pages; returns (tokens file, bytes).
+fn fixture(dir: &Path, pages: usize) -> (String, Vec<u8>) {
+    let tokens: Vec<String> = (0..pages * 4).map(|_| rand::rng().random_range(0..100_000u32).to_string()).collect();
+    let path = dir.join("tokens.txt");
+    std::fs::write(&path, tokens.join(" ")).unwrap();
+    let mut bytes = vec![0u8; pages * PAGE_BYTES];
+    rand::rng().fill(&mut bytes[..]);
+    std::fs::write(dir.join("pages.bin"), &bytes).unwrap();
+    (path.to_str().unwrap().to_owned(), bytes)
+}
+
+#[test]
+fn pages_round_trip_and_every_command_sees_them() {
+    let work = tempfile::tempdir().unwrap();
+    let storage = work.path().join("storage");
+    let (tokens, bytes) = fixture(work.path(), 3);
+    let input = work.path().join("pages.bin");
+    let output = work.path().join("back.bin");
+    // the keys, independently: `hicache hash` of the same tokens
+    let expected: Vec<String> =
+        ok(hicache(&["hash", "--page-size", "4", &tokens], &[])).lines().map(str::to_owned).collect();
+    let put: Value = serde_json::from_str(&ok(store(
+        "put",
+        &storage,
+        &["--tokens", &tokens, "--in", input.to_str().unwrap(), "--json"],
+    )))
+    .unwrap();
+    let put_keys: Vec<&str> = put.as_array().unwrap().iter().map(|page| page["key"].as_str().unwrap()).collect();
+    assert_eq!(put_keys, expected);
+    assert!(put.as_array().unwrap().iter().all(|page| page["outcome"] == "stored"));
+    // a second put finds them present
+    assert!(ok(store("put", &storage, &["--tokens", &tokens, "--in", input.to_str().unwrap()])).contains("present"));
+    ok(store("get", &storage, &["--tokens", &tokens, "--out", output.to_str().unwrap()]));
+    assert_eq!(std::fs::read(&output).unwrap(), bytes);
+    // one page by key
+    ok(store("get", &storage, &["--key", &expected[1], "--out", output.to_str().unwrap()]));
+    assert_eq!(std::fs::read(&output).unwrap(), &bytes[PAGE_BYTES..2 * PAGE_BYTES]);
+    let listed: Value = serde_json::from_str(&ok(store("ls", &storage, &["--json"]))).unwrap();
+    let mut listed_keys: Vec<&str> =
+        listed.as_array().unwrap().iter().map(|page| page["key"].as_str().unwrap()).collect();
+    listed_keys.sort_unstable();
+    let mut sorted = expected.iter().map(String::as_str).collect::<Vec<_>>();
+    sorted.sort_unstable();
+    assert_eq!(listed_keys, sorted);
+    let stat: Value = serde_json::from_str(&ok(store("stat", &storage, &["--json"]))).unwrap();
+    assert_eq!((stat["pages"].as_u64(), stat["page_bytes"].as_u64()), (Some(3), Some(PAGE_BYTES as u64)));
+    assert!(stat["namespace"].as_str().unwrap().contains("model=m"));
+    // another namespace (rank) sees nothing
+    let other: Value =
+        serde_json::from_str(&ok(store("stat", &storage, &["--tp-rank", "1", "--tp-size", "2", "--json"]))).unwrap();
+    assert_eq!(other["pages"], 0);
+    let exists: Value = serde_json::from_str(&ok(store(
+        "exists",
+        &storage,
+        &["--key", &expected[0], "--key", "00".repeat(32).as_str(), "--key", &expected[2], "--json"],
+    )))
+    .unwrap();
+    assert_eq!(exists["leading"], 1);
+    assert_eq!(exists["present"][2][1], true);
+    let removed: Value = serde_json::from_str(&ok(store("rm", &storage, &["--key", &expected[0], "--json"]))).unwrap();
+    assert_eq!(removed["removed"], 1);
+    failure(&store("get", &storage, &["--tokens", &tokens, "--out", output.to_str().unwrap()]), 1, &expected[0]);
+    let cleared: Value = serde_json::from_str(&ok(store("clear", &storage, &["--json"]))).unwrap();
+    assert_eq!(cleared["removed"], 2);
+    assert_eq!(ok(store("ls", &storage, &[])), "");
+}
+
+#[test]
+fn the_directory_and_namespace_come_from_sglangs_variable_and_a_config() {
+    let work = tempfile::tempdir().unwrap();
+    let storage = work.path().join("from-env");
+    let (tokens, bytes) = fixture(work.path(), 2);
+    let config = work.path().join("hicache.json");
+    std::fs::write(&config, r#"{"storage_backend": "file", "model_name": "cfg", "page_size": 4}"#).unwrap();
+    let input = work.path().join("pages.bin");
+    let mut args = vec!["store", "put", "--config", config.to_str().unwrap(), "--tokens", &tokens];
+    args.extend(["--in", input.to_str().unwrap(), "--layers", "2", "--kv-heads", "1", "--head-dim", "4"]);
+    ok(hicache(&args, &[("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", &storage)]));
+    // the pages landed in the variable's directory, under the config's model
+    let stat: Value = serde_json::from_str(&ok(store_as("cfg", "stat", &storage, &["--json"]))).unwrap();
+    assert_eq!(stat["pages"], 2);
+    let output = work.path().join("back.bin");
+    ok(store_as("cfg", "get", &storage, &["--tokens", &tokens, "--out", output.to_str().unwrap()]));
+    assert_eq!(std::fs::read(&output).unwrap(), bytes);
+}
+
+#[test]
+fn bad_inputs_name_what_is_wrong() {
+    let work = tempfile::tempdir().unwrap();
+    let storage = work.path().join("s");
+    let (tokens, _) = fixture(work.path(), 2);
+    let input = work.path().join("pages.bin");
+    let input = input.to_str().unwrap();
+    failure(&store("exists", &storage, &["--key", "xyz"]), 2, "--key xyz");
+    failure(&store("put", &storage, &["--tokens", &tokens, "--in", "/nonexistent/pages.bin"]), 2, "cannot read --in");
+    failure(&store("put", &storage, &["--key", &"ab".repeat(32), "--in", input]), 2, "256 bytes; 1 pages of 128");
+    failure(&store("put", &storage, &["--tokens", "/nonexistent/tokens", "--in", input]), 2, "cannot read token file");
+    std::fs::write(work.path().join("bad.txt"), "1 2 3 4294967296").unwrap();
+    let bad = work.path().join("bad.txt");
+    failure(&store("exists", &storage, &["--tokens", bad.to_str().unwrap()]), 2, "4294967296");
+    failure(&store("exists", &storage, &[]), 2, "no pages named");
+    failure(&store("ls", &storage, &["--page-bytes", "100"]), 2, "--page-bytes 100 does not match");
+    failure(&store("ls", &storage, &["--backend", "mooncake"]), 2, "--features mooncake");
+    failure(&store("ls", &storage, &["--backend", "floppy"]), 2, "floppy");
+    let config = work.path().join("bad.json");
+    std::fs::write(&config, r#"{"page_size": 0}"#).unwrap();
+    failure(&store("ls", &storage, &["--config", config.to_str().unwrap()]), 2, "page_size");
+    failure(&store("ls", &storage, &["--config", "/nonexistent.json"]), 2, "cannot read config");
+}
+
+#[test]
+fn help_describes_every_store_option() {
+    let help = ok(hicache(&["store", "put", "--help"], &[]));
+    for option in [
+        "--backend",
+        "--config",
+        "--dir",
+        "--model",
+        "--tp-rank",
+        "--tp-size",
+        "--mla",
+        "--page-size",
+        "--page-bytes",
+        "--key",
+        "--tokens",
+        "--in",
+        "--json",
+    ] {
+        assert!(help.contains(option), "store put --help lacks {option}");
+    }
+    let help = ok(hicache(&["store", "--help"], &[]));
+    for command in ["put", "get", "exists", "ls", "rm", "clear", "stat"] {
+        assert!(help.contains(command), "store --help lacks {command}");
+    }
+}
