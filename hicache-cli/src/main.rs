@@ -5,6 +5,7 @@
 mod backends;
 mod commands;
 mod exit;
+mod metrics;
 mod replay;
 
 use std::process::ExitCode;
@@ -38,6 +39,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    metrics::init_tracing();
     let result = match cli.command {
         Command::Hash(args) => commands::hash::run(&args),
         Command::Bench(command) => commands::bench::run(&command),

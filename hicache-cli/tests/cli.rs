@@ -217,6 +217,78 @@ fn replay_refuses_bad_settings_with_exit_code_2() {
     assert!(stderr(&output).contains("'tape'") && stderr(&output).contains("memory, file"), "{}", stderr(&output));
 }
 
+/// Sends `GET /metrics` to `addr` and returns the body.
+fn scrape(addr: &str) -> String {
+    use std::io::Read as _;
+    let mut stream = std::net::TcpStream::connect(addr).expect("the metrics endpoint accepts");
+    stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: hicache\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.0 200") || response.starts_with("HTTP/1.1 200"), "{response}");
+    response.split_once("\r\n\r\n").expect("a body").1.to_owned()
+}
+
+fn metric(body: &str, name: &str) -> f64 {
+    body.lines()
+        .find_map(|line| line.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("{name} not in {body}"))
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn metrics_are_served_while_a_replay_runs() {
+    use std::io::BufRead as _;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hicache"))
+        .args(["replay", "--backend", "memory", "--clients", "200", "--rounds", "5", "--metrics-addr", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let first = lines.next().expect("a line on stderr").unwrap();
+    let addr = first.split("http://").nth(1).and_then(|rest| rest.strip_suffix("/metrics")).expect(&first).to_owned();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let body = loop {
+        let body = scrape(&addr);
+        if metric(&body, "hicache_requests_total") > 0.0 {
+            break body;
+        }
+        assert!(std::time::Instant::now() < deadline, "no request counted: {body}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(child.try_wait().unwrap().is_none(), "scraped during the run, not after");
+    for name in ["hicache_prompt_tokens_total", "hicache_transfer_bytes_total{path=\"device_to_host\"}"] {
+        assert!(metric(&body, name) > 0.0, "{name}: {body}");
+    }
+    for name in
+        ["hicache_hit_tokens_total", "hicache_prefetch_stops_total", "hicache_prefetch_gbps", "hicache_load_gbps"]
+    {
+        assert!(body.contains(name), "{name} missing: {body}");
+    }
+    // the rest of the run is not needed
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+#[test]
+fn rust_log_turns_on_tracing_events_and_is_silent_without() {
+    let run = |filter: Option<&str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_hicache"));
+        command.args(["replay", "--clients", "4", "--rounds", "2", "--backend", "memory"]).env_remove("RUST_LOG");
+        if let Some(filter) = filter {
+            command.env("RUST_LOG", filter);
+        }
+        let output = command.output().unwrap();
+        assert!(output.status.success());
+        String::from_utf8(output.stderr).unwrap()
+    };
+    assert_eq!(run(None), "");
+    let events = run(Some("hicache_core=debug"));
+    assert!(events.contains("prefetch finished") && events.contains("stop=Revoked"), "{events}");
+    assert!(!events.contains('\u{1b}'), "no colour codes when stderr is not a terminal");
+}
+
 #[test]
 fn help_describes_every_option() {
     let output = hicache(&["hash", "--help"], "");

@@ -32,6 +32,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::backends::{self, BackendName, BackendOptions, FileFormatArg};
 use crate::exit::Usage;
+use crate::metrics::Metrics;
 
 /// The storage tier of a replay (`--backend`): a backend, or none.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -140,6 +141,10 @@ pub(crate) struct ReplayArgs {
     /// Tensor-parallel ranks, run as threads in this process; the report says whether they stayed in lockstep.
     #[arg(long, default_value_t = 1, value_name = "N")]
     tp_size: usize,
+    /// Serve Prometheus metrics at this address while the replay runs (`GET /metrics`; port 0 picks one, and the
+    /// address is printed on stderr).
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics_addr: Option<String>,
     /// Print one JSON object (fields in docs/replay.md).
     #[arg(long)]
     json: bool,
@@ -207,6 +212,15 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
             SharedStorage::Backend { name, options, _temp: temp }
         }
     };
+    let metrics = match &args.metrics_addr {
+        Some(addr) => {
+            let metrics = Arc::new(Metrics::new());
+            crate::metrics::serve(addr, metrics.clone())?;
+            Some(metrics)
+        }
+        None => None,
+    };
+    let metrics = metrics.as_deref();
     let requests = (args.clients * args.rounds) as u64;
     let bar = if args.json || !std::io::stderr().is_terminal() {
         ProgressBar::with_draw_target(Some(requests), ProgressDrawTarget::hidden())
@@ -216,7 +230,7 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
         bar
     };
     let outcomes = if args.tp_size == 1 {
-        vec![run_one(args, 0, &storage, &mut SingleRank, &|done| bar.set_position(done))?]
+        vec![run_one(args, 0, &storage, &mut SingleRank, &|done| bar.set_position(done), metrics)?]
     } else {
         let groups = InProcessGroup::new(args.tp_size, Duration::from_secs(60))?;
         std::thread::scope(|scope| {
@@ -231,7 +245,7 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
                                 bar.set_position(done);
                             }
                         };
-                        run_one(args, rank, storage, &mut group, &progress)
+                        run_one(args, rank, storage, &mut group, &progress, metrics.filter(|_| rank == 0))
                     })
                 })
                 .collect();
@@ -316,6 +330,7 @@ fn run_one(
     storage: &SharedStorage,
     collective: &mut dyn Collective,
     progress: &dyn Fn(u64),
+    metrics: Option<&Metrics>,
 ) -> anyhow::Result<rank::RankOutcome> {
     let geometry = geometry(args)?;
     let page = args.page_size;
@@ -376,7 +391,7 @@ fn run_one(
         prefill_tokens_per_s: args.prefill_tokens_per_s,
         decode_ms_per_token: args.decode_ms_per_token,
     };
-    rank::run_rank(&mut tree, &mut workload, &spec, collective, progress)
+    rank::run_rank(&mut tree, &mut workload, &spec, collective, progress, metrics)
 }
 
 fn write_policy(args: &ReplayArgs) -> WritePolicy {

@@ -12,10 +12,11 @@ use hicache_core::collective::Collective;
 use hicache_core::controller::{PrefetchStart, PrefetchStop};
 use hicache_core::hash::{PageHasher, PartialPage};
 use hicache_core::transfer::CpuEngine;
-use hicache_core::tree::{HiRadixTree, PrefetchCheck};
+use hicache_core::tree::{HiRadixTree, PrefetchCheck, TickSummary};
 
 use super::kv::KvPattern;
 use super::workload::Workload;
+use crate::metrics::{DataPath, Metrics};
 
 /// Per-round (or total) figures of one rank.
 #[derive(Clone, Debug, Default)]
@@ -26,6 +27,8 @@ pub(crate) struct Tally {
     pub(crate) from_l2: usize,
     pub(crate) from_l3: usize,
     pub(crate) ttft_ms: Vec<f64>,
+    /// Seconds spent loading back (one request's).
+    pub(crate) load_s: f64,
 }
 
 impl Tally {
@@ -86,8 +89,10 @@ pub(crate) fn run_rank(
     spec: &LoopSpec,
     collective: &mut dyn Collective,
     progress: &dyn Fn(u64),
+    metrics: Option<&Metrics>,
 ) -> anyhow::Result<RankOutcome> {
     let page = tree.page_size();
+    let page_bytes = (tree.controller().engine().device_map().geometry().bytes_per_token() * page) as u64;
     let pattern = KvPattern::new(tree.controller().engine().device_map(), page);
     let layers = pattern_layers(tree);
     let mut hasher = PageHasher::new();
@@ -124,6 +129,9 @@ pub(crate) fn run_rank(
         let summary = tree.tick(collective)?;
         outcome.pages_device_to_host += summary.pages_written as u64;
         outcome.pages_host_to_storage += summary.pages_backed_up as u64;
+        if let Some(metrics) = metrics {
+            record_tick(metrics, &summary, page, page_bytes);
+        }
         for (explanation, new_tokens) in &summary.prefetches {
             *outcome.stop_reasons.entry(stop_name(&explanation.stop).to_owned()).or_default() += 1;
             outcome.pages_storage_to_host += (explanation.fetched_tokens / page) as u64;
@@ -162,6 +170,14 @@ pub(crate) fn run_rank(
         for request in batch {
             match run_request(tree, workload, spec, &pattern, layers, &mut hasher, &request, &mut outcome)? {
                 Some((tally, compute_s)) => {
+                    if let Some(metrics) = metrics {
+                        metrics.request(tally.prompt_tokens, tally.from_l1, tally.from_l2, tally.from_l3);
+                        metrics.moved(
+                            DataPath::HostToDevice,
+                            ((tally.from_l2 + tally.from_l3) / page) as u64 * page_bytes,
+                        );
+                        metrics.load(((tally.from_l2 + tally.from_l3) / page) as u64 * page_bytes, tally.load_s);
+                    }
                     step_compute += compute_s;
                     (request.client, request.round, tally.from_l1, tally.from_l2, tally.from_l3).hash(&mut digest);
                     outcome.rounds[request.round].add(&tally);
@@ -193,6 +209,9 @@ pub(crate) fn run_rank(
         let summary = tree.tick(collective)?;
         outcome.pages_device_to_host += summary.pages_written as u64;
         outcome.pages_host_to_storage += summary.pages_backed_up as u64;
+        if let Some(metrics) = metrics {
+            record_tick(metrics, &summary, page, page_bytes);
+        }
     }
     outcome.seconds = started.elapsed().as_secs_f64();
     for round in outcome.rounds.clone() {
@@ -261,6 +280,7 @@ fn run_request(
         fresh = tree.controller_mut().alloc_device(new_pages);
     }
     let mut checking = Duration::ZERO;
+    let load_started = Instant::now();
     if !loaded.is_empty() {
         let consumer = tree.start_loading()?;
         tree.controller_mut().layers().set_consumer(consumer);
@@ -277,6 +297,7 @@ fn run_request(
             checking += check.elapsed();
         }
     }
+    let load_s = load_started.elapsed().saturating_sub(checking).as_secs_f64();
     let check = Instant::now();
     let checked = tree.controller().engine().with_device(|device| {
         (0..layers).try_fold(0, |bytes, layer| {
@@ -316,6 +337,7 @@ fn run_request(
         from_l2: loaded.len() - from_l3,
         from_l3,
         ttft_ms: vec![cache_time.as_secs_f64() * 1000.0 + compute_s * 1000.0],
+        load_s,
     };
     Ok(Some((tally, compute_s)))
 }
@@ -331,6 +353,23 @@ fn record_check(outcome: &mut RankOutcome, checked: Result<u64, super::kv::Misma
                 )
             });
         }
+    }
+}
+
+/// A tick's transfers and prefetch results, as metrics.
+fn record_tick(metrics: &Metrics, summary: &TickSummary, page: usize, page_bytes: u64) {
+    metrics.moved(DataPath::DeviceToHost, summary.pages_written as u64 * page_bytes);
+    metrics.moved(DataPath::HostToStorage, summary.pages_backed_up as u64 * page_bytes);
+    metrics.backed_up(summary.pages_backed_up * page);
+    for (explanation, _) in &summary.prefetches {
+        let bytes = (explanation.fetched_tokens / page) as u64 * page_bytes;
+        metrics.moved(DataPath::StorageToHost, bytes);
+        metrics.prefetch(
+            stop_name(&explanation.stop),
+            explanation.fetched_tokens,
+            bytes,
+            explanation.elapsed.as_secs_f64(),
+        );
     }
 }
 

@@ -313,6 +313,7 @@ impl<E: TransferEngine> CacheController<E> {
             }
         }
         collective.all_reduce(&mut values, ReduceOp::Min)?;
+        tracing::trace!(writes = values[0], backups = values[1], prefetch_slots = ops.len(), "tick reduced");
 
         let mut report = TickReport { write_acks: Vec::new(), backups: Vec::new(), prefetches: Vec::new() };
         report.write_acks = self.take_write_acks(values[0] as usize)?;
@@ -457,6 +458,18 @@ impl<E: TransferEngine> CacheController<E> {
         let storage = self.storage.as_mut().expect("storage");
         entry.explanation.elapsed = storage.clock.now().saturating_sub(entry.started_at);
         storage.requests.remove(&entry.request_id);
+        let explanation = &entry.explanation;
+        tracing::debug!(
+            request = %explanation.request_id,
+            stop = ?explanation.stop,
+            requested = explanation.requested_tokens,
+            hit = explanation.local_hit_tokens,
+            tp_min_hit = explanation.tp_min_hit_tokens,
+            fetched = explanation.fetched_tokens,
+            elapsed_ms = explanation.elapsed.as_secs_f64() * 1e3,
+            error = explanation.error.as_deref(),
+            "prefetch finished"
+        );
         if matches!(entry.stage, Stage::Querying) {
             // nothing was reserved
             entry.stage = Stage::Draining { tail: Vec::new() };

@@ -364,7 +364,10 @@ fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
                 storage_hit_query(&*io.storage, &mut hasher, &job.tokens, io.page_size, job.last_key, io.batch_pages)
             }) {
                 Ok(query) => HitFound { keys: query.keys, error: None },
-                Err(error) => HitFound { keys: Vec::new(), error: Some(error) },
+                Err(error) => {
+                    tracing::warn!(backend = io.storage.name(), %error, "storage hit query failed; nothing is prefetched");
+                    HitFound { keys: Vec::new(), error: Some(error) }
+                }
             }
         };
         let _ = job.shared.hit.set(found);
@@ -404,6 +407,7 @@ fn run_fetches(io: &Io, jobs: Receiver<FetchJob>) {
                 break;
             }
             if let Some(failure) = failure {
+                tracing::warn!(backend = io.storage.name(), %failure, "prefetch read failed; the prefetch stops there");
                 let _ = shared.failure.set(failure);
                 break;
             }
@@ -443,6 +447,16 @@ fn run_backups(io: &Io, jobs: Receiver<BackupJob>, mut bucket: Option<TokenBucke
                 Err(error) => outcomes.extend(pages.iter().map(|_| PageBackup::Failed(error.clone()))),
             }
         }
+        let failed = outcomes.iter().filter(|outcome| matches!(outcome, PageBackup::Failed(_))).count();
+        if failed > 0 {
+            tracing::warn!(
+                backend = io.storage.name(),
+                failed,
+                pages = job.pages.len(),
+                "backup to storage: pages failed"
+            );
+        }
+        tracing::debug!(backend = io.storage.name(), pages = job.pages.len(), failed, "backup to storage done");
         let mut recorded = job.shared.pages.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         for (slot, outcome) in recorded.iter_mut().zip(outcomes) {
             *slot = outcome;

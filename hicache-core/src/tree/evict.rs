@@ -69,6 +69,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
                 self.evict_backed_up(id)?;
             }
         }
+        tracing::debug!(asked = tokens, evicted, "device eviction");
         Ok(evicted)
     }
 

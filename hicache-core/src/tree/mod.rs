@@ -455,6 +455,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
             pages = self.controller.write(&slots, node, keys.as_deref())?;
         }
         let Some(pages) = pages else {
+            tracing::debug!(node = node.0, tokens = slots.len(), "host pool full: backup refused");
             self.stats.write_refused_tokens += slots.len();
             return Ok(0);
         };

@@ -1,0 +1,163 @@
+//! Prometheus metrics of long-running commands, served at `--metrics-addr` (`GET /metrics`, text format 0.0.4), and
+//! the `tracing` subscriber (`RUST_LOG` filters it; silent by default).
+//!
+//! Metric names (counters get `_total`): `hicache_requests`, `hicache_prompt_tokens`, `hicache_hit_tokens{tier}`
+//! (l1, l2, l3), `hicache_transfer_bytes{path}` (device_to_host, host_to_device, host_to_storage, storage_to_host),
+//! `hicache_prefetched_tokens`, `hicache_backed_up_tokens`, `hicache_prefetch_stops{reason}`, and the histograms
+//! `hicache_prefetch_gbps` (one observation per prefetch that brought pages) and `hicache_load_gbps` (per
+//! load-back).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Tier {
+    tier: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Path {
+    path: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Reason {
+    reason: String,
+}
+
+/// The metrics a replay updates.
+#[derive(Debug)]
+pub(crate) struct Metrics {
+    registry: Registry,
+    requests: Counter,
+    prompt_tokens: Counter,
+    hit_tokens: Family<Tier, Counter>,
+    transfer_bytes: Family<Path, Counter>,
+    prefetched_tokens: Counter,
+    backed_up_tokens: Counter,
+    prefetch_stops: Family<Reason, Counter>,
+    prefetch_gbps: Histogram,
+    load_gbps: Histogram,
+}
+
+/// A data path of the cache.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum DataPath {
+    DeviceToHost,
+    HostToDevice,
+    HostToStorage,
+    StorageToHost,
+}
+
+impl Metrics {
+    pub(crate) fn new() -> Self {
+        // 10 MB/s to 80 GB/s
+        let buckets = || exponential_buckets(0.01, 2.0, 14);
+        let mut metrics = Self {
+            registry: Registry::with_prefix("hicache"),
+            requests: Counter::default(),
+            prompt_tokens: Counter::default(),
+            hit_tokens: Family::default(),
+            transfer_bytes: Family::default(),
+            prefetched_tokens: Counter::default(),
+            backed_up_tokens: Counter::default(),
+            prefetch_stops: Family::default(),
+            prefetch_gbps: Histogram::new(buckets()),
+            load_gbps: Histogram::new(buckets()),
+        };
+        let registry = &mut metrics.registry;
+        registry.register("requests", "Requests run", metrics.requests.clone());
+        registry.register("prompt_tokens", "Prompt tokens of the requests run", metrics.prompt_tokens.clone());
+        registry.register("hit_tokens", "Prompt tokens served from a tier", metrics.hit_tokens.clone());
+        registry.register("transfer_bytes", "Bytes moved along a path", metrics.transfer_bytes.clone());
+        registry.register("prefetched_tokens", "Tokens prefetched from storage", metrics.prefetched_tokens.clone());
+        registry.register("backed_up_tokens", "Tokens written to storage", metrics.backed_up_tokens.clone());
+        registry.register("prefetch_stops", "Prefetches finished, by reason", metrics.prefetch_stops.clone());
+        registry.register("prefetch_gbps", "Bandwidth of prefetches that brought pages", metrics.prefetch_gbps.clone());
+        registry.register("load_gbps", "Bandwidth of host-to-device load-backs", metrics.load_gbps.clone());
+        metrics
+    }
+
+    pub(crate) fn request(&self, prompt_tokens: usize, l1: usize, l2: usize, l3: usize) {
+        self.requests.inc();
+        self.prompt_tokens.inc_by(prompt_tokens as u64);
+        for (tier, tokens) in [("l1", l1), ("l2", l2), ("l3", l3)] {
+            self.hit_tokens.get_or_create(&Tier { tier }).inc_by(tokens as u64);
+        }
+    }
+
+    pub(crate) fn moved(&self, path: DataPath, bytes: u64) {
+        let path = match path {
+            DataPath::DeviceToHost => "device_to_host",
+            DataPath::HostToDevice => "host_to_device",
+            DataPath::HostToStorage => "host_to_storage",
+            DataPath::StorageToHost => "storage_to_host",
+        };
+        self.transfer_bytes.get_or_create(&Path { path }).inc_by(bytes);
+    }
+
+    pub(crate) fn prefetch(&self, reason: &str, tokens: usize, bytes: u64, seconds: f64) {
+        self.prefetch_stops.get_or_create(&Reason { reason: reason.to_owned() }).inc();
+        self.prefetched_tokens.inc_by(tokens as u64);
+        if bytes > 0 && seconds > 0.0 {
+            self.prefetch_gbps.observe(bytes as f64 / seconds / 1e9);
+        }
+    }
+
+    pub(crate) fn backed_up(&self, tokens: usize) {
+        self.backed_up_tokens.inc_by(tokens as u64);
+    }
+
+    pub(crate) fn load(&self, bytes: u64, seconds: f64) {
+        if bytes > 0 && seconds > 0.0 {
+            self.load_gbps.observe(bytes as f64 / seconds / 1e9);
+        }
+    }
+
+    fn render(&self) -> String {
+        let mut text = String::new();
+        // writing to a String cannot fail
+        let _ = encode(&mut text, &self.registry);
+        text
+    }
+}
+
+/// Serves `metrics` at `addr` on a thread for the rest of the process; returns the bound address (port 0 picks
+/// one) and says where on stderr.
+pub(crate) fn serve(addr: &str, metrics: Arc<Metrics>) -> anyhow::Result<SocketAddr> {
+    let server = tiny_http::Server::http(addr)
+        .map_err(|error| anyhow::anyhow!("{error}"))
+        .with_context(|| format!("--metrics-addr {addr}: cannot listen"))?;
+    let bound = server.server_addr().to_ip().context("--metrics-addr: not an IP address")?;
+    std::thread::Builder::new().name("hicache-metrics".into()).spawn(move || {
+        let content_type: tiny_http::Header =
+            "Content-Type: text/plain; version=0.0.4; charset=utf-8".parse().expect("a valid header");
+        for request in server.incoming_requests() {
+            let response = if request.url() == "/metrics" {
+                tiny_http::Response::from_string(metrics.render()).with_header(content_type.clone())
+            } else {
+                tiny_http::Response::from_string("see /metrics\n").with_status_code(404)
+            };
+            // a scraper that hung up is not our failure
+            let _ = request.respond(response);
+        }
+    })?;
+    eprintln!("hicache: metrics at http://{bound}/metrics");
+    Ok(bound)
+}
+
+/// Installs the `tracing` subscriber: events to stderr, filtered by `RUST_LOG` (nothing when it is unset).
+pub(crate) fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("off"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init();
+}
