@@ -290,6 +290,35 @@ fn rust_log_turns_on_tracing_events_and_is_silent_without() {
 }
 
 #[test]
+fn bench_transfer_reports_every_layout_and_direction_next_to_bulk() {
+    let args = ["bench", "transfer", "--json", "--tokens", "64", "--page-size", "16", "--rounds", "1"];
+    let output = hicache(&[&args[..], &["--geometry", "llama31-8b"]].concat(), "");
+    assert!(output.status.success(), "{}", stderr(&output));
+    let figures: Vec<Value> = serde_json::from_str(&stdout(&output)).expect("a JSON list");
+    let mut seen: Vec<(String, String)> = figures
+        .iter()
+        .map(|figure| (figure["layout"].as_str().unwrap().to_owned(), figure["direction"].as_str().unwrap().to_owned()))
+        .collect();
+    seen.sort();
+    let mut expected: Vec<(String, String)> = ["layer_first", "page_first", "page_first_direct"]
+        .iter()
+        .flat_map(|layout| ["backup", "load"].map(|direction| (layout.to_string(), direction.to_owned())))
+        .collect();
+    expected.sort();
+    assert_eq!(seen, expected);
+    for figure in &figures {
+        assert_eq!((figure["geometry"].as_str(), figure["page_size"].as_u64()), (Some("llama-3.1-8b"), Some(16)));
+        assert_eq!(figure["item_bytes"], 2048, "8 heads × 128 × bf16");
+        let (gbps, bulk) = (figure["gbps"].as_f64().unwrap(), figure["bulk_gbps"].as_f64().unwrap());
+        assert!(gbps > 0.0 && bulk > 0.0);
+        assert!((figure["ratio"].as_f64().unwrap() - gbps / bulk).abs() < 1e-9);
+        assert_eq!(figure["first_layer_us"].is_number(), figure["direction"] == "load");
+    }
+    assert_usage_error(&hicache(&["bench", "transfer", "--engine", "cuda"], ""), "--features cuda");
+    assert_usage_error(&hicache(&["bench", "transfer", "--tokens", "100", "--page-size", "64"], ""), "divide --tokens");
+}
+
+#[test]
 fn help_describes_every_option() {
     let output = hicache(&["hash", "--help"], "");
     let help = stdout(&output);

@@ -19,6 +19,9 @@ pub(crate) enum BenchCommand {
     /// Batched set and get of a storage backend (GB/s), next to raw sequential write and read of the same bytes in
     /// the same directory.
     Storage(super::bench_storage::BenchStorageArgs),
+    /// Device↔host transfer throughput (GB/s) per geometry, layout, direction and page size, next to a bulk copy
+    /// of the same bytes measured in the same run.
+    Transfer(super::bench_transfer::BenchTransferArgs),
     /// The controller's own cost per operation (µs), on the CPU engine with in-memory storage and tiny pages.
     Controller(super::bench_controller::BenchControllerArgs),
 }
@@ -62,6 +65,7 @@ pub(crate) fn run(command: &BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Hash(args) => bench_hash(args),
         BenchCommand::Storage(args) => super::bench_storage::run(args),
         BenchCommand::Controller(args) => super::bench_controller::run(args),
+        BenchCommand::Transfer(args) => super::bench_transfer::run(args),
     }
 }
 

@@ -3,6 +3,7 @@
 pub(crate) mod bench;
 pub(crate) mod bench_controller;
 pub(crate) mod bench_storage;
+pub(crate) mod bench_transfer;
 pub(crate) mod config;
 pub(crate) mod hash;
 pub(crate) mod store;

@@ -1,0 +1,211 @@
+//! `hicache bench transfer`: device↔host transfer throughput of an engine, for each geometry × layout × direction ×
+//! page size, next to a bulk copy of the same bytes measured in the same run.
+//!
+//! Pages are scattered, as in a pool after churn: a load reads a random set of host pages into a random set of
+//! device pages. `load` is host → device, all layers one after another (the forward pass's per-layer loads);
+//! `backup` is device → host, all layers in one transfer. The reference (`bulk_gbps`) is one contiguous copy of
+//! the same number of bytes between the same two buffers. The time until the first layer of a load is ready is
+//! printed beside each load.
+
+use std::time::Instant;
+
+use anyhow::bail;
+use clap::{Args, ValueEnum};
+use hicache_core::geometry::KvGeometry;
+use hicache_core::host_pool::HostPageAllocator;
+use hicache_core::layout::{HostLayout, HostLayoutMap};
+use hicache_core::ops::DeviceSlot;
+use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, TransferEngine, TransferEvent};
+use rand::seq::SliceRandom as _;
+use serde::Serialize;
+
+use crate::exit::Usage;
+use crate::replay::EngineName;
+
+/// Geometries by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum GeometryArg {
+    /// Llama-3.1-8B: 32 layers, 8 KV heads, head dim 128, bf16 (MHA).
+    Llama31_8b,
+    /// DeepSeek-V3: 61 layers, 576 × bf16 latent (MLA).
+    DeepseekV3,
+}
+
+/// Arguments of `hicache bench transfer`.
+#[derive(Debug, Args)]
+pub(crate) struct BenchTransferArgs {
+    /// Transfer engine.
+    #[arg(long, value_enum, default_value_t = EngineName::Cpu)]
+    engine: EngineName,
+    /// Geometries to measure (repeatable; default both).
+    #[arg(long, value_enum)]
+    geometry: Vec<GeometryArg>,
+    /// Tokens per transfer, and of the load whose first layer is timed (default: 8192 on the GPU; 1024 on the CPU
+    /// engine, whose pools are plain memory of this machine: 1024 Llama tokens are 128 MiB per pool).
+    #[arg(long, value_name = "N")]
+    tokens: Option<usize>,
+    /// Page sizes (repeatable; default 1, 16 and 64).
+    #[arg(long, value_name = "N")]
+    page_size: Vec<usize>,
+    /// Passes per figure; the best counts.
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    rounds: usize,
+    /// Print a JSON list of {geometry, layout, io_backend, direction, page_size, item_bytes, gbps, bulk_gbps, ratio,
+    /// first_layer_us}.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One line of `bench transfer`.
+#[derive(Debug, Serialize)]
+struct TransferFigure {
+    geometry: &'static str,
+    layout: String,
+    io_backend: &'static str,
+    direction: &'static str,
+    page_size: usize,
+    item_bytes: usize,
+    gbps: f64,
+    bulk_gbps: f64,
+    ratio: f64,
+    /// Loads: microseconds until layer 0 is ready.
+    first_layer_us: Option<f64>,
+}
+
+pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
+    if args.engine == EngineName::Cuda {
+        bail!(Usage(
+            "the cuda engine is not compiled into this hicache; rebuild with `cargo build --release -p hicache-cli \
+             --features cuda`"
+                .into()
+        ));
+    }
+    let tokens = args.tokens.unwrap_or(1024);
+    if tokens == 0 || args.rounds == 0 {
+        bail!(Usage("--tokens and --rounds must be at least 1".into()));
+    }
+    let geometries = if args.geometry.is_empty() {
+        vec![GeometryArg::Llama31_8b, GeometryArg::DeepseekV3]
+    } else {
+        args.geometry.clone()
+    };
+    let page_sizes = if args.page_size.is_empty() { vec![1, 16, 64] } else { args.page_size.clone() };
+    if let Some(bad) = page_sizes.iter().find(|&&page| page == 0 || !tokens.is_multiple_of(page)) {
+        bail!(Usage(format!("--page-size {bad} must be at least 1 and divide --tokens {tokens}")));
+    }
+    let mut figures = Vec::new();
+    for &geometry_arg in &geometries {
+        let (name, geometry) = match geometry_arg {
+            GeometryArg::Llama31_8b => ("llama-3.1-8b", KvGeometry::llama31_8b()),
+            GeometryArg::DeepseekV3 => ("deepseek-v3", KvGeometry::deepseek_v3()),
+        };
+        for layout in [HostLayout::LayerFirst, HostLayout::PageFirst, HostLayout::PageFirstDirect] {
+            for &page in &page_sizes {
+                figures.extend(measure(name, geometry, layout, page, tokens, args.rounds)?);
+            }
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&figures)?);
+        return Ok(());
+    }
+    println!("geometry      layout             engine  direction  page   item B     GB/s   bulk GB/s  ratio  layer 0");
+    for figure in &figures {
+        println!(
+            "{:<13} {:<18} {:<7} {:<10} {:>4} {:>8} {:>8.2} {:>11.2} {:>6.2}  {}",
+            figure.geometry,
+            figure.layout,
+            figure.io_backend,
+            figure.direction,
+            figure.page_size,
+            figure.item_bytes,
+            figure.gbps,
+            figure.bulk_gbps,
+            figure.ratio,
+            figure.first_layer_us.map_or_else(String::new, |us| format!("{us:.0} µs"))
+        );
+    }
+    Ok(())
+}
+
+/// Load and backup figures of one geometry, layout and page size on the CPU engine.
+fn measure(
+    name: &'static str,
+    geometry: KvGeometry,
+    layout: HostLayout,
+    page: usize,
+    tokens: usize,
+    rounds: usize,
+) -> anyhow::Result<Vec<TransferFigure>> {
+    let pages = tokens / page;
+    // the pools hold twice the transfer, so the pages can be scattered
+    let device_pages = 2 * pages;
+    let mut engine = CpuEngine::new(
+        DeviceLayoutMap::new(geometry, device_pages * page)?,
+        HostLayoutMap::new(geometry, layout, page, 2 * pages + 1)?,
+        Completion::Immediate,
+    )?;
+    engine.with_device(|bytes| bytes.iter_mut().enumerate().for_each(|(index, byte)| *byte = index as u8));
+    let mut allocator = HostPageAllocator::new(2 * pages + 1)?;
+    let mut all = allocator.alloc(2 * pages + 1).expect("a fresh pool");
+    let mut rng = rand::rng();
+    all.shuffle(&mut rng);
+    let host_pages = &all[..pages];
+    let mut device_order: Vec<usize> = (0..device_pages).collect();
+    device_order.shuffle(&mut rng);
+    let slots: Vec<DeviceSlot> = device_order[..pages]
+        .iter()
+        .flat_map(|&device_page| (0..page).map(move |offset| (device_page * page + offset) as DeviceSlot))
+        .collect();
+    let bytes = (tokens * geometry.bytes_per_token()) as f64;
+    let mut best = [0f64; 2];
+    let mut first_layer = f64::MAX;
+    for _ in 0..rounds {
+        let start = engine.start_event();
+        let began = Instant::now();
+        engine.backup(&slots, host_pages, &start)?.wait();
+        best[0] = best[0].max(bytes / began.elapsed().as_secs_f64() / 1e9);
+        let start = engine.start_event();
+        let began = Instant::now();
+        let mut last = None;
+        for layer in 0..geometry.layers {
+            let event = engine.load_layer(layer, host_pages, &slots, &start)?;
+            if layer == 0 {
+                event.wait();
+                first_layer = first_layer.min(began.elapsed().as_secs_f64() * 1e6);
+            }
+            last = Some(event);
+        }
+        last.expect("at least one layer").wait();
+        best[1] = best[1].max(bytes / began.elapsed().as_secs_f64() / 1e9);
+    }
+    let bulk = bulk_gbps(&engine, bytes as usize, rounds);
+    let figure = |direction, gbps: f64, first_layer_us| TransferFigure {
+        geometry: name,
+        layout: layout.name().to_owned(),
+        io_backend: "cpu",
+        direction,
+        page_size: page,
+        item_bytes: geometry.item_bytes(),
+        gbps,
+        bulk_gbps: bulk,
+        ratio: gbps / bulk,
+        first_layer_us,
+    };
+    Ok(vec![figure("backup", best[0], None), figure("load", best[1], Some(first_layer))])
+}
+
+/// One contiguous copy of `bytes` from the device buffer to the host buffer: the reference.
+fn bulk_gbps(engine: &CpuEngine, bytes: usize, rounds: usize) -> f64 {
+    let source: Vec<u8> = engine.with_device(|device| device[..bytes].to_vec());
+    let mut best = 0f64;
+    for _ in 0..rounds {
+        engine.with_host(|host| {
+            let began = Instant::now();
+            host[..bytes].copy_from_slice(&source);
+            std::hint::black_box(&host[..bytes]);
+            best = best.max(bytes as f64 / began.elapsed().as_secs_f64() / 1e9);
+        });
+    }
+    best
+}
