@@ -318,6 +318,48 @@ fn bench_transfer_reports_every_layout_and_direction_next_to_bulk() {
     assert_usage_error(&hicache(&["bench", "transfer", "--tokens", "100", "--page-size", "64"], ""), "divide --tokens");
 }
 
+/// Every option and argument of every subcommand has a description in its `--help`.
+#[test]
+fn every_subcommand_describes_every_option() {
+    let commands: &[&[&str]] = &[
+        &["hash"],
+        &["bench", "hash"],
+        &["bench", "storage"],
+        &["bench", "transfer"],
+        &["bench", "controller"],
+        &["replay"],
+        &["config", "check"],
+        &["store", "put"],
+        &["store", "get"],
+        &["store", "exists"],
+        &["store", "ls"],
+        &["store", "rm"],
+        &["store", "clear"],
+        &["store", "stat"],
+    ];
+    for command in commands {
+        let output = hicache(&[*command, &["--help"][..]].concat(), "");
+        assert!(output.status.success(), "{command:?}");
+        let help = stdout(&output);
+        let lines: Vec<&str> = help.lines().collect();
+        let mut options = 0;
+        for (index, line) in lines.iter().enumerate() {
+            let trimmed = line.trim_start();
+            let is_entry = line.starts_with("  ") && (trimmed.starts_with('-') || trimmed.starts_with('<'));
+            if !is_entry || line.starts_with("          ") {
+                continue;
+            }
+            options += 1;
+            // "  --flag <V>  Description", or the description on the next line (long help)
+            let (name, rest) = trimmed.split_once("  ").unwrap_or((trimmed, ""));
+            let below =
+                lines.get(index + 1).is_some_and(|next| next.starts_with("          ") && !next.trim().is_empty());
+            assert!(!rest.trim().is_empty() || below, "{command:?}: {name} has no description:\n{help}");
+        }
+        assert!(options >= 2, "{command:?}: no options found in\n{help}");
+    }
+}
+
 #[test]
 fn help_describes_every_option() {
     let output = hicache(&["hash", "--help"], "");

@@ -292,6 +292,51 @@ fn pages_evicted_from_the_host_come_back_from_storage() {
     assert_eq!(rig.request(&b), Some((0, 5 * PAGE)), "the L3 pages loaded to the device, verified");
 }
 
+#[test]
+fn an_aborted_request_gives_its_prefetch_back_and_reset_empties_everything() {
+    let store = MemoryStore::new();
+    let mut rig = rig(WritePolicy::WriteThrough, 8, 16, Some(&store));
+    let a = tokens(1, 5);
+    rig.request(&a);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.len() < 5 || rig.tree.controller().backups_in_flight() > 0 {
+        rig.tick();
+        assert!(Instant::now() < deadline);
+    }
+    rig.tree.evict(10 * PAGE).unwrap();
+    rig.tree.evict_host(10 * PAGE).unwrap();
+    let root = rig.tree.root();
+    assert!(matches!(rig.tree.prefetch_from_storage("gone", root, &a).unwrap(), PrefetchStart::Started(_)));
+    rig.tree.release_aborted_request("gone");
+    let summary = loop {
+        let summary = rig.tick();
+        if !summary.prefetches.is_empty() {
+            break summary;
+        }
+        assert!(Instant::now() < deadline);
+    };
+    assert_eq!(summary.prefetches[0].0.stop, PrefetchStop::Aborted);
+    assert_eq!(summary.prefetches[0].1, 0, "nothing inserted");
+    assert_eq!(rig.tree.node_count(), 1);
+    while rig.tree.controller().prefetches_in_flight() > 0 {
+        rig.tick();
+        assert!(Instant::now() < deadline);
+    }
+    assert_eq!(rig.tree.controller().host().available(), 16, "every reserved page came back");
+    // reset: a tree with resident, host-only and locked nodes becomes empty, and works as new
+    rig.request(&a);
+    let b = tokens(2, 3);
+    rig.request(&b);
+    let matched = rig.tree.match_prefix(&b);
+    rig.tree.inc_lock_ref(matched.last_node);
+    rig.tree.reset();
+    rig.tree.check_invariants().unwrap();
+    assert_eq!((rig.tree.node_count(), rig.tree.device_tokens()), (1, (0, 0)));
+    assert_eq!(rig.tree.controller().host().available(), 16);
+    // nothing on the device any more (storage may still serve b, if its backup finished before the reset)
+    assert_eq!(rig.request(&b).map(|(device, _)| device), Some(0));
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Request { conversation: u32, pages: usize },
