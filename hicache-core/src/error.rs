@@ -86,6 +86,14 @@ pub enum Error {
         /// The backend's message.
         message: String,
     },
+    /// The device (GPU driver, compiler or kernel) failed.
+    #[error("device: {operation}: {message}")]
+    Device {
+        /// What was being done.
+        operation: &'static str,
+        /// The driver's or compiler's message.
+        message: String,
+    },
     /// The backend does not offer this operation.
     #[error("storage backend {backend} cannot {operation}")]
     Unsupported {

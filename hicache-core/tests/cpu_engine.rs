@@ -102,7 +102,7 @@ proptest! {
     ) {
         let Setup { mut engine, host_map, slots_total, pages, slots, device, .. } =
             setup(geometry, layout, page_size, host_pages, seed, Completion::Immediate);
-        let start = engine.start_event();
+        let start = engine.start_event().unwrap();
         let done = engine.backup(&slots, &pages, &start).unwrap();
         prop_assert!(done.is_complete());
         let host = engine.with_host(|bytes| bytes.to_vec());
@@ -127,7 +127,7 @@ proptest! {
     ) {
         let Setup { mut engine, slots_total, pages, slots, device, mut rng, .. } =
             setup(geometry, layout, page_size, host_pages, seed, Completion::Immediate);
-        let start = engine.start_event();
+        let start = engine.start_event().unwrap();
         engine.backup(&slots, &pages, &start).unwrap();
         engine.with_device(|bytes| bytes.fill(DEVICE_POISON));
         // load into other slots than the ones backed up
@@ -135,7 +135,7 @@ proptest! {
         targets.shuffle(&mut rng);
         targets.truncate(slots.len());
         for layer in 0..geometry.layers {
-            let start = engine.start_event();
+            let start = engine.start_event().unwrap();
             let done = engine.load_layer(layer, &pages, &targets, &start).unwrap();
             prop_assert!(done.is_complete());
             let now = engine.with_device(|bytes| bytes.to_vec());
@@ -172,7 +172,7 @@ fn held_transfers_leave_destinations_alone_until_they_complete() {
     let (pages, slots) = (&pages[..1], &slots[..2]);
     let targets: Vec<DeviceSlot> =
         (0..slots_total as DeviceSlot).filter(|slot| !slots.contains(slot)).take(2).collect();
-    let start = engine.start_event();
+    let start = engine.start_event().unwrap();
     assert!(start.is_complete(), "the caller's CPU work is done when it asks");
     let backup = engine.backup(slots, pages, &start).unwrap();
     assert!(!backup.is_complete());
@@ -213,7 +213,7 @@ fn bad_requests_are_refused_whole() {
     let geometry = KvGeometry::mla(2, 4, 0, KvDtype::Bf16).unwrap();
     let Setup { mut engine, pages, slots, .. } =
         setup(geometry, HostLayout::LayerFirst, 2, 3, 9, Completion::Immediate);
-    let start = engine.start_event();
+    let start = engine.start_event().unwrap();
     let message = |result: Result<_, hicache_core::Error>| result.map(|_| ()).unwrap_err().to_string();
     assert!(
         message(engine.backup(&slots[..1], &pages[..1], &start))
@@ -225,7 +225,7 @@ fn bad_requests_are_refused_whole() {
     assert!(message(engine.load_layer(2, &pages[..1], &[0, 1], &start)).starts_with("layer: 2 out of range"));
     let other = setup(geometry, HostLayout::LayerFirst, 2, 3, 10, Completion::Immediate);
     let mut other_engine = other.engine;
-    let foreign = other_engine.start_event();
+    let foreign = other_engine.start_event().unwrap();
     assert!(message(engine.backup(&[0, 1], &pages[..1], &foreign)).contains("another engine"));
     let big_pool = HostPageAllocator::new(10).unwrap().alloc(10).unwrap();
     assert!(message(engine.backup(&[0, 1], &big_pool[9..], &start)).contains("out of range (3 pages)"));

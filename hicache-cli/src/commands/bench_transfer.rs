@@ -161,11 +161,11 @@ fn measure(
     let mut best = [0f64; 2];
     let mut first_layer = f64::MAX;
     for _ in 0..rounds {
-        let start = engine.start_event();
+        let start = engine.start_event()?;
         let began = Instant::now();
         engine.backup(&slots, host_pages, &start)?.wait();
         best[0] = best[0].max(bytes / began.elapsed().as_secs_f64() / 1e9);
-        let start = engine.start_event();
+        let start = engine.start_event()?;
         let began = Instant::now();
         let mut last = None;
         for layer in 0..geometry.layers {

@@ -316,7 +316,7 @@ impl<E: TransferEngine> CacheController<E> {
             });
         }
         let Some(host_pages) = self.host.alloc(device_slots.len() / self.page_size) else { return Ok(None) };
-        let start = self.engine.start_event();
+        let start = self.engine.start_event()?;
         let finish = match self.engine.backup(device_slots, &host_pages, &start) {
             Ok(finish) => finish,
             Err(error) => {
@@ -369,7 +369,7 @@ impl<E: TransferEngine> CacheController<E> {
             Err(busy) => return Ok(Err(busy)),
         };
         let op = CacheOperation::merge(std::mem::take(&mut self.load_queue)).expect("the queue is not empty");
-        let start = self.engine.start_event();
+        let start = self.engine.start_event()?;
         let mut events = Vec::with_capacity(self.layer_count);
         for layer in 0..self.layer_count {
             events.push(self.engine.load_layer(layer, &op.host_pages, &op.device_slots, &start)?);

@@ -398,9 +398,9 @@ impl TransferEngine for CpuEngine {
         Arc::new(CpuHostMemory { memory: state.memory.clone(), map: state.host_map })
     }
 
-    fn start_event(&mut self) -> CpuEvent {
+    fn start_event(&mut self) -> Result<CpuEvent, Error> {
         // the caller's work on the CPU is done by the time it asks
-        CpuEvent { state: self.state.clone(), position: None }
+        Ok(CpuEvent { state: self.state.clone(), position: None })
     }
 
     fn backup(&mut self, slots: &[DeviceSlot], pages: &[HostPageId], after: &CpuEvent) -> Result<CpuEvent, Error> {

@@ -131,7 +131,7 @@ mod tests {
 
     fn load_all_layers(engine: &mut CpuEngine, page: usize) -> Vec<CpuEvent> {
         let pages = HostPageAllocator::new(8).unwrap().alloc(8).unwrap();
-        let start = engine.start_event();
+        let start = engine.start_event().unwrap();
         (0..LAYERS)
             .map(|layer| engine.load_layer(layer, &pages[page..=page], &[page as u32], &start).unwrap())
             .collect()

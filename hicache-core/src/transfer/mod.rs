@@ -65,7 +65,11 @@ pub trait TransferEngine: Send {
 
     /// An event recorded on the caller's stream now: a transfer given it as `after` starts only once the caller's
     /// work submitted before it is done.
-    fn start_event(&mut self) -> Self::Event;
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] when the device cannot record it.
+    fn start_event(&mut self) -> Result<Self::Event, Error>;
 
     /// Copies every layer of `slots` into `pages` (device → host), after `after`.
     ///

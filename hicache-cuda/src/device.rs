@@ -1,0 +1,308 @@
+//! The GPU: driver and compiler presence, the context, and the two pools' memory.
+//!
+//! Everything here goes through cudarc with dynamic loading, so the crate builds and its unit tests run on machines
+//! without CUDA; opening a device there is an [`Error::Device`] naming what is missing, never a panic (cudarc panics
+//! when a library or symbol is missing, so presence is checked first).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, result, sys};
+use hicache_core::Error;
+
+/// Turns a driver error into the core's error.
+pub(crate) fn driver(operation: &'static str) -> impl FnOnce(result::DriverError) -> Error {
+    move |error| Error::Device { operation, message: format!("{error:?}") }
+}
+
+/// Whether the CUDA driver library can be loaded here.
+pub fn driver_present() -> bool {
+    // SAFETY: `is_culib_present` only tries to dlopen the driver library and reports whether that worked.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Whether NVRTC (the run-time compiler) can be loaded here.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: as `driver_present`, for the NVRTC library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// One GPU: its primary context (shared with any other user of the GPU in the process, such as PyTorch).
+#[derive(Debug, Clone)]
+pub struct Device {
+    context: Arc<CudaContext>,
+}
+
+impl Device {
+    /// Opens GPU `ordinal`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] when the driver or NVRTC cannot be loaded, there is no such GPU, or the context fails.
+    pub fn open(ordinal: usize) -> Result<Self, Error> {
+        if !driver_present() {
+            return Err(Error::Device {
+                operation: "open",
+                message: "the CUDA driver (libcuda.so) cannot be loaded: no NVIDIA driver on this machine".into(),
+            });
+        }
+        if !nvrtc_present() {
+            return Err(Error::Device {
+                operation: "open",
+                message: "NVRTC (libnvrtc.so) cannot be loaded: add the CUDA toolkit's lib directory to \
+                          LD_LIBRARY_PATH"
+                    .into(),
+            });
+        }
+        let count = CudaContext::device_count().map_err(driver("count devices"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::Device { operation: "open", message: format!("GPU {ordinal} asked for, {count} present") });
+        }
+        let context = CudaContext::new(ordinal).map_err(driver("create the context"))?;
+        // the engine orders its streams with its own events; cudarc's per-allocation tracking would add more
+        // SAFETY: no cudarc allocation of this context exists yet whose tracking could be left half-done.
+        unsafe { context.disable_event_tracking() };
+        Ok(Self { context })
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.context
+    }
+
+    /// The GPU's name.
+    ///
+    /// # Errors
+    ///
+    /// The driver's.
+    pub fn name(&self) -> Result<String, Error> {
+        self.context.name().map_err(driver("name"))
+    }
+
+    /// Compute capability (major, minor).
+    ///
+    /// # Errors
+    ///
+    /// The driver's.
+    pub fn compute_capability(&self) -> Result<(i32, i32), Error> {
+        self.context.compute_capability().map_err(driver("compute capability"))
+    }
+
+    /// Multiprocessors.
+    ///
+    /// # Errors
+    ///
+    /// The driver's.
+    pub fn multiprocessors(&self) -> Result<usize, Error> {
+        self.context
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map(|count| count as usize)
+            .map_err(driver("multiprocessor count"))
+    }
+}
+
+/// Device memory of the KV pool: one allocation, laid out as the core's `DeviceLayoutMap` (`[layer][part][slot]
+/// [item]`).
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    context: Arc<CudaContext>,
+    pointer: sys::CUdeviceptr,
+    bytes: usize,
+    owned: bool,
+}
+
+// SAFETY: the buffer is a device address owned by this value (or, for a borrowed one, by the caller for its whole
+// life); using it from another thread only needs the context bound there, which every method does.
+unsafe impl Send for DeviceBuffer {}
+// SAFETY: as Send; methods take `&self` only to read the address and size.
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// Allocates `bytes` of device memory, zeroed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] when the GPU lacks the memory (the message says how much was asked for).
+    pub fn zeroed(device: &Device, bytes: usize) -> Result<Self, Error> {
+        let context = device.context().clone();
+        context.bind_to_thread().map_err(driver("bind the context"))?;
+        // SAFETY: a plain allocation of `bytes`; the pointer is freed once, in Drop.
+        let pointer = unsafe { result::malloc_sync(bytes.max(1)) }
+            .map_err(|error| Error::Device { operation: "allocate the device pool", message: format!("{bytes} bytes: {error:?}") })?;
+        // SAFETY: `pointer` is `bytes` long, just allocated.
+        unsafe { result::memset_d8_sync(pointer, 0, bytes) }.map_err(driver("zero the device pool"))?;
+        Ok(Self { context, pointer, bytes, owned: true })
+    }
+
+    /// A pool over device memory owned by someone else (an engine's KV tensors, say).
+    ///
+    /// # Safety
+    ///
+    /// `pointer` must be a device allocation of at least `bytes` in `device`'s context, laid out as the core's
+    /// `DeviceLayoutMap` for the geometry it is used with, and stay allocated, and not be freed or reallocated,
+    /// for as long as this value and every transfer submitted on it live. The owner may write it concurrently only
+    /// at slots no transfer in flight uses.
+    pub unsafe fn borrowed(device: &Device, pointer: u64, bytes: usize) -> Self {
+        Self { context: device.context().clone(), pointer, bytes, owned: false }
+    }
+
+    /// The device address.
+    pub fn pointer(&self) -> u64 {
+        self.pointer
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// Copies `data` to the buffer at `offset` (tests and set-up; synchronous).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] beyond the end; the driver's.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), Error> {
+        self.check(offset, data.len())?;
+        self.context.bind_to_thread().map_err(driver("bind the context"))?;
+        // SAFETY: the range is inside the allocation (checked above); the source is a live slice.
+        unsafe { result::memcpy_htod_sync(self.pointer + offset as u64, data) }.map_err(driver("copy to the device"))
+    }
+
+    /// Copies the buffer at `offset` into `out` (tests; synchronous).
+    ///
+    /// # Errors
+    ///
+    /// As [`write`](Self::write).
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), Error> {
+        self.check(offset, out.len())?;
+        self.context.bind_to_thread().map_err(driver("bind the context"))?;
+        // SAFETY: as `write`, the other way.
+        unsafe { result::memcpy_dtoh_sync(out, self.pointer + offset as u64) }.map_err(driver("copy from the device"))
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), Error> {
+        if offset.checked_add(len).is_none_or(|end| end > self.bytes) {
+            return Err(Error::InvalidArgument {
+                field: "offset",
+                reason: format!("{len} bytes at {offset} run past the device pool's {}", self.bytes),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.owned && self.context.bind_to_thread().is_ok() {
+            // SAFETY: allocated by `zeroed` and freed only here; transfers keep the engine (and so this) alive.
+            let _ = unsafe { result::free_sync(self.pointer) };
+        }
+    }
+}
+
+/// Page-locked host memory of the host pool: portable and mapped into the device's address space, and *not*
+/// write-combined, because the storage tier's threads read it (cudarc's `alloc_pinned` is write-combined).
+#[derive(Debug)]
+pub struct PinnedBuffer {
+    context: Arc<CudaContext>,
+    host: *mut u8,
+    device: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+// SAFETY: the allocation is owned by this value and lives until Drop; it is reached only through raw-pointer copies
+// of ranges the controller hands to one user at a time.
+unsafe impl Send for PinnedBuffer {}
+// SAFETY: as Send.
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Allocates `bytes` of pinned, device-mapped host memory, zeroed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] when the machine cannot pin that much (the message says how much was asked for).
+    pub fn zeroed(device: &Device, bytes: usize) -> Result<Self, Error> {
+        let context = device.context().clone();
+        context.bind_to_thread().map_err(driver("bind the context"))?;
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: a plain pinned allocation of `bytes`, freed once in Drop.
+        let host = unsafe { result::malloc_host(bytes.max(1), flags) }.map_err(|error| Error::Device {
+            operation: "pin the host pool",
+            message: format!("{bytes} bytes ({:.1} GB): {error:?}", bytes as f64 / 1e9),
+        })? as *mut u8;
+        // SAFETY: `host` is `bytes` long, just allocated and not yet shared.
+        unsafe { std::ptr::write_bytes(host, 0, bytes) };
+        let mut mapped: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was allocated with DEVICEMAP in this context; the driver writes the mapped address.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut mapped, host.cast(), 0) }
+            .result()
+            .map_err(driver("map the host pool"))?;
+        Ok(Self { context, host, device: mapped, bytes })
+    }
+
+    /// The address kernels use.
+    pub fn device_pointer(&self) -> u64 {
+        self.device
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// Copies `data` into the buffer at `offset`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] beyond the end.
+    ///
+    /// The caller owns the range for the copy: no transfer in flight uses it (the controller's page states).
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), Error> {
+        self.check(offset, data.len())?;
+        // SAFETY: the range is inside the allocation (checked); no reference to the buffer exists, and the range is
+        // not being written by the GPU or another thread (the caller's page ownership), so the copy races nothing.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.host.add(offset), data.len()) };
+        Ok(())
+    }
+
+    /// Copies the buffer at `offset` into `out`.
+    ///
+    /// # Errors
+    ///
+    /// As [`write`](Self::write).
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), Error> {
+        self.check(offset, out.len())?;
+        // SAFETY: as `write`, the other way.
+        unsafe { std::ptr::copy_nonoverlapping(self.host.add(offset), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), Error> {
+        if offset.checked_add(len).is_none_or(|end| end > self.bytes) {
+            return Err(Error::InvalidArgument {
+                field: "offset",
+                reason: format!("{len} bytes at {offset} run past the host pool's {}", self.bytes),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if self.context.bind_to_thread().is_ok() {
+            // SAFETY: allocated by `zeroed` and freed only here.
+            let _ = unsafe { result::free_host(self.host.cast()) };
+        }
+    }
+}

@@ -1,0 +1,383 @@
+//! The CUDA transfer engine: the core's `TransferEngine` on a GPU, so the controller runs unchanged there.
+//!
+//! Backups run on a write stream, layer loads on a load stream; each waits on a start event recorded on the
+//! caller's stream (the engine's own, or an engine's stream it was given), so a transfer starts only after the work
+//! the caller submitted before it. A transfer's index arrays live in stream-ordered device memory, freed on the same
+//! stream after the kernel, so they outlive it without the CPU waiting. Completion events are queried without
+//! blocking and waited on.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaEvent, CudaStream, LaunchConfig, PushKernelArg as _, result};
+use hicache_core::Error;
+use hicache_core::host_pool::HostPageId;
+use hicache_core::layout::{HostLayout, HostLayoutMap};
+use hicache_core::ops::DeviceSlot;
+use hicache_core::transfer::{DeviceLayoutMap, HostMemory, TransferEngine, TransferEvent};
+
+use crate::device::{Device, DeviceBuffer, PinnedBuffer, driver};
+use crate::kernels::TransferKernel;
+
+/// How the kernel is launched: its grid is at most `blocks` blocks of `threads` threads (SGLang's block quota), so
+/// transfers leave most SMs to the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchShape {
+    /// Most blocks of one launch.
+    pub blocks: u32,
+    /// Threads per block (a multiple of 32).
+    pub threads: u32,
+}
+
+impl Default for LaunchShape {
+    fn default() -> Self {
+        Self { blocks: 64, threads: 512 }
+    }
+}
+
+/// A completion event of the CUDA engine.
+#[derive(Clone, Debug)]
+pub struct CudaTransferEvent {
+    event: Arc<CudaEvent>,
+}
+
+impl CudaTransferEvent {
+    /// The driver's event (to make another stream wait on it).
+    pub fn event(&self) -> &CudaEvent {
+        &self.event
+    }
+}
+
+impl TransferEvent for CudaTransferEvent {
+    fn is_complete(&self) -> bool {
+        self.event.is_complete()
+    }
+
+    fn wait(&self) {
+        if let Err(error) = self.event.synchronize() {
+            // a failed transfer poisons the context: every later call reports the error
+            tracing::error!(?error, "waiting for a transfer");
+        }
+    }
+}
+
+/// The engine: the device pool, the pinned host pool, the kernel and the streams.
+#[derive(Debug)]
+pub struct CudaEngine {
+    device: Device,
+    kernel: TransferKernel,
+    device_map: DeviceLayoutMap,
+    host_map: HostLayoutMap,
+    device_pool: Arc<DeviceBuffer>,
+    host_pool: Arc<PinnedBuffer>,
+    caller: Arc<CudaStream>,
+    write_stream: Arc<CudaStream>,
+    load_stream: Arc<CudaStream>,
+    shape: LaunchShape,
+}
+
+impl CudaEngine {
+    /// An engine over a new zeroed device pool of `device_map` and pinned host pool of `host_map` on `device`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the maps' geometries differ; [`Error::Device`] when memory, the kernel or the
+    /// streams cannot be had.
+    pub fn new(device: &Device, device_map: DeviceLayoutMap, host_map: HostLayoutMap) -> Result<Self, Error> {
+        let device_pool = DeviceBuffer::zeroed(device, device_map.total_bytes())?;
+        Self::with_device_pool(device, device_map, host_map, device_pool)
+    }
+
+    /// An engine over an existing device pool (see [`DeviceBuffer::borrowed`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new), and [`Error::InvalidArgument`] when the pool is smaller than the map.
+    pub fn with_device_pool(
+        device: &Device,
+        device_map: DeviceLayoutMap,
+        host_map: HostLayoutMap,
+        device_pool: DeviceBuffer,
+    ) -> Result<Self, Error> {
+        if device_map.geometry() != host_map.geometry() {
+            return Err(Error::InvalidArgument {
+                field: "host_map",
+                reason: "its geometry differs from the device pool's".into(),
+            });
+        }
+        if device_pool.len() < device_map.total_bytes() {
+            return Err(Error::InvalidArgument {
+                field: "device_pool",
+                reason: format!("{} bytes, the map needs {}", device_pool.len(), device_map.total_bytes()),
+            });
+        }
+        let host_pool = PinnedBuffer::zeroed(device, host_map.total_bytes())?;
+        let kernel = TransferKernel::load(device)?;
+        let context = device.context();
+        let caller = context.new_stream().map_err(driver("create a stream"))?;
+        let write_stream = context.new_stream().map_err(driver("create a stream"))?;
+        let load_stream = context.new_stream().map_err(driver("create a stream"))?;
+        Ok(Self {
+            device: device.clone(),
+            kernel,
+            device_map,
+            host_map,
+            device_pool: Arc::new(device_pool),
+            host_pool: Arc::new(host_pool),
+            caller,
+            write_stream,
+            load_stream,
+            shape: LaunchShape::default(),
+        })
+    }
+
+    /// Launches with at most `shape.blocks` blocks of `shape.threads` threads.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for zero blocks or threads that are not a positive multiple of 32 up to 1024.
+    pub fn set_launch_shape(&mut self, shape: LaunchShape) -> Result<(), Error> {
+        if shape.blocks == 0 || shape.threads == 0 || shape.threads > 1024 || !shape.threads.is_multiple_of(32) {
+            return Err(Error::InvalidArgument {
+                field: "launch_shape",
+                reason: format!("{shape:?}: blocks ≥ 1, threads a multiple of 32 in [32, 1024]"),
+            });
+        }
+        self.shape = shape;
+        Ok(())
+    }
+
+    /// Makes start events come from `stream` (an inference engine's compute stream), so transfers wait for its work.
+    pub fn set_caller_stream(&mut self, stream: Arc<CudaStream>) {
+        self.caller = stream;
+    }
+
+    /// The GPU.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The device pool.
+    pub fn device_pool(&self) -> &DeviceBuffer {
+        &self.device_pool
+    }
+
+    /// The pinned host pool.
+    pub fn host_pool(&self) -> &PinnedBuffer {
+        &self.host_pool
+    }
+
+    /// The device pool's map.
+    pub fn device_map(&self) -> DeviceLayoutMap {
+        self.device_map
+    }
+
+    /// The host pool's map.
+    pub fn host_map(&self) -> HostLayoutMap {
+        self.host_map
+    }
+
+    /// The write and load streams (to time transfers, or to wait on them).
+    pub fn streams(&self) -> (&Arc<CudaStream>, &Arc<CudaStream>) {
+        (&self.write_stream, &self.load_stream)
+    }
+
+    fn check(&self, slots: &[DeviceSlot], pages: &[HostPageId]) -> Result<Vec<u32>, Error> {
+        let page_size = self.host_map.page_size();
+        if pages.len().checked_mul(page_size) != Some(slots.len()) {
+            return Err(Error::InvalidArgument {
+                field: "slots",
+                reason: format!("{} device slots for {} host pages of {page_size} tokens", slots.len(), pages.len()),
+            });
+        }
+        if let Some(&slot) = slots.iter().find(|&&slot| slot as usize >= self.device_map.slots()) {
+            return Err(Error::InvalidArgument {
+                field: "slots",
+                reason: format!("device slot {slot} out of range ({} slots)", self.device_map.slots()),
+            });
+        }
+        if let Some(page) = pages.iter().find(|page| page.index() >= self.host_map.pages()) {
+            return Err(Error::InvalidArgument {
+                field: "pages",
+                reason: format!("host {page} out of range ({} pages)", self.host_map.pages()),
+            });
+        }
+        for (field, mut indices) in [
+            ("pages", pages.iter().map(|page| page.index()).collect::<Vec<_>>()),
+            ("slots", slots.iter().map(|&slot| slot as usize).collect()),
+        ] {
+            indices.sort_unstable();
+            if let Some(pair) = indices.windows(2).find(|pair| pair[0] == pair[1]) {
+                return Err(Error::InvalidArgument { field, reason: format!("{} is listed twice", pair[0]) });
+            }
+        }
+        Ok(pages
+            .iter()
+            .flat_map(|page| (0..page_size).map(move |offset| (page.index() * page_size + offset) as u32))
+            .collect())
+    }
+
+    /// Launches one transfer of `layers` on `stream` after `after`, and returns its completion event.
+    fn launch(
+        &self,
+        stream: &Arc<CudaStream>,
+        host_tokens: &[u32],
+        slots: &[DeviceSlot],
+        layers: std::ops::Range<usize>,
+        to_device: bool,
+        after: &CudaTransferEvent,
+    ) -> Result<CudaTransferEvent, Error> {
+        stream.wait(after.event()).map_err(driver("order the transfer after the caller"))?;
+        let tokens = host_tokens.len();
+        if tokens > 0 {
+            let mut indices = Vec::with_capacity(2 * tokens);
+            indices.extend_from_slice(host_tokens);
+            indices.extend_from_slice(slots);
+            let cu_stream = stream.cu_stream();
+            // SAFETY: a stream-ordered allocation on this stream, written and freed on it after the kernel, so it
+            // lives exactly as long as the kernel needs it; the pageable source is staged before the call returns.
+            let index = unsafe { result::malloc_async(cu_stream, indices.len() * 4) }
+                .map_err(driver("allocate the index arrays"))?;
+            // SAFETY: `index` holds `indices.len()` u32s, allocated just above on this stream.
+            unsafe { result::memcpy_htod_async(index, &indices, cu_stream) }.map_err(driver("upload the indices"))?;
+            let geometry = self.device_map.geometry();
+            let items = tokens * layers.len() * geometry.parts().len();
+            let warps_per_block = (self.shape.threads / 32) as usize;
+            let blocks = items.div_ceil(warps_per_block).clamp(1, self.shape.blocks as usize) as u32;
+            let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (self.shape.threads, 1, 1), shared_mem_bytes: 0 };
+            let layout: u32 = match self.host_map.layout() {
+                HostLayout::LayerFirst => 0,
+                HostLayout::PageFirst => 1,
+                HostLayout::PageFirstDirect => 2,
+            };
+            let (device_base, host_base) = (self.device_pool.pointer(), self.host_pool.device_pointer());
+            let (host_index, slot_index) = (index, index + 4 * tokens as u64);
+            let (tokens, first, count) = (tokens as u64, layers.start as u32, layers.len() as u32);
+            let parts = geometry.parts().len() as u32;
+            let item = geometry.item_bytes() as u64;
+            let (slot_count, token_count) = (self.device_map.slots() as u64, self.host_map.tokens() as u64);
+            let (pages, page_size) = (self.host_map.pages() as u64, self.host_map.page_size() as u64);
+            let total_layers = geometry.layers as u32;
+            let direction = u32::from(to_device);
+            let mut launch = stream.launch_builder(self.kernel.function());
+            launch
+                .arg(&device_base)
+                .arg(&host_base)
+                .arg(&host_index)
+                .arg(&slot_index)
+                .arg(&tokens)
+                .arg(&first)
+                .arg(&count)
+                .arg(&parts)
+                .arg(&item)
+                .arg(&slot_count)
+                .arg(&token_count)
+                .arg(&pages)
+                .arg(&page_size)
+                .arg(&total_layers)
+                .arg(&layout)
+                .arg(&direction);
+            // SAFETY: the arguments match the kernel's signature in order and type; every offset the kernel forms is
+            // inside the pools (slots and host tokens were range-checked against the maps the pools were sized by);
+            // the pools and the index arrays outlive the kernel (the engine keeps the pools, the stream frees the
+            // indices after it).
+            unsafe { launch.launch(config) }.map_err(driver("launch the transfer kernel"))?;
+            // SAFETY: allocated above on this stream; freed after the kernel in stream order.
+            unsafe { result::free_async(index, cu_stream) }.map_err(driver("free the index arrays"))?;
+        }
+        let event = stream.record_event(None).map_err(driver("record the transfer's event"))?;
+        Ok(CudaTransferEvent { event: Arc::new(event) })
+    }
+}
+
+impl TransferEngine for CudaEngine {
+    type Event = CudaTransferEvent;
+
+    fn host_memory(&self) -> Arc<dyn HostMemory> {
+        Arc::new(CudaHostMemory { pool: self.host_pool.clone(), map: self.host_map })
+    }
+
+    fn start_event(&mut self) -> Result<CudaTransferEvent, Error> {
+        let event = self.caller.record_event(None).map_err(driver("record a start event"))?;
+        Ok(CudaTransferEvent { event: Arc::new(event) })
+    }
+
+    fn backup(
+        &mut self,
+        slots: &[DeviceSlot],
+        pages: &[HostPageId],
+        after: &CudaTransferEvent,
+    ) -> Result<CudaTransferEvent, Error> {
+        let host_tokens = self.check(slots, pages)?;
+        let layers = 0..self.device_map.geometry().layers;
+        self.launch(&self.write_stream.clone(), &host_tokens, slots, layers, false, after)
+    }
+
+    fn load_layer(
+        &mut self,
+        layer: usize,
+        pages: &[HostPageId],
+        slots: &[DeviceSlot],
+        after: &CudaTransferEvent,
+    ) -> Result<CudaTransferEvent, Error> {
+        let host_tokens = self.check(slots, pages)?;
+        if layer >= self.device_map.geometry().layers {
+            return Err(Error::InvalidArgument {
+                field: "layer",
+                reason: format!("{layer} out of range ({} layers)", self.device_map.geometry().layers),
+            });
+        }
+        self.launch(&self.load_stream.clone(), &host_tokens, slots, layer..layer + 1, true, after)
+    }
+}
+
+/// The pinned host pool as the storage tier's threads see it: flat pages copied out and in by the CPU.
+#[derive(Debug)]
+struct CudaHostMemory {
+    pool: Arc<PinnedBuffer>,
+    map: HostLayoutMap,
+}
+
+impl CudaHostMemory {
+    fn segments(&self, pages: &[HostPageId], bytes: usize) -> Result<Vec<(usize, usize)>, Error> {
+        if let Some(page) = pages.iter().find(|page| page.index() >= self.map.pages()) {
+            return Err(Error::InvalidArgument {
+                field: "pages",
+                reason: format!("host {page} out of range ({} pages)", self.map.pages()),
+            });
+        }
+        if bytes != pages.len() * self.map.page_bytes() {
+            return Err(Error::InvalidArgument {
+                field: "buffer",
+                reason: format!("{bytes} bytes for {} pages of {}", pages.len(), self.map.page_bytes()),
+            });
+        }
+        Ok(pages
+            .iter()
+            .flat_map(|page| self.map.page_segments(page.index()).into_iter().map(|segment| (segment.offset, segment.len)))
+            .collect())
+    }
+}
+
+impl HostMemory for CudaHostMemory {
+    fn page_bytes(&self) -> usize {
+        self.map.page_bytes()
+    }
+
+    fn read_pages(&self, pages: &[HostPageId], out: &mut [u8]) -> Result<(), Error> {
+        let mut at = 0;
+        for (offset, len) in self.segments(pages, out.len())? {
+            self.pool.read(offset, &mut out[at..at + len])?;
+            at += len;
+        }
+        Ok(())
+    }
+
+    fn write_pages(&self, pages: &[HostPageId], data: &[u8]) -> Result<(), Error> {
+        let mut at = 0;
+        for (offset, len) in self.segments(pages, data.len())? {
+            self.pool.write(offset, &data[at..at + len])?;
+            at += len;
+        }
+        Ok(())
+    }
+}

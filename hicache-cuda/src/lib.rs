@@ -1,0 +1,15 @@
+//! The CUDA side of hicache: the GPU's device KV pool, the pinned host pool, the transfer kernel (compiled at run
+//! time by NVRTC for the GPU's architecture) and the engine that implements the core's `TransferEngine`, so the
+//! controller and the prefix tree run unchanged on a GPU.
+//!
+//! Built on cudarc with dynamic loading: the crate builds and its tests compile on machines without CUDA, and
+//! opening a device there is an error that says what is missing. GPU tests are `#[ignore = "needs a CUDA GPU"]`; run
+//! them on a GPU machine with `../shared/tools/gpu-pack`.
+
+mod device;
+mod engine;
+mod kernels;
+
+pub use device::{Device, DeviceBuffer, PinnedBuffer, driver_present, nvrtc_present};
+pub use engine::{CudaEngine, CudaTransferEvent, LaunchShape};
+pub use kernels::TransferKernel;
