@@ -55,7 +55,10 @@ impl Device {
         }
         let count = CudaContext::device_count().map_err(driver("count devices"))?;
         if ordinal >= count.max(0) as usize {
-            return Err(Error::Device { operation: "open", message: format!("GPU {ordinal} asked for, {count} present") });
+            return Err(Error::Device {
+                operation: "open",
+                message: format!("GPU {ordinal} asked for, {count} present"),
+            });
         }
         let context = CudaContext::new(ordinal).map_err(driver("create the context"))?;
         // the engine orders its streams with its own events; cudarc's per-allocation tracking would add more
@@ -126,8 +129,10 @@ impl DeviceBuffer {
         let context = device.context().clone();
         context.bind_to_thread().map_err(driver("bind the context"))?;
         // SAFETY: a plain allocation of `bytes`; the pointer is freed once, in Drop.
-        let pointer = unsafe { result::malloc_sync(bytes.max(1)) }
-            .map_err(|error| Error::Device { operation: "allocate the device pool", message: format!("{bytes} bytes: {error:?}") })?;
+        let pointer = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|error| Error::Device {
+            operation: "allocate the device pool",
+            message: format!("{bytes} bytes: {error:?}"),
+        })?;
         // SAFETY: `pointer` is `bytes` long, just allocated.
         unsafe { result::memset_d8_sync(pointer, 0, bytes) }.map_err(driver("zero the device pool"))?;
         Ok(Self { context, pointer, bytes, owned: true })

@@ -243,7 +243,8 @@ impl CudaEngine {
             let items = tokens * layers.len() * geometry.parts().len();
             let warps_per_block = (self.shape.threads / 32) as usize;
             let blocks = items.div_ceil(warps_per_block).clamp(1, self.shape.blocks as usize) as u32;
-            let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (self.shape.threads, 1, 1), shared_mem_bytes: 0 };
+            let config =
+                LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (self.shape.threads, 1, 1), shared_mem_bytes: 0 };
             let layout: u32 = match self.host_map.layout() {
                 HostLayout::LayerFirst => 0,
                 HostLayout::PageFirst => 1,
@@ -353,7 +354,9 @@ impl CudaHostMemory {
         }
         Ok(pages
             .iter()
-            .flat_map(|page| self.map.page_segments(page.index()).into_iter().map(|segment| (segment.offset, segment.len)))
+            .flat_map(|page| {
+                self.map.page_segments(page.index()).into_iter().map(|segment| (segment.offset, segment.len))
+            })
             .collect())
     }
 }

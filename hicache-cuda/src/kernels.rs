@@ -89,7 +89,7 @@ impl TransferKernel {
             Some(path) => match std::fs::read(&path) {
                 Ok(cubin) if !cubin.is_empty() => cubin,
                 _ => {
-                    let cubin = compile(&arch)?;
+                    let cubin = compile(SOURCE, &arch)?;
                     if let Some(dir) = path.parent() {
                         // a cache that cannot be written only costs a compile next time
                         let _ = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, &cubin));
@@ -97,7 +97,7 @@ impl TransferKernel {
                     cubin
                 }
             },
-            None => compile(&arch)?,
+            None => compile(SOURCE, &arch)?,
         };
         let module = device.context().load_module(Ptx::from_binary(cubin)).map_err(driver("load the kernel"))?;
         let function = module.load_function("hicache_transfer").map_err(driver("find the kernel"))?;
@@ -106,6 +106,19 @@ impl TransferKernel {
 
     pub(crate) fn function(&self) -> &CudaFunction {
         &self.function
+    }
+
+    /// Compiles another kernel the same way (NVRTC, a cubin for the GPU's architecture; not cached) and returns
+    /// `name` from it: tests' and benchmarks' helper kernels.
+    ///
+    /// # Errors
+    ///
+    /// As [`load`](Self::load).
+    pub fn load_extra(device: &Device, source: &str, name: &str) -> Result<CudaFunction, Error> {
+        let (major, minor) = device.compute_capability()?;
+        let cubin = compile(source, &format!("sm_{major}{minor}"))?;
+        let module = device.context().load_module(Ptx::from_binary(cubin)).map_err(driver("load a kernel"))?;
+        module.load_function(name).map_err(driver("find a kernel"))
     }
 }
 
@@ -122,11 +135,11 @@ fn cache_path(arch: &str) -> Option<PathBuf> {
 }
 
 /// NVRTC: the source to a cubin for `arch` (a cubin, not PTX: PTX from an NVRTC newer than the driver would not load).
-fn compile(arch: &str) -> Result<Vec<u8>, Error> {
-    let failed = |message: String| Error::Device { operation: "compile the transfer kernel", message };
-    let source = std::ffi::CString::new(SOURCE).expect("no NUL in the source");
+fn compile(source: &str, arch: &str) -> Result<Vec<u8>, Error> {
+    let failed = |message: String| Error::Device { operation: "compile a kernel", message };
+    let source = std::ffi::CString::new(source).map_err(|_| failed("the source contains a NUL byte".into()))?;
     let program = nvrtc::create_program(&source, None).map_err(|error| failed(format!("{error:?}")))?;
-    let options = [format!("--gpu-architecture={arch}"), "--std=c++17".to_owned(), "-O3".to_owned()];
+    let options = [format!("--gpu-architecture={arch}"), "--std=c++17".to_owned()];
     // SAFETY: `program` was just created and is destroyed below, once; the options are valid C strings.
     let compiled = unsafe { nvrtc::compile_program(program, &options) };
     let result = match compiled {

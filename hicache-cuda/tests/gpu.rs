@@ -1,0 +1,250 @@
+//! The CUDA engine against the CPU engine (the reference), on fresh random data with poisoned destinations: every
+//! layout × MHA/MLA (and odd item sizes) × page size {1, 16, 64} × direction; per-layer events that order a consumer;
+//! transfers beside a busy kernel; the controller running unchanged on the GPU. GPU tests are ignored unless run on a
+//! GPU machine (`../shared/tools/gpu-pack`); the first test runs everywhere.
+
+use hicache_core::controller::CacheController;
+use hicache_core::geometry::{KvDtype, KvGeometry};
+use hicache_core::host_pool::{HostPageAllocator, HostPageId};
+use hicache_core::layout::{HostLayout, HostLayoutMap};
+use hicache_core::ops::{DeviceSlot, NodeId};
+use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, SlotReuse, TransferEngine, TransferEvent};
+use hicache_cuda::{CudaEngine, Device, driver_present};
+use rand::RngExt as _;
+use rand::seq::SliceRandom as _;
+
+const HOST_POISON: u8 = 0xab;
+const DEVICE_POISON: u8 = 0xcd;
+
+#[test]
+fn opening_without_a_driver_is_a_clear_error() {
+    if driver_present() {
+        // a GPU machine: the tests below cover it
+        return;
+    }
+    let error = Device::open(0).unwrap_err().to_string();
+    assert!(error.contains("CUDA driver") && error.contains("cannot be loaded"), "{error}");
+}
+
+fn device() -> Device {
+    Device::open(0).expect("a CUDA GPU")
+}
+
+/// The geometries checked: MHA and MLA items of 16-byte multiples, an 8-byte item, and an odd 6-byte one.
+fn geometries() -> Vec<(&'static str, KvGeometry)> {
+    vec![
+        ("mha-512B", KvGeometry::mha(3, 2, 128, KvDtype::Bf16).unwrap()),
+        ("mla-1152B", KvGeometry::mla(2, 512, 64, KvDtype::Bf16).unwrap()),
+        ("mha-8B", KvGeometry::mha(2, 1, 4, KvDtype::Bf16).unwrap()),
+        ("mha-6B", KvGeometry::mha(2, 1, 3, KvDtype::F16).unwrap()),
+    ]
+}
+
+struct Pair {
+    cuda: CudaEngine,
+    cpu: CpuEngine,
+    pages: Vec<HostPageId>,
+    slots: Vec<DeviceSlot>,
+    other_slots: Vec<DeviceSlot>,
+}
+
+/// Both engines over the same random device bytes and poisoned hosts, with a scattered set of pages and slots.
+fn pair(device: &Device, geometry: KvGeometry, layout: HostLayout, page: usize, pages: usize) -> Pair {
+    let device_pages = 2 * pages;
+    let device_map = DeviceLayoutMap::new(geometry, device_pages * page).unwrap();
+    let host_map = HostLayoutMap::new(geometry, layout, page, 2 * pages).unwrap();
+    let cuda = CudaEngine::new(device, device_map, host_map).unwrap();
+    let cpu = CpuEngine::new(device_map, host_map, Completion::Immediate).unwrap();
+    let mut rng = rand::rng();
+    let mut bytes = vec![0u8; device_map.total_bytes()];
+    rng.fill(&mut bytes[..]);
+    cuda.device_pool().write(0, &bytes).unwrap();
+    cpu.with_device(|device| device.copy_from_slice(&bytes));
+    let poison = vec![HOST_POISON; host_map.total_bytes()];
+    cuda.host_pool().write(0, &poison).unwrap();
+    cpu.with_host(|host| host.fill(HOST_POISON));
+    let mut all = HostPageAllocator::new(2 * pages).unwrap().alloc(2 * pages).unwrap();
+    all.shuffle(&mut rng);
+    let mut order: Vec<usize> = (0..device_pages).collect();
+    order.shuffle(&mut rng);
+    let slots_of = |device_pages: &[usize]| -> Vec<DeviceSlot> {
+        device_pages.iter().flat_map(|&d| (0..page).map(move |offset| (d * page + offset) as DeviceSlot)).collect()
+    };
+    let slots = slots_of(&order[..pages]);
+    order.shuffle(&mut rng);
+    let other_slots = slots_of(&order[..pages]);
+    Pair { cuda, cpu, pages: all[..pages].to_vec(), slots, other_slots }
+}
+
+fn host_bytes(pair: &Pair) -> (Vec<u8>, Vec<u8>) {
+    let mut gpu = vec![0u8; pair.cuda.host_pool().len()];
+    pair.cuda.host_pool().read(0, &mut gpu).unwrap();
+    (gpu, pair.cpu.with_host(|host| host.to_vec()))
+}
+
+fn device_bytes(pair: &Pair) -> (Vec<u8>, Vec<u8>) {
+    let mut gpu = vec![0u8; pair.cuda.device_pool().len()];
+    pair.cuda.device_pool().read(0, &mut gpu).unwrap();
+    (gpu, pair.cpu.with_device(|device| device.to_vec()))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_layout_geometry_page_size_and_direction_matches_the_cpu_engine() {
+    let device = device();
+    for (name, geometry) in geometries() {
+        for layout in HostLayout::ALL {
+            for page in [1, 16, 64] {
+                let what = format!("{name} {} page {page}", layout.name());
+                let mut pair = pair(&device, geometry, layout, page, 24);
+                // backup: device → host, all layers
+                let start = pair.cuda.start_event().unwrap();
+                pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
+                let start = pair.cpu.start_event().unwrap();
+                pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
+                let (gpu, cpu) = host_bytes(&pair);
+                assert!(gpu == cpu, "{what}: backup differs from the CPU engine");
+                assert!(gpu.iter().any(|&byte| byte != HOST_POISON), "{what}: nothing was written");
+                // load: host → device, layer by layer, into other slots of a poisoned device pool
+                let poison = vec![DEVICE_POISON; pair.cuda.device_pool().len()];
+                pair.cuda.device_pool().write(0, &poison).unwrap();
+                pair.cpu.with_device(|bytes| bytes.fill(DEVICE_POISON));
+                let start = pair.cuda.start_event().unwrap();
+                let events: Vec<_> = (0..geometry.layers)
+                    .map(|layer| pair.cuda.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap())
+                    .collect();
+                events.last().unwrap().wait();
+                assert!(events.iter().all(TransferEvent::is_complete));
+                let start = pair.cpu.start_event().unwrap();
+                for layer in 0..geometry.layers {
+                    pair.cpu.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap();
+                }
+                let (gpu, cpu) = device_bytes(&pair);
+                assert!(gpu == cpu, "{what}: load differs from the CPU engine");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_consumer_that_waits_on_layer_i_sees_layer_i_complete() {
+    let device = device();
+    // a large load, so that a consumer not ordered after it would see stale bytes
+    let geometry = KvGeometry::mha(8, 8, 128, KvDtype::Bf16).unwrap();
+    let mut pair = pair(&device, geometry, HostLayout::LayerFirst, 16, 1024);
+    let start = pair.cuda.start_event().unwrap();
+    pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
+    let poison = vec![DEVICE_POISON; pair.cuda.device_pool().len()];
+    pair.cuda.device_pool().write(0, &poison).unwrap();
+    let consumer = device.context().new_stream().unwrap();
+    let start = pair.cuda.start_event().unwrap();
+    let events: Vec<_> = (0..geometry.layers)
+        .map(|layer| pair.cuda.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap())
+        .collect();
+    let map = pair.cuda.device_map();
+    let item = geometry.item_bytes();
+    for (layer, event) in events.iter().enumerate() {
+        // the consumer's stream waits on layer i's event, then copies layer i's first slot out, all asynchronously
+        consumer.wait(event.event()).unwrap();
+        let slot = pair.other_slots[0] as usize;
+        let offset = map.item_offset(slot, layer, hicache_core::geometry::KvPart::K);
+        let mut seen = vec![0u8; item];
+        let source = pair.cuda.device_pool().pointer() + offset as u64;
+        // SAFETY: `seen` outlives the copy (the stream is synchronised below); the source is inside the pool.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut seen, source, consumer.cu_stream()) }.unwrap();
+        consumer.synchronize().unwrap();
+        assert!(seen.iter().any(|&byte| byte != DEVICE_POISON), "layer {layer}: the consumer read before the load");
+        // and what it saw is what the CPU engine loads
+        let host_token = pair.pages[0].index() * 16;
+        let expected = pair.cpu.with_device(|device| {
+            let from = map.item_offset(pair.slots[0] as usize, layer, hicache_core::geometry::KvPart::K);
+            device[from..from + item].to_vec()
+        });
+        assert_eq!(seen, expected, "layer {layer} (host token {host_token})");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn transfers_beside_a_busy_kernel_stay_correct() {
+    let device = device();
+    let busy = hicache_cuda::TransferKernel::load_extra(
+        &device,
+        r#"extern "C" __global__ void spin(float* out, unsigned long long rounds) {
+            float x = threadIdx.x;
+            for (unsigned long long i = 0; i < rounds; ++i) { x = x * 0.999999f + 0.5f; }
+            out[blockIdx.x * blockDim.x + threadIdx.x] = x;
+        }"#,
+        "spin",
+    )
+    .unwrap();
+    let compute = device.context().new_stream().unwrap();
+    let out = hicache_cuda::DeviceBuffer::zeroed(&device, 4 * 132 * 4 * 1024).unwrap();
+    let geometry = KvGeometry::mha(4, 8, 128, KvDtype::Bf16).unwrap();
+    let mut pair = pair(&device, geometry, HostLayout::PageFirst, 16, 512);
+    for _ in 0..3 {
+        // every SM busy for a while on the compute stream
+        let rounds: u64 = 2_000_000;
+        let pointer = out.pointer();
+        let mut launch = compute.launch_builder(&busy);
+        cudarc::driver::PushKernelArg::arg(&mut launch, &pointer);
+        cudarc::driver::PushKernelArg::arg(&mut launch, &rounds);
+        let config =
+            cudarc::driver::LaunchConfig { grid_dim: (4 * 132, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: `out` holds one float per thread of this grid.
+        unsafe { launch.launch(config) }.unwrap();
+        let start = pair.cuda.start_event().unwrap();
+        pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
+        let start = pair.cpu.start_event().unwrap();
+        pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap();
+        let (gpu, cpu) = host_bytes(&pair);
+        assert!(gpu == cpu, "backup beside the busy kernel");
+        compute.synchronize().unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_controller_runs_unchanged_on_the_gpu() {
+    let device = device();
+    let geometry = KvGeometry::mha(4, 2, 64, KvDtype::Bf16).unwrap();
+    let (page, device_pages, host_pages) = (16, 32, 64);
+    let engine = CudaEngine::new(
+        &device,
+        DeviceLayoutMap::new(geometry, device_pages * page).unwrap(),
+        HostLayoutMap::new(geometry, HostLayout::PageFirstDirect, page, host_pages).unwrap(),
+    )
+    .unwrap();
+    let mut bytes = vec![0u8; engine.device_pool().len()];
+    rand::rng().fill(&mut bytes[..]);
+    engine.device_pool().write(0, &bytes).unwrap();
+    let map = engine.device_map();
+    let mut controller = CacheController::new(engine, page, host_pages, device_pages, geometry.layers).unwrap();
+    let slots = controller.alloc_device(8).unwrap();
+    let host = controller.write(&slots, NodeId(1), None).unwrap().unwrap();
+    let acks = controller.take_all_write_acks().unwrap();
+    assert_eq!(acks.len(), 1);
+    controller.evict_device(&slots, &host).unwrap();
+    let loaded = controller.load(&host, NodeId(2), None).unwrap().unwrap();
+    let slot = controller.start_loading(SlotReuse::Wait).unwrap().unwrap();
+    assert!(slot.is_some());
+    controller.layers().set_consumer(slot);
+    for layer in 0..geometry.layers {
+        controller.layers().wait_until(layer);
+    }
+    let done = controller.completed_loads();
+    controller.take_load_acks(done.max(1)).unwrap();
+    // every item of every loaded slot equals the original slot's
+    let item = geometry.item_bytes();
+    let mut got = vec![0u8; controller.engine().device_pool().len()];
+    controller.engine().device_pool().read(0, &mut got).unwrap();
+    for (&from, &to) in slots.iter().zip(&loaded) {
+        for layer in 0..geometry.layers {
+            for &part in geometry.parts() {
+                let (a, b) = (map.item_offset(from as usize, layer, part), map.item_offset(to as usize, layer, part));
+                assert_eq!(got[b..b + item], bytes[a..a + item], "slot {from} → {to}, layer {layer}");
+            }
+        }
+    }
+}
