@@ -201,13 +201,17 @@ impl CudaEngine {
                 reason: format!("host {page} out of range ({} pages)", self.host_map.pages()),
             });
         }
-        for (field, mut indices) in [
-            ("pages", pages.iter().map(|page| page.index()).collect::<Vec<_>>()),
-            ("slots", slots.iter().map(|&slot| slot as usize).collect()),
+        for (field, indices, bound) in [
+            ("pages", pages.iter().map(|page| page.index()).collect::<Vec<_>>(), self.host_map.pages()),
+            ("slots", slots.iter().map(|&slot| slot as usize).collect(), self.device_map.slots()),
         ] {
-            indices.sort_unstable();
-            if let Some(pair) = indices.windows(2).find(|pair| pair[0] == pair[1]) {
-                return Err(Error::InvalidArgument { field, reason: format!("{} is listed twice", pair[0]) });
+            let mut seen = vec![0u64; bound.div_ceil(64)];
+            for index in indices {
+                let (word, bit) = (index / 64, 1u64 << (index % 64));
+                if seen[word] & bit != 0 {
+                    return Err(Error::InvalidArgument { field, reason: format!("{index} is listed twice") });
+                }
+                seen[word] |= bit;
             }
         }
         Ok(pages
@@ -216,75 +220,97 @@ impl CudaEngine {
             .collect())
     }
 
-    /// Launches one transfer of `layers` on `stream` after `after`, and returns its completion event.
-    fn launch(
+    /// Uploads a transfer's index arrays (host tokens, then device slots) into stream-ordered memory on `stream`,
+    /// after making the stream wait for `after`; `None` for an empty transfer.
+    fn upload(
         &self,
         stream: &Arc<CudaStream>,
         host_tokens: &[u32],
         slots: &[DeviceSlot],
+        after: &CudaTransferEvent,
+    ) -> Result<Option<u64>, Error> {
+        stream.wait(after.event()).map_err(driver("order the transfer after the caller"))?;
+        if host_tokens.is_empty() {
+            return Ok(None);
+        }
+        let mut indices = Vec::with_capacity(2 * host_tokens.len());
+        indices.extend_from_slice(host_tokens);
+        indices.extend_from_slice(slots);
+        // SAFETY: a stream-ordered allocation on this stream, freed on it (by `release`) after the kernels that
+        // read it, so it lives exactly as long as they need it.
+        let index = unsafe { result::malloc_async(stream.cu_stream(), indices.len() * 4) }
+            .map_err(driver("allocate the index arrays"))?;
+        // SAFETY: `index` holds `indices.len()` u32s; the pageable source is staged before the call returns.
+        unsafe { result::memcpy_htod_async(index, &indices, stream.cu_stream()) }
+            .map_err(driver("upload the indices"))?;
+        Ok(Some(index))
+    }
+
+    /// Frees index arrays after everything queued on `stream` so far.
+    fn release(stream: &Arc<CudaStream>, index: Option<u64>) -> Result<(), Error> {
+        if let Some(index) = index {
+            // SAFETY: allocated by `upload` on this stream and freed once, in stream order after its kernels.
+            unsafe { result::free_async(index, stream.cu_stream()) }.map_err(driver("free the index arrays"))?;
+        }
+        Ok(())
+    }
+
+    /// Launches the kernel for `tokens` tokens of `layers` on `stream`, reading the indices at `index`.
+    fn launch(
+        &self,
+        stream: &Arc<CudaStream>,
+        index: Option<u64>,
+        tokens: usize,
         layers: std::ops::Range<usize>,
         to_device: bool,
-        after: &CudaTransferEvent,
-    ) -> Result<CudaTransferEvent, Error> {
-        stream.wait(after.event()).map_err(driver("order the transfer after the caller"))?;
-        let tokens = host_tokens.len();
-        if tokens > 0 {
-            let mut indices = Vec::with_capacity(2 * tokens);
-            indices.extend_from_slice(host_tokens);
-            indices.extend_from_slice(slots);
-            let cu_stream = stream.cu_stream();
-            // SAFETY: a stream-ordered allocation on this stream, written and freed on it after the kernel, so it
-            // lives exactly as long as the kernel needs it; the pageable source is staged before the call returns.
-            let index = unsafe { result::malloc_async(cu_stream, indices.len() * 4) }
-                .map_err(driver("allocate the index arrays"))?;
-            // SAFETY: `index` holds `indices.len()` u32s, allocated just above on this stream.
-            unsafe { result::memcpy_htod_async(index, &indices, cu_stream) }.map_err(driver("upload the indices"))?;
-            let geometry = self.device_map.geometry();
-            let items = tokens * layers.len() * geometry.parts().len();
-            let warps_per_block = (self.shape.threads / 32) as usize;
-            let blocks = items.div_ceil(warps_per_block).clamp(1, self.shape.blocks as usize) as u32;
-            let config =
-                LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (self.shape.threads, 1, 1), shared_mem_bytes: 0 };
-            let layout: u32 = match self.host_map.layout() {
-                HostLayout::LayerFirst => 0,
-                HostLayout::PageFirst => 1,
-                HostLayout::PageFirstDirect => 2,
-            };
-            let (device_base, host_base) = (self.device_pool.pointer(), self.host_pool.device_pointer());
-            let (host_index, slot_index) = (index, index + 4 * tokens as u64);
-            let (tokens, first, count) = (tokens as u64, layers.start as u32, layers.len() as u32);
-            let parts = geometry.parts().len() as u32;
-            let item = geometry.item_bytes() as u64;
-            let (slot_count, token_count) = (self.device_map.slots() as u64, self.host_map.tokens() as u64);
-            let (pages, page_size) = (self.host_map.pages() as u64, self.host_map.page_size() as u64);
-            let total_layers = geometry.layers as u32;
-            let direction = u32::from(to_device);
-            let mut launch = stream.launch_builder(self.kernel.function());
-            launch
-                .arg(&device_base)
-                .arg(&host_base)
-                .arg(&host_index)
-                .arg(&slot_index)
-                .arg(&tokens)
-                .arg(&first)
-                .arg(&count)
-                .arg(&parts)
-                .arg(&item)
-                .arg(&slot_count)
-                .arg(&token_count)
-                .arg(&pages)
-                .arg(&page_size)
-                .arg(&total_layers)
-                .arg(&layout)
-                .arg(&direction);
-            // SAFETY: the arguments match the kernel's signature in order and type; every offset the kernel forms is
-            // inside the pools (slots and host tokens were range-checked against the maps the pools were sized by);
-            // the pools and the index arrays outlive the kernel (the engine keeps the pools, the stream frees the
-            // indices after it).
-            unsafe { launch.launch(config) }.map_err(driver("launch the transfer kernel"))?;
-            // SAFETY: allocated above on this stream; freed after the kernel in stream order.
-            unsafe { result::free_async(index, cu_stream) }.map_err(driver("free the index arrays"))?;
-        }
+    ) -> Result<(), Error> {
+        let Some(index) = index else { return Ok(()) };
+        let geometry = self.device_map.geometry();
+        let items = tokens * layers.len() * geometry.parts().len();
+        let warps_per_block = (self.shape.threads / 32) as usize;
+        let blocks = items.div_ceil(warps_per_block).clamp(1, self.shape.blocks as usize) as u32;
+        let config =
+            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (self.shape.threads, 1, 1), shared_mem_bytes: 0 };
+        let layout: u32 = match self.host_map.layout() {
+            HostLayout::LayerFirst => 0,
+            HostLayout::PageFirst => 1,
+            HostLayout::PageFirstDirect => 2,
+        };
+        let (device_base, host_base) = (self.device_pool.pointer(), self.host_pool.device_pointer());
+        let (host_index, slot_index) = (index, index + 4 * tokens as u64);
+        let (tokens, first, count) = (tokens as u64, layers.start as u32, layers.len() as u32);
+        let parts = geometry.parts().len() as u32;
+        let item = geometry.item_bytes() as u64;
+        let (slot_count, token_count) = (self.device_map.slots() as u64, self.host_map.tokens() as u64);
+        let (pages, page_size) = (self.host_map.pages() as u64, self.host_map.page_size() as u64);
+        let total_layers = geometry.layers as u32;
+        let direction = u32::from(to_device);
+        let mut launch = stream.launch_builder(self.kernel.function());
+        launch
+            .arg(&device_base)
+            .arg(&host_base)
+            .arg(&host_index)
+            .arg(&slot_index)
+            .arg(&tokens)
+            .arg(&first)
+            .arg(&count)
+            .arg(&parts)
+            .arg(&item)
+            .arg(&slot_count)
+            .arg(&token_count)
+            .arg(&pages)
+            .arg(&page_size)
+            .arg(&total_layers)
+            .arg(&layout)
+            .arg(&direction);
+        // SAFETY: the arguments match the kernel's signature in order and type; every offset the kernel forms is
+        // inside the pools (slots and host tokens were range-checked against the maps the pools were sized by); the
+        // pools outlive the kernel (the engine keeps them), and the indices are freed after it in stream order.
+        unsafe { launch.launch(config) }.map_err(driver("launch the transfer kernel"))?;
+        Ok(())
+    }
+
+    fn record(stream: &Arc<CudaStream>) -> Result<CudaTransferEvent, Error> {
         let event = stream.record_event(None).map_err(driver("record the transfer's event"))?;
         Ok(CudaTransferEvent { event: Arc::new(event) })
     }
@@ -309,8 +335,11 @@ impl TransferEngine for CudaEngine {
         after: &CudaTransferEvent,
     ) -> Result<CudaTransferEvent, Error> {
         let host_tokens = self.check(slots, pages)?;
-        let layers = 0..self.device_map.geometry().layers;
-        self.launch(&self.write_stream.clone(), &host_tokens, slots, layers, false, after)
+        let stream = self.write_stream.clone();
+        let index = self.upload(&stream, &host_tokens, slots, after)?;
+        self.launch(&stream, index, host_tokens.len(), 0..self.device_map.geometry().layers, false)?;
+        Self::release(&stream, index)?;
+        Self::record(&stream)
     }
 
     fn load_layer(
@@ -320,14 +349,47 @@ impl TransferEngine for CudaEngine {
         slots: &[DeviceSlot],
         after: &CudaTransferEvent,
     ) -> Result<CudaTransferEvent, Error> {
+        let mut events = self.load_range(layer..layer + 1, pages, slots, after)?;
+        Ok(events.pop().expect("one layer"))
+    }
+
+    fn load_layers(
+        &mut self,
+        layers: usize,
+        pages: &[HostPageId],
+        slots: &[DeviceSlot],
+        after: &CudaTransferEvent,
+    ) -> Result<Vec<CudaTransferEvent>, Error> {
+        self.load_range(0..layers, pages, slots, after)
+    }
+}
+
+impl CudaEngine {
+    /// Loads `layers` one kernel and one event per layer, with the indices checked and uploaded once.
+    fn load_range(
+        &mut self,
+        layers: std::ops::Range<usize>,
+        pages: &[HostPageId],
+        slots: &[DeviceSlot],
+        after: &CudaTransferEvent,
+    ) -> Result<Vec<CudaTransferEvent>, Error> {
         let host_tokens = self.check(slots, pages)?;
-        if layer >= self.device_map.geometry().layers {
+        let total = self.device_map.geometry().layers;
+        if layers.end > total || layers.is_empty() {
             return Err(Error::InvalidArgument {
                 field: "layer",
-                reason: format!("{layer} out of range ({} layers)", self.device_map.geometry().layers),
+                reason: format!("layers {layers:?} out of range ({total} layers)"),
             });
         }
-        self.launch(&self.load_stream.clone(), &host_tokens, slots, layer..layer + 1, true, after)
+        let stream = self.load_stream.clone();
+        let index = self.upload(&stream, &host_tokens, slots, after)?;
+        let mut events = Vec::with_capacity(layers.len());
+        for layer in layers {
+            self.launch(&stream, index, host_tokens.len(), layer..layer + 1, true)?;
+            events.push(Self::record(&stream)?);
+        }
+        Self::release(&stream, index)?;
+        Ok(events)
     }
 }
 

@@ -53,8 +53,20 @@ extern "C" __global__ void hicache_transfer(
         unsigned char* dst = to_device ? device_base + d : host_base + h;
         const unsigned long long alignment = (unsigned long long)src | (unsigned long long)dst | item_bytes;
         if ((alignment & 15) == 0) {
-            for (unsigned long long o = lane * 16ull; o < item_bytes; o += 32 * 16) {
-                *(uint4*)(dst + o) = *(const uint4*)(src + o);
+            // four 16-byte loads in flight per lane before the stores: host reads over PCIe are long
+            const uint4* __restrict__ from = (const uint4*)src;
+            uint4* __restrict__ to = (uint4*)dst;
+            const unsigned long long chunks = item_bytes >> 4;
+            for (unsigned long long c = lane; c < chunks; c += 4 * 32) {
+                uint4 v0 = from[c], v1, v2, v3;
+                const bool h1 = c + 32 < chunks, h2 = c + 64 < chunks, h3 = c + 96 < chunks;
+                if (h1) v1 = from[c + 32];
+                if (h2) v2 = from[c + 64];
+                if (h3) v3 = from[c + 96];
+                to[c] = v0;
+                if (h1) to[c + 32] = v1;
+                if (h2) to[c + 64] = v2;
+                if (h3) to[c + 96] = v3;
             }
         } else if ((alignment & 7) == 0) {
             for (unsigned long long o = lane * 8ull; o < item_bytes; o += 32 * 8) {

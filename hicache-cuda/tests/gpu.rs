@@ -139,9 +139,7 @@ fn a_consumer_that_waits_on_layer_i_sees_layer_i_complete() {
     pair.cuda.device_pool().write(0, &poison).unwrap();
     let consumer = device.context().new_stream().unwrap();
     let start = pair.cuda.start_event().unwrap();
-    let events: Vec<_> = (0..geometry.layers)
-        .map(|layer| pair.cuda.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap())
-        .collect();
+    let events = pair.cuda.load_layers(geometry.layers, &pair.pages, &pair.other_slots, &start).unwrap();
     let map = pair.cuda.device_map();
     let item = geometry.item_bytes();
     for (layer, event) in events.iter().enumerate() {

@@ -50,6 +50,16 @@ pub(crate) struct BenchTransferArgs {
     /// Passes per figure; the best counts.
     #[arg(long, default_value_t = 3, value_name = "N")]
     rounds: usize,
+    /// GPU: most thread blocks per transfer kernel (the block quota that leaves SMs to the model).
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    blocks: u32,
+    /// GPU: threads per block.
+    #[arg(long, default_value_t = 512, value_name = "N")]
+    threads: u32,
+    /// GPU: also measure Llama `layer_first` and `page_first` page-64 loads and backups at several block counts,
+    /// to find the fewest blocks that reach 90% of bulk.
+    #[arg(long)]
+    sweep_blocks: bool,
     /// Print a JSON list of {geometry, layout, io_backend, direction, page_size, item_bytes, gbps, bulk_gbps, ratio,
     /// first_layer_us}.
     #[arg(long)]
@@ -58,21 +68,25 @@ pub(crate) struct BenchTransferArgs {
 
 /// One line of `bench transfer`.
 #[derive(Debug, Serialize)]
-struct TransferFigure {
-    geometry: &'static str,
-    layout: String,
-    io_backend: &'static str,
-    direction: &'static str,
-    page_size: usize,
-    item_bytes: usize,
-    gbps: f64,
-    bulk_gbps: f64,
-    ratio: f64,
+pub(crate) struct TransferFigure {
+    pub(crate) geometry: &'static str,
+    pub(crate) layout: String,
+    pub(crate) io_backend: &'static str,
+    pub(crate) direction: &'static str,
+    pub(crate) page_size: usize,
+    pub(crate) item_bytes: usize,
+    pub(crate) gbps: f64,
+    pub(crate) bulk_gbps: f64,
+    pub(crate) ratio: f64,
     /// Loads: microseconds until layer 0 is ready.
-    first_layer_us: Option<f64>,
+    pub(crate) first_layer_us: Option<f64>,
+    /// GPU: most thread blocks of the kernel.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) blocks: Option<u32>,
 }
 
 pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
+    #[cfg(not(feature = "cuda"))]
     if args.engine == EngineName::Cuda {
         bail!(Usage(
             "the cuda engine is not compiled into this hicache; rebuild with `cargo build --release -p hicache-cli \
@@ -80,7 +94,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
                 .into()
         ));
     }
-    let tokens = args.tokens.unwrap_or(1024);
+    let tokens = args.tokens.unwrap_or(if args.engine == EngineName::Cuda { 8192 } else { 1024 });
     if tokens == 0 || args.rounds == 0 {
         bail!(Usage("--tokens and --rounds must be at least 1".into()));
     }
@@ -101,7 +115,39 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
         };
         for layout in [HostLayout::LayerFirst, HostLayout::PageFirst, HostLayout::PageFirstDirect] {
             for &page in &page_sizes {
-                figures.extend(measure(name, geometry, layout, page, tokens, args.rounds)?);
+                match args.engine {
+                    EngineName::Cpu => figures.extend(measure(name, geometry, layout, page, tokens, args.rounds)?),
+                    #[cfg(feature = "cuda")]
+                    EngineName::Cuda => figures.extend(super::bench_transfer_cuda::measure(
+                        name,
+                        geometry,
+                        layout,
+                        page,
+                        tokens,
+                        args.rounds,
+                        args.blocks,
+                        args.threads,
+                    )?),
+                    #[cfg(not(feature = "cuda"))]
+                    EngineName::Cuda => unreachable!("refused above"),
+                }
+            }
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if args.sweep_blocks && args.engine == EngineName::Cuda {
+        for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+            for blocks in [2, 4, 8, 16, 24, 32, 48, 64, 96, 132, 264] {
+                figures.extend(super::bench_transfer_cuda::measure(
+                    "llama-3.1-8b",
+                    KvGeometry::llama31_8b(),
+                    layout,
+                    64,
+                    tokens,
+                    args.rounds,
+                    blocks,
+                    args.threads,
+                )?);
             }
         }
     }
@@ -109,7 +155,9 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&figures)?);
         return Ok(());
     }
-    println!("geometry      layout             engine  direction  page   item B     GB/s   bulk GB/s  ratio  layer 0");
+    println!(
+        "geometry      layout             engine  direction  page   item B     GB/s   bulk GB/s  ratio  layer 0 / blocks"
+    );
     for figure in &figures {
         println!(
             "{:<13} {:<18} {:<7} {:<10} {:>4} {:>8} {:>8.2} {:>11.2} {:>6.2}  {}",
@@ -123,6 +171,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
             figure.bulk_gbps,
             figure.ratio,
             figure.first_layer_us.map_or_else(String::new, |us| format!("{us:.0} µs"))
+                + &figure.blocks.map_or_else(String::new, |blocks| format!(" / {blocks}"))
         );
     }
     Ok(())
@@ -191,6 +240,7 @@ fn measure(
         bulk_gbps: bulk,
         ratio: gbps / bulk,
         first_layer_us,
+        blocks: None,
     };
     Ok(vec![figure("backup", best[0], None), figure("load", best[1], Some(first_layer))])
 }

@@ -4,6 +4,8 @@ pub(crate) mod bench;
 pub(crate) mod bench_controller;
 pub(crate) mod bench_storage;
 pub(crate) mod bench_transfer;
+#[cfg(feature = "cuda")]
+pub(crate) mod bench_transfer_cuda;
 pub(crate) mod config;
 pub(crate) mod hash;
 pub(crate) mod store;

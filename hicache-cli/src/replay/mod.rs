@@ -263,11 +263,15 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
 fn check(args: &ReplayArgs) -> anyhow::Result<()> {
     let usage = |message: String| -> anyhow::Result<()> { Err(Usage(message).into()) };
     if args.engine == EngineName::Cuda {
-        return usage(
+        return usage(if cfg!(feature = "cuda") {
+            "the replay runs on the CPU engine only so far (its byte checks read the device pool directly); use \
+             `hicache bench transfer --engine cuda` for the GPU"
+                .into()
+        } else {
             "the cuda engine is not compiled into this hicache; rebuild with `cargo build --release -p hicache-cli \
              --features cuda`"
-                .into(),
-        );
+                .into()
+        });
     }
     for (name, value) in [
         ("--clients", args.clients),

@@ -370,10 +370,7 @@ impl<E: TransferEngine> CacheController<E> {
         };
         let op = CacheOperation::merge(std::mem::take(&mut self.load_queue)).expect("the queue is not empty");
         let start = self.engine.start_event()?;
-        let mut events = Vec::with_capacity(self.layer_count);
-        for layer in 0..self.layer_count {
-            events.push(self.engine.load_layer(layer, &op.host_pages, &op.device_slots, &start)?);
-        }
+        let events = self.engine.load_layers(self.layer_count, &op.host_pages, &op.device_slots, &start)?;
         let finish = events.last().expect("at least one layer").clone();
         self.layers.set_layer_events(slot, events);
         self.load_acks.push_back(Ack { finish, node_ids: op.node_ids, host_pages: op.host_pages, storage_op: None });

@@ -92,6 +92,23 @@ pub trait TransferEngine: Send {
         slots: &[DeviceSlot],
         after: &Self::Event,
     ) -> Result<Self::Event, Error>;
+
+    /// Loads layers `0..layers` of `pages` into `slots`, in layer order, one event per layer (what a producer slot
+    /// of the forward pass needs). The default calls [`load_layer`](Self::load_layer) per layer; an engine that can
+    /// share work between the layers (checking and uploading the indices once) overrides it.
+    ///
+    /// # Errors
+    ///
+    /// As [`load_layer`](Self::load_layer); layers already submitted stay submitted.
+    fn load_layers(
+        &mut self,
+        layers: usize,
+        pages: &[HostPageId],
+        slots: &[DeviceSlot],
+        after: &Self::Event,
+    ) -> Result<Vec<Self::Event>, Error> {
+        (0..layers).map(|layer| self.load_layer(layer, pages, slots, after)).collect()
+    }
 }
 
 /// The device pool's byte map: SGLang's device KV pool keeps, per layer, a K and a V buffer (MHA) or one latent

@@ -1,0 +1,108 @@
+//! `hicache bench transfer --engine cuda`: the CUDA engine's kernel next to one bulk pinned `cuMemcpyAsync` of the
+//! same bytes, measured on the same streams in the same run.
+
+use std::time::Instant;
+
+use anyhow::Context as _;
+use cudarc::driver::sys;
+use hicache_core::geometry::KvGeometry;
+use hicache_core::host_pool::HostPageAllocator;
+use hicache_core::layout::{HostLayout, HostLayoutMap};
+use hicache_core::ops::DeviceSlot;
+use hicache_core::transfer::{DeviceLayoutMap, TransferEngine, TransferEvent};
+use hicache_cuda::{CudaEngine, Device, LaunchShape};
+use rand::seq::SliceRandom as _;
+
+use super::bench_transfer::TransferFigure;
+
+/// Backup and load figures of one geometry, layout, page size and block quota on GPU 0.
+#[expect(clippy::too_many_arguments, reason = "one measurement's whole description")]
+pub(crate) fn measure(
+    name: &'static str,
+    geometry: KvGeometry,
+    layout: HostLayout,
+    page: usize,
+    tokens: usize,
+    rounds: usize,
+    blocks: u32,
+    threads: u32,
+) -> anyhow::Result<Vec<TransferFigure>> {
+    let device = Device::open(0)?;
+    let pages = tokens / page;
+    let device_pages = 2 * pages;
+    let mut engine = CudaEngine::new(
+        &device,
+        DeviceLayoutMap::new(geometry, device_pages * page)?,
+        HostLayoutMap::new(geometry, layout, page, 2 * pages)?,
+    )?;
+    engine.set_launch_shape(LaunchShape { blocks, threads })?;
+    let mut rng = rand::rng();
+    let mut all = HostPageAllocator::new(2 * pages)?.alloc(2 * pages).context("a fresh pool")?;
+    all.shuffle(&mut rng);
+    let host_pages = &all[..pages];
+    let mut order: Vec<usize> = (0..device_pages).collect();
+    order.shuffle(&mut rng);
+    let slots: Vec<DeviceSlot> = order[..pages]
+        .iter()
+        .flat_map(|&device_page| (0..page).map(move |offset| (device_page * page + offset) as DeviceSlot))
+        .collect();
+    let bytes = tokens * geometry.bytes_per_token();
+    let mut best = [0f64; 2];
+    let mut first_layer = f64::MAX;
+    for round in 0..=rounds {
+        let start = engine.start_event()?;
+        let began = Instant::now();
+        engine.backup(&slots, host_pages, &start)?.wait();
+        let backup = bytes as f64 / began.elapsed().as_secs_f64() / 1e9;
+        let start = engine.start_event()?;
+        let began = Instant::now();
+        let events = engine.load_layers(geometry.layers, host_pages, &slots, &start)?;
+        events[0].wait();
+        let layer_zero = began.elapsed().as_secs_f64() * 1e6;
+        events.last().context("at least one layer")?.wait();
+        let load = bytes as f64 / began.elapsed().as_secs_f64() / 1e9;
+        // the first round warms up (kernel load, page tables) and does not count
+        if round > 0 {
+            best = [best[0].max(backup), best[1].max(load)];
+            first_layer = first_layer.min(layer_zero);
+        }
+    }
+    let bulk = bulk_gbps(&engine, bytes, rounds)?;
+    let figure = |direction, gbps: f64, bulk: f64, first_layer_us| TransferFigure {
+        geometry: name,
+        layout: layout.name().to_owned(),
+        io_backend: "kernel",
+        direction,
+        page_size: page,
+        item_bytes: geometry.item_bytes(),
+        gbps,
+        bulk_gbps: bulk,
+        ratio: gbps / bulk,
+        first_layer_us,
+        blocks: Some(blocks),
+    };
+    Ok(vec![figure("backup", best[0], bulk[0], None), figure("load", best[1], bulk[1], Some(first_layer))])
+}
+
+/// One contiguous `cuMemcpyAsync` of `bytes` between the pinned host pool and the device pool, each way:
+/// [device → host, host → device] GB/s, best of `rounds`.
+fn bulk_gbps(engine: &CudaEngine, bytes: usize, rounds: usize) -> anyhow::Result<[f64; 2]> {
+    let (_, stream) = engine.streams();
+    let (device, host) = (engine.device_pool().pointer(), engine.host_pool().device_pointer());
+    let mut best = [0f64; 2];
+    for round in 0..=rounds {
+        for (index, (to, from)) in [(host, device), (device, host)].into_iter().enumerate() {
+            let began = Instant::now();
+            // SAFETY: both ranges lie inside the engine's pools (`bytes` is one transfer, the pools hold two), and no
+            // transfer of the engine is in flight.
+            unsafe { sys::cuMemcpyAsync(to, from, bytes, stream.cu_stream()) }
+                .result()
+                .map_err(|error| anyhow::anyhow!("bulk copy: {error:?}"))?;
+            stream.synchronize().map_err(|error| anyhow::anyhow!("bulk copy: {error:?}"))?;
+            if round > 0 {
+                best[index] = best[index].max(bytes as f64 / began.elapsed().as_secs_f64() / 1e9);
+            }
+        }
+    }
+    Ok(best)
+}
