@@ -11,5 +11,5 @@ mod engine;
 mod kernels;
 
 pub use device::{Device, DeviceBuffer, PinnedBuffer, driver_present, nvrtc_present};
-pub use engine::{CudaEngine, CudaTransferEvent, LaunchShape};
+pub use engine::{CudaEngine, CudaTransferEvent, DEFAULT_AUTO_MIN_RUN, LaunchShape};
 pub use kernels::TransferKernel;

@@ -3,6 +3,7 @@
 //! transfers beside a busy kernel; the controller running unchanged on the GPU. GPU tests are ignored unless run on a
 //! GPU machine (`../shared/tools/gpu-pack`); the first test runs everywhere.
 
+use hicache_core::config::IoBackend;
 use hicache_core::controller::CacheController;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::host_pool::{HostPageAllocator, HostPageId};
@@ -92,35 +93,40 @@ fn device_bytes(pair: &Pair) -> (Vec<u8>, Vec<u8>) {
 #[ignore = "needs a CUDA GPU"]
 fn every_layout_geometry_page_size_and_direction_matches_the_cpu_engine() {
     let device = device();
+    // auto with a small threshold, so that one transfer mixes copy-engine runs and kernel items
+    let backends = [(IoBackend::Kernel, 1), (IoBackend::Direct, 1), (IoBackend::Auto, 4096)];
     for (name, geometry) in geometries() {
         for layout in HostLayout::ALL {
             for page in [1, 16, 64] {
-                let what = format!("{name} {} page {page}", layout.name());
-                let mut pair = pair(&device, geometry, layout, page, 24);
-                // backup: device → host, all layers
-                let start = pair.cuda.start_event().unwrap();
-                pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
-                let start = pair.cpu.start_event().unwrap();
-                pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
-                let (gpu, cpu) = host_bytes(&pair);
-                assert!(gpu == cpu, "{what}: backup differs from the CPU engine");
-                assert!(gpu.iter().any(|&byte| byte != HOST_POISON), "{what}: nothing was written");
-                // load: host → device, layer by layer, into other slots of a poisoned device pool
-                let poison = vec![DEVICE_POISON; pair.cuda.device_pool().len()];
-                pair.cuda.device_pool().write(0, &poison).unwrap();
-                pair.cpu.with_device(|bytes| bytes.fill(DEVICE_POISON));
-                let start = pair.cuda.start_event().unwrap();
-                let events: Vec<_> = (0..geometry.layers)
-                    .map(|layer| pair.cuda.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap())
-                    .collect();
-                events.last().unwrap().wait();
-                assert!(events.iter().all(TransferEvent::is_complete));
-                let start = pair.cpu.start_event().unwrap();
-                for layer in 0..geometry.layers {
-                    pair.cpu.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap();
+                for (backend, min_run) in backends {
+                    let what = format!("{name} {} page {page} {backend}", layout.name());
+                    let mut pair = pair(&device, geometry, layout, page, 24);
+                    pair.cuda.set_io_backend(backend, min_run).unwrap();
+                    // backup: device → host, all layers
+                    let start = pair.cuda.start_event().unwrap();
+                    pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
+                    let start = pair.cpu.start_event().unwrap();
+                    pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
+                    let (gpu, cpu) = host_bytes(&pair);
+                    assert!(gpu == cpu, "{what}: backup differs from the CPU engine");
+                    assert!(gpu.iter().any(|&byte| byte != HOST_POISON), "{what}: nothing was written");
+                    // load: host → device, layer by layer, into other slots of a poisoned device pool
+                    let poison = vec![DEVICE_POISON; pair.cuda.device_pool().len()];
+                    pair.cuda.device_pool().write(0, &poison).unwrap();
+                    pair.cpu.with_device(|bytes| bytes.fill(DEVICE_POISON));
+                    let start = pair.cuda.start_event().unwrap();
+                    let events: Vec<_> = (0..geometry.layers)
+                        .map(|layer| pair.cuda.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap())
+                        .collect();
+                    events.last().unwrap().wait();
+                    assert!(events.iter().all(TransferEvent::is_complete));
+                    let start = pair.cpu.start_event().unwrap();
+                    for layer in 0..geometry.layers {
+                        pair.cpu.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap();
+                    }
+                    let (gpu, cpu) = device_bytes(&pair);
+                    assert!(gpu == cpu, "{what}: load differs from the CPU engine");
                 }
-                let (gpu, cpu) = device_bytes(&pair);
-                assert!(gpu == cpu, "{what}: load differs from the CPU engine");
             }
         }
     }

@@ -31,6 +31,17 @@ pub(crate) enum GeometryArg {
     DeepseekV3,
 }
 
+/// GPU io backends by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum IoBackendArg {
+    /// The transfer kernel for every item.
+    Kernel,
+    /// One cuMemcpyAsync per run contiguous in both pools.
+    Direct,
+    /// Long runs to the copy engine, the rest to the kernel.
+    Auto,
+}
+
 /// Arguments of `hicache bench transfer`.
 #[derive(Debug, Args)]
 pub(crate) struct BenchTransferArgs {
@@ -56,6 +67,17 @@ pub(crate) struct BenchTransferArgs {
     /// GPU: threads per block.
     #[arg(long, default_value_t = 512, value_name = "N")]
     threads: u32,
+    /// GPU: how transfers are issued (repeatable; default all three): the kernel, one cuMemcpyAsync per contiguous
+    /// run (direct), or runs of at least --auto-min-run bytes to the copy engine and the rest to the kernel (auto).
+    #[arg(long, value_enum)]
+    io_backend: Vec<IoBackendArg>,
+    /// GPU: the shortest run `auto` gives the copy engine, in bytes.
+    #[arg(long, default_value_t = 1 << 20, value_name = "B")]
+    auto_min_run: usize,
+    /// Allocate the transfer's host pages and device pages in order (a request's pages kept together), instead of
+    /// scattered at random over the pools.
+    #[arg(long)]
+    contiguous: bool,
     /// GPU: also measure Llama `layer_first` and `page_first` page-64 loads and backups at several block counts,
     /// to find the fewest blocks that reach 90% of bulk.
     #[arg(long)]
@@ -116,18 +138,29 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
         for layout in [HostLayout::LayerFirst, HostLayout::PageFirst, HostLayout::PageFirstDirect] {
             for &page in &page_sizes {
                 match args.engine {
-                    EngineName::Cpu => figures.extend(measure(name, geometry, layout, page, tokens, args.rounds)?),
+                    EngineName::Cpu => {
+                        figures.extend(measure(name, geometry, layout, page, tokens, args.rounds, args.contiguous)?)
+                    }
                     #[cfg(feature = "cuda")]
-                    EngineName::Cuda => figures.extend(super::bench_transfer_cuda::measure(
-                        name,
-                        geometry,
-                        layout,
-                        page,
-                        tokens,
-                        args.rounds,
-                        args.blocks,
-                        args.threads,
-                    )?),
+                    EngineName::Cuda => {
+                        let backends = if args.io_backend.is_empty() {
+                            vec![IoBackendArg::Kernel, IoBackendArg::Direct, IoBackendArg::Auto]
+                        } else {
+                            args.io_backend.clone()
+                        };
+                        for backend in backends {
+                            let shape = super::bench_transfer_cuda::Shape {
+                                tokens,
+                                rounds: args.rounds,
+                                blocks: args.blocks,
+                                threads: args.threads,
+                                backend,
+                                auto_min_run: args.auto_min_run,
+                                contiguous: args.contiguous,
+                            };
+                            figures.extend(super::bench_transfer_cuda::measure(name, geometry, layout, page, &shape)?);
+                        }
+                    }
                     #[cfg(not(feature = "cuda"))]
                     EngineName::Cuda => unreachable!("refused above"),
                 }
@@ -138,15 +171,21 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
     if args.sweep_blocks && args.engine == EngineName::Cuda {
         for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
             for blocks in [2, 4, 8, 16, 24, 32, 48, 64, 96, 132, 264] {
+                let shape = super::bench_transfer_cuda::Shape {
+                    tokens,
+                    rounds: args.rounds,
+                    blocks,
+                    threads: args.threads,
+                    backend: IoBackendArg::Kernel,
+                    auto_min_run: args.auto_min_run,
+                    contiguous: args.contiguous,
+                };
                 figures.extend(super::bench_transfer_cuda::measure(
                     "llama-3.1-8b",
                     KvGeometry::llama31_8b(),
                     layout,
                     64,
-                    tokens,
-                    args.rounds,
-                    blocks,
-                    args.threads,
+                    &shape,
                 )?);
             }
         }
@@ -185,6 +224,7 @@ fn measure(
     page: usize,
     tokens: usize,
     rounds: usize,
+    contiguous: bool,
 ) -> anyhow::Result<Vec<TransferFigure>> {
     let pages = tokens / page;
     // the pools hold twice the transfer, so the pages can be scattered
@@ -198,10 +238,12 @@ fn measure(
     let mut allocator = HostPageAllocator::new(2 * pages + 1)?;
     let mut all = allocator.alloc(2 * pages + 1).expect("a fresh pool");
     let mut rng = rand::rng();
-    all.shuffle(&mut rng);
-    let host_pages = &all[..pages];
     let mut device_order: Vec<usize> = (0..device_pages).collect();
-    device_order.shuffle(&mut rng);
+    if !contiguous {
+        all.shuffle(&mut rng);
+        device_order.shuffle(&mut rng);
+    }
+    let host_pages = &all[..pages];
     let slots: Vec<DeviceSlot> = device_order[..pages]
         .iter()
         .flat_map(|&device_page| (0..page).map(move |offset| (device_page * page + offset) as DeviceSlot))

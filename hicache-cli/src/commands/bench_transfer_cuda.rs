@@ -13,20 +13,31 @@ use hicache_core::transfer::{DeviceLayoutMap, TransferEngine, TransferEvent};
 use hicache_cuda::{CudaEngine, Device, LaunchShape};
 use rand::seq::SliceRandom as _;
 
-use super::bench_transfer::TransferFigure;
+use hicache_core::config::IoBackend;
 
-/// Backup and load figures of one geometry, layout, page size and block quota on GPU 0.
-#[expect(clippy::too_many_arguments, reason = "one measurement's whole description")]
+use super::bench_transfer::{IoBackendArg, TransferFigure};
+
+/// How one GPU measurement runs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shape {
+    pub(crate) tokens: usize,
+    pub(crate) rounds: usize,
+    pub(crate) blocks: u32,
+    pub(crate) threads: u32,
+    pub(crate) backend: IoBackendArg,
+    pub(crate) auto_min_run: usize,
+    pub(crate) contiguous: bool,
+}
+
+/// Backup and load figures of one geometry, layout, page size, io backend and block quota on GPU 0.
 pub(crate) fn measure(
     name: &'static str,
     geometry: KvGeometry,
     layout: HostLayout,
     page: usize,
-    tokens: usize,
-    rounds: usize,
-    blocks: u32,
-    threads: u32,
+    shape: &Shape,
 ) -> anyhow::Result<Vec<TransferFigure>> {
+    let Shape { tokens, rounds, blocks, threads, backend, auto_min_run, contiguous } = *shape;
     let device = Device::open(0)?;
     let pages = tokens / page;
     let device_pages = 2 * pages;
@@ -36,12 +47,20 @@ pub(crate) fn measure(
         HostLayoutMap::new(geometry, layout, page, 2 * pages)?,
     )?;
     engine.set_launch_shape(LaunchShape { blocks, threads })?;
+    let (io_backend, io_name) = match backend {
+        IoBackendArg::Kernel => (IoBackend::Kernel, "kernel"),
+        IoBackendArg::Direct => (IoBackend::Direct, "direct"),
+        IoBackendArg::Auto => (IoBackend::Auto, "auto"),
+    };
+    engine.set_io_backend(io_backend, auto_min_run)?;
     let mut rng = rand::rng();
     let mut all = HostPageAllocator::new(2 * pages)?.alloc(2 * pages).context("a fresh pool")?;
-    all.shuffle(&mut rng);
-    let host_pages = &all[..pages];
     let mut order: Vec<usize> = (0..device_pages).collect();
-    order.shuffle(&mut rng);
+    if !contiguous {
+        all.shuffle(&mut rng);
+        order.shuffle(&mut rng);
+    }
+    let host_pages = &all[..pages];
     let slots: Vec<DeviceSlot> = order[..pages]
         .iter()
         .flat_map(|&device_page| (0..page).map(move |offset| (device_page * page + offset) as DeviceSlot))
@@ -71,7 +90,7 @@ pub(crate) fn measure(
     let figure = |direction, gbps: f64, bulk: f64, first_layer_us| TransferFigure {
         geometry: name,
         layout: layout.name().to_owned(),
-        io_backend: "kernel",
+        io_backend: io_name,
         direction,
         page_size: page,
         item_bytes: geometry.item_bytes(),
