@@ -228,10 +228,12 @@ impl<E: TransferEngine> CacheController<E> {
     /// The scheduler wants `request_id` now: its prefetch stops as the policy allows, and the result comes from a
     /// tick. `best_effort` terminates the fetch at once. False when the request has no pending prefetch.
     pub fn finish_prefetch(&mut self, request_id: &str) -> bool {
+        let best_effort =
+            self.storage.as_ref().is_some_and(|storage| storage.settings.policy == PrefetchPolicy::BestEffort);
         let Some(entry) = self.prefetch_entry(request_id) else { return false };
         entry.wanted = true;
-        if self.storage.as_ref().is_some_and(|storage| storage.settings.policy == PrefetchPolicy::BestEffort) {
-            self.prefetch_entry(request_id).expect("found above").shared.progress.terminate();
+        if best_effort {
+            entry.shared.progress.terminate();
         }
         true
     }
