@@ -46,6 +46,33 @@ impl CudaTransferEvent {
     pub fn event(&self) -> &CudaEvent {
         &self.event
     }
+
+    /// Makes `stream` wait for this transfer without blocking the CPU: work queued on `stream` after this call runs
+    /// once the transfer is done.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] from the driver.
+    pub fn make_wait(&self, stream: &CudaStream) -> Result<(), Error> {
+        stream.wait(&self.event).map_err(driver("make a stream wait for a transfer"))
+    }
+}
+
+/// The forward pass's wait for layer `layer` of the consumer's load, on the GPU: `stream` (the model's) waits on the
+/// layer's event, and the CPU goes on (SGLang's `wait_until` hook). Nothing to wait for without a consumer.
+///
+/// # Errors
+///
+/// [`Error::Device`] from the driver.
+pub fn wait_layer_on(
+    counter: &hicache_core::transfer::LayerDoneCounter<CudaTransferEvent>,
+    layer: usize,
+    stream: &CudaStream,
+) -> Result<(), Error> {
+    match counter.consumer_event(layer) {
+        Some(event) => event.make_wait(stream),
+        None => Ok(()),
+    }
 }
 
 impl TransferEvent for CudaTransferEvent {

@@ -234,9 +234,13 @@ fn the_controller_runs_unchanged_on_the_gpu() {
     let slot = controller.start_loading(SlotReuse::Wait).unwrap().unwrap();
     assert!(slot.is_some());
     controller.layers().set_consumer(slot);
+    // the forward pass: the model's stream waits on each layer's event, the CPU does not
+    let compute = device.context().new_stream().unwrap();
     for layer in 0..geometry.layers {
-        controller.layers().wait_until(layer);
+        hicache_cuda::wait_layer_on(controller.layers(), layer, &compute).unwrap();
     }
+    compute.synchronize().unwrap();
+    assert!(controller.layers().consumer_event(geometry.layers - 1).unwrap().is_complete());
     let done = controller.completed_loads();
     controller.take_load_acks(done.max(1)).unwrap();
     // every item of every loaded slot equals the original slot's
