@@ -147,7 +147,8 @@ fn bench_controller_reports_ops_and_time_per_op() {
     let figure: Value = serde_json::from_str(&stdout(&output)).expect("a JSON object");
     assert!(figure["ops"].as_u64().is_some_and(|ops| ops >= 2000), "{figure}");
     assert!(figure["us_per_op"].as_f64().is_some_and(|us| us > 0.0), "{figure}");
-    assert!(figure["prefetched_pages"].as_u64().is_some_and(|pages| pages > 0), "storage served pages: {figure}");
+    // how many pages storage served depends on how far the backup thread got (a busy machine starves it)
+    assert!(figure["prefetched_pages"].is_u64() && figure["requests"].as_u64().is_some_and(|n| n > 0), "{figure}");
     assert_usage_error(&hicache(&["bench", "controller", "--ops", "0"], ""), "--ops and --page-size");
 }
 
@@ -188,7 +189,8 @@ fn replay_by_default_serves_hits_from_every_tier_and_verifies_every_byte() {
 
 #[test]
 fn with_a_small_host_pool_storage_serves_what_the_host_evicted() {
-    let small = ["--clients", "24", "--host-tokens", "20480", "--backend"];
+    // --sync-storage: backups finish before the next batch, so the comparison does not depend on thread timing
+    let small = ["--clients", "24", "--host-tokens", "20480", "--sync-storage", "--backend"];
     let without = replay_json(&[&small[..], &["none"]].concat());
     let with = replay_json(&[&small[..], &["memory"]].concat());
     assert_eq!(tokens(&without, "l3"), 0);
@@ -229,12 +231,10 @@ fn scrape(addr: &str) -> String {
     response.split_once("\r\n\r\n").expect("a body").1.to_owned()
 }
 
-fn metric(body: &str, name: &str) -> f64 {
+fn metric(body: &str, name: &str) -> Option<f64> {
     body.lines()
         .find_map(|line| line.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("{name} not in {body}"))
-        .parse()
-        .unwrap()
+        .map(|value| value.parse().unwrap_or_else(|_| panic!("{name} has value {value:?}")))
 }
 
 #[test]
@@ -249,24 +249,27 @@ fn metrics_are_served_while_a_replay_runs() {
     let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
     let first = lines.next().expect("a line on stderr").unwrap();
     let addr = first.split("http://").nth(1).and_then(|rest| rest.strip_suffix("/metrics")).expect(&first).to_owned();
+    // every metric shows up once its first event happened: poll until all have (writes are acked a tick after the
+    // request that made them), all while the replay still runs
+    let counters = [
+        "hicache_requests_total",
+        "hicache_prompt_tokens_total",
+        "hicache_transfer_bytes_total{path=\"device_to_host\"}",
+    ];
+    let families =
+        ["hicache_hit_tokens_total", "hicache_prefetch_stops_total", "hicache_prefetch_gbps", "hicache_load_gbps"];
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let body = loop {
+    loop {
         let body = scrape(&addr);
-        if metric(&body, "hicache_requests_total") > 0.0 {
-            break body;
+        let counted = counters.iter().all(|name| metric(&body, name).is_some_and(|value| value > 0.0));
+        if counted && families.iter().all(|name| body.contains(name)) {
+            break;
         }
-        assert!(std::time::Instant::now() < deadline, "no request counted: {body}");
+        assert!(std::time::Instant::now() < deadline, "metrics missing after 60 s: {body}");
+        assert!(child.try_wait().unwrap().is_none(), "the replay ended before every metric showed: {body}");
         std::thread::sleep(std::time::Duration::from_millis(20));
-    };
+    }
     assert!(child.try_wait().unwrap().is_none(), "scraped during the run, not after");
-    for name in ["hicache_prompt_tokens_total", "hicache_transfer_bytes_total{path=\"device_to_host\"}"] {
-        assert!(metric(&body, name) > 0.0, "{name}: {body}");
-    }
-    for name in
-        ["hicache_hit_tokens_total", "hicache_prefetch_stops_total", "hicache_prefetch_gbps", "hicache_load_gbps"]
-    {
-        assert!(body.contains(name), "{name} missing: {body}");
-    }
     // the rest of the run is not needed
     child.kill().unwrap();
     child.wait().unwrap();

@@ -262,11 +262,11 @@ fn pages_evicted_from_the_host_come_back_from_storage() {
     let a = tokens(1, 5);
     rig.request(&a);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while store.len() < 5 {
+    // stored, and the backup taken at a tick (until then its host pages are pinned and cannot be evicted)
+    while store.len() < 5 || rig.tree.controller().backups_in_flight() > 0 {
         rig.tick();
         assert!(Instant::now() < deadline);
     }
-    rig.tick();
     rig.tree.evict(10 * PAGE).unwrap();
     assert_eq!(rig.tree.evict_host(10 * PAGE).unwrap(), 5 * PAGE);
     let mut b = a.clone();

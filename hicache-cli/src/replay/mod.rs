@@ -138,6 +138,10 @@ pub(crate) struct ReplayArgs {
     /// Compute model: milliseconds per decode step (simulated time between batches only).
     #[arg(long, default_value_t = 10.0, value_name = "MS")]
     decode_ms_per_token: f64,
+    /// Wait after each batch until its backups to storage are done: the run no longer depends on how fast the
+    /// storage threads get CPU time (for comparisons; it slows the replay down).
+    #[arg(long)]
+    sync_storage: bool,
     /// Tensor-parallel ranks, run as threads in this process; the report says whether they stayed in lockstep.
     #[arg(long, default_value_t = 1, value_name = "N")]
     tp_size: usize,
@@ -394,6 +398,7 @@ fn run_one(
         max_parallel: args.max_parallel,
         prefill_tokens_per_s: args.prefill_tokens_per_s,
         decode_ms_per_token: args.decode_ms_per_token,
+        sync_storage: args.sync_storage,
     };
     rank::run_rank(&mut tree, &mut workload, &spec, collective, progress, metrics)
 }

@@ -71,6 +71,8 @@ pub(crate) struct LoopSpec {
     pub(crate) max_parallel: usize,
     pub(crate) prefill_tokens_per_s: f64,
     pub(crate) decode_ms_per_token: f64,
+    /// Wait after each batch until its backups to storage are done (deterministic runs, for comparisons).
+    pub(crate) sync_storage: bool,
 }
 
 struct Waiting {
@@ -127,24 +129,7 @@ pub(crate) fn run_rank(
             tree.check_prefetch_progress(&request.id);
         }
         let summary = tree.tick(collective)?;
-        outcome.pages_device_to_host += summary.pages_written as u64;
-        outcome.pages_host_to_storage += summary.pages_backed_up as u64;
-        if let Some(metrics) = metrics {
-            record_tick(metrics, &summary, page, page_bytes);
-        }
-        for (explanation, new_tokens) in &summary.prefetches {
-            *outcome.stop_reasons.entry(stop_name(&explanation.stop).to_owned()).or_default() += 1;
-            outcome.pages_storage_to_host += (explanation.fetched_tokens / page) as u64;
-            if let Some(request) = waiting.iter_mut().find(|request| request.id == explanation.request_id) {
-                // a prefetch that brought pages is on the request's critical path; one revoked after its query
-                // overlaps the request's time in the queue
-                if explanation.fetched_tokens > 0 {
-                    request.prefetch_wait = explanation.elapsed;
-                }
-                request.prefetched_tokens = *new_tokens;
-            }
-            explanation.fetched_tokens.hash(&mut digest);
-        }
+        absorb(&summary, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics);
         if collective.world_size() > 1 {
             tree.controller().host().states().hash(&mut digest);
         }
@@ -195,6 +180,13 @@ pub(crate) fn run_rank(
             }
             continue;
         }
+        if spec.sync_storage {
+            // every rank has the same backups queued, so every rank loops the same number of ticks
+            while tree.controller().backups_in_flight() > 0 || tree.controller().outstanding().0 > 0 {
+                let summary = tree.tick(collective)?;
+                absorb(&summary, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics);
+            }
+        }
         now += step_compute + spec.decode_ms_per_token * workload.spec.output_length as f64 / 1000.0;
         for request in ran {
             done += 1;
@@ -207,11 +199,7 @@ pub(crate) fn run_rank(
     // wind down: every backup to storage finished, every ack taken (the same condition on every rank)
     while tree.controller().backups_in_flight() > 0 || tree.controller().outstanding() != (0, 0, 0) {
         let summary = tree.tick(collective)?;
-        outcome.pages_device_to_host += summary.pages_written as u64;
-        outcome.pages_host_to_storage += summary.pages_backed_up as u64;
-        if let Some(metrics) = metrics {
-            record_tick(metrics, &summary, page, page_bytes);
-        }
+        absorb(&summary, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics);
     }
     outcome.seconds = started.elapsed().as_secs_f64();
     for round in outcome.rounds.clone() {
@@ -353,6 +341,35 @@ fn record_check(outcome: &mut RankOutcome, checked: Result<u64, super::kv::Misma
                 )
             });
         }
+    }
+}
+
+/// What a tick did: counters, prefetch results attributed to their waiting requests, the lockstep digest, metrics.
+fn absorb(
+    summary: &TickSummary,
+    outcome: &mut RankOutcome,
+    waiting: &mut [Waiting],
+    digest: &mut DefaultHasher,
+    (page, page_bytes): (usize, u64),
+    metrics: Option<&Metrics>,
+) {
+    outcome.pages_device_to_host += summary.pages_written as u64;
+    outcome.pages_host_to_storage += summary.pages_backed_up as u64;
+    if let Some(metrics) = metrics {
+        record_tick(metrics, summary, page, page_bytes);
+    }
+    for (explanation, new_tokens) in &summary.prefetches {
+        *outcome.stop_reasons.entry(stop_name(&explanation.stop).to_owned()).or_default() += 1;
+        outcome.pages_storage_to_host += (explanation.fetched_tokens / page) as u64;
+        if let Some(request) = waiting.iter_mut().find(|request| request.id == explanation.request_id) {
+            // a prefetch that brought pages is on the request's critical path; one revoked after its query overlaps
+            // the request's time in the queue
+            if explanation.fetched_tokens > 0 {
+                request.prefetch_wait = explanation.elapsed;
+            }
+            request.prefetched_tokens = *new_tokens;
+        }
+        explanation.fetched_tokens.hash(digest);
     }
 }
 
