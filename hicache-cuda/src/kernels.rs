@@ -1,8 +1,9 @@
 //! The transfer kernel, compiled at run time by NVRTC to a cubin for the GPU's own architecture, and cached on disk.
 //!
 //! One kernel moves items (one token × one layer × K or V) between the device pool (`[layer][part][slot][item]`) and
-//! the host pool in any of the three host layouts, in either direction: a warp per item, 16-byte accesses when the
-//! addresses and the item size allow, 8-byte or single-byte otherwise. Items are numbered token-fastest, so
+//! the host pool in any of the three host layouts, in either direction: a warp per two items at a time, 16-byte
+//! accesses with up to eight loads in flight per lane when the addresses and the item size allow, 8-byte or
+//! single-byte otherwise. Items are numbered token-fastest, so
 //! neighbouring warps touch neighbouring slots of one layer. The host pool is read and written through its device
 //! mapping (pinned, mapped memory), so the SMs drive PCIe directly; a grid-stride loop lets a small, fixed number of
 //! blocks (the "block quota") cover any transfer, leaving the other SMs to the model.
@@ -19,6 +20,60 @@ use crate::device::{Device, driver};
 
 /// The kernel's source.
 pub(crate) const SOURCE: &str = r#"
+struct Shape {
+    unsigned char* device_base; unsigned char* host_base;
+    const unsigned int* host_tokens; const unsigned int* device_slots;
+    unsigned long long tokens; unsigned long long first_layer; unsigned long long parts;
+    unsigned long long item_bytes; unsigned long long device_slot_count; unsigned long long host_token_count;
+    unsigned long long host_pages; unsigned long long page_size; unsigned long long total_layers;
+    unsigned int layout; unsigned int to_device;
+};
+
+// The source and destination of item `item` (token-fastest numbering).
+__device__ __forceinline__ void locate(const Shape& s, unsigned long long item,
+                                       const unsigned char** src, unsigned char** dst)
+{
+    const unsigned long long t = item % s.tokens;
+    const unsigned long long rest = item / s.tokens;
+    const unsigned long long part = rest % s.parts;
+    const unsigned long long layer = s.first_layer + rest / s.parts;
+    const unsigned long long slot = s.device_slots[t];
+    const unsigned long long token = s.host_tokens[t];
+    const unsigned long long d = ((layer * s.parts + part) * s.device_slot_count + slot) * s.item_bytes;
+    unsigned long long h;
+    if (s.layout == 0) {
+        h = ((part * s.total_layers + layer) * s.host_token_count + token) * s.item_bytes;
+    } else if (s.layout == 1) {
+        h = ((part * s.host_token_count + token) * s.total_layers + layer) * s.item_bytes;
+    } else {
+        const unsigned long long page = token / s.page_size;
+        const unsigned long long in_page = token % s.page_size;
+        h = (((part * s.host_pages + page) * s.total_layers + layer) * s.page_size + in_page) * s.item_bytes;
+    }
+    *src = s.to_device ? s.host_base + h : s.device_base + d;
+    *dst = s.to_device ? s.device_base + d : s.host_base + h;
+}
+
+// One item by one warp, at the widest access its alignment allows.
+__device__ __forceinline__ void copy_one(const unsigned char* src, unsigned char* dst, unsigned long long bytes,
+                                         unsigned int lane)
+{
+    const unsigned long long alignment = (unsigned long long)src | (unsigned long long)dst | bytes;
+    if ((alignment & 15) == 0) {
+        for (unsigned long long o = lane * 16ull; o < bytes; o += 32 * 16) {
+            *(uint4*)(dst + o) = *(const uint4*)(src + o);
+        }
+    } else if ((alignment & 7) == 0) {
+        for (unsigned long long o = lane * 8ull; o < bytes; o += 32 * 8) {
+            *(unsigned long long*)(dst + o) = *(const unsigned long long*)(src + o);
+        }
+    } else {
+        for (unsigned long long o = lane; o < bytes; o += 32) {
+            dst[o] = src[o];
+        }
+    }
+}
+
 extern "C" __global__ void hicache_transfer(
     unsigned char* device_base, unsigned char* host_base,
     const unsigned int* host_tokens, const unsigned int* device_slots,
@@ -27,54 +82,54 @@ extern "C" __global__ void hicache_transfer(
     unsigned long long host_pages, unsigned long long page_size, unsigned int total_layers,
     unsigned int layout, unsigned int to_device)
 {
+    const Shape s = {device_base, host_base, host_tokens, device_slots, tokens, first_layer, parts, item_bytes,
+                     device_slot_count, host_token_count, host_pages, page_size, total_layers, layout, to_device};
     const unsigned long long items = tokens * layer_count * parts;
     const unsigned int lane = threadIdx.x & 31;
-    unsigned long long warp = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const unsigned long long warp = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const unsigned long long warps = ((unsigned long long)gridDim.x * blockDim.x) >> 5;
-    for (; warp < items; warp += warps) {
-        const unsigned long long t = warp % tokens;
-        const unsigned long long rest = warp / tokens;
-        const unsigned long long part = rest % parts;
-        const unsigned long long layer = first_layer + rest / parts;
-        const unsigned long long slot = device_slots[t];
-        const unsigned long long token = host_tokens[t];
-        const unsigned long long d = ((layer * parts + part) * device_slot_count + slot) * item_bytes;
-        unsigned long long h;
-        if (layout == 0) {
-            h = ((part * total_layers + layer) * host_token_count + token) * item_bytes;
-        } else if (layout == 1) {
-            h = ((part * host_token_count + token) * total_layers + layer) * item_bytes;
-        } else {
-            const unsigned long long page = token / page_size;
-            const unsigned long long in_page = token % page_size;
-            h = (((part * host_pages + page) * total_layers + layer) * page_size + in_page) * item_bytes;
+    // two items per warp at a time, up to four 16-byte loads each in flight per lane before any store: host reads
+    // over PCIe are long, and small items (MLA's 1152 B) alone keep too few bytes in flight
+    for (unsigned long long a = warp; a < items; a += 2 * warps) {
+        const unsigned long long b = a + warps;
+        const bool two = b < items;
+        const unsigned char* sa; unsigned char* da;
+        const unsigned char* sb = 0; unsigned char* db = 0;
+        locate(s, a, &sa, &da);
+        if (two) locate(s, b, &sb, &db);
+        const unsigned long long alignment = (unsigned long long)sa | (unsigned long long)da | item_bytes
+            | (unsigned long long)sb | (unsigned long long)db;
+        if ((alignment & 15) != 0) {
+            copy_one(sa, da, item_bytes, lane);
+            if (two) copy_one(sb, db, item_bytes, lane);
+            continue;
         }
-        const unsigned char* src = to_device ? host_base + h : device_base + d;
-        unsigned char* dst = to_device ? device_base + d : host_base + h;
-        const unsigned long long alignment = (unsigned long long)src | (unsigned long long)dst | item_bytes;
-        if ((alignment & 15) == 0) {
-            // four 16-byte loads in flight per lane before the stores: host reads over PCIe are long
-            const uint4* __restrict__ from = (const uint4*)src;
-            uint4* __restrict__ to = (uint4*)dst;
-            const unsigned long long chunks = item_bytes >> 4;
-            for (unsigned long long c = lane; c < chunks; c += 4 * 32) {
-                uint4 v0 = from[c], v1, v2, v3;
-                const bool h1 = c + 32 < chunks, h2 = c + 64 < chunks, h3 = c + 96 < chunks;
-                if (h1) v1 = from[c + 32];
-                if (h2) v2 = from[c + 64];
-                if (h3) v3 = from[c + 96];
-                to[c] = v0;
-                if (h1) to[c + 32] = v1;
-                if (h2) to[c + 64] = v2;
-                if (h3) to[c + 96] = v3;
+        const uint4* __restrict__ fa = (const uint4*)sa;
+        const uint4* __restrict__ fb = (const uint4*)sb;
+        uint4* __restrict__ ta = (uint4*)da;
+        uint4* __restrict__ tb = (uint4*)db;
+        const unsigned long long chunks = item_bytes >> 4;
+        for (unsigned long long c = lane; c < chunks; c += 4 * 32) {
+            const bool h1 = c + 32 < chunks, h2 = c + 64 < chunks, h3 = c + 96 < chunks;
+            uint4 a0 = fa[c], a1, a2, a3, b0, b1, b2, b3;
+            if (h1) a1 = fa[c + 32];
+            if (h2) a2 = fa[c + 64];
+            if (h3) a3 = fa[c + 96];
+            if (two) {
+                b0 = fb[c];
+                if (h1) b1 = fb[c + 32];
+                if (h2) b2 = fb[c + 64];
+                if (h3) b3 = fb[c + 96];
             }
-        } else if ((alignment & 7) == 0) {
-            for (unsigned long long o = lane * 8ull; o < item_bytes; o += 32 * 8) {
-                *(unsigned long long*)(dst + o) = *(const unsigned long long*)(src + o);
-            }
-        } else {
-            for (unsigned long long o = lane; o < item_bytes; o += 32) {
-                dst[o] = src[o];
+            ta[c] = a0;
+            if (h1) ta[c + 32] = a1;
+            if (h2) ta[c + 64] = a2;
+            if (h3) ta[c + 96] = a3;
+            if (two) {
+                tb[c] = b0;
+                if (h1) tb[c + 32] = b1;
+                if (h2) tb[c + 64] = b2;
+                if (h3) tb[c + 96] = b3;
             }
         }
     }
