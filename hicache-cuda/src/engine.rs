@@ -138,6 +138,49 @@ impl CudaEngine {
         Self::with_device_pool(device, device_map, host_map, device_pool)
     }
 
+    /// An engine sized from a config: a device pool of `device_tokens` (whole pages), a host pool of the config's
+    /// `hicache_ratio` or `hicache_size` in the config's `mem_layout`, the config's `io_backend`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the field when the host pool would not exceed the device pool or would not
+    /// fit in this machine's available memory (less SGLang's 10 GiB reserve), or the io backend is `batch`;
+    /// [`Error::InvalidArgument`] naming `device_tokens` when the GPU lacks the memory; the device's errors.
+    pub fn for_config(
+        device: &Device,
+        geometry: hicache_core::geometry::KvGeometry,
+        device_tokens: usize,
+        config: &hicache_core::config::HiCacheConfig,
+    ) -> Result<Self, Error> {
+        let config = config.clone().validated()?;
+        let page = config.page_size;
+        let device_tokens = device_tokens - device_tokens % page;
+        let device_map = DeviceLayoutMap::new(geometry, device_tokens)?;
+        let (free, _) = device.context().mem_get_info().map_err(driver("query the GPU's free memory"))?;
+        if device_map.total_bytes() > free {
+            return Err(Error::InvalidArgument {
+                field: "device_tokens",
+                reason: format!(
+                    "{device_tokens} tokens need {:.1} GB of GPU memory; {:.1} GB is free",
+                    device_map.total_bytes() as f64 / 1e9,
+                    free as f64 / 1e9
+                ),
+            });
+        }
+        let host_tokens = crate::sizing::host_pool_tokens(
+            &config,
+            device_tokens,
+            geometry.bytes_per_token(),
+            crate::sizing::available_memory()?,
+        )?;
+        let host_map = HostLayoutMap::new(geometry, config.mem_layout, page, host_tokens / page)?;
+        let mut engine = Self::new(device, device_map, host_map)?;
+        engine
+            .set_io_backend(config.io_backend, DEFAULT_AUTO_MIN_RUN)
+            .map_err(|error| Error::InvalidConfig { field: "io_backend".into(), reason: error.to_string() })?;
+        Ok(engine)
+    }
+
     /// An engine over an existing device pool (see [`DeviceBuffer::borrowed`]).
     ///
     /// # Errors

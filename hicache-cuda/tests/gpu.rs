@@ -210,6 +210,33 @@ fn transfers_beside_a_busy_kernel_stay_correct() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn an_engine_sized_from_a_config_and_one_that_does_not_fit() {
+    let device = device();
+    let geometry = KvGeometry::mha(4, 2, 64, KvDtype::Bf16).unwrap();
+    let config = hicache_core::config::HiCacheConfig {
+        page_size: 16,
+        hicache_ratio: 3.0,
+        mem_layout: HostLayout::LayerFirst,
+        io_backend: IoBackend::Auto,
+        ..hicache_core::config::HiCacheConfig::default()
+    };
+    let engine = CudaEngine::for_config(&device, geometry, 1000, &config).unwrap();
+    assert_eq!(engine.device_map().slots(), 992, "whole pages");
+    assert_eq!(engine.host_map().tokens(), 2976, "3 × the device pool");
+    // 1 PB of host pool: refused, naming the field
+    let huge = hicache_core::config::HiCacheConfig { hicache_size: 1_000_000, ..config.clone() };
+    let error = CudaEngine::for_config(&device, geometry, 1000, &huge).unwrap_err().to_string();
+    assert!(error.contains("hicache_size") && error.contains("GB available"), "{error}");
+    // more device memory than the GPU has
+    let error = CudaEngine::for_config(&device, geometry, 100_000_000, &config).unwrap_err().to_string();
+    assert!(error.contains("device_tokens"), "{error}");
+    let batch = hicache_core::config::HiCacheConfig { io_backend: IoBackend::Batch, ..config };
+    let error = CudaEngine::for_config(&device, geometry, 1000, &batch).unwrap_err().to_string();
+    assert!(error.contains("io_backend"), "{error}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn the_controller_runs_unchanged_on_the_gpu() {
     let device = device();
     let geometry = KvGeometry::mha(4, 2, 64, KvDtype::Bf16).unwrap();
