@@ -47,6 +47,9 @@ pub(crate) struct BackendOptions {
     /// Threads per batch of file-like backends (default: two per core, between 2 and 16).
     #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
     pub(crate) io_threads: Option<usize>,
+    /// The NIXL plugin; `None`: SGLang's `auto` choice.
+    #[cfg_attr(not(feature = "nixl"), expect(dead_code, reason = "read only by the NIXL backend"))]
+    pub(crate) nixl_plugin: Option<String>,
 }
 
 /// Opens `name` for `namespace`.
@@ -58,6 +61,7 @@ pub(crate) fn open(
     match name {
         BackendName::Memory => Ok(Box::new(MemoryStorage::new(namespace))),
         BackendName::File => open_file(namespace, options),
+        BackendName::Nixl => open_nixl(namespace, options),
         other => Err(not_compiled(other)),
     }
 }
@@ -81,6 +85,21 @@ fn open_file(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box<dyn
     Err(not_compiled(BackendName::File))
 }
 
+#[cfg(feature = "nixl")]
+fn open_nixl(namespace: &StorageNamespace, options: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
+    use hicache_storage_nixl::{NixlConfig, NixlStorage, PluginChoice};
+    let mut config = NixlConfig::new(NixlConfig::resolve_dir(options.dir.as_deref()));
+    if let Some(plugin) = &options.nixl_plugin {
+        config.plugin = PluginChoice::Named(plugin.clone());
+    }
+    Ok(Box::new(NixlStorage::open(config, namespace)?))
+}
+
+#[cfg(not(feature = "nixl"))]
+fn open_nixl(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
+    Err(not_compiled(BackendName::Nixl))
+}
+
 fn not_compiled(name: BackendName) -> anyhow::Error {
     let feature = name.to_possible_value().map(|value| value.get_name().to_owned()).unwrap_or_default();
     Usage(format!(
@@ -90,14 +109,17 @@ fn not_compiled(name: BackendName) -> anyhow::Error {
     .into()
 }
 
-/// The directory a file-like backend would use, for reports.
-pub(crate) fn file_dir(options: &BackendOptions) -> PathBuf {
-    #[cfg(feature = "file")]
-    {
-        hicache_storage_file::FileConfig::resolve_dir(options.dir.as_deref())
+/// The directory a file-like backend uses: the given one, else its environment variable, else its default.
+pub(crate) fn dir_of(name: BackendName, options: &BackendOptions) -> PathBuf {
+    if let Some(dir) = &options.dir {
+        return dir.clone();
     }
-    #[cfg(not(feature = "file"))]
-    {
-        options.dir.clone().unwrap_or_else(|| PathBuf::from("/tmp/hicache"))
+    match name {
+        #[cfg(feature = "nixl")]
+        BackendName::Nixl => hicache_storage_nixl::NixlConfig::resolve_dir(None),
+        #[cfg(feature = "file")]
+        _ => hicache_storage_file::FileConfig::resolve_dir(None),
+        #[cfg(not(feature = "file"))]
+        _ => PathBuf::from("/tmp/hicache"),
     }
 }

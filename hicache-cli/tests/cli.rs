@@ -429,6 +429,95 @@ fn bench_storage_reports_backend_and_raw_figures_as_json() {
     assert!(stdout(&output).contains("set") && stdout(&output).contains("raw sequential read"), "{}", stdout(&output));
 }
 
+/// The folder of the NIXL library: `$HICACHE_NIXL_LIB_DIR` (set by `cargo xtask ci`), else where `cargo xtask nixl`
+/// unpacks it.
+fn nixl_lib_dir() -> std::path::PathBuf {
+    std::env::var_os("HICACHE_NIXL_LIB_DIR").filter(|dir| !dir.is_empty()).map_or_else(
+        || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/nixl/lib/.nixl_cu12.mesonpy.libs"),
+        std::path::PathBuf::from,
+    )
+}
+
+#[test]
+fn bench_storage_and_store_run_on_nixl_when_compiled_in() {
+    if !cfg!(feature = "nixl") {
+        return;
+    }
+    let lib_dir = nixl_lib_dir();
+    assert!(
+        lib_dir.join("libnixl_capi.so").is_file(),
+        "run `cargo xtask nixl` first: no library in {}",
+        lib_dir.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_hicache"))
+            .args(args)
+            .env("HICACHE_NIXL_LIB_DIR", &lib_dir)
+            .output()
+            .expect("the binary runs")
+    };
+    let dir_arg = dir.path().to_str().unwrap();
+    let output = run(&[
+        "bench",
+        "storage",
+        "--backend",
+        "nixl",
+        "--nixl-plugin",
+        "POSIX",
+        "--dir",
+        dir_arg,
+        "--pages",
+        "16",
+        "--page-bytes",
+        "65536",
+        "--batch",
+        "5",
+        "--rounds",
+        "1",
+        "--json",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let figure: Value = serde_json::from_str(&stdout(&output)).expect("one JSON object");
+    assert_eq!(figure["backend"], "nixl");
+    for field in ["set_gbps", "get_gbps", "raw_write_gbps", "raw_read_gbps", "set_ratio", "get_ratio"] {
+        assert!(figure[field].as_f64().is_some_and(|value| value > 0.0), "{field} in {figure}");
+    }
+    assert!(walk(dir.path()).is_empty(), "the benchmark cleans up: {:?}", walk(dir.path()));
+    // a page in and out by hand, under SGLang's NIXL name
+    let page: Vec<u8> = (0..128u32).map(|index| (index * 7 + 3) as u8).collect();
+    let input = dir.path().join("page.in");
+    std::fs::write(&input, &page).unwrap();
+    let key = "ab".repeat(32);
+    let geometry = ["--layers", "2", "--kv-heads", "1", "--head-dim", "4", "--page-size", "4", "--model", "m"];
+    let store = |action: &str, extra: &[&str]| {
+        let args: Vec<&str> = ["store", action, "--backend", "nixl", "--dir", dir_arg]
+            .iter()
+            .copied()
+            .chain(geometry)
+            .chain(extra.iter().copied())
+            .collect();
+        run(&args)
+    };
+    let output = store("put", &["--key", &key, "--in", input.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(std::fs::read(dir.path().join(format!("{key}_m_0_1"))).unwrap(), page);
+    let out = dir.path().join("page.out");
+    let output = store("get", &["--key", &key, "--out", out.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(std::fs::read(&out).unwrap(), page);
+    // without the library: a clear error, not an abort
+    let output = Command::new(env!("CARGO_BIN_EXE_hicache"))
+        .args(["store", "ls", "--backend", "nixl", "--dir", dir_arg])
+        .args(geometry)
+        .env("HICACHE_NIXL_LIB_DIR", "/nonexistent")
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    assert!(stderr(&output).contains("/nonexistent/libnixl_capi.so does not exist"), "{}", stderr(&output));
+}
+
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut files = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap().flatten() {
@@ -443,9 +532,13 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
 
 #[test]
 fn backends_not_compiled_in_say_how_to_rebuild() {
-    let output = hicache(&["bench", "storage", "--backend", "nixl", "--pages", "1", "--page-bytes", "64"], "");
-    assert_usage_error(&output, "the nixl backend is not compiled into this hicache; rebuild with");
-    assert!(stderr(&output).contains("--features nixl"), "{}", stderr(&output));
+    let output = hicache(&["bench", "storage", "--backend", "mooncake", "--pages", "1", "--page-bytes", "64"], "");
+    assert_usage_error(&output, "the mooncake backend is not compiled into this hicache; rebuild with");
+    assert!(stderr(&output).contains("--features mooncake"), "{}", stderr(&output));
+    if !cfg!(feature = "nixl") {
+        let output = hicache(&["bench", "storage", "--backend", "nixl", "--pages", "1", "--page-bytes", "64"], "");
+        assert_usage_error(&output, "the nixl backend is not compiled into this hicache; rebuild with");
+    }
     let output = hicache(&["bench", "storage", "--backend", "floppy"], "");
     assert_eq!(output.status.code(), Some(2));
     assert!(stderr(&output).contains("floppy"), "{}", stderr(&output));

@@ -38,6 +38,9 @@ pub(crate) struct BenchStorageArgs {
     /// Threads per batch of the file backend (default: two per core, between 2 and 16).
     #[arg(long, value_name = "N")]
     io_threads: Option<usize>,
+    /// The NIXL plugin (POSIX, GDS_MT, GDS, 3FS; default: SGLang's `auto` choice).
+    #[arg(long, value_name = "NAME")]
+    nixl_plugin: Option<String>,
     /// Pages written and read.
     #[arg(long, default_value_t = 128, value_name = "N")]
     pages: usize,
@@ -105,8 +108,9 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
         format: args.format,
         io_threads: args.io_threads,
         direct_io: args.direct,
+        nixl_plugin: args.nixl_plugin.clone(),
     };
-    let dir = backends::file_dir(&options);
+    let dir = backends::dir_of(args.backend, &options);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let namespace = namespace(args.page_bytes)?;
     let backend = backends::open(args.backend, &namespace, &options)?;

@@ -249,10 +249,18 @@ fn open(args: &TargetArgs) -> anyhow::Result<Opened> {
             geometry.bytes_per_token()
         )));
     }
-    let options = BackendOptions { dir: args.dir.clone(), format: args.format, direct_io: false, io_threads: None };
+    let options = BackendOptions {
+        dir: args.dir.clone(),
+        format: args.format,
+        direct_io: false,
+        io_threads: None,
+        nixl_plugin: None,
+    };
     let opened = backends::open(backend, &namespace, &options)?;
     let description = match backend {
-        BackendName::File => format!("file backend in {}", backends::file_dir(&options).display()),
+        BackendName::File | BackendName::Nixl => {
+            format!("{} backend in {}", opened.name(), backends::dir_of(backend, &options).display())
+        }
         other => format!("{other:?} backend").to_lowercase(),
     };
     Ok(Opened { backend: opened, namespace, page_bytes, description })

@@ -208,11 +208,14 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
                 _ => BackendName::ThreeFs,
             };
             let temp = match (&args.dir, name) {
-                (None, BackendName::File) => Some(tempfile::Builder::new().prefix("hicache-replay-").tempdir()?),
+                (None, BackendName::File | BackendName::Nixl) => {
+                    Some(tempfile::Builder::new().prefix("hicache-replay-").tempdir()?)
+                }
                 _ => None,
             };
             let dir = args.dir.clone().or_else(|| temp.as_ref().map(|temp| temp.path().to_owned()));
-            let options = BackendOptions { dir, format: args.format, direct_io: false, io_threads: None };
+            let options =
+                BackendOptions { dir, format: args.format, direct_io: false, io_threads: None, nixl_plugin: None };
             SharedStorage::Backend { name, options, _temp: temp }
         }
     };
@@ -416,7 +419,8 @@ fn describe(args: &ReplayArgs, storage: &SharedStorage) -> String {
         SharedStorage::None => "no storage tier".to_owned(),
         SharedStorage::Memory(_) => "memory tier".to_owned(),
         SharedStorage::Backend { name, options, _temp } => match name {
-            BackendName::File => format!("file tier in {}", backends::file_dir(options).display()),
+            BackendName::File => format!("file tier in {}", backends::dir_of(*name, options).display()),
+            BackendName::Nixl => format!("NIXL tier in {}", backends::dir_of(*name, options).display()),
             other => format!("{other:?} tier"),
         },
     };

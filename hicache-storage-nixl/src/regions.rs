@@ -1,0 +1,97 @@
+//! Host memory registered with NIXL, kept between calls.
+//!
+//! NIXL moves host memory only inside registered ranges, each transfer piece within one range. SGLang registers the
+//! buffers of every call again and never deregisters them (§17 item 5). Here a range stays registered while it is
+//! among the `capacity` most recently used: the storage threads of the controller reuse one staging buffer each,
+//! and an engine's host pool is one range, so after the first call nothing is registered again. A range no longer
+//! used is deregistered when it falls out of the cache, or at the latest when the backend drops; a range in use by a
+//! transfer is never deregistered under it (the transfer holds it).
+//!
+//! Registering does not touch the memory (POSIX records the range; GDS pins it), and a transfer only reaches memory
+//! that its own pieces name, which the caller keeps alive for the call. So a range whose memory the caller has since
+//! freed is harmless until it falls out of the cache.
+
+use std::sync::Arc;
+
+use nixl_sys::{MemType, NixlError, RegistrationHandle};
+
+use crate::agent::{NixlAgent, Region};
+
+/// A registered range `[start, end)`.
+#[derive(Debug)]
+pub(crate) struct Registered {
+    start: usize,
+    end: usize,
+    _handle: RegistrationHandle,
+}
+
+/// Recently used registered ranges, most recent last.
+#[derive(Debug)]
+pub(crate) struct RegionCache {
+    ranges: Vec<Arc<Registered>>,
+    capacity: usize,
+    registrations: u64,
+}
+
+impl RegionCache {
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self { ranges: Vec::new(), capacity: capacity.max(1), registrations: 0 }
+    }
+
+    /// Ranges registered so far (a figure for tests and reports: it stops growing once buffers are reused).
+    pub(crate) fn registrations(&self) -> u64 {
+        self.registrations
+    }
+
+    /// Ranges now registered.
+    pub(crate) fn len(&self) -> usize {
+        self.ranges.len()
+    }
+
+    /// Makes every span (`address`, `len`) lie inside one registered range, registering the maximal runs of
+    /// adjacent spans that are not; returns the ranges covering them, to hold until the transfer is done.
+    pub(crate) fn cover(
+        &mut self,
+        agent: &NixlAgent,
+        spans: &mut [(usize, usize)],
+    ) -> Result<Vec<Arc<Registered>>, NixlError> {
+        spans.sort_unstable();
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for &(address, len) in spans.iter().filter(|(_, len)| *len > 0) {
+            match runs.last_mut() {
+                Some((_, end)) if address <= *end => *end = (*end).max(address + len),
+                _ => runs.push((address, address + len)),
+            }
+        }
+        let mut held = Vec::with_capacity(runs.len());
+        for (start, end) in runs {
+            let found = self.ranges.iter().rposition(|range| range.start <= start && end <= range.end);
+            let range = match found {
+                Some(index) => self.ranges.remove(index),
+                None => {
+                    let region = Region { address: start, len: end - start, mem_type: MemType::Dram, device: 0 };
+                    let handle = agent.register(&region)?;
+                    self.registrations += 1;
+                    Arc::new(Registered { start, end, _handle: handle })
+                }
+            };
+            self.ranges.push(Arc::clone(&range));
+            held.push(range);
+        }
+        self.evict();
+        Ok(held)
+    }
+
+    /// Drops the least recently used ranges beyond the capacity that no transfer holds.
+    fn evict(&mut self) {
+        let mut excess = self.ranges.len().saturating_sub(self.capacity);
+        self.ranges.retain(|range| {
+            if excess > 0 && Arc::strong_count(range) == 1 {
+                excess -= 1;
+                false
+            } else {
+                true
+            }
+        });
+    }
+}
