@@ -251,10 +251,18 @@ impl CudaEngine {
     /// [`Error::InvalidArgument`] for `batch` (not in this engine yet) or a zero `auto_min_run`.
     pub fn set_io_backend(&mut self, backend: IoBackend, auto_min_run: usize) -> Result<(), Error> {
         if backend == IoBackend::Batch {
-            return Err(Error::InvalidArgument {
-                field: "io_backend",
-                reason: "batch (cuMemcpyBatchAsync) is not in the CUDA engine yet; use kernel, direct or auto".into(),
-            });
+            let version = driver_version()?;
+            if version < 13000 {
+                return Err(Error::InvalidArgument {
+                    field: "io_backend",
+                    reason: format!(
+                        "batch needs cuMemcpyBatchAsync_v2, in CUDA 13 drivers; this driver is CUDA {}.{}; use kernel, \
+                         direct or auto",
+                        version / 1000,
+                        version % 1000 / 10
+                    ),
+                });
+            }
         }
         if auto_min_run == 0 {
             return Err(Error::InvalidArgument { field: "auto_min_run", reason: "must be at least 1 byte".into() });
@@ -386,7 +394,7 @@ impl CudaEngine {
                 continue;
             }
             let tokens = end - start;
-            if self.io_backend == IoBackend::Direct || tokens * item >= self.auto_min_run {
+            if matches!(self.io_backend, IoBackend::Direct | IoBackend::Batch) || tokens * item >= self.auto_min_run {
                 plan.runs.push(Run { host_token: pairs[start].0, slot: pairs[start].1, tokens });
             } else {
                 plan.kernel_host.extend(pairs[start..end].iter().map(|pair| pair.0));
@@ -397,7 +405,8 @@ impl CudaEngine {
         plan
     }
 
-    /// Queues the copy-engine part of a transfer: each run, for each of `layers` and each part.
+    /// Queues the copy-engine part of a transfer: each run, for each of `layers` and each part; one
+    /// `cuMemcpyAsync` each, or all of them in one `cuMemcpyBatchAsync` under the `batch` backend.
     fn copy_runs(
         &self,
         stream: &Arc<CudaStream>,
@@ -407,6 +416,7 @@ impl CudaEngine {
     ) -> Result<(), Error> {
         let geometry = self.device_map.geometry();
         let item = geometry.item_bytes();
+        let mut copies = Vec::with_capacity(runs.len() * layers.len() * geometry.parts().len());
         for layer in layers {
             for &part in geometry.parts() {
                 for run in runs {
@@ -415,13 +425,19 @@ impl CudaEngine {
                     let host = self.host_pool.device_pointer()
                         + self.host_map.item_offset(run.host_token as usize, layer, part) as u64;
                     let (to, from) = if to_device { (device, host) } else { (host, device) };
-                    // SAFETY: both ranges lie inside the pools (the run's tokens and slots were range-checked, and a
-                    // run is contiguous in both); the pools outlive the copy (the engine keeps them).
-                    unsafe { cudarc::driver::sys::cuMemcpyAsync(to, from, run.tokens * item, stream.cu_stream()) }
-                        .result()
-                        .map_err(driver("copy a run"))?;
+                    copies.push((to, from, run.tokens * item));
                 }
             }
+        }
+        if self.io_backend == IoBackend::Batch {
+            return copy_batch(stream, &copies);
+        }
+        for (to, from, bytes) in copies {
+            // SAFETY: both ranges lie inside the pools (the run's tokens and slots were range-checked, and a run is
+            // contiguous in both); the pools outlive the copy (the engine keeps them).
+            unsafe { cudarc::driver::sys::cuMemcpyAsync(to, from, bytes, stream.cu_stream()) }
+                .result()
+                .map_err(driver("copy a run"))?;
         }
         Ok(())
     }
@@ -576,6 +592,54 @@ impl CudaEngine {
         Self::release(&stream, index)?;
         Ok(events)
     }
+}
+
+/// The driver's CUDA version, as 1000 × major + 10 × minor.
+fn driver_version() -> Result<i32, Error> {
+    let mut version = 0;
+    // SAFETY: writes one int to the given address, which lives on this frame.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(driver("read the driver version"))?;
+    Ok(version)
+}
+
+/// Queues `(to, from, bytes)` copies as one `cuMemcpyBatchAsync_v2` on `stream`, in stream order.
+fn copy_batch(stream: &Arc<CudaStream>, copies: &[(u64, u64, usize)]) -> Result<(), Error> {
+    use cudarc::driver::sys;
+    if copies.is_empty() {
+        return Ok(());
+    }
+    let mut to: Vec<sys::CUdeviceptr> = copies.iter().map(|copy| copy.0).collect();
+    let mut from: Vec<sys::CUdeviceptr> = copies.iter().map(|copy| copy.1).collect();
+    let mut sizes: Vec<usize> = copies.iter().map(|copy| copy.2).collect();
+    // one attribute set for every copy: sources are read in stream order (they stay valid: the pools outlive it);
+    // the location hints only matter for managed memory, which the pools are not
+    let location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: 0 };
+    let mut attributes = [sys::CUmemcpyAttributes {
+        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        srcLocHint: location,
+        dstLocHint: location,
+        flags: 0,
+    }];
+    let mut first_copy = [0usize];
+    // SAFETY: the three arrays hold `copies.len()` entries each and the attribute arrays one, all read during the
+    // call; every range lies inside the pools (as for `cuMemcpyAsync` above), which outlive the copies. The driver
+    // is CUDA 13 or later (checked when the backend was chosen), so the symbol exists.
+    unsafe {
+        sys::cuMemcpyBatchAsync_v2(
+            to.as_mut_ptr(),
+            from.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            copies.len(),
+            attributes.as_mut_ptr(),
+            first_copy.as_mut_ptr(),
+            1,
+            stream.cu_stream(),
+        )
+    }
+    .result()
+    .map_err(driver("queue a batch of copies"))
 }
 
 /// The pinned host pool as the storage tier's threads see it: flat pages copied out and in by the CPU.

@@ -40,6 +40,8 @@ pub(crate) enum IoBackendArg {
     Direct,
     /// Long runs to the copy engine, the rest to the kernel.
     Auto,
+    /// Every run contiguous in both pools in one cuMemcpyBatchAsync (CUDA 13 drivers).
+    Batch,
 }
 
 /// Arguments of `hicache bench transfer`.
@@ -144,7 +146,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
                     #[cfg(feature = "cuda")]
                     EngineName::Cuda => {
                         let backends = if args.io_backend.is_empty() {
-                            vec![IoBackendArg::Kernel, IoBackendArg::Direct, IoBackendArg::Auto]
+                            vec![IoBackendArg::Kernel, IoBackendArg::Direct, IoBackendArg::Auto, IoBackendArg::Batch]
                         } else {
                             args.io_backend.clone()
                         };

@@ -51,6 +51,7 @@ pub(crate) fn measure(
         IoBackendArg::Kernel => (IoBackend::Kernel, "kernel"),
         IoBackendArg::Direct => (IoBackend::Direct, "direct"),
         IoBackendArg::Auto => (IoBackend::Auto, "auto"),
+        IoBackendArg::Batch => (IoBackend::Batch, "batch"),
     };
     engine.set_io_backend(io_backend, auto_min_run)?;
     let mut rng = rand::rng();
