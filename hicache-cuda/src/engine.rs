@@ -103,8 +103,6 @@ pub struct CudaEngine {
     shape: LaunchShape,
     io_backend: IoBackend,
     auto_min_run: usize,
-    /// Items per warp group in the kernel (1: two items per warp at a time).
-    item_group: u32,
 }
 
 /// A run of consecutive tokens that is contiguous in both pools for every layer and part: one copy-engine copy per
@@ -224,7 +222,6 @@ impl CudaEngine {
             load_stream,
             shape: LaunchShape::default(),
             io_backend: IoBackend::Kernel,
-            item_group: 1,
             auto_min_run: DEFAULT_AUTO_MIN_RUN,
         })
     }
@@ -271,22 +268,6 @@ impl CudaEngine {
             return Err(Error::InvalidArgument { field: "auto_min_run", reason: "must be at least 1 byte".into() });
         }
         (self.io_backend, self.auto_min_run) = (backend, auto_min_run);
-        Ok(())
-    }
-
-    /// Sets how many consecutive items one warp copies as one stream of chunks: 1 (the default) copies two items per
-    /// warp at a time; `None` picks [`balanced_item_group`](crate::kernels::balanced_item_group) for the item size.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] for a group of 0 or above 8.
-    pub fn set_item_group(&mut self, group: Option<u32>) -> Result<(), Error> {
-        let item = self.device_map.geometry().item_bytes();
-        let group = group.unwrap_or_else(|| crate::kernels::balanced_item_group(item));
-        if !(1..=8).contains(&group) {
-            return Err(Error::InvalidArgument { field: "item_group", reason: format!("{group} is not in 1..=8") });
-        }
-        self.item_group = group;
         Ok(())
     }
 
@@ -517,8 +498,7 @@ impl CudaEngine {
             .arg(&page_size)
             .arg(&total_layers)
             .arg(&layout)
-            .arg(&direction)
-            .arg(&self.item_group);
+            .arg(&direction);
         // SAFETY: the arguments match the kernel's signature in order and type; every offset the kernel forms is
         // inside the pools (slots and host tokens were range-checked against the maps the pools were sized by); the
         // pools outlive the kernel (the engine keeps them), and the indices are freed after it in stream order.

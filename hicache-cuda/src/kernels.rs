@@ -3,8 +3,7 @@
 //! One kernel moves items (one token × one layer × K or V) between the device pool (`[layer][part][slot][item]`) and
 //! the host pool in any of the three host layouts, in either direction: a warp per two items at a time, 16-byte
 //! accesses with up to eight loads in flight per lane when the addresses and the item size allow, 8-byte or
-//! single-byte otherwise; or, with an item group above 1, a warp per group of consecutive items copied as one stream
-//! of 16-byte chunks (every lane busy when an item's chunks are not a multiple of 32). Items are numbered token-fastest, so
+//! single-byte otherwise. Items are numbered token-fastest, so
 //! neighbouring warps touch neighbouring slots of one layer. The host pool is read and written through its device
 //! mapping (pinned, mapped memory), so the SMs drive PCIe directly; a grid-stride loop lets a small, fixed number of
 //! blocks (the "block quota") cover any transfer, leaving the other SMs to the model.
@@ -75,43 +74,13 @@ __device__ __forceinline__ void copy_one(const unsigned char* src, unsigned char
     }
 }
 
-// `count` consecutive items from `first` by one warp as one stream of 16-byte chunks, up to eight loads in flight per
-// lane before the stores, so every lane has work when an item's chunks are not a multiple of 32 (MLA's 1152 B item
-// is 72 chunks: two of them leave 8 of 32 lanes a third load, four make 9 full rounds). Needs 16-byte alignment.
-__device__ __forceinline__ void copy_group(const Shape& s, unsigned long long first, unsigned int count,
-                                           unsigned int lane)
-{
-    const uint4* from[8]; uint4* to[8];
-    for (unsigned int g = 0; g < count; ++g) {
-        const unsigned char* src; unsigned char* dst;
-        locate(s, first + g, &src, &dst);
-        from[g] = (const uint4*)src;
-        to[g] = (uint4*)dst;
-    }
-    const unsigned int chunks = (unsigned int)(s.item_bytes >> 4);
-    const unsigned int total = count * chunks;
-    for (unsigned int base = lane; base < total; base += 8 * 32) {
-        uint4 v[8];
-#pragma unroll
-        for (unsigned int k = 0; k < 8; ++k) {
-            const unsigned int f = base + k * 32;
-            if (f < total) { const unsigned int g = f / chunks; v[k] = from[g][f - g * chunks]; }
-        }
-#pragma unroll
-        for (unsigned int k = 0; k < 8; ++k) {
-            const unsigned int f = base + k * 32;
-            if (f < total) { const unsigned int g = f / chunks; to[g][f - g * chunks] = v[k]; }
-        }
-    }
-}
-
 extern "C" __global__ void hicache_transfer(
     unsigned char* device_base, unsigned char* host_base,
     const unsigned int* host_tokens, const unsigned int* device_slots,
     unsigned long long tokens, unsigned int first_layer, unsigned int layer_count, unsigned int parts,
     unsigned long long item_bytes, unsigned long long device_slot_count, unsigned long long host_token_count,
     unsigned long long host_pages, unsigned long long page_size, unsigned int total_layers,
-    unsigned int layout, unsigned int to_device, unsigned int group)
+    unsigned int layout, unsigned int to_device)
 {
     const Shape s = {device_base, host_base, host_tokens, device_slots, tokens, first_layer, parts, item_bytes,
                      device_slot_count, host_token_count, host_pages, page_size, total_layers, layout, to_device};
@@ -119,14 +88,6 @@ extern "C" __global__ void hicache_transfer(
     const unsigned int lane = threadIdx.x & 31;
     const unsigned long long warp = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const unsigned long long warps = ((unsigned long long)gridDim.x * blockDim.x) >> 5;
-    const bool aligned = ((((unsigned long long)device_base) | ((unsigned long long)host_base) | item_bytes) & 15) == 0;
-    if (group > 1 && aligned) {
-        for (unsigned long long first = warp * group; first < items; first += warps * group) {
-            const unsigned long long left = items - first;
-            copy_group(s, first, left < group ? (unsigned int)left : group, lane);
-        }
-        return;
-    }
     // two items per warp at a time, up to four 16-byte loads each in flight per lane before any store: host reads
     // over PCIe are long, and small items (MLA's 1152 B) alone keep too few bytes in flight
     for (unsigned long long a = warp; a < items; a += 2 * warps) {
@@ -174,21 +135,6 @@ extern "C" __global__ void hicache_transfer(
     }
 }
 "#;
-
-/// Items per warp group that keep all 32 lanes busy for `item_bytes` (a 16-byte multiple): the fewest items whose
-/// chunks are a multiple of 32, at most 8; 1 when one item already is (or the size is not a 16-byte multiple).
-pub fn balanced_item_group(item_bytes: usize) -> u32 {
-    if item_bytes == 0 || !item_bytes.is_multiple_of(16) {
-        return 1;
-    }
-    let chunks = item_bytes / 16;
-    let mut common = 32;
-    let mut other = chunks;
-    while other != 0 {
-        (common, other) = (other, common % other);
-    }
-    (32 / common).min(8) as u32
-}
 
 /// The compiled kernel, loaded in a context.
 #[derive(Debug, Clone)]
@@ -287,20 +233,4 @@ fn compile(source: &str, arch: &str) -> Result<Vec<u8>, Error> {
     // SAFETY: created above and not used after this.
     let _ = unsafe { nvrtc::destroy_program(program) };
     result
-}
-
-#[cfg(test)]
-mod tests {
-    use super::balanced_item_group;
-
-    #[test]
-    fn the_balanced_group_fills_whole_rounds_of_32_chunks() {
-        // (item bytes, group): MLA's 1152 B is 72 chunks, 4 items 288 = 9 × 32; Llama's 2 KiB is 128 chunks already
-        for (bytes, group) in [(1152, 4), (2048, 1), (512, 1), (576, 8), (1040, 8), (48, 8), (6, 1), (0, 1), (24, 1)] {
-            assert_eq!(balanced_item_group(bytes), group, "{bytes} bytes");
-            if group > 1 && group < 8 {
-                assert_eq!((bytes / 16 * group as usize) % 32, 0, "{bytes} bytes × {group}");
-            }
-        }
-    }
 }

@@ -93,24 +93,15 @@ fn device_bytes(pair: &Pair) -> (Vec<u8>, Vec<u8>) {
 #[ignore = "needs a CUDA GPU"]
 fn every_layout_geometry_page_size_and_direction_matches_the_cpu_engine() {
     let device = device();
-    // auto with a small threshold, so that one transfer mixes copy-engine runs and kernel items; the kernel with two
-    // items per warp (group 1), with the balanced group for the item size, and with the largest group
-    let backends = [
-        (IoBackend::Kernel, 1, Some(1)),
-        (IoBackend::Kernel, 1, None),
-        (IoBackend::Kernel, 1, Some(8)),
-        (IoBackend::Direct, 1, Some(1)),
-        (IoBackend::Auto, 4096, None),
-        (IoBackend::Batch, 1, Some(1)),
-    ];
+    // auto with a small threshold, so that one transfer mixes copy-engine runs and kernel items
+    let backends = [(IoBackend::Kernel, 1), (IoBackend::Direct, 1), (IoBackend::Auto, 4096), (IoBackend::Batch, 1)];
     for (name, geometry) in geometries() {
         for layout in HostLayout::ALL {
             for page in [1, 16, 64] {
-                for (backend, min_run, group) in backends {
-                    let what = format!("{name} {} page {page} {backend} group {group:?}", layout.name());
+                for (backend, min_run) in backends {
+                    let what = format!("{name} {} page {page} {backend}", layout.name());
                     let mut pair = pair(&device, geometry, layout, page, 24);
                     pair.cuda.set_io_backend(backend, min_run).unwrap();
-                    pair.cuda.set_item_group(group).unwrap();
                     // backup: device → host, all layers
                     let start = pair.cuda.start_event().unwrap();
                     pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait();

@@ -73,10 +73,6 @@ pub(crate) struct BenchTransferArgs {
     /// run (direct), or runs of at least --auto-min-run bytes to the copy engine and the rest to the kernel (auto).
     #[arg(long, value_enum)]
     io_backend: Vec<IoBackendArg>,
-    /// GPU: consecutive items one warp copies as one stream of 16-byte chunks (repeatable, each measured; 0: the
-    /// balanced group for the item size, e.g. 4 for MLA's 1152 B; 1, the default: two items per warp at a time).
-    #[arg(long, value_name = "N")]
-    item_group: Vec<u32>,
     /// GPU: the shortest run `auto` gives the copy engine, in bytes.
     #[arg(long, default_value_t = 1 << 20, value_name = "B")]
     auto_min_run: usize,
@@ -111,9 +107,6 @@ pub(crate) struct TransferFigure {
     /// GPU: most thread blocks of the kernel.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) blocks: Option<u32>,
-    /// GPU: items per warp group of the kernel.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub(crate) item_group: Option<u32>,
 }
 
 pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
@@ -157,22 +150,17 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
                         } else {
                             args.io_backend.clone()
                         };
-                        let groups = if args.item_group.is_empty() { vec![1] } else { args.item_group.clone() };
                         for backend in backends {
-                            for &item_group in &groups {
-                                let shape = super::bench_transfer_cuda::Shape {
-                                    tokens,
-                                    rounds: args.rounds,
-                                    blocks: args.blocks,
-                                    threads: args.threads,
-                                    backend,
-                                    auto_min_run: args.auto_min_run,
-                                    contiguous: args.contiguous,
-                                    item_group,
-                                };
-                                figures
-                                    .extend(super::bench_transfer_cuda::measure(name, geometry, layout, page, &shape)?);
-                            }
+                            let shape = super::bench_transfer_cuda::Shape {
+                                tokens,
+                                rounds: args.rounds,
+                                blocks: args.blocks,
+                                threads: args.threads,
+                                backend,
+                                auto_min_run: args.auto_min_run,
+                                contiguous: args.contiguous,
+                            };
+                            figures.extend(super::bench_transfer_cuda::measure(name, geometry, layout, page, &shape)?);
                         }
                     }
                     #[cfg(not(feature = "cuda"))]
@@ -193,7 +181,6 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
                     backend: IoBackendArg::Kernel,
                     auto_min_run: args.auto_min_run,
                     contiguous: args.contiguous,
-                    item_group: 1,
                 };
                 figures.extend(super::bench_transfer_cuda::measure(
                     "llama-3.1-8b",
@@ -298,7 +285,6 @@ fn measure(
         ratio: gbps / bulk,
         first_layer_us,
         blocks: None,
-        item_group: None,
     };
     Ok(vec![figure("backup", best[0], None), figure("load", best[1], Some(first_layer))])
 }

@@ -27,8 +27,6 @@ pub(crate) struct Shape {
     pub(crate) backend: IoBackendArg,
     pub(crate) auto_min_run: usize,
     pub(crate) contiguous: bool,
-    /// Items per warp group (0: balanced for the item size).
-    pub(crate) item_group: u32,
 }
 
 /// Backup and load figures of one geometry, layout, page size, io backend and block quota on GPU 0.
@@ -39,7 +37,7 @@ pub(crate) fn measure(
     page: usize,
     shape: &Shape,
 ) -> anyhow::Result<Vec<TransferFigure>> {
-    let Shape { tokens, rounds, blocks, threads, backend, auto_min_run, contiguous, item_group } = *shape;
+    let Shape { tokens, rounds, blocks, threads, backend, auto_min_run, contiguous } = *shape;
     let device = Device::open(0)?;
     let pages = tokens / page;
     let device_pages = 2 * pages;
@@ -56,9 +54,6 @@ pub(crate) fn measure(
         IoBackendArg::Batch => (IoBackend::Batch, "batch"),
     };
     engine.set_io_backend(io_backend, auto_min_run)?;
-    let item_group = (item_group > 0).then_some(item_group);
-    engine.set_item_group(item_group)?;
-    let item_group = item_group.unwrap_or_else(|| hicache_cuda::balanced_item_group(geometry.item_bytes()));
     let mut rng = rand::rng();
     let mut all = HostPageAllocator::new(2 * pages)?.alloc(2 * pages).context("a fresh pool")?;
     let mut order: Vec<usize> = (0..device_pages).collect();
@@ -105,7 +100,6 @@ pub(crate) fn measure(
         ratio: gbps / bulk,
         first_layer_us,
         blocks: Some(blocks),
-        item_group: Some(item_group),
     };
     Ok(vec![figure("backup", best[0], bulk[0], None), figure("load", best[1], bulk[1], Some(first_layer))])
 }
