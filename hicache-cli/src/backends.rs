@@ -50,6 +50,9 @@ pub(crate) struct BackendOptions {
     /// The NIXL plugin; `None`: SGLang's `auto` choice.
     #[cfg_attr(not(feature = "nixl"), expect(dead_code, reason = "read only by the NIXL backend"))]
     pub(crate) nixl_plugin: Option<String>,
+    /// NIXL plugin parameters over the plugin's defaults.
+    #[cfg_attr(not(feature = "nixl"), expect(dead_code, reason = "read only by the NIXL backend"))]
+    pub(crate) nixl_params: Vec<(String, String)>,
 }
 
 /// Opens `name` for `namespace`.
@@ -92,6 +95,7 @@ fn open_nixl(namespace: &StorageNamespace, options: &BackendOptions) -> anyhow::
     if let Some(plugin) = &options.nixl_plugin {
         config.plugin = PluginChoice::Named(plugin.clone());
     }
+    config.plugin_params.extend(options.nixl_params.iter().cloned());
     Ok(Box::new(NixlStorage::open(config, namespace)?))
 }
 

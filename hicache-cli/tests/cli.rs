@@ -214,7 +214,7 @@ fn replay_refuses_bad_settings_with_exit_code_2() {
     assert_usage_error(&hicache(&["replay", "--host-tokens", "1024", "--device-tokens", "2048"], ""), "--host-tokens");
     assert_usage_error(&hicache(&["replay", "--device-tokens", "64"], ""), "cannot hold one conversation");
     assert_usage_error(&hicache(&["replay", "--clients", "0"], ""), "--clients must be at least 1");
-    assert_usage_error(&hicache(&["replay", "--backend", "nixl"], ""), "--features nixl");
+    assert_usage_error(&hicache(&["replay", "--backend", "mooncake"], ""), "--features mooncake");
     let output = hicache(&["replay", "--backend", "tape"], "");
     assert_eq!(output.status.code(), Some(2));
     assert!(stderr(&output).contains("'tape'") && stderr(&output).contains("memory, file"), "{}", stderr(&output));
@@ -484,6 +484,27 @@ fn bench_storage_and_store_run_on_nixl_when_compiled_in() {
         assert!(figure[field].as_f64().is_some_and(|value| value > 0.0), "{field} in {figure}");
     }
     assert!(walk(dir.path()).is_empty(), "the benchmark cleans up: {:?}", walk(dir.path()));
+    // the replay on the NIXL tier: pages the host evicted come back from it, every byte checked
+    let output = run(&[
+        "replay",
+        "--json",
+        "--backend",
+        "nixl",
+        "--dir",
+        dir_arg,
+        "--clients",
+        "24",
+        "--host-tokens",
+        "20480",
+        "--sync-storage",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let report: Value = serde_json::from_str(&stdout(&output)).expect("a JSON object");
+    assert_eq!(report["verified"], true, "{report}");
+    assert!(tokens(&report, "l3") > 0, "{report}");
+    for page in walk(dir.path()) {
+        std::fs::remove_file(page).unwrap();
+    }
     // a page in and out by hand, under SGLang's NIXL name
     let page: Vec<u8> = (0..128u32).map(|index| (index * 7 + 3) as u8).collect();
     let input = dir.path().join("page.in");

@@ -102,7 +102,9 @@ pub struct CudaEngine {
     load_stream: Arc<CudaStream>,
     shape: LaunchShape,
     io_backend: IoBackend,
-    auto_min_run: usize,
+    auto_min_run: AutoMinRun,
+    /// Whether copy-engine runs go out as one `cuMemcpyBatchAsync` (batch, and auto on CUDA 13 drivers).
+    batched: bool,
 }
 
 /// A run of consecutive tokens that is contiguous in both pools for every layer and part: one copy-engine copy per
@@ -122,9 +124,33 @@ struct Plan {
     kernel_slots: Vec<DeviceSlot>,
 }
 
-/// Runs shorter than this go to the kernel under `auto` (one `cuMemcpyAsync` costs a few microseconds of engine
-/// time; 128 KiB pieces reached 23 GB/s on the H200, long ones the PCIe limit).
+/// Runs shorter than this go to the kernel under `auto` where the driver cannot batch copies (one `cuMemcpyAsync`
+/// costs a few microseconds of engine time; 128 KiB pieces reached 23 GB/s on the H200, long ones the PCIe limit).
 pub const DEFAULT_AUTO_MIN_RUN: usize = 1 << 20;
+
+/// The shortest run (bytes of one layer and part) that `auto` gives the copy engine, per direction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AutoMinRun {
+    /// Backups (device → host).
+    pub backup: usize,
+    /// Loads (host → device).
+    pub load: usize,
+}
+
+impl AutoMinRun {
+    /// The same threshold both ways.
+    pub const fn uniform(bytes: usize) -> Self {
+        Self { backup: bytes, load: bytes }
+    }
+
+    /// What the H200 measurements favour. With batched copies (CUDA 13 drivers): loads of runs from 32 KiB on
+    /// (pieces of 32 KiB loaded at 0.956–0.970 of bulk in one `cuMemcpyBatchAsync`, against 0.88–0.91 for the
+    /// kernel; 18 KiB pieces at 0.35), backups from 1 MiB (the kernel's 0.93–0.945 beats batched 128 KiB pieces,
+    /// 0.78–0.83). Without: 1 MiB both ways.
+    pub const fn measured(batched: bool) -> Self {
+        if batched { Self { backup: 1 << 20, load: 32 << 10 } } else { Self::uniform(DEFAULT_AUTO_MIN_RUN) }
+    }
+}
 
 impl CudaEngine {
     /// An engine over a new zeroed device pool of `device_map` and pinned host pool of `host_map` on `device`.
@@ -176,7 +202,7 @@ impl CudaEngine {
         let host_map = HostLayoutMap::new(geometry, config.mem_layout, page, host_tokens / page)?;
         let mut engine = Self::new(device, device_map, host_map)?;
         engine
-            .set_io_backend(config.io_backend, DEFAULT_AUTO_MIN_RUN)
+            .set_io_backend(config.io_backend, None)
             .map_err(|error| Error::InvalidConfig { field: "io_backend".into(), reason: error.to_string() })?;
         Ok(engine)
     }
@@ -222,7 +248,8 @@ impl CudaEngine {
             load_stream,
             shape: LaunchShape::default(),
             io_backend: IoBackend::Kernel,
-            auto_min_run: DEFAULT_AUTO_MIN_RUN,
+            auto_min_run: AutoMinRun::uniform(DEFAULT_AUTO_MIN_RUN),
+            batched: false,
         })
     }
 
@@ -243,31 +270,33 @@ impl CudaEngine {
     }
 
     /// How transfers are issued: `kernel` (every item by the kernel), `direct` (one `cuMemcpyAsync` per maximal run
-    /// contiguous in both pools, as SGLang's direct backend, after sorting by host token), or `auto` (runs of at
-    /// least `auto_min_run` bytes to the copy engine, the rest to the kernel).
+    /// contiguous in both pools, as SGLang's direct backend, after sorting by host token), `batch` (the same runs in
+    /// one `cuMemcpyBatchAsync`; CUDA 13 drivers), or `auto` (runs of at least `auto_min_run` bytes to the copy
+    /// engine, batched where the driver can, the rest to the kernel; `None`: [`AutoMinRun::measured`]).
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for `batch` (not in this engine yet) or a zero `auto_min_run`.
-    pub fn set_io_backend(&mut self, backend: IoBackend, auto_min_run: usize) -> Result<(), Error> {
-        if backend == IoBackend::Batch {
-            let version = driver_version()?;
-            if version < 13000 {
-                return Err(Error::InvalidArgument {
-                    field: "io_backend",
-                    reason: format!(
-                        "batch needs cuMemcpyBatchAsync_v2, in CUDA 13 drivers; this driver is CUDA {}.{}; use kernel, \
-                         direct or auto",
-                        version / 1000,
-                        version % 1000 / 10
-                    ),
-                });
-            }
+    /// [`Error::InvalidArgument`] for `batch` on a driver older than CUDA 13, or a zero threshold.
+    pub fn set_io_backend(&mut self, backend: IoBackend, auto_min_run: Option<AutoMinRun>) -> Result<(), Error> {
+        let version = driver_version()?;
+        let can_batch = version >= 13000;
+        if backend == IoBackend::Batch && !can_batch {
+            return Err(Error::InvalidArgument {
+                field: "io_backend",
+                reason: format!(
+                    "batch needs cuMemcpyBatchAsync_v2, in CUDA 13 drivers; this driver is CUDA {}.{}; use kernel, \
+                     direct or auto",
+                    version / 1000,
+                    version % 1000 / 10
+                ),
+            });
         }
-        if auto_min_run == 0 {
+        let batched = can_batch && matches!(backend, IoBackend::Batch | IoBackend::Auto);
+        let auto_min_run = auto_min_run.unwrap_or(AutoMinRun::measured(batched));
+        if auto_min_run.backup == 0 || auto_min_run.load == 0 {
             return Err(Error::InvalidArgument { field: "auto_min_run", reason: "must be at least 1 byte".into() });
         }
-        (self.io_backend, self.auto_min_run) = (backend, auto_min_run);
+        (self.io_backend, self.auto_min_run, self.batched) = (backend, auto_min_run, batched);
         Ok(())
     }
 
@@ -371,8 +400,9 @@ impl CudaEngine {
         Ok(Some(index))
     }
 
-    /// Splits a transfer between the copy engine and the kernel by the io backend.
-    fn plan(&self, host_tokens: &[u32], slots: &[DeviceSlot]) -> Plan {
+    /// Splits a transfer between the copy engine and the kernel by the io backend (and, under `auto`, the
+    /// direction's threshold).
+    fn plan(&self, host_tokens: &[u32], slots: &[DeviceSlot], to_device: bool) -> Plan {
         if self.io_backend == IoBackend::Kernel {
             return Plan { runs: Vec::new(), kernel_host: host_tokens.to_vec(), kernel_slots: slots.to_vec() };
         }
@@ -383,6 +413,7 @@ impl CudaEngine {
         // affine in the token with the same stride for each)
         let first_part = self.device_map.geometry().parts()[0];
         let host = |token: u32| self.host_map.item_offset(token as usize, 0, first_part);
+        let min_run = if to_device { self.auto_min_run.load } else { self.auto_min_run.backup };
         let mut plan = Plan::default();
         let mut start = 0;
         for end in 1..=pairs.len() {
@@ -394,7 +425,7 @@ impl CudaEngine {
                 continue;
             }
             let tokens = end - start;
-            if matches!(self.io_backend, IoBackend::Direct | IoBackend::Batch) || tokens * item >= self.auto_min_run {
+            if matches!(self.io_backend, IoBackend::Direct | IoBackend::Batch) || tokens * item >= min_run {
                 plan.runs.push(Run { host_token: pairs[start].0, slot: pairs[start].1, tokens });
             } else {
                 plan.kernel_host.extend(pairs[start..end].iter().map(|pair| pair.0));
@@ -406,7 +437,7 @@ impl CudaEngine {
     }
 
     /// Queues the copy-engine part of a transfer: each run, for each of `layers` and each part; one
-    /// `cuMemcpyAsync` each, or all of them in one `cuMemcpyBatchAsync` under the `batch` backend.
+    /// `cuMemcpyAsync` each, or all of them in one `cuMemcpyBatchAsync` (`batch`, and `auto` on CUDA 13 drivers).
     fn copy_runs(
         &self,
         stream: &Arc<CudaStream>,
@@ -429,7 +460,7 @@ impl CudaEngine {
                 }
             }
         }
-        if self.io_backend == IoBackend::Batch {
+        if self.batched {
             return copy_batch(stream, &copies);
         }
         for (to, from, bytes) in copies {
@@ -531,7 +562,7 @@ impl TransferEngine for CudaEngine {
         after: &CudaTransferEvent,
     ) -> Result<CudaTransferEvent, Error> {
         let host_tokens = self.check(slots, pages)?;
-        let plan = self.plan(&host_tokens, slots);
+        let plan = self.plan(&host_tokens, slots, false);
         let stream = self.write_stream.clone();
         let layers = 0..self.device_map.geometry().layers;
         let index = self.upload(&stream, &plan.kernel_host, &plan.kernel_slots, after)?;
@@ -580,7 +611,7 @@ impl CudaEngine {
                 reason: format!("layers {layers:?} out of range ({total} layers)"),
             });
         }
-        let plan = self.plan(&host_tokens, slots);
+        let plan = self.plan(&host_tokens, slots, true);
         let stream = self.load_stream.clone();
         let index = self.upload(&stream, &plan.kernel_host, &plan.kernel_slots, after)?;
         let mut events = Vec::with_capacity(layers.len());

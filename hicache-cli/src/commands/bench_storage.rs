@@ -41,6 +41,10 @@ pub(crate) struct BenchStorageArgs {
     /// The NIXL plugin (POSIX, GDS_MT, GDS, 3FS; default: SGLang's `auto` choice).
     #[arg(long, value_name = "NAME")]
     nixl_plugin: Option<String>,
+    /// A NIXL plugin parameter over its default, `KEY=VALUE` (repeatable; POSIX: use_uring, use_aio, use_posix_aio,
+    /// kernel_queue_size, ios_pool_size).
+    #[arg(long, value_name = "KEY=VALUE")]
+    nixl_param: Vec<String>,
     /// Pages written and read.
     #[arg(long, default_value_t = 128, value_name = "N")]
     pages: usize,
@@ -109,6 +113,15 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
         io_threads: args.io_threads,
         direct_io: args.direct,
         nixl_plugin: args.nixl_plugin.clone(),
+        nixl_params: args
+            .nixl_param
+            .iter()
+            .map(|pair| {
+                pair.split_once('=')
+                    .map(|(key, value)| (key.to_owned(), value.to_owned()))
+                    .ok_or_else(|| Usage(format!("--nixl-param {pair:?} is not KEY=VALUE")))
+            })
+            .collect::<Result<_, _>>()?,
     };
     let dir = backends::dir_of(args.backend, &options);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;

@@ -57,6 +57,9 @@ pub(crate) struct BenchTransferArgs {
     /// engine, whose pools are plain memory of this machine: 1024 Llama tokens are 128 MiB per pool).
     #[arg(long, value_name = "N")]
     tokens: Option<usize>,
+    /// Host layouts (repeatable; default all three).
+    #[arg(long, value_enum, value_name = "LAYOUT")]
+    layout: Vec<crate::replay::LayoutArg>,
     /// Page sizes (repeatable; default 1, 16 and 64).
     #[arg(long, value_name = "N")]
     page_size: Vec<usize>,
@@ -73,9 +76,13 @@ pub(crate) struct BenchTransferArgs {
     /// run (direct), or runs of at least --auto-min-run bytes to the copy engine and the rest to the kernel (auto).
     #[arg(long, value_enum)]
     io_backend: Vec<IoBackendArg>,
-    /// GPU: the shortest run `auto` gives the copy engine, in bytes.
-    #[arg(long, default_value_t = 1 << 20, value_name = "B")]
-    auto_min_run: usize,
+    /// GPU: the shortest run (bytes of one layer) `auto` gives the copy engine; backups, and loads unless
+    /// --auto-min-run-load is given (default: 1 MiB, and 32 KiB for loads where the driver batches copies).
+    #[arg(long, value_name = "B")]
+    auto_min_run: Option<usize>,
+    /// GPU: the shortest run `auto` gives the copy engine on loads.
+    #[arg(long, value_name = "B")]
+    auto_min_run_load: Option<usize>,
     /// Allocate the transfer's host pages and device pages in order (a request's pages kept together), instead of
     /// scattered at random over the pools.
     #[arg(long)]
@@ -109,6 +116,13 @@ pub(crate) struct TransferFigure {
     pub(crate) blocks: Option<u32>,
 }
 
+/// The `auto` thresholds given on the command line, as (backup, load); `None` each: the engine's defaults.
+pub(crate) type AutoMinRunArgs = (Option<usize>, Option<usize>);
+
+fn auto_min_run(args: &BenchTransferArgs) -> AutoMinRunArgs {
+    (args.auto_min_run, args.auto_min_run_load.or(args.auto_min_run))
+}
+
 pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
     #[cfg(not(feature = "cuda"))]
     if args.engine == EngineName::Cuda {
@@ -137,7 +151,12 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
             GeometryArg::Llama31_8b => ("llama-3.1-8b", KvGeometry::llama31_8b()),
             GeometryArg::DeepseekV3 => ("deepseek-v3", KvGeometry::deepseek_v3()),
         };
-        for layout in [HostLayout::LayerFirst, HostLayout::PageFirst, HostLayout::PageFirstDirect] {
+        let layouts: Vec<HostLayout> = if args.layout.is_empty() {
+            HostLayout::ALL.to_vec()
+        } else {
+            args.layout.iter().map(|&layout| crate::replay::host_layout(layout)).collect()
+        };
+        for layout in layouts {
             for &page in &page_sizes {
                 match args.engine {
                     EngineName::Cpu => {
@@ -157,7 +176,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
                                 blocks: args.blocks,
                                 threads: args.threads,
                                 backend,
-                                auto_min_run: args.auto_min_run,
+                                auto_min_run: auto_min_run(args),
                                 contiguous: args.contiguous,
                             };
                             figures.extend(super::bench_transfer_cuda::measure(name, geometry, layout, page, &shape)?);
@@ -179,7 +198,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
                     blocks,
                     threads: args.threads,
                     backend: IoBackendArg::Kernel,
-                    auto_min_run: args.auto_min_run,
+                    auto_min_run: auto_min_run(args),
                     contiguous: args.contiguous,
                 };
                 figures.extend(super::bench_transfer_cuda::measure(

@@ -25,7 +25,7 @@ pub(crate) struct Shape {
     pub(crate) blocks: u32,
     pub(crate) threads: u32,
     pub(crate) backend: IoBackendArg,
-    pub(crate) auto_min_run: usize,
+    pub(crate) auto_min_run: super::bench_transfer::AutoMinRunArgs,
     pub(crate) contiguous: bool,
 }
 
@@ -52,6 +52,13 @@ pub(crate) fn measure(
         IoBackendArg::Direct => (IoBackend::Direct, "direct"),
         IoBackendArg::Auto => (IoBackend::Auto, "auto"),
         IoBackendArg::Batch => (IoBackend::Batch, "batch"),
+    };
+    let auto_min_run = match auto_min_run {
+        (None, None) => None,
+        (backup, load) => Some(hicache_cuda::AutoMinRun {
+            backup: backup.unwrap_or(hicache_cuda::DEFAULT_AUTO_MIN_RUN),
+            load: load.unwrap_or(hicache_cuda::DEFAULT_AUTO_MIN_RUN),
+        }),
     };
     engine.set_io_backend(io_backend, auto_min_run)?;
     let mut rng = rand::rng();

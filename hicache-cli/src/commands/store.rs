@@ -255,6 +255,7 @@ fn open(args: &TargetArgs) -> anyhow::Result<Opened> {
         direct_io: false,
         io_threads: None,
         nixl_plugin: None,
+        nixl_params: Vec::new(),
     };
     let opened = backends::open(backend, &namespace, &options)?;
     let description = match backend {

@@ -214,8 +214,14 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
                 _ => None,
             };
             let dir = args.dir.clone().or_else(|| temp.as_ref().map(|temp| temp.path().to_owned()));
-            let options =
-                BackendOptions { dir, format: args.format, direct_io: false, io_threads: None, nixl_plugin: None };
+            let options = BackendOptions {
+                dir,
+                format: args.format,
+                direct_io: false,
+                io_threads: None,
+                nixl_plugin: None,
+                nixl_params: Vec::new(),
+            };
             SharedStorage::Backend { name, options, _temp: temp }
         }
     };
