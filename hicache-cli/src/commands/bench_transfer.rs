@@ -77,7 +77,7 @@ pub(crate) struct BenchTransferArgs {
     #[arg(long, value_enum)]
     io_backend: Vec<IoBackendArg>,
     /// GPU: the shortest run (bytes of one layer) `auto` gives the copy engine; backups, and loads unless
-    /// --auto-min-run-load is given (default: 1 MiB, and 32 KiB for loads where the driver batches copies).
+    /// --auto-min-run-load is given (default: 1 MiB).
     #[arg(long, value_name = "B")]
     auto_min_run: Option<usize>,
     /// GPU: the shortest run `auto` gives the copy engine on loads.
