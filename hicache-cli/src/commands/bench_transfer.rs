@@ -117,8 +117,10 @@ pub(crate) struct TransferFigure {
 }
 
 /// The `auto` thresholds given on the command line, as (backup, load); `None` each: the engine's defaults.
+#[cfg(feature = "cuda")]
 pub(crate) type AutoMinRunArgs = (Option<usize>, Option<usize>);
 
+#[cfg(feature = "cuda")]
 fn auto_min_run(args: &BenchTransferArgs) -> AutoMinRunArgs {
     (args.auto_min_run, args.auto_min_run_load.or(args.auto_min_run))
 }
