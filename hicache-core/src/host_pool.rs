@@ -1,9 +1,16 @@
-//! Host page allocator: page-granular, O(1) alloc and free, with every page's state checked on every call.
+//! Host page allocator: page-granular, with every page's state checked on every call, handing out a request's
+//! pages as one contiguous run when the pool has one.
 //!
-//! SGLang's host pool hands out token indices, frees with an O(pool) `torch.cat`, accepts a page freed twice, and
-//! checks its state machine only when the logger is at DEBUG (spec §4, §17 items 1, 21). Here a page id names a whole
-//! page of one pool, a double free or a page of another pool is an error, and every transition is checked, always.
-//! A call that fails changes nothing.
+//! SGLang's host pool hands out token indices FIFO with no locality, frees with an O(pool) `torch.cat`, accepts a
+//! page freed twice, and checks its state machine only when the logger is at DEBUG (spec §4, §17 items 1, 21). Here
+//! a page id names a whole page of one pool, a double free or a page of another pool is an error, and every
+//! transition is checked, always. A call that fails changes nothing.
+//!
+//! Contiguity: idle pages are a bitmap, and `alloc(n)` takes the first run of `n` idle pages from a roving cursor
+//! (next fit), looking at most [`SCAN_WORDS`] words of 64 pages; without such a run it takes idle pages in
+//! ascending order from the cursor (a scan of the bitmap). A request's pages next to each other in the host pool are one long copy per
+//! layer, which the GPU engine's `auto` backend gives to the copy engine (0.97–0.99 of PCIe bandwidth on an H200,
+//! against 0.88–0.94 for the kernel over scattered pages). Alloc costs O(`SCAN_WORDS` + n / 64), free O(n).
 //!
 //! States and transitions (SGLang's `MemoryStateInt`):
 //!
@@ -83,13 +90,21 @@ impl fmt::Display for PageState {
 
 static NEXT_POOL: AtomicU32 = AtomicU32::new(1);
 
+/// Words of the idle bitmap (64 pages each) `alloc` searches for a contiguous run before it settles for scattered
+/// pages: 32 768 pages, a 256 GB pool of 8 MiB pages.
+pub const SCAN_WORDS: usize = 512;
+
 /// Page-granular allocator with per-page states.
 #[derive(Debug)]
 pub struct HostPageAllocator {
     pool: u32,
     states: Vec<PageState>,
-    /// Free pages, popped from the end; starts as `pages-1, …, 1, 0` so a fresh pool hands out ascending runs.
-    free: Vec<u32>,
+    /// Bit `i % 64` of word `i / 64` is set when page `i` is idle.
+    idle: Vec<u64>,
+    /// Idle pages.
+    available: usize,
+    /// Where the next search starts (just past the last allocation).
+    cursor: usize,
 }
 
 impl HostPageAllocator {
@@ -103,11 +118,15 @@ impl HostPageAllocator {
             .ok()
             .filter(|&count| count > 0)
             .ok_or(Error::InvalidArgument { field: "pages", reason: format!("{pages} is not in [1, 2^32)") })?;
-        Ok(Self {
+        let mut allocator = Self {
             pool: NEXT_POOL.fetch_add(1, Ordering::Relaxed),
-            states: vec![PageState::Idle; pages],
-            free: (0..count).rev().collect(),
-        })
+            states: vec![PageState::Idle; count as usize],
+            idle: Vec::new(),
+            available: 0,
+            cursor: 0,
+        };
+        allocator.clear();
+        Ok(allocator)
     }
 
     /// Total pages.
@@ -117,7 +136,7 @@ impl HostPageAllocator {
 
     /// Idle pages.
     pub fn available(&self) -> usize {
-        self.free.len()
+        self.available
     }
 
     /// The id of page `index` of this pool, whatever its state (for tests and for rebuilding state).
@@ -147,14 +166,101 @@ impl HostPageAllocator {
     }
 
     /// Allocates `count` pages, all or none; they become reserved. `None` when fewer than `count` are idle.
+    ///
+    /// The pages are one contiguous run, in ascending order, when the search finds a run of `count` idle pages (the
+    /// first from the cursor, within [`SCAN_WORDS`] words); otherwise idle pages in ascending order from the cursor.
     pub fn alloc(&mut self, count: usize) -> Option<Vec<HostPageId>> {
-        let keep = self.free.len().checked_sub(count)?;
-        let pages: Vec<HostPageId> =
-            self.free.drain(keep..).rev().map(|index| HostPageId { pool: self.pool, index }).collect();
-        for page in &pages {
-            self.states[page.index()] = PageState::Reserved;
+        if count > self.available {
+            return None;
         }
-        Some(pages)
+        if count == 0 {
+            return Some(Vec::new());
+        }
+        let indices: Vec<usize> = match self.find_run(count) {
+            Some(start) => (start..start + count).collect(),
+            None => self.first_idle(count),
+        };
+        for &index in &indices {
+            self.set_idle(index, false);
+            self.states[index] = PageState::Reserved;
+        }
+        self.available -= count;
+        self.cursor = (indices[count - 1] + 1) % self.states.len();
+        Some(indices.into_iter().map(|index| HostPageId { pool: self.pool, index: index as u32 }).collect())
+    }
+
+    /// The start of the first run of `count` idle pages at or after the cursor, then from the pool's start, within
+    /// [`SCAN_WORDS`] words of pages examined.
+    fn find_run(&self, count: usize) -> Option<usize> {
+        let pages = self.states.len();
+        let mut budget = SCAN_WORDS * 64;
+        for (from, to) in [(self.cursor, pages), (0, self.cursor)] {
+            let mut position = from;
+            while position < to && budget > 0 {
+                let window = to.min(position + budget);
+                let Some(start) = self.next_in(position, window, true) else {
+                    budget -= window - position;
+                    break;
+                };
+                if start + count > pages {
+                    break;
+                }
+                // the run may extend past `to`: only its first `count` pages matter
+                match self.next_in(start, start + count, false) {
+                    None => return Some(start),
+                    Some(taken) => {
+                        budget = budget.saturating_sub(taken + 1 - position);
+                        position = taken + 1;
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// The first page in `[from, to)` that is idle (`idle`) or not (`!idle`).
+    fn next_in(&self, from: usize, to: usize, idle: bool) -> Option<usize> {
+        if from >= to {
+            return None;
+        }
+        let word_at = |word: usize| if idle { self.idle[word] } else { !self.idle[word] };
+        let mut word = from / 64;
+        let mut bits = word_at(word) & (u64::MAX << (from % 64));
+        loop {
+            if bits != 0 {
+                let found = word * 64 + bits.trailing_zeros() as usize;
+                return (found < to).then_some(found);
+            }
+            word += 1;
+            if word * 64 >= to {
+                return None;
+            }
+            bits = word_at(word);
+        }
+    }
+
+    /// The first `count` idle pages at or after the cursor, then from the pool's start (there are that many).
+    fn first_idle(&self, count: usize) -> Vec<usize> {
+        let pages = self.states.len();
+        let mut found = Vec::with_capacity(count);
+        for (from, to) in [(self.cursor, pages), (0, self.cursor)] {
+            let mut position = from;
+            while found.len() < count {
+                let Some(index) = self.next_in(position, to, true) else { break };
+                found.push(index);
+                position = index + 1;
+            }
+        }
+        found
+    }
+
+    fn set_idle(&mut self, index: usize, idle: bool) {
+        let bit = 1u64 << (index % 64);
+        if idle {
+            self.idle[index / 64] |= bit;
+        } else {
+            self.idle[index / 64] &= !bit;
+        }
     }
 
     /// Frees pages in any state but idle.
@@ -172,15 +278,23 @@ impl HostPageAllocator {
         }
         for &page in pages {
             self.states[page.index()] = PageState::Idle;
-            self.free.push(page.index);
+            self.set_idle(page.index(), true);
         }
+        self.available += pages.len();
         Ok(())
     }
 
     /// Returns every page to idle (SGLang's `clear`), as after a reset.
     pub fn clear(&mut self) {
+        let pages = self.states.len();
         self.states.fill(PageState::Idle);
-        self.free = (0..self.states.len() as u32).rev().collect();
+        self.idle = vec![u64::MAX; pages.div_ceil(64)];
+        if !pages.is_multiple_of(64) {
+            // bits past the last page stay clear
+            *self.idle.last_mut().expect("at least one page") = (1u64 << (pages % 64)) - 1;
+        }
+        self.available = pages;
+        self.cursor = 0;
     }
 
     /// Reserved → protected, when a device-to-host copy starts.
@@ -301,27 +415,31 @@ impl HostPageAllocator {
         }
     }
 
-    /// Checks the allocator's own invariants: the free list holds exactly the idle pages, once each.
+    /// Checks the allocator's own invariants: the bitmap marks exactly the idle pages (and nothing past the last
+    /// page), and the count agrees.
     ///
     /// # Errors
     ///
     /// [`Error::Internal`] describing the first violation.
     pub fn check_invariants(&self) -> Result<(), Error> {
-        let mut seen = vec![false; self.states.len()];
-        for &index in &self.free {
-            let slot = seen
-                .get_mut(index as usize)
-                .ok_or_else(|| Error::Internal(format!("free page {index} out of range")))?;
-            if std::mem::replace(slot, true) {
-                return Err(Error::Internal(format!("page {index} is on the free list twice")));
-            }
-            if self.states[index as usize] != PageState::Idle {
-                return Err(Error::Internal(format!("free page {index} is {}", self.states[index as usize])));
+        let pages = self.states.len();
+        if self.idle.len() != pages.div_ceil(64) || self.cursor >= pages {
+            return Err(Error::Internal(format!(
+                "bitmap of {} words or cursor {} for {pages} pages",
+                self.idle.len(),
+                self.cursor
+            )));
+        }
+        for index in 0..self.idle.len() * 64 {
+            let marked = self.idle[index / 64] >> (index % 64) & 1 == 1;
+            let idle = self.states.get(index).is_some_and(|&state| state == PageState::Idle);
+            if marked != idle {
+                return Err(Error::Internal(format!("page {index}: marked idle {marked}, idle {idle}")));
             }
         }
         let idle = self.states.iter().filter(|&&state| state == PageState::Idle).count();
-        if idle != self.free.len() {
-            return Err(Error::Internal(format!("{idle} idle pages but {} on the free list", self.free.len())));
+        if idle != self.available {
+            return Err(Error::Internal(format!("{idle} idle pages but {} counted", self.available)));
         }
         Ok(())
     }
@@ -376,6 +494,50 @@ mod tests {
         assert!(pool.alloc(1).is_none());
     }
 
+    #[test]
+    fn a_churned_pool_hands_out_a_run_where_it_has_one_and_ascending_pages_otherwise() {
+        let mut pool = HostPageAllocator::new(200).unwrap();
+        let all = pool.alloc(200).unwrap();
+        let indices = |pages: &[HostPageId]| pages.iter().map(|page| page.index()).collect::<Vec<_>>();
+        // free every third page, and one run of five at 131..136 (130 and 136 stay taken)
+        let scattered: Vec<HostPageId> = all.iter().copied().filter(|page| page.index() % 3 == 0).collect();
+        pool.free(&scattered).unwrap();
+        pool.free(&all[131..136].iter().copied().filter(|page| page.index() % 3 != 0).collect::<Vec<_>>()).unwrap();
+        assert_eq!(indices(&pool.alloc(5).unwrap()), [131, 132, 133, 134, 135]);
+        // no run of four remains: the next idle pages after the cursor, ascending
+        assert_eq!(indices(&pool.alloc(4).unwrap()), [138, 141, 144, 147]);
+        pool.check_invariants().unwrap();
+        // runs are sought from the cursor on, then from the start: 9..20 is the first run of three
+        pool.free(&all[10..20].iter().copied().filter(|page| page.index() % 3 != 0).collect::<Vec<_>>()).unwrap();
+        assert_eq!(indices(&pool.alloc(3).unwrap()), [9, 10, 11]);
+        assert_eq!(indices(&pool.alloc(3).unwrap()), [12, 13, 14]);
+        pool.check_invariants().unwrap();
+        // a pool that is not a whole number of words: the last page is handed out, nothing past it
+        let mut odd = HostPageAllocator::new(65).unwrap();
+        assert_eq!(odd.alloc(65).unwrap().last().unwrap().index(), 64);
+        assert!(odd.alloc(1).is_none());
+        odd.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_search_for_a_run_is_bounded() {
+        let pages = SCAN_WORDS * 64 * 2;
+        let mut pool = HostPageAllocator::new(pages).unwrap();
+        let all = pool.alloc(pages).unwrap();
+        // single idle pages over the whole first half, and a run of four beyond it
+        let singles: Vec<HostPageId> = all[..pages / 2].iter().copied().step_by(2).collect();
+        pool.free(&singles).unwrap();
+        pool.free(&all[pages - 10..pages - 6]).unwrap();
+        let got: Vec<usize> = pool.alloc(4).unwrap().iter().map(|page| page.index()).collect();
+        assert_eq!(got, [0, 2, 4, 6], "the run lies past the search budget: scattered pages from the cursor");
+        // within the budget from the cursor, the run is found
+        let near: Vec<HostPageId> = all[pages / 2 + 1..pages / 2 + 5].to_vec();
+        pool.free(&near).unwrap();
+        let got: Vec<usize> = pool.alloc(4).unwrap().iter().map(|page| page.index()).collect();
+        assert_eq!(got, (pages / 2 + 1..pages / 2 + 5).collect::<Vec<_>>());
+        pool.check_invariants().unwrap();
+    }
+
     #[derive(Clone, Debug)]
     enum Step {
         Alloc(usize),
@@ -421,10 +583,18 @@ mod tests {
                 match step {
                     Step::Alloc(count) => {
                         let idle = model.values().filter(|&&state| state == PageState::Idle).count();
+                        // an independent look for a run of `count` idle pages: then the allocation must be one
+                        let has_run = count > 0 && (0..=PAGES.saturating_sub(count)).any(|start| {
+                            (start..start + count).all(|page| model[&page] == PageState::Idle)
+                        });
                         match pool.alloc(count) {
                             Some(pages) => {
                                 prop_assert!(count <= idle);
                                 prop_assert_eq!(pages.len(), count);
+                                if has_run {
+                                    let contiguous = pages.windows(2).all(|pair| pair[1].index() == pair[0].index() + 1);
+                                    prop_assert!(contiguous, "a run of {} existed but got {:?}", count, pages);
+                                }
                                 for page in pages {
                                     prop_assert_eq!(model.insert(page.index(), PageState::Reserved), Some(PageState::Idle));
                                 }

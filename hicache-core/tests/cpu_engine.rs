@@ -234,3 +234,38 @@ fn bad_requests_are_refused_whole() {
         HostLayoutMap::new(KvGeometry::mha(2, 1, 4, KvDtype::Bf16).unwrap(), HostLayout::LayerFirst, 2, 3).unwrap();
     assert!(CpuEngine::new(DeviceLayoutMap::new(geometry, 8).unwrap(), mla_map, Completion::Manual).is_err());
 }
+
+/// The copy counts: pages contiguous in both pools merge into one run per layer and part in `layer_first`; the
+/// same pages in another order, or `page_first` (whose device and host strides differ), do not.
+#[test]
+fn contiguous_pages_merge_into_one_copy_per_layer_and_part() {
+    let geometry = KvGeometry::mha(3, 2, 4, KvDtype::Bf16).unwrap();
+    let (page_size, pages) = (4, 6);
+    for (layout, reversed, runs_per_layer_part) in [
+        (HostLayout::LayerFirst, false, 1),
+        (HostLayout::LayerFirst, true, pages),
+        (HostLayout::PageFirst, false, pages * page_size),
+    ] {
+        let host_map = HostLayoutMap::new(geometry, layout, page_size, pages).unwrap();
+        let mut engine =
+            CpuEngine::new(DeviceLayoutMap::new(geometry, pages * page_size).unwrap(), host_map, Completion::Immediate)
+                .unwrap();
+        let mut host = HostPageAllocator::new(pages).unwrap().alloc(pages).unwrap();
+        let mut slots: Vec<DeviceSlot> = (0..(pages * page_size) as DeviceSlot).collect();
+        if reversed {
+            host.reverse();
+            slots = slots.chunks(page_size).rev().flatten().copied().collect();
+        }
+        let start = engine.start_event().unwrap();
+        engine.backup(&slots, &host, &start).unwrap().wait();
+        engine.load_layer(1, &host, &slots, &start).unwrap().wait();
+        let stats = engine.copy_stats();
+        let parts = geometry.parts().len() as u64;
+        let items = (pages * page_size) as u64 * parts;
+        assert_eq!(stats.backup_items, items * geometry.layers as u64, "{layout:?}");
+        assert_eq!(stats.load_items, items, "{layout:?}");
+        let expected = runs_per_layer_part as u64 * parts;
+        assert_eq!(stats.load_runs, expected, "{layout:?} reversed {reversed}");
+        assert_eq!(stats.backup_runs, expected * geometry.layers as u64, "{layout:?} reversed {reversed}");
+    }
+}

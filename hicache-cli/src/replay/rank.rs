@@ -63,6 +63,8 @@ pub(crate) struct RankOutcome {
     pub(crate) digest: u64,
     /// The tree's eviction counters.
     pub(crate) tree: hicache_core::tree::TreeStats,
+    /// The engine's copies: items and the contiguous runs they merged into.
+    pub(crate) copies: hicache_core::transfer::CopyStats,
 }
 
 /// The replay's knobs that the loop needs.
@@ -211,6 +213,7 @@ pub(crate) fn run_rank(
         + outcome.pages_storage_to_host;
     outcome.digest = digest.finish();
     outcome.tree = tree.stats().clone();
+    outcome.copies = tree.controller().engine().copy_stats();
     Ok(outcome)
 }
 

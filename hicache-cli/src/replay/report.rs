@@ -31,6 +31,13 @@ struct Paths<T> {
     storage_to_host: T,
 }
 
+/// Mean bytes per contiguous copy, per direction between device and host.
+#[derive(Debug, Serialize)]
+struct CopySizes {
+    device_to_host: f64,
+    host_to_device: f64,
+}
+
 #[derive(Debug, Serialize)]
 struct Report {
     hit_rate: f64,
@@ -49,6 +56,8 @@ struct Report {
     gbps: Paths<f64>,
     prefetch_stop_reasons: BTreeMap<String, usize>,
     tree: hicache_core::tree::TreeStats,
+    /// Mean bytes per contiguous copy (rank 0): what a GPU copy engine would get per copy from the same pages.
+    bytes_per_copy: CopySizes,
     tp_size: usize,
     lockstep: bool,
     rounds: Vec<RoundReport>,
@@ -114,6 +123,14 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
         gbps,
         prefetch_stop_reasons: first.stop_reasons.clone(),
         tree: first.tree.clone(),
+        bytes_per_copy: {
+            let item = super::geometry(args)?.item_bytes() as f64;
+            let per = |items: u64, runs: u64| items as f64 * item / runs.max(1) as f64;
+            CopySizes {
+                device_to_host: per(first.copies.backup_items, first.copies.backup_runs),
+                host_to_device: per(first.copies.load_items, first.copies.load_runs),
+            }
+        },
         tp_size: args.tp_size,
         lockstep,
         rounds: first.rounds.iter().enumerate().map(|(index, tally)| round_report(Some(index), tally)).collect(),
@@ -179,6 +196,11 @@ fn print_text(description: &str, report: &Report) {
         report.gbps.host_to_device,
         report.gbps.host_to_storage,
         report.gbps.storage_to_host
+    );
+    println!(
+        "bytes per contiguous copy (both pools): device→host {:.1} KiB, host→device {:.1} KiB",
+        report.bytes_per_copy.device_to_host / 1024.0,
+        report.bytes_per_copy.host_to_device / 1024.0
     );
     let reasons: Vec<String> =
         report.prefetch_stop_reasons.iter().map(|(reason, count)| format!("{reason} {count}")).collect();

@@ -57,6 +57,21 @@ struct State {
     completed: [u64; 2],
     /// Scratch bitmap for duplicate checks, all zero between calls.
     seen: Vec<u64>,
+    stats: CopyStats,
+}
+
+/// What the engine has copied: items, and the contiguous runs (one `memcpy` each) they merged into, per direction.
+/// Items per run is what a GPU's copy engine would get per copy from the same pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopyStats {
+    /// Items backed up (device → host).
+    pub backup_items: u64,
+    /// Runs they merged into.
+    pub backup_runs: u64,
+    /// Items loaded (host → device).
+    pub load_items: u64,
+    /// Runs they merged into.
+    pub load_runs: u64,
 }
 
 impl State {
@@ -81,9 +96,10 @@ impl State {
         let mut host = lock(&self.memory.host);
         match work {
             Work::Backup { slots, pages } => {
-                for (&page, page_slots) in pages.iter().zip(slots.chunks(page_size)) {
-                    for layer in 0..geometry.layers {
-                        for &part in geometry.parts() {
+                // layer and part outermost: consecutive pages of one layer merge into one run (`layer_first`)
+                for layer in 0..geometry.layers {
+                    for &part in geometry.parts() {
+                        for (&page, page_slots) in pages.iter().zip(slots.chunks(page_size)) {
                             for (offset, &slot) in page_slots.iter().enumerate() {
                                 let from = device_map.item_offset(slot as usize, layer, part);
                                 let to = host_map.item_offset(page * page_size + offset, layer, part);
@@ -93,10 +109,12 @@ impl State {
                     }
                 }
                 runs.flush(&device, &mut host);
+                self.stats.backup_items += runs.items;
+                self.stats.backup_runs += runs.runs;
             }
             Work::LoadLayer { layer, pages, slots } => {
-                for (&page, page_slots) in pages.iter().zip(slots.chunks(page_size)) {
-                    for &part in geometry.parts() {
+                for &part in geometry.parts() {
+                    for (&page, page_slots) in pages.iter().zip(slots.chunks(page_size)) {
                         for (offset, &slot) in page_slots.iter().enumerate() {
                             let from = host_map.item_offset(page * page_size + offset, *layer, part);
                             let to = device_map.item_offset(slot as usize, *layer, part);
@@ -105,6 +123,8 @@ impl State {
                     }
                 }
                 runs.flush(&host, &mut device);
+                self.stats.load_items += runs.items;
+                self.stats.load_runs += runs.runs;
             }
         }
     }
@@ -117,14 +137,18 @@ struct Runs {
     from: usize,
     to: usize,
     len: usize,
+    /// Items pushed and runs copied so far.
+    items: u64,
+    runs: u64,
 }
 
 impl Runs {
     fn new(item: usize) -> Self {
-        Self { item, from: 0, to: 0, len: 0 }
+        Self { item, from: 0, to: 0, len: 0, items: 0, runs: 0 }
     }
 
     fn push(&mut self, from: usize, to: usize, source: &[u8], destination: &mut [u8]) {
+        self.items += 1;
         if self.len > 0 && from == self.from + self.len && to == self.to + self.len {
             self.len += self.item;
             return;
@@ -137,6 +161,7 @@ impl Runs {
         if self.len > 0 {
             destination[self.to..self.to + self.len].copy_from_slice(&source[self.from..self.from + self.len]);
             self.len = 0;
+            self.runs += 1;
         }
     }
 }
@@ -210,6 +235,7 @@ impl CpuEngine {
             submitted: [0; 2],
             completed: [0; 2],
             seen: Vec::new(),
+            stats: CopyStats::default(),
         };
         Ok(Self { state: Arc::new(Mutex::new(state)), completion })
     }
@@ -254,6 +280,11 @@ impl CpuEngine {
             }
             None => false,
         }
+    }
+
+    /// What the engine has copied so far (completed copies only).
+    pub fn copy_stats(&self) -> CopyStats {
+        lock(&self.state).stats
     }
 
     /// Completes every pending copy.

@@ -14,7 +14,7 @@
 mod cpu;
 mod layer_counter;
 
-pub use cpu::{Completion, CpuEngine, CpuEvent, CpuHostMemory, Stream};
+pub use cpu::{Completion, CopyStats, CpuEngine, CpuEvent, CpuHostMemory, Stream};
 pub use layer_counter::{LayerDoneCounter, SlotBusy, SlotReuse};
 
 use crate::error::Error;
