@@ -8,6 +8,8 @@ use hicache_core::hash::PageKey;
 use hicache_core::ops::DeviceSlot;
 use hicache_core::transfer::DeviceLayoutMap;
 
+use super::device::ReplayEngine;
+
 /// The seed of a token in a partial last page (never cached, so never checked).
 const PARTIAL: [u8; 32] = [0xa5; 32];
 
@@ -38,57 +40,63 @@ pub(crate) struct Mismatch {
 /// The byte pattern of one replay's geometry.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct KvPattern {
-    map: DeviceLayoutMap,
     geometry: KvGeometry,
     page_size: usize,
 }
 
 impl KvPattern {
     pub(crate) fn new(map: DeviceLayoutMap, page_size: usize) -> Self {
-        Self { geometry: *map.geometry(), map, page_size }
+        Self { geometry: *map.geometry(), page_size }
     }
 
     fn seed<'k>(&self, keys: &'k [PageKey], position: usize) -> &'k [u8; 32] {
         keys.get(position / self.page_size).map_or(&PARTIAL, PageKey::as_bytes)
     }
 
-    /// Writes the KV of tokens at `positions` (of a sequence whose page keys are `keys`) into `slots`, all layers.
-    pub(crate) fn fill(&self, device: &mut [u8], keys: &[PageKey], first: usize, slots: &[DeviceSlot]) {
+    /// Writes the KV of the tokens at `first..` (of a sequence whose page keys are `keys`) into `slots`, all layers.
+    pub(crate) fn fill(
+        &self,
+        engine: &impl ReplayEngine,
+        keys: &[PageKey],
+        first: usize,
+        slots: &[DeviceSlot],
+    ) -> anyhow::Result<()> {
         let item = self.geometry.item_bytes();
-        for (index, &slot) in slots.iter().enumerate() {
-            let position = first + index;
-            let seed = self.seed(keys, position);
-            for layer in 0..self.geometry.layers {
-                for &part in self.geometry.parts() {
-                    let at = self.map.item_offset(slot as usize, layer, part);
-                    derive(seed, position % self.page_size, layer, part.index(), &mut device[at..at + item]);
+        let mut data = vec![0u8; slots.len() * item];
+        for layer in 0..self.geometry.layers {
+            for &part in self.geometry.parts() {
+                for (index, bytes) in data.chunks_mut(item).enumerate() {
+                    let position = first + index;
+                    derive(self.seed(keys, position), position % self.page_size, layer, part.index(), bytes);
                 }
+                engine.write_items(layer, part, slots, &data)?;
             }
         }
+        engine.finish_writes()
     }
 
     /// Checks layer `layer` of the tokens at `first..` in `slots`; returns the bytes checked.
     pub(crate) fn check_layer(
         &self,
-        device: &[u8],
+        engine: &impl ReplayEngine,
         keys: &[PageKey],
         first: usize,
         slots: &[DeviceSlot],
         layer: usize,
-    ) -> Result<u64, Mismatch> {
+    ) -> anyhow::Result<Result<u64, Mismatch>> {
         let item = self.geometry.item_bytes();
         let mut expected = vec![0u8; item];
-        for (index, &slot) in slots.iter().enumerate() {
-            let position = first + index;
-            let seed = self.seed(keys, position);
-            for &part in self.geometry.parts() {
-                derive(seed, position % self.page_size, layer, part.index(), &mut expected);
-                let at = self.map.item_offset(slot as usize, layer, part);
-                if device[at..at + item] != expected[..] {
-                    return Err(Mismatch { position, slot, layer });
+        let mut found = vec![0u8; slots.len() * item];
+        for &part in self.geometry.parts() {
+            engine.read_items(layer, part, slots, &mut found)?;
+            for (index, (&slot, bytes)) in slots.iter().zip(found.chunks(item)).enumerate() {
+                let position = first + index;
+                derive(self.seed(keys, position), position % self.page_size, layer, part.index(), &mut expected);
+                if bytes != expected {
+                    return Ok(Err(Mismatch { position, slot, layer }));
                 }
             }
         }
-        Ok((slots.len() * item * self.geometry.parts().len()) as u64)
+        Ok(Ok((slots.len() * item * self.geometry.parts().len()) as u64))
     }
 }

@@ -6,6 +6,7 @@
 //! the host and storage all serve hits. Model compute is not run; a compute model turns uncached tokens into a
 //! prefill time for the TTFT estimate.
 
+mod device;
 mod kv;
 mod rank;
 mod report;
@@ -275,16 +276,12 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
 
 fn check(args: &ReplayArgs) -> anyhow::Result<()> {
     let usage = |message: String| -> anyhow::Result<()> { Err(Usage(message).into()) };
-    if args.engine == EngineName::Cuda {
-        return usage(if cfg!(feature = "cuda") {
-            "the replay runs on the CPU engine only so far (its byte checks read the device pool directly); use \
-             `hicache bench transfer --engine cuda` for the GPU"
-                .into()
-        } else {
+    if args.engine == EngineName::Cuda && !cfg!(feature = "cuda") {
+        return usage(
             "the cuda engine is not compiled into this hicache; rebuild with `cargo build --release -p hicache-cli \
              --features cuda`"
-                .into()
-        });
+                .into(),
+        );
     }
     for (name, value) in [
         ("--clients", args.clients),
@@ -352,11 +349,37 @@ fn run_one(
     let geometry = geometry(args)?;
     let page = args.page_size;
     let (device_pages, host_pages) = (args.device_tokens / page, args.host_tokens / page);
-    let engine = CpuEngine::new(
-        DeviceLayoutMap::new(geometry, device_pages * page)?,
-        HostLayoutMap::new(geometry, layout(args), page, host_pages)?,
-        Completion::Immediate,
-    )?;
+    let device_map = DeviceLayoutMap::new(geometry, device_pages * page)?;
+    let host_map = HostLayoutMap::new(geometry, layout(args), page, host_pages)?;
+    match args.engine {
+        EngineName::Cpu => {
+            let engine = CpuEngine::new(device_map, host_map, Completion::Immediate)?;
+            run_on(engine, args, rank, storage, collective, progress, metrics)
+        }
+        #[cfg(feature = "cuda")]
+        EngineName::Cuda => {
+            let device = hicache_cuda::Device::open(0)?;
+            let engine = hicache_cuda::CudaEngine::new(&device, device_map, host_map)?;
+            run_on(engine, args, rank, storage, collective, progress, metrics)
+        }
+        #[cfg(not(feature = "cuda"))]
+        EngineName::Cuda => unreachable!("refused before the ranks start"),
+    }
+}
+
+/// Builds the controller, storage and tree over `engine`, and runs the workload on it.
+fn run_on<E: device::ReplayEngine>(
+    engine: E,
+    args: &ReplayArgs,
+    rank: usize,
+    storage: &SharedStorage,
+    collective: &mut dyn Collective,
+    progress: &dyn Fn(u64),
+    metrics: Option<&Metrics>,
+) -> anyhow::Result<rank::RankOutcome> {
+    let geometry = geometry(args)?;
+    let page = args.page_size;
+    let (device_pages, host_pages) = (args.device_tokens / page, args.host_tokens / page);
     let mut controller = CacheController::new(engine, page, host_pages, device_pages, args.layers)?;
     let mut namespace = StorageNamespace::single_rank("hicache-replay", geometry, layout(args), page);
     namespace.tp_rank = rank;
@@ -431,7 +454,16 @@ fn describe(args: &ReplayArgs, storage: &SharedStorage) -> String {
         },
     };
     format!(
-        "{} clients × {} rounds, +{} tokens per prompt, {} answer tokens, page {}, cpu engine, {tier}, TP {}",
-        args.clients, args.rounds, args.request_length, args.output_length, args.page_size, args.tp_size
+        "{} clients × {} rounds, +{} tokens per prompt, {} answer tokens, page {}, {} engine, {tier}, TP {}",
+        args.clients,
+        args.rounds,
+        args.request_length,
+        args.output_length,
+        args.page_size,
+        match args.engine {
+            EngineName::Cpu => "cpu",
+            EngineName::Cuda => "cuda",
+        },
+        args.tp_size
     )
 }

@@ -11,9 +11,9 @@ use anyhow::bail;
 use hicache_core::collective::Collective;
 use hicache_core::controller::{PrefetchStart, PrefetchStop};
 use hicache_core::hash::{PageHasher, PartialPage};
-use hicache_core::transfer::CpuEngine;
 use hicache_core::tree::{HiRadixTree, PrefetchCheck, TickSummary};
 
+use super::device::ReplayEngine;
 use super::kv::KvPattern;
 use super::workload::Workload;
 use crate::metrics::{DataPath, Metrics};
@@ -63,8 +63,8 @@ pub(crate) struct RankOutcome {
     pub(crate) digest: u64,
     /// The tree's eviction counters.
     pub(crate) tree: hicache_core::tree::TreeStats,
-    /// The engine's copies: items and the contiguous runs they merged into.
-    pub(crate) copies: hicache_core::transfer::CopyStats,
+    /// The engine's copies: items and the contiguous runs they merged into (engines that count them).
+    pub(crate) copies: Option<hicache_core::transfer::CopyStats>,
 }
 
 /// The replay's knobs that the loop needs.
@@ -87,8 +87,8 @@ struct Waiting {
 }
 
 /// Runs the workload on one rank's tree.
-pub(crate) fn run_rank(
-    tree: &mut HiRadixTree<CpuEngine>,
+pub(crate) fn run_rank<E: ReplayEngine>(
+    tree: &mut HiRadixTree<E>,
     workload: &mut Workload,
     spec: &LoopSpec,
     collective: &mut dyn Collective,
@@ -96,8 +96,8 @@ pub(crate) fn run_rank(
     metrics: Option<&Metrics>,
 ) -> anyhow::Result<RankOutcome> {
     let page = tree.page_size();
-    let page_bytes = (tree.controller().engine().device_map().geometry().bytes_per_token() * page) as u64;
-    let pattern = KvPattern::new(tree.controller().engine().device_map(), page);
+    let page_bytes = (tree.controller().engine().pool_map().geometry().bytes_per_token() * page) as u64;
+    let pattern = KvPattern::new(tree.controller().engine().pool_map(), page);
     let layers = pattern_layers(tree);
     let mut hasher = PageHasher::new();
     let mut outcome = RankOutcome { rounds: vec![Tally::default(); workload.spec.rounds], ..RankOutcome::default() };
@@ -213,17 +213,17 @@ pub(crate) fn run_rank(
         + outcome.pages_storage_to_host;
     outcome.digest = digest.finish();
     outcome.tree = tree.stats().clone();
-    outcome.copies = tree.controller().engine().copy_stats();
+    outcome.copies = tree.controller().engine().copies();
     Ok(outcome)
 }
 
-fn pattern_layers(tree: &HiRadixTree<CpuEngine>) -> usize {
-    tree.controller().engine().device_map().geometry().layers
+fn pattern_layers<E: ReplayEngine>(tree: &HiRadixTree<E>) -> usize {
+    tree.controller().engine().pool_map().geometry().layers
 }
 
 /// A request arrives: match its prompt, and prefetch what storage may hold beyond the match.
-fn admit(
-    tree: &mut HiRadixTree<CpuEngine>,
+fn admit<E: ReplayEngine>(
+    tree: &mut HiRadixTree<E>,
     workload: &Workload,
     client: usize,
     round: usize,
@@ -242,8 +242,8 @@ fn admit(
 
 /// Runs one request; `None` when the device pool has no room for it now (it waits for the next step).
 #[expect(clippy::too_many_arguments, reason = "the loop's state, passed apart to keep the borrows disjoint")]
-fn run_request(
-    tree: &mut HiRadixTree<CpuEngine>,
+fn run_request<E: ReplayEngine>(
+    tree: &mut HiRadixTree<E>,
     workload: &Workload,
     spec: &LoopSpec,
     pattern: &KvPattern,
@@ -280,21 +280,23 @@ fn run_request(
         for layer in 0..layers {
             tree.controller_mut().layers().wait_until(layer);
             let check = Instant::now();
-            let checked = tree
-                .controller()
-                .engine()
-                .with_device(|device| pattern.check_layer(device, &keys, device_hit, &loaded, layer));
+            let checked = pattern.check_layer(tree.controller().engine(), &keys, device_hit, &loaded, layer)?;
             record_check(outcome, checked, "loaded", request);
             checking += check.elapsed();
         }
     }
     let load_s = load_started.elapsed().saturating_sub(checking).as_secs_f64();
     let check = Instant::now();
-    let checked = tree.controller().engine().with_device(|device| {
-        (0..layers).try_fold(0, |bytes, layer| {
-            Ok(bytes + pattern.check_layer(device, &keys, 0, &matched.device_slots, layer)?)
-        })
-    });
+    let mut checked = Ok(0);
+    for layer in 0..layers {
+        match pattern.check_layer(tree.controller().engine(), &keys, 0, &matched.device_slots, layer)? {
+            Ok(bytes) => checked = checked.map(|total| total + bytes),
+            Err(mismatch) => {
+                checked = Err(mismatch);
+                break;
+            }
+        }
+    }
     record_check(outcome, checked, "device-resident", request);
     checking += check.elapsed();
     let Some(fresh) = fresh else {
@@ -303,7 +305,7 @@ fn run_request(
     };
     // prefill and decode: the KV of every new token, then the whole sequence goes into the tree
     let before_prefill = started.elapsed();
-    tree.controller().engine().with_device(|device| pattern.fill(device, &keys, cached, &fresh));
+    pattern.fill(tree.controller().engine(), &keys, cached, &fresh)?;
     let mut slots = matched.device_slots.clone();
     slots.extend(&loaded);
     slots.extend(&fresh);

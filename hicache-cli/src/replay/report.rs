@@ -56,8 +56,10 @@ struct Report {
     gbps: Paths<f64>,
     prefetch_stop_reasons: BTreeMap<String, usize>,
     tree: hicache_core::tree::TreeStats,
-    /// Mean bytes per contiguous copy (rank 0): what a GPU copy engine would get per copy from the same pages.
-    bytes_per_copy: CopySizes,
+    /// Mean bytes per contiguous copy (rank 0, CPU engine): what a GPU copy engine would get per copy from the same
+    /// pages.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes_per_copy: Option<CopySizes>,
     tp_size: usize,
     lockstep: bool,
     rounds: Vec<RoundReport>,
@@ -126,10 +128,10 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
         bytes_per_copy: {
             let item = super::geometry(args)?.item_bytes() as f64;
             let per = |items: u64, runs: u64| items as f64 * item / runs.max(1) as f64;
-            CopySizes {
-                device_to_host: per(first.copies.backup_items, first.copies.backup_runs),
-                host_to_device: per(first.copies.load_items, first.copies.load_runs),
-            }
+            first.copies.map(|copies| CopySizes {
+                device_to_host: per(copies.backup_items, copies.backup_runs),
+                host_to_device: per(copies.load_items, copies.load_runs),
+            })
         },
         tp_size: args.tp_size,
         lockstep,
@@ -197,11 +199,13 @@ fn print_text(description: &str, report: &Report) {
         report.gbps.host_to_storage,
         report.gbps.storage_to_host
     );
-    println!(
-        "bytes per contiguous copy (both pools): device→host {:.1} KiB, host→device {:.1} KiB",
-        report.bytes_per_copy.device_to_host / 1024.0,
-        report.bytes_per_copy.host_to_device / 1024.0
-    );
+    if let Some(sizes) = &report.bytes_per_copy {
+        println!(
+            "bytes per contiguous copy (both pools): device→host {:.1} KiB, host→device {:.1} KiB",
+            sizes.device_to_host / 1024.0,
+            sizes.host_to_device / 1024.0
+        );
+    }
     let reasons: Vec<String> =
         report.prefetch_stop_reasons.iter().map(|(reason, count)| format!("{reason} {count}")).collect();
     println!("prefetches: {}", if reasons.is_empty() { "none".into() } else { reasons.join(", ") });
