@@ -12,13 +12,11 @@ use std::time::Instant;
 use anyhow::bail;
 use clap::{Args, ValueEnum};
 use hicache_core::geometry::KvGeometry;
-use hicache_core::host_pool::HostPageAllocator;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
-use hicache_core::ops::DeviceSlot;
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, TransferEngine, TransferEvent};
-use rand::seq::SliceRandom as _;
 use serde::Serialize;
 
+use super::placement::{Placement, mean_run_bytes, place};
 use crate::exit::Usage;
 use crate::replay::EngineName;
 
@@ -83,9 +81,12 @@ pub(crate) struct BenchTransferArgs {
     /// GPU: the shortest run `auto` gives the copy engine on loads.
     #[arg(long, value_name = "B")]
     auto_min_run_load: Option<usize>,
-    /// Allocate the transfer's host pages and device pages in order (a request's pages kept together), instead of
-    /// scattered at random over the pools.
-    #[arg(long)]
+    /// Where the transfer's pages lie: scattered at random over pools twice its size, contiguous (in order), or as
+    /// the allocators of churned pools hand them out.
+    #[arg(long, value_enum, default_value_t = Placement::Scattered)]
+    placement: Placement,
+    /// The same as --placement contiguous.
+    #[arg(long, conflicts_with = "placement")]
     contiguous: bool,
     /// GPU: also measure Llama `layer_first` and `page_first` page-64 loads and backups at several block counts,
     /// to find the fewest blocks that reach 90% of bulk.
@@ -111,9 +112,26 @@ pub(crate) struct TransferFigure {
     pub(crate) ratio: f64,
     /// Loads: microseconds until layer 0 is ready.
     pub(crate) first_layer_us: Option<f64>,
+    /// Where the pages lay: scattered, contiguous or churned.
+    pub(crate) placement: &'static str,
+    /// Mean bytes of one copy contiguous in both pools (per layer and part).
+    pub(crate) run_bytes: f64,
     /// GPU: most thread blocks of the kernel.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) blocks: Option<u32>,
+}
+
+/// The placement's name in figures.
+pub(crate) fn placement_name(placement: Placement) -> &'static str {
+    match placement {
+        Placement::Scattered => "scattered",
+        Placement::Contiguous => "contiguous",
+        Placement::Churned => "churned",
+    }
+}
+
+fn placement(args: &BenchTransferArgs) -> Placement {
+    if args.contiguous { Placement::Contiguous } else { args.placement }
 }
 
 /// The `auto` thresholds given on the command line, as (backup, load); `None` each: the engine's defaults.
@@ -162,7 +180,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
             for &page in &page_sizes {
                 match args.engine {
                     EngineName::Cpu => {
-                        figures.extend(measure(name, geometry, layout, page, tokens, args.rounds, args.contiguous)?)
+                        figures.extend(measure(name, geometry, layout, page, tokens, args.rounds, placement(args))?)
                     }
                     #[cfg(feature = "cuda")]
                     EngineName::Cuda => {
@@ -179,7 +197,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
                                 threads: args.threads,
                                 backend,
                                 auto_min_run: auto_min_run(args),
-                                contiguous: args.contiguous,
+                                placement: placement(args),
                             };
                             figures.extend(super::bench_transfer_cuda::measure(name, geometry, layout, page, &shape)?);
                         }
@@ -201,7 +219,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
                     threads: args.threads,
                     backend: IoBackendArg::Kernel,
                     auto_min_run: auto_min_run(args),
-                    contiguous: args.contiguous,
+                    placement: placement(args),
                 };
                 figures.extend(super::bench_transfer_cuda::measure(
                     "llama-3.1-8b",
@@ -218,17 +236,19 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "geometry      layout             engine  direction  page   item B     GB/s   bulk GB/s  ratio  layer 0 / blocks"
+        "geometry      layout             engine  direction  page   item B   run KiB     GB/s   bulk GB/s  ratio  layer 0 / \
+         blocks"
     );
     for figure in &figures {
         println!(
-            "{:<13} {:<18} {:<7} {:<10} {:>4} {:>8} {:>8.2} {:>11.2} {:>6.2}  {}",
+            "{:<13} {:<18} {:<7} {:<10} {:>4} {:>8} {:>9.1} {:>8.2} {:>11.2} {:>6.2}  {}",
             figure.geometry,
             figure.layout,
             figure.io_backend,
             figure.direction,
             figure.page_size,
             figure.item_bytes,
+            figure.run_bytes / 1024.0,
             figure.gbps,
             figure.bulk_gbps,
             figure.ratio,
@@ -247,30 +267,20 @@ fn measure(
     page: usize,
     tokens: usize,
     rounds: usize,
-    contiguous: bool,
+    placement: Placement,
 ) -> anyhow::Result<Vec<TransferFigure>> {
     let pages = tokens / page;
     // the pools hold twice the transfer, so the pages can be scattered
     let device_pages = 2 * pages;
     let mut engine = CpuEngine::new(
         DeviceLayoutMap::new(geometry, device_pages * page)?,
-        HostLayoutMap::new(geometry, layout, page, 2 * pages + 1)?,
+        HostLayoutMap::new(geometry, layout, page, 2 * pages)?,
         Completion::Immediate,
     )?;
     engine.with_device(|bytes| bytes.iter_mut().enumerate().for_each(|(index, byte)| *byte = index as u8));
-    let mut allocator = HostPageAllocator::new(2 * pages + 1)?;
-    let mut all = allocator.alloc(2 * pages + 1).expect("a fresh pool");
-    let mut rng = rand::rng();
-    let mut device_order: Vec<usize> = (0..device_pages).collect();
-    if !contiguous {
-        all.shuffle(&mut rng);
-        device_order.shuffle(&mut rng);
-    }
-    let host_pages = &all[..pages];
-    let slots: Vec<DeviceSlot> = device_order[..pages]
-        .iter()
-        .flat_map(|&device_page| (0..page).map(move |offset| (device_page * page + offset) as DeviceSlot))
-        .collect();
+    let (host_pages, slots) = place(placement, pages, 2 * pages, page, &mut rand::rng())?;
+    let host_pages = &host_pages[..];
+    let run_bytes = mean_run_bytes(&engine.host_map(), &engine.device_map(), host_pages, &slots);
     let bytes = (tokens * geometry.bytes_per_token()) as f64;
     let mut best = [0f64; 2];
     let mut first_layer = f64::MAX;
@@ -305,6 +315,8 @@ fn measure(
         bulk_gbps: bulk,
         ratio: gbps / bulk,
         first_layer_us,
+        placement: placement_name(placement),
+        run_bytes,
         blocks: None,
     };
     Ok(vec![figure("backup", best[0], None), figure("load", best[1], Some(first_layer))])

@@ -6,12 +6,9 @@ use std::time::Instant;
 use anyhow::Context as _;
 use cudarc::driver::sys;
 use hicache_core::geometry::KvGeometry;
-use hicache_core::host_pool::HostPageAllocator;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
-use hicache_core::ops::DeviceSlot;
 use hicache_core::transfer::{DeviceLayoutMap, TransferEngine, TransferEvent};
 use hicache_cuda::{CudaEngine, Device, LaunchShape};
-use rand::seq::SliceRandom as _;
 
 use hicache_core::config::IoBackend;
 
@@ -26,7 +23,7 @@ pub(crate) struct Shape {
     pub(crate) threads: u32,
     pub(crate) backend: IoBackendArg,
     pub(crate) auto_min_run: super::bench_transfer::AutoMinRunArgs,
-    pub(crate) contiguous: bool,
+    pub(crate) placement: super::placement::Placement,
 }
 
 /// Backup and load figures of one geometry, layout, page size, io backend and block quota on GPU 0.
@@ -37,7 +34,7 @@ pub(crate) fn measure(
     page: usize,
     shape: &Shape,
 ) -> anyhow::Result<Vec<TransferFigure>> {
-    let Shape { tokens, rounds, blocks, threads, backend, auto_min_run, contiguous } = *shape;
+    let Shape { tokens, rounds, blocks, threads, backend, auto_min_run, placement } = *shape;
     let device = Device::open(0)?;
     let pages = tokens / page;
     let device_pages = 2 * pages;
@@ -61,18 +58,9 @@ pub(crate) fn measure(
         }),
     };
     engine.set_io_backend(io_backend, auto_min_run)?;
-    let mut rng = rand::rng();
-    let mut all = HostPageAllocator::new(2 * pages)?.alloc(2 * pages).context("a fresh pool")?;
-    let mut order: Vec<usize> = (0..device_pages).collect();
-    if !contiguous {
-        all.shuffle(&mut rng);
-        order.shuffle(&mut rng);
-    }
-    let host_pages = &all[..pages];
-    let slots: Vec<DeviceSlot> = order[..pages]
-        .iter()
-        .flat_map(|&device_page| (0..page).map(move |offset| (device_page * page + offset) as DeviceSlot))
-        .collect();
+    let (host_pages, slots) = super::placement::place(placement, pages, 2 * pages, page, &mut rand::rng())?;
+    let host_pages = &host_pages[..];
+    let run_bytes = super::placement::mean_run_bytes(&engine.host_map(), &engine.device_map(), host_pages, &slots);
     let bytes = tokens * geometry.bytes_per_token();
     let mut best = [0f64; 2];
     let mut first_layer = f64::MAX;
@@ -106,6 +94,8 @@ pub(crate) fn measure(
         bulk_gbps: bulk,
         ratio: gbps / bulk,
         first_layer_us,
+        placement: super::bench_transfer::placement_name(placement),
+        run_bytes,
         blocks: Some(blocks),
     };
     Ok(vec![figure("backup", best[0], bulk[0], None), figure("load", best[1], bulk[1], Some(first_layer))])

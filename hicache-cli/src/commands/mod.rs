@@ -8,4 +8,5 @@ pub(crate) mod bench_transfer;
 pub(crate) mod bench_transfer_cuda;
 pub(crate) mod config;
 pub(crate) mod hash;
+pub(crate) mod placement;
 pub(crate) mod store;
