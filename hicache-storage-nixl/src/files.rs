@@ -68,10 +68,10 @@ fn identity(metadata: &std::fs::Metadata) -> (u64, u64, u64) {
     (metadata.dev(), metadata.ino(), metadata.len())
 }
 
-/// Recently used page files.
+/// Recently used page files (generic over the entry, so the cache's bookkeeping is tested without NIXL).
 #[derive(Debug)]
-pub(crate) struct FileCache {
-    pages: HashMap<PageKey, (Arc<OpenPage>, u64)>,
+pub(crate) struct FileCache<T = OpenPage> {
+    pages: HashMap<PageKey, (Arc<T>, u64)>,
     /// Use tick → key, oldest first.
     order: BTreeMap<u64, PageKey>,
     tick: u64,
@@ -79,7 +79,7 @@ pub(crate) struct FileCache {
     opened: u64,
 }
 
-impl FileCache {
+impl<T> FileCache<T> {
     pub(crate) fn new(capacity: usize) -> Self {
         Self { pages: HashMap::new(), order: BTreeMap::new(), tick: 0, capacity: capacity.max(1), opened: 0 }
     }
@@ -95,7 +95,7 @@ impl FileCache {
     }
 
     /// The open file of `key`, marked as just used.
-    pub(crate) fn get(&mut self, key: &PageKey) -> Option<Arc<OpenPage>> {
+    pub(crate) fn get(&mut self, key: &PageKey) -> Option<Arc<T>> {
         let tick = self.next_tick();
         let (page, used) = self.pages.get_mut(key)?;
         self.order.remove(used);
@@ -106,7 +106,7 @@ impl FileCache {
 
     /// Keeps `page` as the open file of `key` (replacing an older one), closing the least recently used beyond the
     /// capacity. Files still held by a transfer close when it lets go.
-    pub(crate) fn insert(&mut self, key: PageKey, page: Arc<OpenPage>) {
+    pub(crate) fn insert(&mut self, key: PageKey, page: Arc<T>) {
         self.opened += 1;
         let tick = self.next_tick();
         if let Some((_, used)) = self.pages.insert(key, (page, tick)) {
@@ -135,5 +135,73 @@ impl FileCache {
     fn next_tick(&mut self) -> u64 {
         self.tick += 1;
         self.tick
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use hicache_core::hash::PageKey;
+    use proptest::prelude::*;
+
+    use super::FileCache;
+
+    #[derive(Clone, Debug)]
+    enum Step {
+        Get(u8),
+        Insert(u8, u32),
+        Forget(u8),
+        Clear,
+    }
+
+    fn key(index: u8) -> PageKey {
+        PageKey::from_bytes([index; 32])
+    }
+
+    proptest! {
+        /// The cache against a model: a list of (key, value), most recently used last, cut to the capacity.
+        #[test]
+        fn the_cache_keeps_the_most_recently_used(
+            capacity in 1usize..6,
+            steps in prop::collection::vec(prop_oneof![
+                4 => (0u8..8).prop_map(Step::Get),
+                4 => (0u8..8, any::<u32>()).prop_map(|(key, value)| Step::Insert(key, value)),
+                1 => (0u8..8).prop_map(Step::Forget),
+                1 => Just(Step::Clear),
+            ], 0..80),
+        ) {
+            let mut cache: FileCache<u32> = FileCache::new(capacity);
+            let mut model: Vec<(u8, u32)> = Vec::new();
+            for step in steps {
+                match step {
+                    Step::Get(index) => {
+                        let expected = model.iter().position(|entry| entry.0 == index).map(|at| model.remove(at));
+                        if let Some(entry) = expected {
+                            model.push(entry);
+                        }
+                        prop_assert_eq!(cache.get(&key(index)).map(|value| *value), expected.map(|entry| entry.1));
+                    }
+                    Step::Insert(index, value) => {
+                        model.retain(|entry| entry.0 != index);
+                        model.push((index, value));
+                        if model.len() > capacity {
+                            model.remove(0);
+                        }
+                        cache.insert(key(index), Arc::new(value));
+                    }
+                    Step::Forget(index) => {
+                        model.retain(|entry| entry.0 != index);
+                        cache.forget(&key(index));
+                    }
+                    Step::Clear => {
+                        model.clear();
+                        cache.clear();
+                    }
+                }
+                prop_assert_eq!(cache.len(), model.len());
+                prop_assert_eq!(cache.order.len(), cache.pages.len(), "the order lists each entry once");
+            }
+        }
     }
 }

@@ -55,14 +55,7 @@ impl RegionCache {
         agent: &NixlAgent,
         spans: &mut [(usize, usize)],
     ) -> Result<Vec<Arc<Registered>>, NixlError> {
-        spans.sort_unstable();
-        let mut runs: Vec<(usize, usize)> = Vec::new();
-        for &(address, len) in spans.iter().filter(|(_, len)| *len > 0) {
-            match runs.last_mut() {
-                Some((_, end)) if address <= *end => *end = (*end).max(address + len),
-                _ => runs.push((address, address + len)),
-            }
-        }
+        let runs = merge_runs(spans);
         let mut held = Vec::with_capacity(runs.len());
         for (start, end) in runs {
             let found = self.ranges.iter().rposition(|range| range.start <= start && end <= range.end);
@@ -93,5 +86,45 @@ impl RegionCache {
                 true
             }
         });
+    }
+}
+
+/// The maximal runs `[start, end)` of overlapping or adjacent spans (`address`, `len`), in address order; empty spans
+/// are ignored. Sorts `spans`.
+pub(crate) fn merge_runs(spans: &mut [(usize, usize)]) -> Vec<(usize, usize)> {
+    spans.sort_unstable();
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &(address, len) in spans.iter().filter(|(_, len)| *len > 0) {
+        match runs.last_mut() {
+            Some((_, end)) if address <= *end => *end = (*end).max(address + len),
+            _ => runs.push((address, address + len)),
+        }
+    }
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::merge_runs;
+
+    proptest! {
+        /// Runs are disjoint, not adjacent, in order; each span lies in one run; every run byte is in some span.
+        #[test]
+        fn runs_cover_exactly_the_spans(mut spans in prop::collection::vec((0usize..200, 0usize..20), 0..30)) {
+            let runs = merge_runs(&mut spans);
+            for pair in runs.windows(2) {
+                prop_assert!(pair[0].1 < pair[1].0, "runs {:?} touch or overlap", pair);
+            }
+            for &(address, len) in spans.iter().filter(|(_, len)| *len > 0) {
+                prop_assert!(runs.iter().any(|&(start, end)| start <= address && address + len <= end));
+            }
+            for &(start, end) in &runs {
+                for byte in start..end {
+                    prop_assert!(spans.iter().any(|&(address, len)| address <= byte && byte < address + len));
+                }
+            }
+        }
     }
 }
