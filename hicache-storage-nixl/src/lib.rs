@@ -9,8 +9,8 @@
 //! * **One agent per backend**, named `hicache_nixl_{pid}_{n}`; the plugin is SGLang's `auto` choice (the first of
 //!   3FS, POSIX, GDS_MT, GDS that this NIXL has and that starts) or the one named in [`NixlConfig::plugin`], with
 //!   [`NixlConfig::plugin_params`] over its defaults (a parameter the plugin lacks is an error naming it).
-//! * **Registrations kept**: host memory is registered once per buffer ([`regions`]), page files are opened and
-//!   registered once and kept open up to [`NixlConfig::max_open_files`] ([`files`]); SGLang registered and opened
+//! * **Registrations kept**: host memory is registered once per buffer (`regions.rs`), page files are opened and
+//!   registered once and kept open up to [`NixlConfig::max_open_files`] (`files.rs`); SGLang registered and opened
 //!   on every transfer and never released either.
 //! * **A batch is one transfer request**, its completion waited for with a backoff that overshoots by at most ~6%
 //!   (SGLang polls with a 100 µs sleep). When the request fails, each page is tried alone, so one bad page fails
@@ -237,7 +237,7 @@ impl NixlStorage {
         let metadata = file
             .metadata()
             .map_err(|error| PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display())))?;
-        if metadata.len() != self.page_bytes as u64 {
+        if !metadata.is_file() || metadata.len() != self.page_bytes as u64 {
             // a torn or foreign file is as good as absent; remove it (if the path still names it) so it is written again
             let same =
                 std::fs::metadata(&path).is_ok_and(|now| (now.dev(), now.ino()) == (metadata.dev(), metadata.ino()));
@@ -246,7 +246,13 @@ impl NixlStorage {
             }
             return Err(PageFailure::new(
                 FailureKind::Corrupt,
-                format!("{}: {} bytes, a page is {}", path.display(), metadata.len(), self.page_bytes),
+                format!(
+                    "{}: {} of {} bytes, a page is {}",
+                    path.display(),
+                    if metadata.is_file() { "a file" } else { "not a file" },
+                    metadata.len(),
+                    self.page_bytes
+                ),
             ));
         }
         let page = OpenPage::register(&self.agent, file, self.page_bytes).map_err(|(_, failure)| {

@@ -172,7 +172,7 @@ impl PageHasher {
     }
 
     /// The keys of several independent chains, as [`page_keys`](Self::page_keys) gives each; with the SHA
-    /// extensions, chains are hashed [`LANES`] at a time, interleaved, which is faster than one after another.
+    /// extensions, chains are hashed `LANES` at a time, interleaved, which is faster than one after another.
     ///
     /// # Errors
     ///
