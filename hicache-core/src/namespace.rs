@@ -77,6 +77,22 @@ impl StorageNamespace {
         self.model.replace('/', "-")
     }
 
+    /// [`sglang_model`](Self::sglang_model), checked for use in a file name (file-like backends).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming `model` when it holds a NUL byte or is over 128 bytes.
+    pub fn file_name_model(&self) -> Result<String, Error> {
+        let model = self.sglang_model();
+        if model.contains('\0') || model.len() > 128 {
+            return Err(Error::InvalidArgument {
+                field: "model",
+                reason: format!("{:?} cannot be part of a file name (NUL byte, or over 128 bytes)", self.model),
+            });
+        }
+        Ok(model)
+    }
+
     /// The canonical text of the namespace, one `key=value` per field, fixed order.
     ///
     /// MLA drops the TP rank and size: the latent is identical on every TP rank, so all ranks share objects (as

@@ -111,13 +111,7 @@ impl FileStorage {
     /// [`Error::Storage`] when the directory cannot be created.
     pub fn open(config: FileConfig, namespace: &StorageNamespace) -> Result<Self, Error> {
         let namespace = namespace.clone().validated()?;
-        let model = namespace.sglang_model();
-        if model.contains('\0') || model.len() > 128 {
-            return Err(Error::InvalidArgument {
-                field: "model",
-                reason: format!("{:?} cannot be part of a file name (NUL byte, or over 128 bytes)", namespace.model),
-            });
-        }
+        let model = namespace.file_name_model()?;
         if config.io_threads == 0 {
             return Err(Error::InvalidArgument { field: "io_threads", reason: "must be at least 1".into() });
         }

@@ -155,13 +155,7 @@ impl NixlStorage {
     /// [`Error::Storage`] when the library cannot be loaded, no plugin starts, or the directory cannot be created.
     pub fn open(config: NixlConfig, namespace: &StorageNamespace) -> Result<Self, Error> {
         let namespace = namespace.clone().validated()?;
-        let model = namespace.sglang_model();
-        if model.contains('\0') || model.len() > 128 {
-            return Err(Error::InvalidArgument {
-                field: "model",
-                reason: format!("{:?} cannot be part of a file name (NUL byte, or over 128 bytes)", namespace.model),
-            });
-        }
+        namespace.file_name_model()?;
         for (field, value) in
             [("max_open_files", config.max_open_files), ("max_registered_regions", config.max_registered_regions)]
         {
