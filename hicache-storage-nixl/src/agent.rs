@@ -120,10 +120,12 @@ impl NixlAgent {
         let mut failures = Vec::new();
         for plugin in candidates {
             if !AUTO_PLUGINS.contains(&plugin) {
-                // the object plugin keeps pages as objects in a bucket, not files: another data path
+                // the object plugin keeps pages as objects in a bucket, network plugins move memory between agents:
+                // other data paths than files
                 return Err(Error::Unsupported {
                     backend: "nixl".into(),
-                    operation: "pages in object storage (the OBJ plugin); use a file plugin: 3FS, POSIX, GDS_MT or GDS",
+                    operation: "pages through a plugin other than the file plugins 3FS, POSIX, GDS_MT and GDS (OBJ \
+                                keeps objects in a bucket, UCX and the like move memory between agents)",
                 });
             }
             match start_plugin(&agent, plugin, params) {

@@ -187,8 +187,10 @@ fn bad_configuration_is_refused_naming_what_is_wrong() {
         matches!(&parameter, Error::InvalidArgument { field: "plugin_params", reason } if reason.contains("use_magic") && reason.contains("use_uring")),
         "{parameter}"
     );
-    let object = refuse(NixlConfig { plugin: PluginChoice::Named("OBJ".into()), ..common::config(dir.path()) });
-    assert!(matches!(object, Error::Unsupported { .. }), "{object}");
+    for plugin in ["OBJ", "UCX"] {
+        let other = refuse(NixlConfig { plugin: PluginChoice::Named(plugin.into()), ..common::config(dir.path()) });
+        assert!(matches!(other, Error::Unsupported { .. }), "{plugin}: {other}");
+    }
     let bound = refuse(NixlConfig { max_open_files: 0, ..common::config(dir.path()) });
     assert!(matches!(bound, Error::InvalidArgument { field: "max_open_files", .. }), "{bound}");
     let missing =
