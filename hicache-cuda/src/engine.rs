@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaStream, LaunchConfig, PushKernelArg as _, result};
+use cudarc::driver::{CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg as _, result};
 use hicache_core::Error;
 use hicache_core::config::IoBackend;
 use hicache_core::host_pool::HostPageId;
@@ -32,6 +32,32 @@ pub struct LaunchShape {
 impl Default for LaunchShape {
     fn default() -> Self {
         Self { blocks: 64, threads: 512 }
+    }
+}
+
+/// Which kernel moves the items the copy engine does not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyKernel {
+    /// Warps load and store through registers: any GPU, any item size ([`LaunchShape`] sets its grid).
+    Warp,
+    /// Hopper's Tensor Memory Accelerator moves items through shared memory (sm_90 and later, items a multiple of
+    /// 16 bytes, 16-byte aligned pools; the warp kernel otherwise): one warp per block, `LaunchShape::blocks` of
+    /// them at most, each block a single SM's worth of shared memory ([`TmaShape`]).
+    Tma,
+}
+
+/// The TMA kernel's shared memory per block and its largest piece of an item.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TmaShape {
+    /// Dynamic shared memory of one block, at most (capped by the device's per-block limit).
+    pub shared_bytes: usize,
+    /// Items longer than this are moved in pieces (a piece is also at most half a lane's share of the block).
+    pub max_piece: usize,
+}
+
+impl Default for TmaShape {
+    fn default() -> Self {
+        Self { shared_bytes: 192 << 10, max_piece: 1 << 20 }
     }
 }
 
@@ -101,6 +127,8 @@ pub struct CudaEngine {
     write_stream: Arc<CudaStream>,
     load_stream: Arc<CudaStream>,
     shape: LaunchShape,
+    copy_kernel: CopyKernel,
+    tma_shape: TmaShape,
     io_backend: IoBackend,
     auto_min_run: AutoMinRun,
     /// Whether copy-engine runs go out as one `cuMemcpyBatchAsync` (batch, and auto on CUDA 13 drivers).
@@ -244,6 +272,7 @@ impl CudaEngine {
         let load_stream = context.new_stream().map_err(driver("create a stream"))?;
         Ok(Self {
             device: device.clone(),
+            copy_kernel: CopyKernel::Warp,
             kernel,
             device_map,
             host_map,
@@ -253,6 +282,7 @@ impl CudaEngine {
             write_stream,
             load_stream,
             shape: LaunchShape::default(),
+            tma_shape: TmaShape::default(),
             io_backend: IoBackend::Kernel,
             auto_min_run: AutoMinRun::uniform(DEFAULT_AUTO_MIN_RUN),
             batched: false,
@@ -272,6 +302,45 @@ impl CudaEngine {
             });
         }
         self.shape = shape;
+        Ok(())
+    }
+
+    /// Which kernel moves items ([`CopyKernel::Warp`] by default).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for `Tma` on a GPU before sm_90.
+    pub fn set_copy_kernel(&mut self, kernel: CopyKernel) -> Result<(), Error> {
+        if kernel == CopyKernel::Tma && self.kernel.tma().is_none() {
+            let (major, minor) = self.device.compute_capability()?;
+            return Err(Error::InvalidArgument {
+                field: "copy_kernel",
+                reason: format!("the TMA kernel needs sm_90 or later; this GPU is sm_{major}{minor}; use warp"),
+            });
+        }
+        self.copy_kernel = kernel;
+        Ok(())
+    }
+
+    /// The kernel that moves items.
+    pub fn copy_kernel(&self) -> CopyKernel {
+        self.copy_kernel
+    }
+
+    /// The TMA kernel's shared memory per block and largest piece.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when no two slots of 16 bytes per lane fit (`shared_bytes` below 2304) or
+    /// `max_piece` is below 16.
+    pub fn set_tma_shape(&mut self, shape: TmaShape) -> Result<(), Error> {
+        if crate::kernels::TmaPlan::new(16, shape.shared_bytes, shape.max_piece).is_none() {
+            return Err(Error::InvalidArgument {
+                field: "tma_shape",
+                reason: format!("{shape:?}: shared_bytes ≥ 2304 (two 16-byte slots per lane), max_piece ≥ 16"),
+            });
+        }
+        self.tma_shape = shape;
         Ok(())
     }
 
@@ -500,10 +569,29 @@ impl CudaEngine {
         let Some(index) = index else { return Ok(()) };
         let geometry = self.device_map.geometry();
         let items = tokens * layers.len() * geometry.parts().len();
-        let warps_per_block = (self.shape.threads / 32) as usize;
-        let blocks = items.div_ceil(warps_per_block).clamp(1, self.shape.blocks as usize) as u32;
-        let config =
-            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (self.shape.threads, 1, 1), shared_mem_bytes: 0 };
+        let tma = self.tma_launch(items);
+        let (function, config) = match tma {
+            Some((function, plan)) => {
+                let units = items * geometry.item_bytes().div_ceil(plan.piece_bytes as usize);
+                let blocks = units.div_ceil(32).clamp(1, self.shape.blocks as usize) as u32;
+                let config = LaunchConfig {
+                    grid_dim: (blocks, 1, 1),
+                    block_dim: (32, 1, 1),
+                    shared_mem_bytes: plan.shared_bytes,
+                };
+                (function, config)
+            }
+            None => {
+                let warps_per_block = (self.shape.threads / 32) as usize;
+                let blocks = items.div_ceil(warps_per_block).clamp(1, self.shape.blocks as usize) as u32;
+                let config = LaunchConfig {
+                    grid_dim: (blocks, 1, 1),
+                    block_dim: (self.shape.threads, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                (self.kernel.function(), config)
+            }
+        };
         let layout: u32 = match self.host_map.layout() {
             HostLayout::LayerFirst => 0,
             HostLayout::PageFirst => 1,
@@ -518,7 +606,8 @@ impl CudaEngine {
         let (pages, page_size) = (self.host_map.pages() as u64, self.host_map.page_size() as u64);
         let total_layers = geometry.layers as u32;
         let direction = u32::from(to_device);
-        let mut launch = stream.launch_builder(self.kernel.function());
+        let (piece, depth) = tma.map_or((0, 0), |(_, plan)| (plan.piece_bytes, plan.depth));
+        let mut launch = stream.launch_builder(function);
         launch
             .arg(&device_base)
             .arg(&host_base)
@@ -536,11 +625,28 @@ impl CudaEngine {
             .arg(&total_layers)
             .arg(&layout)
             .arg(&direction);
+        if tma.is_some() {
+            launch.arg(&piece).arg(&depth);
+        }
         // SAFETY: the arguments match the kernel's signature in order and type; every offset the kernel forms is
         // inside the pools (slots and host tokens were range-checked against the maps the pools were sized by); the
         // pools outlive the kernel (the engine keeps them), and the indices are freed after it in stream order.
         unsafe { launch.launch(config) }.map_err(driver("launch the transfer kernel"))?;
         Ok(())
+    }
+
+    /// The TMA kernel and its plan when it moves this engine's items: chosen, present, the items a multiple of 16
+    /// bytes and both pools 16-byte aligned (a borrowed device pool may not be).
+    fn tma_launch(&self, items: usize) -> Option<(&CudaFunction, crate::kernels::TmaPlan)> {
+        if self.copy_kernel != CopyKernel::Tma || items == 0 {
+            return None;
+        }
+        let (function, limit) = self.kernel.tma()?;
+        let aligned = (self.device_pool.pointer() | self.host_pool.device_pointer()).is_multiple_of(16);
+        let budget = self.tma_shape.shared_bytes.min(limit);
+        let plan =
+            crate::kernels::TmaPlan::new(self.device_map.geometry().item_bytes(), budget, self.tma_shape.max_piece)?;
+        aligned.then_some((function, plan))
     }
 
     fn record(stream: &Arc<CudaStream>) -> Result<CudaTransferEvent, Error> {

@@ -12,7 +12,7 @@ use std::hash::{Hash as _, Hasher as _};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaModule};
+use cudarc::driver::{CudaFunction, CudaModule, sys};
 use cudarc::nvrtc::{Ptx, result as nvrtc, sys as nvrtc_sys};
 use hicache_core::Error;
 
@@ -134,13 +134,163 @@ extern "C" __global__ void hicache_transfer(
         }
     }
 }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned int shared_address(const void* pointer)
+{
+    return (unsigned int)__cvta_generic_to_shared(pointer);
+}
+
+// The source, destination and length of unit `unit`: piece `unit % pieces` of item `unit / pieces`.
+__device__ __forceinline__ unsigned int locate_piece(const Shape& s, unsigned long long pieces,
+                                                     unsigned int piece_bytes, unsigned long long unit,
+                                                     const unsigned char** src, unsigned char** dst)
+{
+    const unsigned long long item = unit / pieces;
+    const unsigned long long offset = (unit - item * pieces) * piece_bytes;
+    locate(s, item, src, dst);
+    *src += offset;
+    *dst += offset;
+    const unsigned long long left = s.item_bytes - offset;
+    return left < piece_bytes ? (unsigned int)left : piece_bytes;
+}
+
+// Starts the bulk copy of `bytes` from global `src` into shared `slot`, completing on `barrier`.
+__device__ __forceinline__ void bulk_load(unsigned int slot, const unsigned char* src, unsigned int bytes,
+                                          unsigned int barrier)
+{
+    asm volatile("{ .reg .b64 state; mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1; }"
+                 :: "r"(barrier), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(slot), "l"(src), "r"(bytes), "r"(barrier) : "memory");
+}
+
+__device__ __forceinline__ void wait_barrier(unsigned int barrier, unsigned int parity)
+{
+    unsigned int done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(barrier), "r"(parity) : "memory");
+    } while (!done);
+}
+#endif
+
+// The same transfer through the Tensor Memory Accelerator (sm_90 and later): each lane of a one-warp block owns a
+// ring of `depth` shared-memory slots of `piece_bytes` and keeps up to `depth - 1` bulk copies from the source in
+// flight, each completing on the slot's mbarrier, then writes each slot out with a bulk copy to the destination.
+// The copy unit, not the SM's load path, issues the requests, so few blocks keep PCIe busy. Units are item pieces
+// (items longer than a slot are cut into pieces); neighbouring lanes take neighbouring units (token-fastest), so
+// neighbouring tokens of a page are read together. Needs 16-byte aligned pools and pieces that are multiples of
+// 16 bytes (the host checks); the dynamic shared memory is 32 * depth * (piece_bytes + 20) bytes: the slots, then
+// each slot's mbarrier, destination and length.
+extern "C" __global__ void __launch_bounds__(32) hicache_transfer_tma(
+    unsigned char* device_base, unsigned char* host_base,
+    const unsigned int* host_tokens, const unsigned int* device_slots,
+    unsigned long long tokens, unsigned int first_layer, unsigned int layer_count, unsigned int parts,
+    unsigned long long item_bytes, unsigned long long device_slot_count, unsigned long long host_token_count,
+    unsigned long long host_pages, unsigned long long page_size, unsigned int total_layers,
+    unsigned int layout, unsigned int to_device, unsigned int piece_bytes, unsigned int depth)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) unsigned char ring[];
+    const Shape s = {device_base, host_base, host_tokens, device_slots, tokens, first_layer, parts, item_bytes,
+                     device_slot_count, host_token_count, host_pages, page_size, total_layers, layout, to_device};
+    const unsigned int lane = threadIdx.x & 31;
+    const unsigned long long pieces = (item_bytes + piece_bytes - 1) / piece_bytes;
+    const unsigned long long units = tokens * layer_count * parts * pieces;
+    const unsigned long long first = (unsigned long long)blockIdx.x * 32 + lane;
+    const unsigned long long stride = (unsigned long long)gridDim.x * 32;
+    const unsigned long long count = first < units ? (units - first - 1) / stride + 1 : 0;
+    unsigned char* slots = ring + (unsigned long long)lane * depth * piece_bytes;
+    unsigned long long* barriers = (unsigned long long*)(ring + 32ull * depth * piece_bytes) + lane * depth;
+    unsigned char** targets = (unsigned char**)(ring + 32ull * depth * (piece_bytes + 8)) + lane * depth;
+    unsigned int* lengths = (unsigned int*)(ring + 32ull * depth * (piece_bytes + 16)) + lane * depth;
+    for (unsigned int k = 0; k < depth; ++k) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(shared_address(barriers + k)) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncwarp();
+    const unsigned long long ahead = count < depth ? count : depth;
+    for (unsigned long long i = 0; i < ahead; ++i) {
+        const unsigned char* src;
+        lengths[i] = locate_piece(s, pieces, piece_bytes, first + i * stride, &src, &targets[i]);
+        bulk_load(shared_address(slots + i * piece_bytes), src, lengths[i], shared_address(barriers + i));
+    }
+    for (unsigned long long i = 0; i < count; ++i) {
+        const unsigned int slot = (unsigned int)(i % depth);
+        wait_barrier(shared_address(barriers + slot), (unsigned int)((i / depth) & 1));
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                     :: "l"(targets[slot]), "r"(shared_address(slots + (unsigned long long)slot * piece_bytes)),
+                        "r"(lengths[slot]) : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        // refill the previous unit's slot, whose write-out was committed one unit ago
+        const unsigned long long next = i - 1 + depth;
+        if (i >= 1 && next < count) {
+            const unsigned int free = (unsigned int)((i - 1) % depth);
+            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            const unsigned char* src;
+            lengths[free] = locate_piece(s, pieces, piece_bytes, first + next * stride, &src, &targets[free]);
+            bulk_load(shared_address(slots + (unsigned long long)free * piece_bytes), src, lengths[free],
+                      shared_address(barriers + free));
+        }
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#else
+    __trap();
+#endif
+}
 "#;
 
-/// The compiled kernel, loaded in a context.
+/// Shared-memory bytes of one TMA slot beyond its data: the mbarrier (8), the destination (8), the length (4).
+const TMA_SLOT_OVERHEAD: usize = 20;
+
+/// Most slots in one lane's ring.
+const TMA_MAX_DEPTH: usize = 8;
+
+/// How the TMA kernel cuts items into pieces and how deep each lane's ring is, for one item size and a block's
+/// shared-memory budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TmaPlan {
+    /// Bytes of one piece (a multiple of 16); an item's last piece may be shorter.
+    pub piece_bytes: u32,
+    /// Slots per lane (at least 2: one being written out while the next loads).
+    pub depth: u32,
+    /// Dynamic shared memory of one block: `32 * depth * (piece_bytes + 20)`.
+    pub shared_bytes: u32,
+}
+
+impl TmaPlan {
+    /// The plan for items of `item_bytes` in `shared_budget` bytes per block, pieces at most `max_piece` bytes;
+    /// `None` when the TMA cannot move such items (not a multiple of 16 bytes) or the budget holds no two slots.
+    pub fn new(item_bytes: usize, shared_budget: usize, max_piece: usize) -> Option<Self> {
+        if item_bytes == 0 || !item_bytes.is_multiple_of(16) {
+            return None;
+        }
+        let per_lane = shared_budget / 32;
+        let cap = ((per_lane / 2).saturating_sub(TMA_SLOT_OVERHEAD)).min(max_piece) / 16 * 16;
+        if cap == 0 {
+            return None;
+        }
+        let pieces = item_bytes.div_ceil(cap);
+        let piece = item_bytes.div_ceil(pieces).next_multiple_of(16);
+        let depth = (per_lane / (piece + TMA_SLOT_OVERHEAD)).min(TMA_MAX_DEPTH);
+        Some(Self {
+            piece_bytes: u32::try_from(piece).ok()?,
+            depth: depth as u32,
+            shared_bytes: u32::try_from(32 * depth * (piece + TMA_SLOT_OVERHEAD)).ok()?,
+        })
+    }
+}
+
+/// The compiled kernels, loaded in a context: the warp kernel (any GPU) and, from sm_90, the TMA kernel.
 #[derive(Debug, Clone)]
 pub struct TransferKernel {
     _module: Arc<CudaModule>,
     function: CudaFunction,
+    tma: Option<CudaFunction>,
+    /// Dynamic shared memory a block of the TMA kernel may take (0 without it).
+    tma_shared_limit: usize,
 }
 
 impl TransferKernel {
@@ -168,11 +318,32 @@ impl TransferKernel {
         };
         let module = device.context().load_module(Ptx::from_binary(cubin)).map_err(driver("load the kernel"))?;
         let function = module.load_function("hicache_transfer").map_err(driver("find the kernel"))?;
-        Ok(Self { _module: module, function })
+        let (tma, tma_shared_limit) = if major >= 9 {
+            let tma = module.load_function("hicache_transfer_tma").map_err(driver("find the TMA kernel"))?;
+            let limit = device
+                .context()
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+                .map_err(driver("shared memory per block"))?;
+            let limit = usize::try_from(limit).unwrap_or(0);
+            tma.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                i32::try_from(limit).unwrap_or(i32::MAX),
+            )
+            .map_err(driver("raise the TMA kernel's shared memory"))?;
+            (Some(tma), limit)
+        } else {
+            (None, 0)
+        };
+        Ok(Self { _module: module, function, tma, tma_shared_limit })
     }
 
     pub(crate) fn function(&self) -> &CudaFunction {
         &self.function
+    }
+
+    /// The TMA kernel and the most dynamic shared memory one of its blocks may take; `None` before sm_90.
+    pub(crate) fn tma(&self) -> Option<(&CudaFunction, usize)> {
+        self.tma.as_ref().map(|function| (function, self.tma_shared_limit))
     }
 
     /// Compiles another kernel the same way (NVRTC, a cubin for the GPU's architecture; not cached) and returns
@@ -233,4 +404,73 @@ fn compile(source: &str, arch: &str) -> Result<Vec<u8>, Error> {
     // SAFETY: created above and not used after this.
     let _ = unsafe { nvrtc::destroy_program(program) };
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// A plan's pieces are 16-byte multiples that cover the item exactly (none empty), its ring has at least two
+        /// slots, and it fits the budget.
+        #[test]
+        fn tma_plans_cover_items_within_the_budget(
+            vectors in 1usize..4096,
+            budget in 0usize..(256 << 10),
+            max_piece in 0usize..(64 << 10),
+        ) {
+            let item = vectors * 16;
+            let Some(plan) = TmaPlan::new(item, budget, max_piece) else {
+                // refused only when no two slots of 16 bytes fit, or pieces may not be 16 bytes
+                prop_assert!(budget / 32 / 2 < 16 + TMA_SLOT_OVERHEAD || max_piece < 16);
+                return Ok(());
+            };
+            let piece = plan.piece_bytes as usize;
+            prop_assert!(piece > 0 && piece.is_multiple_of(16) && piece <= max_piece);
+            // the kernel's piece count: every piece starts inside the item
+            let pieces = item.div_ceil(piece);
+            prop_assert!((pieces - 1) * piece < item && pieces * piece >= item);
+            prop_assert!(plan.depth >= 2 && plan.depth as usize <= TMA_MAX_DEPTH);
+            prop_assert_eq!(plan.shared_bytes as usize, 32 * plan.depth as usize * (piece + TMA_SLOT_OVERHEAD));
+            prop_assert!(plan.shared_bytes as usize <= budget);
+        }
+    }
+
+    /// The kernels compile for every architecture the engine may meet, the TMA kernel's inline PTX included (NVRTC
+    /// needs no GPU). `cargo xtask ci` provides NVRTC and sets `HICACHE_REQUIRE_NVRTC`, which makes its absence a
+    /// failure.
+    #[test]
+    fn the_kernels_compile_for_every_architecture() {
+        if !crate::nvrtc_present() {
+            assert!(
+                std::env::var_os("HICACHE_REQUIRE_NVRTC").is_none(),
+                "HICACHE_REQUIRE_NVRTC is set but NVRTC cannot be loaded (LD_LIBRARY_PATH)"
+            );
+            eprintln!("NVRTC is not installed here: not compiled (cargo xtask ci provides it)");
+            return;
+        }
+        for arch in ["sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"] {
+            let cubin = compile(SOURCE, arch).unwrap_or_else(|error| panic!("{arch}: {error}"));
+            // an ELF image with both entry points
+            assert_eq!(&cubin[..4], b"\x7fELF", "{arch}");
+            for name in ["hicache_transfer", "hicache_transfer_tma"] {
+                assert!(cubin.windows(name.len()).any(|window| window == name.as_bytes()), "{arch}: {name}");
+            }
+        }
+    }
+
+    #[test]
+    fn tma_plans_for_the_benchmark_geometries() {
+        // DeepSeek-V3's 1152 B and Llama's 2 KiB items stay whole in 192 KiB; 8 KiB items are cut in three
+        let deepseek = TmaPlan::new(1152, 192 << 10, usize::MAX).expect("a plan");
+        assert_eq!((deepseek.piece_bytes, deepseek.depth), (1152, 5));
+        let llama = TmaPlan::new(2048, 192 << 10, usize::MAX).expect("a plan");
+        assert_eq!((llama.piece_bytes, llama.depth), (2048, 2));
+        let wide = TmaPlan::new(8192, 192 << 10, usize::MAX).expect("a plan");
+        assert_eq!((wide.piece_bytes, wide.depth), (2736, 2));
+        assert_eq!(TmaPlan::new(1000, 192 << 10, usize::MAX), None, "not a multiple of 16");
+        assert_eq!(TmaPlan::new(1152, 192 << 10, 512).map(|plan| plan.piece_bytes), Some(384));
+    }
 }

@@ -12,6 +12,8 @@ mod kernels;
 mod sizing;
 
 pub use device::{Device, DeviceBuffer, PinnedBuffer, driver_present, nvrtc_present};
-pub use engine::{AutoMinRun, CudaEngine, CudaTransferEvent, DEFAULT_AUTO_MIN_RUN, LaunchShape, wait_layer_on};
-pub use kernels::TransferKernel;
+pub use engine::{
+    AutoMinRun, CopyKernel, CudaEngine, CudaTransferEvent, DEFAULT_AUTO_MIN_RUN, LaunchShape, TmaShape, wait_layer_on,
+};
+pub use kernels::{TmaPlan, TransferKernel};
 pub use sizing::{HOST_RESERVE_BYTES, available_memory, host_pool_tokens};

@@ -1,6 +1,7 @@
 //! The CUDA engine against the CPU engine (the reference), on fresh random data with poisoned destinations: every
-//! layout × MHA/MLA (and odd item sizes) × page size {1, 16, 64} × direction; per-layer events that order a consumer;
-//! transfers beside a busy kernel; the controller running unchanged on the GPU. GPU tests are ignored unless run on a
+//! kernel (warp, TMA) × layout × MHA/MLA (and odd item sizes) × page size {1, 16, 64} × direction; the TMA kernel's
+//! rings and pieces; per-layer events that order a consumer; transfers beside a busy kernel; the controller running
+//! unchanged on the GPU. GPU tests are ignored unless run on a
 //! GPU machine (`../shared/tools/gpu-pack`); the first test runs everywhere.
 
 use hicache_core::config::IoBackend;
@@ -10,7 +11,7 @@ use hicache_core::host_pool::{HostPageAllocator, HostPageId};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::ops::{DeviceSlot, NodeId};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, SlotReuse, TransferEngine, TransferEvent};
-use hicache_cuda::{AutoMinRun, CudaEngine, Device, driver_present};
+use hicache_cuda::{AutoMinRun, CopyKernel, CudaEngine, Device, LaunchShape, TmaShape, driver_present};
 use rand::RngExt as _;
 use rand::seq::SliceRandom as _;
 
@@ -89,6 +90,42 @@ fn device_bytes(pair: &Pair) -> (Vec<u8>, Vec<u8>) {
     (gpu, pair.cpu.with_device(|device| device.to_vec()))
 }
 
+/// A backup of every layer, then a layer-by-layer load into other slots of a poisoned device pool, on both engines:
+/// the bytes must match.
+fn check_round_trip(pair: &mut Pair, what: &str) {
+    let geometry = *pair.cuda.device_map().geometry();
+    // backup: device → host, all layers
+    let start = pair.cuda.start_event().unwrap();
+    pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
+    let start = pair.cpu.start_event().unwrap();
+    pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
+    let (gpu, cpu) = host_bytes(pair);
+    assert!(gpu == cpu, "{what}: backup differs from the CPU engine");
+    assert!(gpu.iter().any(|&byte| byte != HOST_POISON), "{what}: nothing was written");
+    // load: host → device, layer by layer, into other slots of a poisoned device pool
+    let poison = vec![DEVICE_POISON; pair.cuda.device_pool().len()];
+    pair.cuda.device_pool().write(0, &poison).unwrap();
+    pair.cpu.with_device(|bytes| bytes.fill(DEVICE_POISON));
+    let start = pair.cuda.start_event().unwrap();
+    let events: Vec<_> = (0..geometry.layers)
+        .map(|layer| pair.cuda.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap())
+        .collect();
+    events.last().unwrap().wait();
+    assert!(events.iter().all(TransferEvent::is_complete));
+    let start = pair.cpu.start_event().unwrap();
+    for layer in 0..geometry.layers {
+        pair.cpu.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap();
+    }
+    let (gpu, cpu) = device_bytes(pair);
+    assert!(gpu == cpu, "{what}: load differs from the CPU engine");
+}
+
+/// The kernels this GPU has: the warp kernel, and the TMA kernel from sm_90.
+fn copy_kernels(device: &Device) -> Vec<CopyKernel> {
+    let (major, _) = device.compute_capability().unwrap();
+    if major >= 9 { vec![CopyKernel::Warp, CopyKernel::Tma] } else { vec![CopyKernel::Warp] }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_layout_geometry_page_size_and_direction_matches_the_cpu_engine() {
@@ -106,34 +143,58 @@ fn every_layout_geometry_page_size_and_direction_matches_the_cpu_engine() {
         for layout in HostLayout::ALL {
             for page in [1, 16, 64] {
                 for (backend, min_run) in backends {
-                    let what = format!("{name} {} page {page} {backend}", layout.name());
-                    let mut pair = pair(&device, geometry, layout, page, 24);
-                    pair.cuda.set_io_backend(backend, min_run).unwrap();
-                    // backup: device → host, all layers
-                    let start = pair.cuda.start_event().unwrap();
-                    pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
-                    let start = pair.cpu.start_event().unwrap();
-                    pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
-                    let (gpu, cpu) = host_bytes(&pair);
-                    assert!(gpu == cpu, "{what}: backup differs from the CPU engine");
-                    assert!(gpu.iter().any(|&byte| byte != HOST_POISON), "{what}: nothing was written");
-                    // load: host → device, layer by layer, into other slots of a poisoned device pool
-                    let poison = vec![DEVICE_POISON; pair.cuda.device_pool().len()];
-                    pair.cuda.device_pool().write(0, &poison).unwrap();
-                    pair.cpu.with_device(|bytes| bytes.fill(DEVICE_POISON));
-                    let start = pair.cuda.start_event().unwrap();
-                    let events: Vec<_> = (0..geometry.layers)
-                        .map(|layer| pair.cuda.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap())
-                        .collect();
-                    events.last().unwrap().wait();
-                    assert!(events.iter().all(TransferEvent::is_complete));
-                    let start = pair.cpu.start_event().unwrap();
-                    for layer in 0..geometry.layers {
-                        pair.cpu.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap();
+                    for kernel in copy_kernels(&device) {
+                        // the copy-engine backends use no kernel
+                        if matches!(backend, IoBackend::Direct | IoBackend::Batch) && kernel == CopyKernel::Tma {
+                            continue;
+                        }
+                        let what = format!("{name} {} page {page} {backend} {kernel:?}", layout.name());
+                        let mut pair = pair(&device, geometry, layout, page, 24);
+                        pair.cuda.set_io_backend(backend, min_run).unwrap();
+                        pair.cuda.set_copy_kernel(kernel).unwrap();
+                        check_round_trip(&mut pair, &what);
                     }
-                    let (gpu, cpu) = device_bytes(&pair);
-                    assert!(gpu == cpu, "{what}: load differs from the CPU engine");
                 }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_tma_kernel_wraps_its_rings_and_cuts_items_into_pieces() {
+    let device = device();
+    if !copy_kernels(&device).contains(&CopyKernel::Tma) {
+        eprintln!("this GPU is before sm_90: no TMA kernel (its refusal is checked below)");
+        let geometry = KvGeometry::mha(2, 2, 128, KvDtype::Bf16).unwrap();
+        let mut pair = pair(&device, geometry, HostLayout::LayerFirst, 16, 4);
+        let error = pair.cuda.set_copy_kernel(CopyKernel::Tma).unwrap_err();
+        assert!(error.to_string().contains("copy_kernel"), "{error}");
+        return;
+    }
+    let cases = [
+        // whole items, deep rings, few blocks: each lane's ring wraps many times
+        (TmaShape::default(), 1),
+        (TmaShape::default(), 3),
+        // pieces: 1152 B items in three, 512 B in two, 4 KiB in eleven (the last one shorter)
+        (TmaShape { max_piece: 384, ..TmaShape::default() }, 2),
+        // the smallest ring, two slots per lane
+        (TmaShape { shared_bytes: 32 * 2 * (1168 + 20), max_piece: 1 << 20 }, 5),
+    ];
+    let geometries = [
+        ("mha-512B", KvGeometry::mha(3, 2, 128, KvDtype::Bf16).unwrap()),
+        ("mla-1152B", KvGeometry::mla(2, 512, 64, KvDtype::Bf16).unwrap()),
+        ("mha-4KiB", KvGeometry::mha(2, 16, 128, KvDtype::Bf16).unwrap()),
+    ];
+    for (name, geometry) in geometries {
+        for layout in HostLayout::ALL {
+            for (shape, blocks) in cases {
+                let what = format!("{name} {} {shape:?} blocks {blocks}", layout.name());
+                let mut pair = pair(&device, geometry, layout, 16, 40);
+                pair.cuda.set_copy_kernel(CopyKernel::Tma).unwrap();
+                pair.cuda.set_tma_shape(shape).unwrap();
+                pair.cuda.set_launch_shape(LaunchShape { blocks, threads: 512 }).unwrap();
+                check_round_trip(&mut pair, &what);
             }
         }
     }

@@ -42,6 +42,15 @@ pub(crate) enum IoBackendArg {
     Batch,
 }
 
+/// GPU transfer kernels by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum CopyKernelArg {
+    /// Warps load and store through registers (any GPU).
+    Warp,
+    /// The Tensor Memory Accelerator through shared memory (sm_90 and later).
+    Tma,
+}
+
 /// Arguments of `hicache bench transfer`.
 #[derive(Debug, Args)]
 pub(crate) struct BenchTransferArgs {
@@ -67,9 +76,18 @@ pub(crate) struct BenchTransferArgs {
     /// GPU: most thread blocks per transfer kernel (the block quota that leaves SMs to the model).
     #[arg(long, default_value_t = 64, value_name = "N")]
     blocks: u32,
-    /// GPU: threads per block.
+    /// GPU: threads per block of the warp kernel (the TMA kernel's blocks are one warp).
     #[arg(long, default_value_t = 512, value_name = "N")]
     threads: u32,
+    /// GPU: the kernels to measure (repeatable; default: the engine's choice, TMA from sm_90).
+    #[arg(long, value_enum)]
+    kernel: Vec<CopyKernelArg>,
+    /// GPU: the TMA kernel's dynamic shared memory per block, at most (default 192 KiB).
+    #[arg(long, value_name = "B")]
+    tma_shared: Option<usize>,
+    /// GPU: the TMA kernel's largest piece of an item (default: whole items up to half a lane's shared memory).
+    #[arg(long, value_name = "B")]
+    tma_piece: Option<usize>,
     /// GPU: how transfers are issued (repeatable; default all three): the kernel, one cuMemcpyAsync per contiguous
     /// run (direct), or runs of at least --auto-min-run bytes to the copy engine and the rest to the kernel (auto).
     #[arg(long, value_enum)]
@@ -119,6 +137,9 @@ pub(crate) struct TransferFigure {
     /// GPU: most thread blocks of the kernel.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) blocks: Option<u32>,
+    /// GPU: the kernel that moved what the copy engine did not (`warp` or `tma`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) kernel: Option<&'static str>,
 }
 
 /// The placement's name in figures.
@@ -141,6 +162,29 @@ pub(crate) type AutoMinRunArgs = (Option<usize>, Option<usize>);
 #[cfg(feature = "cuda")]
 fn auto_min_run(args: &BenchTransferArgs) -> AutoMinRunArgs {
     (args.auto_min_run, args.auto_min_run_load.or(args.auto_min_run))
+}
+
+/// The kernels to measure: those named, else the engine's choice (`None`).
+#[cfg(feature = "cuda")]
+fn kernels(args: &BenchTransferArgs) -> Vec<Option<CopyKernelArg>> {
+    if args.kernel.is_empty() { vec![None] } else { args.kernel.iter().copied().map(Some).collect() }
+}
+
+/// The GPU measurement's settings from the command line (kernel and io backend: the engine's defaults).
+#[cfg(feature = "cuda")]
+fn cuda_shape(args: &BenchTransferArgs, tokens: usize) -> super::bench_transfer_cuda::Shape {
+    super::bench_transfer_cuda::Shape {
+        tokens,
+        rounds: args.rounds,
+        blocks: args.blocks,
+        threads: args.threads,
+        backend: IoBackendArg::Kernel,
+        kernel: None,
+        tma_shared: args.tma_shared,
+        tma_piece: args.tma_piece,
+        auto_min_run: auto_min_run(args),
+        placement: placement(args),
+    }
 }
 
 pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
@@ -190,16 +234,16 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
                             args.io_backend.clone()
                         };
                         for backend in backends {
-                            let shape = super::bench_transfer_cuda::Shape {
-                                tokens,
-                                rounds: args.rounds,
-                                blocks: args.blocks,
-                                threads: args.threads,
-                                backend,
-                                auto_min_run: auto_min_run(args),
-                                placement: placement(args),
-                            };
-                            figures.extend(super::bench_transfer_cuda::measure(name, geometry, layout, page, &shape)?);
+                            for kernel in kernels(args) {
+                                let shape = super::bench_transfer_cuda::Shape {
+                                    blocks: args.blocks,
+                                    backend,
+                                    kernel,
+                                    ..cuda_shape(args, tokens)
+                                };
+                                figures
+                                    .extend(super::bench_transfer_cuda::measure(name, geometry, layout, page, &shape)?);
+                            }
                         }
                     }
                     #[cfg(not(feature = "cuda"))]
@@ -210,24 +254,21 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
     }
     #[cfg(feature = "cuda")]
     if args.sweep_blocks && args.engine == EngineName::Cuda {
-        for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
-            for blocks in [2, 4, 8, 16, 24, 32, 48, 64, 96, 132, 264] {
-                let shape = super::bench_transfer_cuda::Shape {
-                    tokens,
-                    rounds: args.rounds,
-                    blocks,
-                    threads: args.threads,
-                    backend: IoBackendArg::Kernel,
-                    auto_min_run: auto_min_run(args),
-                    placement: placement(args),
-                };
-                figures.extend(super::bench_transfer_cuda::measure(
-                    "llama-3.1-8b",
-                    KvGeometry::llama31_8b(),
-                    layout,
-                    64,
-                    &shape,
-                )?);
+        for kernel in kernels(args) {
+            for (name, geometry) in
+                [("llama-3.1-8b", KvGeometry::llama31_8b()), ("deepseek-v3", KvGeometry::deepseek_v3())]
+            {
+                for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+                    for blocks in [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 132, 264] {
+                        let shape = super::bench_transfer_cuda::Shape {
+                            blocks,
+                            backend: IoBackendArg::Kernel,
+                            kernel,
+                            ..cuda_shape(args, tokens)
+                        };
+                        figures.extend(super::bench_transfer_cuda::measure(name, geometry, layout, 64, &shape)?);
+                    }
+                }
             }
         }
     }
@@ -237,7 +278,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
     }
     println!(
         "geometry      layout             engine  direction  page   item B   run KiB     GB/s   bulk GB/s  ratio  layer 0 / \
-         blocks"
+         blocks kernel"
     );
     for figure in &figures {
         println!(
@@ -254,6 +295,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
             figure.ratio,
             figure.first_layer_us.map_or_else(String::new, |us| format!("{us:.0} µs"))
                 + &figure.blocks.map_or_else(String::new, |blocks| format!(" / {blocks}"))
+                + &figure.kernel.map_or_else(String::new, |kernel| format!(" {kernel}"))
         );
     }
     Ok(())
@@ -318,6 +360,7 @@ fn measure(
         placement: placement_name(placement),
         run_bytes,
         blocks: None,
+        kernel: None,
     };
     Ok(vec![figure("backup", best[0], None), figure("load", best[1], Some(first_layer))])
 }

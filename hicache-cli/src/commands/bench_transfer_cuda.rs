@@ -8,11 +8,11 @@ use cudarc::driver::sys;
 use hicache_core::geometry::KvGeometry;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::transfer::{DeviceLayoutMap, TransferEngine, TransferEvent};
-use hicache_cuda::{CudaEngine, Device, LaunchShape};
+use hicache_cuda::{CopyKernel, CudaEngine, Device, LaunchShape, TmaShape};
 
 use hicache_core::config::IoBackend;
 
-use super::bench_transfer::{IoBackendArg, TransferFigure};
+use super::bench_transfer::{CopyKernelArg, IoBackendArg, TransferFigure};
 
 /// How one GPU measurement runs.
 #[derive(Clone, Copy, Debug)]
@@ -22,6 +22,10 @@ pub(crate) struct Shape {
     pub(crate) blocks: u32,
     pub(crate) threads: u32,
     pub(crate) backend: IoBackendArg,
+    /// The kernel; `None`: the engine's default.
+    pub(crate) kernel: Option<CopyKernelArg>,
+    pub(crate) tma_shared: Option<usize>,
+    pub(crate) tma_piece: Option<usize>,
     pub(crate) auto_min_run: super::bench_transfer::AutoMinRunArgs,
     pub(crate) placement: super::placement::Placement,
 }
@@ -34,7 +38,8 @@ pub(crate) fn measure(
     page: usize,
     shape: &Shape,
 ) -> anyhow::Result<Vec<TransferFigure>> {
-    let Shape { tokens, rounds, blocks, threads, backend, auto_min_run, placement } = *shape;
+    let Shape { tokens, rounds, blocks, threads, backend, kernel, tma_shared, tma_piece, auto_min_run, placement } =
+        *shape;
     let device = Device::open(0)?;
     let pages = tokens / page;
     let device_pages = 2 * pages;
@@ -44,6 +49,20 @@ pub(crate) fn measure(
         HostLayoutMap::new(geometry, layout, page, 2 * pages)?,
     )?;
     engine.set_launch_shape(LaunchShape { blocks, threads })?;
+    match kernel {
+        Some(CopyKernelArg::Warp) => engine.set_copy_kernel(CopyKernel::Warp)?,
+        Some(CopyKernelArg::Tma) => engine.set_copy_kernel(CopyKernel::Tma)?,
+        None => {}
+    }
+    let defaults = TmaShape::default();
+    engine.set_tma_shape(TmaShape {
+        shared_bytes: tma_shared.unwrap_or(defaults.shared_bytes),
+        max_piece: tma_piece.unwrap_or(defaults.max_piece),
+    })?;
+    let kernel_name = match engine.copy_kernel() {
+        CopyKernel::Warp => "warp",
+        CopyKernel::Tma => "tma",
+    };
     let (io_backend, io_name) = match backend {
         IoBackendArg::Kernel => (IoBackend::Kernel, "kernel"),
         IoBackendArg::Direct => (IoBackend::Direct, "direct"),
@@ -97,6 +116,7 @@ pub(crate) fn measure(
         placement: super::bench_transfer::placement_name(placement),
         run_bytes,
         blocks: Some(blocks),
+        kernel: (backend != IoBackendArg::Direct && backend != IoBackendArg::Batch).then_some(kernel_name),
     };
     Ok(vec![figure("backup", best[0], bulk[0], None), figure("load", best[1], bulk[1], Some(first_layer))])
 }

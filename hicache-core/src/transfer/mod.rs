@@ -94,7 +94,8 @@ pub trait TransferEngine: Send {
     ) -> Result<Self::Event, Error>;
 
     /// Loads layers `0..layers` of `pages` into `slots`, in layer order, one event per layer (what a producer slot
-    /// of the forward pass needs). The default calls [`load_layer`](Self::load_layer) per layer; an engine that can
+    /// of the forward pass needs): event `i` completes once layer `i` is loaded (not necessarily the layers before
+    /// it), the last one once every layer is. The default calls [`load_layer`](Self::load_layer) per layer; an engine that can
     /// share work between the layers (checking and uploading the indices once) overrides it.
     ///
     /// # Errors
