@@ -6,7 +6,7 @@
 
 use hicache_core::config::IoBackend;
 use hicache_core::controller::CacheController;
-use hicache_core::geometry::{KvDtype, KvGeometry};
+use hicache_core::geometry::{KvDtype, KvGeometry, KvPart};
 use hicache_core::host_pool::{HostPageAllocator, HostPageId};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::ops::{DeviceSlot, NodeId};
@@ -102,16 +102,17 @@ fn check_round_trip(pair: &mut Pair, what: &str) {
     let (gpu, cpu) = host_bytes(pair);
     assert!(gpu == cpu, "{what}: backup differs from the CPU engine");
     assert!(gpu.iter().any(|&byte| byte != HOST_POISON), "{what}: nothing was written");
-    // load: host → device, layer by layer, into other slots of a poisoned device pool
+    // load: host → device, every layer (one launch, or one per layer with copy-engine runs or the TMA kernel), into
+    // other slots of a poisoned device pool
     let poison = vec![DEVICE_POISON; pair.cuda.device_pool().len()];
     pair.cuda.device_pool().write(0, &poison).unwrap();
     pair.cpu.with_device(|bytes| bytes.fill(DEVICE_POISON));
     let start = pair.cuda.start_event().unwrap();
-    let events: Vec<_> = (0..geometry.layers)
-        .map(|layer| pair.cuda.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap())
-        .collect();
+    let events = pair.cuda.load_layers(geometry.layers, &pair.pages, &pair.other_slots, &start).unwrap();
+    assert_eq!(events.len(), geometry.layers);
+    // the last event means the whole load
     events.last().unwrap().wait();
-    assert!(events.iter().all(TransferEvent::is_complete));
+    assert!(events.iter().all(TransferEvent::is_complete), "{what}: the last layer done before another");
     let start = pair.cpu.start_event().unwrap();
     for layer in 0..geometry.layers {
         pair.cpu.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap();
@@ -204,36 +205,88 @@ fn the_tma_kernel_wraps_its_rings_and_cuts_items_into_pieces() {
 #[ignore = "needs a CUDA GPU"]
 fn a_consumer_that_waits_on_layer_i_sees_layer_i_complete() {
     let device = device();
-    // a large load, so that a consumer not ordered after it would see stale bytes
+    // a large load, so that a consumer not ordered after it would see stale bytes; loaded in one launch (per-layer
+    // counters) by the warp kernel, one launch per layer by the TMA kernel
     let geometry = KvGeometry::mha(8, 8, 128, KvDtype::Bf16).unwrap();
-    let mut pair = pair(&device, geometry, HostLayout::LayerFirst, 16, 1024);
-    let start = pair.cuda.start_event().unwrap();
-    pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
-    let poison = vec![DEVICE_POISON; pair.cuda.device_pool().len()];
-    pair.cuda.device_pool().write(0, &poison).unwrap();
-    let consumer = device.context().new_stream().unwrap();
-    let start = pair.cuda.start_event().unwrap();
-    let events = pair.cuda.load_layers(geometry.layers, &pair.pages, &pair.other_slots, &start).unwrap();
-    let map = pair.cuda.device_map();
-    let item = geometry.item_bytes();
-    for (layer, event) in events.iter().enumerate() {
-        // the consumer's stream waits on layer i's event, then copies layer i's first slot out, all asynchronously
-        consumer.wait(event.event()).unwrap();
-        let slot = pair.other_slots[0] as usize;
-        let offset = map.item_offset(slot, layer, hicache_core::geometry::KvPart::K);
-        let mut seen = vec![0u8; item];
-        let source = pair.cuda.device_pool().pointer() + offset as u64;
-        // SAFETY: `seen` outlives the copy (the stream is synchronised below); the source is inside the pool.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut seen, source, consumer.cu_stream()) }.unwrap();
+    let checker = hicache_cuda::TransferKernel::load_extra(
+        &device,
+        r#"extern "C" __global__ void count_poison(const unsigned char* layer, const unsigned int* slots,
+                unsigned long long count, unsigned long long item, unsigned long long slot_count,
+                unsigned long long* poisoned) {
+            // K then V of each listed slot, in 16-byte words
+            const unsigned long long words = item / 16, total = 2 * count * words;
+            unsigned long long seen = 0;
+            for (unsigned long long w = blockIdx.x * blockDim.x + threadIdx.x; w < total;
+                 w += (unsigned long long)gridDim.x * blockDim.x) {
+                const unsigned long long part = w / (count * words), rest = w % (count * words);
+                const unsigned long long slot = slots[rest / words];
+                const uint4 v = *(const uint4*)(layer + (part * slot_count + slot) * item + (rest % words) * 16);
+                seen += v.x == 0xcdcdcdcdu && v.y == 0xcdcdcdcdu && v.z == 0xcdcdcdcdu && v.w == 0xcdcdcdcdu;
+            }
+            if (seen) atomicAdd(poisoned, seen);
+        }"#,
+        "count_poison",
+    )
+    .unwrap();
+    assert_eq!(DEVICE_POISON, 0xcd, "the checker's poison word");
+    for kernel in copy_kernels(&device) {
+        let mut pair = pair(&device, geometry, HostLayout::LayerFirst, 16, 1024);
+        pair.cuda.set_copy_kernel(kernel).unwrap();
+        let start = pair.cuda.start_event().unwrap();
+        pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
+        let start = pair.cpu.start_event().unwrap();
+        pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap();
+        let poison = vec![DEVICE_POISON; pair.cuda.device_pool().len()];
+        pair.cuda.device_pool().write(0, &poison).unwrap();
+        pair.cpu.with_device(|bytes| bytes.fill(DEVICE_POISON));
+        let start = pair.cpu.start_event().unwrap();
+        for layer in 0..geometry.layers {
+            pair.cpu.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap();
+        }
+        let consumer = device.context().new_stream().unwrap();
+        // the consumer: a kernel that counts the 16-byte words of the loaded slots of one layer still poisoned
+        let map = pair.cuda.device_map();
+        let item = geometry.item_bytes() as u64;
+        let slots: Vec<u32> = pair.other_slots.clone();
+        let slot_list = hicache_cuda::DeviceBuffer::zeroed(&device, 4 * slots.len()).unwrap();
+        slot_list.write(0, &slots.iter().flat_map(|slot| slot.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        let poisoned = hicache_cuda::DeviceBuffer::zeroed(&device, 8 * geometry.layers).unwrap();
+        let start = pair.cuda.start_event().unwrap();
+        let events = pair.cuda.load_layers(geometry.layers, &pair.pages, &pair.other_slots, &start).unwrap();
+        let layer_bytes = map.item_offset(0, 1, KvPart::K) - map.item_offset(0, 0, KvPart::K);
+        let mut seen = vec![vec![0u8; layer_bytes]; geometry.layers];
+        for (layer, event) in events.iter().enumerate() {
+            // the consumer's stream waits on layer i's event, checks layer i at once on the GPU, then copies the
+            // whole of it out (every slot, K and V), all asynchronously while later layers load
+            event.make_wait(&consumer).unwrap();
+            let base = pair.cuda.device_pool().pointer() + map.item_offset(0, layer, KvPart::K) as u64;
+            let (list, count, slot_count) = (slot_list.pointer(), slots.len() as u64, map.slots() as u64);
+            let out = poisoned.pointer() + 8 * layer as u64;
+            let mut launch = consumer.launch_builder(&checker);
+            for arg in [&base, &list, &count, &item, &slot_count, &out] {
+                cudarc::driver::PushKernelArg::arg(&mut launch, arg);
+            }
+            let config =
+                cudarc::driver::LaunchConfig { grid_dim: (264, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: the arguments match `count_poison`; every address it forms is inside the pool (the slots are
+            // the load's) or the result buffer.
+            unsafe { launch.launch(config) }.unwrap();
+            // SAFETY: `seen[layer]` outlives the copy (the stream is synchronised below); the source is inside the
+            // pool.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut seen[layer], base, consumer.cu_stream()) }.unwrap();
+        }
         consumer.synchronize().unwrap();
-        assert!(seen.iter().any(|&byte| byte != DEVICE_POISON), "layer {layer}: the consumer read before the load");
-        // and what it saw is what the CPU engine loads
-        let host_token = pair.pages[0].index() * 16;
-        let expected = pair.cpu.with_device(|device| {
-            let from = map.item_offset(pair.slots[0] as usize, layer, hicache_core::geometry::KvPart::K);
-            device[from..from + item].to_vec()
-        });
-        assert_eq!(seen, expected, "layer {layer} (host token {host_token})");
+        let mut counts = vec![0u8; 8 * geometry.layers];
+        poisoned.read(0, &mut counts).unwrap();
+        for (layer, count) in counts.chunks(8).enumerate() {
+            let count = u64::from_le_bytes(count.try_into().unwrap());
+            assert_eq!(count, 0, "{kernel:?} layer {layer}: poisoned words seen right after the layer's event");
+        }
+        for (layer, seen) in seen.iter().enumerate() {
+            let from = map.item_offset(0, layer, KvPart::K);
+            let expected = pair.cpu.with_device(|device| device[from..from + layer_bytes].to_vec());
+            assert!(*seen == expected, "{kernel:?} layer {layer}: the consumer read before the layer was loaded");
+        }
     }
 }
 
