@@ -4,8 +4,10 @@
 
 mod fuzz;
 mod nixl;
+mod nvrtc;
 #[cfg(test)]
 mod tidy;
+mod wheel;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -13,7 +15,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
-const USAGE: &str = "usage: cargo xtask ci [--no-fuzz] | cargo xtask fuzz [--seconds N] [TARGET...] | cargo xtask nixl";
+const USAGE: &str = "usage: cargo xtask ci [--no-fuzz] | cargo xtask fuzz [--seconds N] [TARGET...] | cargo xtask nixl | cargo xtask nvrtc";
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -24,6 +26,11 @@ fn main() -> anyhow::Result<()> {
         Some("fuzz") => fuzz::run(&args[1..]),
         Some("nixl") => {
             let dir = nixl::prepare()?;
+            println!("{}", dir.display());
+            Ok(())
+        }
+        Some("nvrtc") => {
+            let dir = nvrtc::prepare()?;
             println!("{}", dir.display());
             Ok(())
         }
@@ -81,11 +88,17 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
             ["clippy"].into_iter().chain(set.iter().copied()).chain(["--locked", "--", "-D", "warnings"]).collect();
         run_program("cargo", &args, &[])?;
     }
+    // NVRTC, so that the transfer kernels are compiled for every GPU architecture (no GPU needed)
+    let nvrtc_dir = nvrtc::prepare()?;
+    let library_path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(path) if !path.is_empty() => format!("{}:{path}", nvrtc_dir.display()),
+        _ => nvrtc_dir.display().to_string(),
+    };
     // unit, integration, property and doc tests, and the tidy test (xtask's own tests)
     run_program(
         "cargo",
         &["test", "--workspace", "--all-features", "--locked", "--exclude", "hicache-storage-nixl"],
-        &nixl_env,
+        &[nixl_env[0], ("LD_LIBRARY_PATH", &library_path), ("HICACHE_REQUIRE_NVRTC", "1")],
     )?;
     // NIXL's own advice: one test at a time (each test still runs concurrent calls into one backend)
     run_program("cargo", &["test", "-p", "hicache-storage-nixl", "--locked", "--", "--test-threads=1"], &nixl_env)?;

@@ -12,78 +12,34 @@ use std::process::Command;
 use anyhow::{Context, bail};
 
 use crate::run_program;
+use crate::wheel::{Wheel, fetch, find_file};
 
 /// The wheel and version the tests run against (nixl-sys 1.5.2 is built for the 1.5 C API).
 const WHEEL: &str = "nixl-cu12==1.5.1";
 /// Where it is unpacked, under the workspace root.
 const UNPACK_DIR: &str = "target/nixl";
+/// The library the backend loads.
+const LIBRARY: &str = "libnixl_capi.so";
 
 /// Makes sure libclang is installed and the NIXL library unpacked; returns the folder holding `libnixl_capi.so`.
 pub(crate) fn prepare() -> anyhow::Result<PathBuf> {
     ensure_libclang()?;
-    if let Some(dir) = find_library(Path::new(UNPACK_DIR), 4) {
-        return Ok(std::fs::canonicalize(&dir).unwrap_or(dir));
+    let dir = Path::new(UNPACK_DIR);
+    if let Some(found) = find_file(dir, LIBRARY, 4) {
+        return Ok(std::fs::canonicalize(&found).unwrap_or(found));
     }
-    let wheels = Path::new(UNPACK_DIR).join("wheel");
-    std::fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
-    // the wheel holds Python bindings for one Python, but the C libraries are the same in every one: ask for a fixed
-    // tag, whatever Python this machine has
-    let wheels_arg = wheels.to_str().context("target/nixl is not UTF-8")?;
-    run_program(
-        "python3",
-        &[
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--python-version",
-            "3.11",
-            "--platform",
-            "manylinux_2_28_x86_64",
-            "--disable-pip-version-check",
-            "-d",
-            wheels_arg,
-            WHEEL,
-        ],
-        &[],
-    )?;
-    let wheel = std::fs::read_dir(&wheels)?
-        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
-        .find(|path| path.extension().is_some_and(|extension| extension == "whl"))
-        .with_context(|| format!("pip left no wheel in {}", wheels.display()))?;
-    let unpacked = Path::new(UNPACK_DIR).join("lib");
-    // only the native libraries (about half the wheel), keeping their permission bits
-    let unzip = "import os, sys, zipfile\n\
-        wheel, out = sys.argv[1], sys.argv[2]\n\
-        with zipfile.ZipFile(wheel) as archive:\n\
-        \x20   for member in archive.infolist():\n\
-        \x20       if '.libs/' in member.filename and not member.is_dir():\n\
-        \x20           path = archive.extract(member, out)\n\
-        \x20           os.chmod(path, (member.external_attr >> 16) or 0o644)\n";
-    run_program(
-        "python3",
-        &["-c", unzip, wheel.to_str().context("wheel path is not UTF-8")?, unpacked.to_str().context("not UTF-8")?],
-        &[],
-    )?;
-    let dir = find_library(&unpacked, 3).with_context(|| format!("no libnixl_capi.so in {}", wheel.display()))?;
-    // the unpacked libraries are all that is used
-    std::fs::remove_dir_all(&wheels).with_context(|| format!("removing {}", wheels.display()))?;
-    Ok(std::fs::canonicalize(&dir).unwrap_or(dir))
-}
-
-/// The folder under `dir` (at most `depth` levels down) that holds `libnixl_capi.so`.
-fn find_library(dir: &Path, depth: usize) -> Option<PathBuf> {
-    if dir.join("libnixl_capi.so").is_file() {
-        return Some(dir.to_path_buf());
-    }
-    if depth == 0 {
-        return None;
-    }
-    let mut entries: Vec<PathBuf> =
-        std::fs::read_dir(dir).ok()?.filter_map(|entry| entry.ok().map(|entry| entry.path())).collect();
-    entries.sort();
-    entries.into_iter().filter(|path| path.is_dir()).find_map(|path| find_library(&path, depth - 1))
+    // the wheel holds Python bindings for one Python, but the C libraries are the same in every one
+    let wheel = Wheel {
+        spec: WHEEL,
+        python: "3.11",
+        platforms: &["manylinux_2_28_x86_64"],
+        // only the native libraries (about half the wheel)
+        keep: ".libs/",
+        skip: None,
+    };
+    let unpacked = fetch(&wheel, dir)?;
+    let found = find_file(&unpacked, LIBRARY, 3).with_context(|| format!("no {LIBRARY} in {WHEEL}"))?;
+    Ok(std::fs::canonicalize(&found).unwrap_or(found))
 }
 
 /// Whether bindgen will find libclang: `$LIBCLANG_PATH`, or a `libclang*.so` where Debian's packages put it.
