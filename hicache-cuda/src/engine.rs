@@ -2,13 +2,13 @@
 //!
 //! Backups run on a write stream, layer loads on a load stream; each waits on a start event recorded on the
 //! caller's stream (the engine's own, or an engine's stream it was given), so a transfer starts only after the work
-//! the caller submitted before it. A transfer's index arrays live in stream-ordered device memory, freed on the same
-//! stream after the kernel, so they outlive it without the CPU waiting. Completion events are queried without
-//! blocking and waited on.
+//! the caller submitted before it. A transfer's index arrays live in stream-ordered device memory from the engine's
+//! own pool (which keeps freed memory for the next transfer), freed on the same stream after the kernel, so they
+//! outlive it without the CPU waiting. Completion events are queried without blocking and waited on.
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg as _, result};
+use cudarc::driver::{CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg as _, result, sys};
 use hicache_core::Error;
 use hicache_core::config::IoBackend;
 use hicache_core::host_pool::HostPageId;
@@ -133,6 +133,78 @@ pub struct CudaEngine {
     auto_min_run: AutoMinRun,
     /// Whether copy-engine runs go out as one `cuMemcpyBatchAsync` (batch, and auto on CUDA 13 drivers).
     batched: bool,
+    /// Where transfers' index arrays are allocated.
+    index_pool: IndexPool,
+}
+
+/// The engine's own stream-ordered memory pool for index arrays. It keeps what is freed (release threshold: all)
+/// instead of handing it back to the driver whenever a stream synchronises, as the device's default pool does
+/// (threshold 0), so a transfer's allocation maps no fresh memory; private, so the process's default pool keeps its
+/// settings.
+#[derive(Debug)]
+struct IndexPool {
+    context: Arc<cudarc::driver::CudaContext>,
+    pool: sys::CUmemoryPool,
+}
+
+// SAFETY: a memory pool handle may be used from any thread of its context (the driver synchronises it).
+unsafe impl Send for IndexPool {}
+// SAFETY: as Send.
+unsafe impl Sync for IndexPool {}
+
+impl IndexPool {
+    fn new(device: &Device) -> Result<Self, Error> {
+        let context = device.context().clone();
+        context.bind_to_thread().map_err(driver("bind the context"))?;
+        let props = sys::CUmemPoolProps {
+            allocType: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            handleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: i32::try_from(context.ordinal()).unwrap_or(i32::MAX),
+            },
+            win32SecurityAttributes: std::ptr::null_mut(),
+            maxSize: 0,
+            usage: 0,
+            reserved: [0; 54],
+        };
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `props` describes device memory of this context's GPU; the driver writes the new pool's handle.
+        unsafe { sys::cuMemPoolCreate(&mut pool, &props) }.result().map_err(driver("create the index memory pool"))?;
+        let pool = Self { context, pool };
+        let mut keep = u64::MAX;
+        // SAFETY: the attribute takes a u64, which `keep` is, and the pool was just created.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool.pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&raw mut keep).cast(),
+            )
+        }
+        .result()
+        .map_err(driver("keep the index pool's memory"))?;
+        Ok(pool)
+    }
+
+    /// `bytes` from the pool, in stream order on `stream` (freed with `cuMemFreeAsync`).
+    fn alloc(&self, bytes: usize, stream: &CudaStream) -> Result<u64, Error> {
+        let mut pointer: sys::CUdeviceptr = 0;
+        // SAFETY: the pool is alive and of this stream's GPU; the driver writes the allocation's address.
+        unsafe { sys::cuMemAllocFromPoolAsync(&mut pointer, bytes, self.pool, stream.cu_stream()) }
+            .result()
+            .map_err(driver("allocate the index arrays"))?;
+        Ok(pointer)
+    }
+}
+
+impl Drop for IndexPool {
+    fn drop(&mut self) {
+        if self.context.bind_to_thread().is_ok() {
+            // SAFETY: created by `new` and destroyed once; allocations still out are released by the driver when
+            // they are freed (cuMemPoolDestroy's contract).
+            let _ = unsafe { sys::cuMemPoolDestroy(self.pool) };
+        }
+    }
 }
 
 /// A run of consecutive tokens that is contiguous in both pools for every layer and part: one copy-engine copy per
@@ -286,6 +358,7 @@ impl CudaEngine {
             io_backend: IoBackend::Kernel,
             auto_min_run: AutoMinRun::uniform(DEFAULT_AUTO_MIN_RUN),
             batched: false,
+            index_pool: IndexPool::new(device)?,
         })
     }
 
@@ -465,10 +538,9 @@ impl CudaEngine {
         let mut indices = Vec::with_capacity(2 * host_tokens.len());
         indices.extend_from_slice(host_tokens);
         indices.extend_from_slice(slots);
-        // SAFETY: a stream-ordered allocation on this stream, freed on it (by `release`) after the kernels that
-        // read it, so it lives exactly as long as they need it.
-        let index = unsafe { result::malloc_async(stream.cu_stream(), indices.len() * 4) }
-            .map_err(driver("allocate the index arrays"))?;
+        // a stream-ordered allocation on this stream, freed on it (by `release`) after the kernels that read it, so
+        // it lives exactly as long as they need it
+        let index = self.index_pool.alloc(indices.len() * 4, stream)?;
         // SAFETY: `index` holds `indices.len()` u32s; the pageable source is staged before the call returns.
         unsafe { result::memcpy_htod_async(index, &indices, stream.cu_stream()) }
             .map_err(driver("upload the indices"))?;

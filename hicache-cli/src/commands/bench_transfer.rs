@@ -130,6 +130,9 @@ pub(crate) struct TransferFigure {
     pub(crate) ratio: f64,
     /// Loads: microseconds until layer 0 is ready.
     pub(crate) first_layer_us: Option<f64>,
+    /// GPU loads: microseconds the calling thread spent submitting every layer (best pass).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) submit_us: Option<f64>,
     /// Where the pages lay: scattered, contiguous or churned.
     pub(crate) placement: &'static str,
     /// Mean bytes of one copy contiguous in both pools (per layer and part).
@@ -357,6 +360,7 @@ fn measure(
         bulk_gbps: bulk,
         ratio: gbps / bulk,
         first_layer_us,
+        submit_us: None,
         placement: placement_name(placement),
         run_bytes,
         blocks: None,

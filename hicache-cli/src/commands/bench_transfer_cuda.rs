@@ -83,6 +83,7 @@ pub(crate) fn measure(
     let bytes = tokens * geometry.bytes_per_token();
     let mut best = [0f64; 2];
     let mut first_layer = f64::MAX;
+    let mut submit = f64::MAX;
     for round in 0..=rounds {
         let start = engine.start_event()?;
         let began = Instant::now();
@@ -91,6 +92,7 @@ pub(crate) fn measure(
         let start = engine.start_event()?;
         let began = Instant::now();
         let events = engine.load_layers(geometry.layers, host_pages, &slots, &start)?;
+        let submitted = began.elapsed().as_secs_f64() * 1e6;
         events[0].wait();
         let layer_zero = began.elapsed().as_secs_f64() * 1e6;
         events.last().context("at least one layer")?.wait();
@@ -99,10 +101,11 @@ pub(crate) fn measure(
         if round > 0 {
             best = [best[0].max(backup), best[1].max(load)];
             first_layer = first_layer.min(layer_zero);
+            submit = submit.min(submitted);
         }
     }
     let bulk = bulk_gbps(&engine, bytes, rounds)?;
-    let figure = |direction, gbps: f64, bulk: f64, first_layer_us| TransferFigure {
+    let figure = |direction, gbps: f64, bulk: f64, first_layer_us: Option<f64>| TransferFigure {
         geometry: name,
         layout: layout.name().to_owned(),
         io_backend: io_name,
@@ -113,6 +116,7 @@ pub(crate) fn measure(
         bulk_gbps: bulk,
         ratio: gbps / bulk,
         first_layer_us,
+        submit_us: first_layer_us.map(|_| submit),
         placement: super::bench_transfer::placement_name(placement),
         run_bytes,
         blocks: Some(blocks),
