@@ -1,12 +1,13 @@
-//! The transfer kernel, compiled at run time by NVRTC to a cubin for the GPU's own architecture, and cached on disk.
+//! The transfer kernels, compiled at run time by NVRTC to a cubin for the GPU's own architecture, and cached on disk.
 //!
-//! One kernel moves items (one token × one layer × K or V) between the device pool (`[layer][part][slot][item]`) and
-//! the host pool in any of the three host layouts, in either direction: a warp per two items at a time, 16-byte
+//! The warp kernel moves items (one token × one layer × K or V) between the device pool (`[layer][part][slot][item]`)
+//! and the host pool in any of the three host layouts, in either direction: a warp per two items at a time, 16-byte
 //! accesses with up to eight loads in flight per lane when the addresses and the item size allow, 8-byte or
-//! single-byte otherwise. Items are numbered token-fastest, so
-//! neighbouring warps touch neighbouring slots of one layer. The host pool is read and written through its device
-//! mapping (pinned, mapped memory), so the SMs drive PCIe directly; a grid-stride loop lets a small, fixed number of
-//! blocks (the "block quota") cover any transfer, leaving the other SMs to the model.
+//! single-byte otherwise. Items are numbered token-fastest, so neighbouring warps touch neighbouring slots of one
+//! layer. The host pool is read and written through its device mapping (pinned, mapped memory), so the SMs drive PCIe
+//! directly; a grid-stride loop lets a small, fixed number of blocks (the "block quota") cover any transfer, leaving
+//! the other SMs to the model. The TMA kernel (sm_90 and later) moves the same items with the bulk-copy unit through
+//! shared memory; [`TmaPlan`] sizes its rings. On the H200 it is no faster (`docs/gpu.md`), so it is opt-in.
 
 use std::hash::{Hash as _, Hasher as _};
 use std::path::PathBuf;
