@@ -79,7 +79,7 @@ pub(crate) struct BenchTransferArgs {
     /// GPU: threads per block of the warp kernel (the TMA kernel's blocks are one warp).
     #[arg(long, default_value_t = 512, value_name = "N")]
     threads: u32,
-    /// GPU: the kernels to measure (repeatable; default: the engine's choice, TMA from sm_90).
+    /// GPU: the kernels to measure (repeatable; default: the engine's default, the warp kernel).
     #[arg(long, value_enum)]
     kernel: Vec<CopyKernelArg>,
     /// GPU: the TMA kernel's dynamic shared memory per block, at most (default 192 KiB).
@@ -88,8 +88,9 @@ pub(crate) struct BenchTransferArgs {
     /// GPU: the TMA kernel's largest piece of an item (default: whole items up to half a lane's shared memory).
     #[arg(long, value_name = "B")]
     tma_piece: Option<usize>,
-    /// GPU: how transfers are issued (repeatable; default all three): the kernel, one cuMemcpyAsync per contiguous
-    /// run (direct), or runs of at least --auto-min-run bytes to the copy engine and the rest to the kernel (auto).
+    /// GPU: how transfers are issued (repeatable; default all four): the kernel, one cuMemcpyAsync per contiguous
+    /// run (direct), those runs in one cuMemcpyBatchAsync (batch, CUDA 13 drivers), or runs of at least
+    /// --auto-min-run bytes to the copy engine and the rest to the kernel (auto).
     #[arg(long, value_enum)]
     io_backend: Vec<IoBackendArg>,
     /// GPU: the shortest run (bytes of one layer) `auto` gives the copy engine; backups, and loads unless
@@ -238,12 +239,8 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
                         };
                         for backend in backends {
                             for kernel in kernels(args) {
-                                let shape = super::bench_transfer_cuda::Shape {
-                                    blocks: args.blocks,
-                                    backend,
-                                    kernel,
-                                    ..cuda_shape(args, tokens)
-                                };
+                                let shape =
+                                    super::bench_transfer_cuda::Shape { backend, kernel, ..cuda_shape(args, tokens) };
                                 figures
                                     .extend(super::bench_transfer_cuda::measure(name, geometry, layout, page, &shape)?);
                             }
