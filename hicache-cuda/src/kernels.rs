@@ -179,7 +179,8 @@ __device__ __forceinline__ void wait_barrier(unsigned int barrier, unsigned int 
 // The same transfer through the Tensor Memory Accelerator (sm_90 and later): each lane of a one-warp block owns a
 // ring of `depth` shared-memory slots of `piece_bytes` and keeps up to `depth - 1` bulk copies from the source in
 // flight, each completing on the slot's mbarrier, then writes each slot out with a bulk copy to the destination.
-// The copy unit, not the SM's load path, issues the requests, so few blocks keep PCIe busy. Units are item pieces
+// The copy unit, not the SM's load path, issues the requests (on the H200's PCIe no faster than the warp kernel, and
+// needing more blocks for the same rate: docs/gpu.md; reported faster over NVLink-C2C). Units are item pieces
 // (items longer than a slot are cut into pieces); neighbouring lanes take neighbouring units (token-fastest), so
 // neighbouring tokens of a page are read together. Needs 16-byte aligned pools and pieces that are multiples of
 // 16 bytes (the host checks); the dynamic shared memory is 32 * depth * (piece_bytes + 20) bytes: the slots, then
