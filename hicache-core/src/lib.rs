@@ -3,15 +3,17 @@
 //! The device pool (L1) and pinned host pool (L2) hold KV pages of running and recent requests; a storage tier (L3)
 //! keeps them across requests and instances, found again by a chained hash of the token prefix. This crate holds
 //! what every part shares and runs without a GPU: page keys ([`hash`]), key namespaces ([`namespace`]), KV geometry
-//! ([`geometry`]) and host layouts ([`layout`]), the host page allocator ([`host_pool`]), cache and storage
+//! ([`geometry`]) and host layouts ([`layout`]), the host page allocator ([`host_pool`]) and the host pool's memory
+//! with its page leases ([`host_memory`]), cache and storage
 //! operations ([`ops`]), TP collectives ([`collective`]), device↔host transfers and the CPU transfer engine
 //! ([`transfer`]), the cache controller ([`controller`]) and the tiered prefix tree that drives it ([`tree`]), rate
 //! limiting ([`rate_limit`]), the storage trait with an in-memory and a fault-injection backend ([`storage`]), the
 //! configuration ([`config`]) and the token-list parser ([`tokens`]).
 //!
 //! **Invariant:** this crate never links CUDA or any FFI library and does I/O only through the storage trait.
-//! `unsafe` is denied except in `hash/sha_ni.rs` (one call into a `#[target_feature]` function after the CPU check)
-//! and the loom model of `ops.rs` (loom's cells).
+//! It maps the host pool's memory through the operating system (`memmap2`), as any allocator does. `unsafe` is
+//! denied except in `hash/sha_ni.rs` (one call into a `#[target_feature]` function after the CPU check), the loom
+//! model of `ops.rs` (loom's cells) and `host_memory.rs` (the pool's bytes lent to threads page by page).
 #![deny(unsafe_code)]
 
 pub mod collective;
@@ -20,6 +22,7 @@ pub mod controller;
 pub mod error;
 pub mod geometry;
 pub mod hash;
+pub mod host_memory;
 pub mod host_pool;
 pub mod layout;
 pub mod namespace;

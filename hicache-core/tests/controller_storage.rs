@@ -95,9 +95,8 @@ fn expected_flat_pages(rig: &Rig, slots: &[u32]) -> Vec<u8> {
 }
 
 fn host_bytes(rig: &Rig, pages: &[HostPageId]) -> Vec<u8> {
-    let mut out = vec![0u8; pages.len() * rig.engine().host_map().page_bytes()];
-    rig.engine().host_memory().read_pages(pages, &mut out).unwrap();
-    out
+    let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();
+    rig.engine().host_memory().copy_pages_out(&indices).unwrap()
 }
 
 fn tokens(seed: u32, pages: usize) -> Vec<u32> {

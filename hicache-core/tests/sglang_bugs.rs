@@ -245,9 +245,8 @@ fn item_07_a_page_gone_between_exists_and_get_does_not_shift_the_others() {
         while writer.backups_in_flight() > 0 || writer.outstanding().0 > 0 {
             writer.tick(&mut SingleRank).unwrap();
         }
-        let mut bytes = vec![0u8; 4 * writer.engine().host_map().page_bytes()];
-        hicache_core::transfer::TransferEngine::host_memory(writer.engine()).read_pages(&pages, &mut bytes).unwrap();
-        bytes
+        let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();
+        hicache_core::transfer::TransferEngine::host_memory(writer.engine()).copy_pages_out(&indices).unwrap()
     };
     // page 1 is gone, but the existence query (stale metadata, as 3FS's after an LRU reuse) still says present
     let keys = page_keys(&tokens, PAGE, None, PartialPage::Reject).unwrap();
@@ -260,9 +259,8 @@ fn item_07_a_page_gone_between_exists_and_get_does_not_shift_the_others() {
     let done = result(&mut rig, "r");
     assert_eq!(done.explanation.tp_min_hit_tokens, 4 * PAGE, "the query believed every page was there");
     assert_eq!(done.host_pages.len(), 1, "the fetch stops at the missing page; pages 2 and 3 are not moved up");
-    let page_bytes = rig.engine().host_map().page_bytes();
-    let mut got = vec![0u8; done.host_pages.len() * page_bytes];
-    hicache_core::transfer::TransferEngine::host_memory(rig.engine()).read_pages(&done.host_pages, &mut got).unwrap();
+    let indices: Vec<usize> = done.host_pages.iter().map(|page| page.index()).collect();
+    let got = hicache_core::transfer::TransferEngine::host_memory(rig.engine()).copy_pages_out(&indices).unwrap();
     assert_eq!(got, expected[..got.len()], "whatever arrived is at its own place");
 }
 

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, result, sys};
 use hicache_core::Error;
+use hicache_core::host_memory::HostMemory;
 
 /// Turns a driver error into the core's error.
 pub(crate) fn driver(operation: &'static str) -> impl FnOnce(result::DriverError) -> Error {
@@ -209,45 +210,47 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// Page-locked host memory of the host pool: portable and mapped into the device's address space, and *not*
-/// write-combined, because the storage tier's threads read it (cudarc's `alloc_pinned` is write-combined).
+/// The host pool's memory ([`HostMemory`], allocated by the core: anonymous or in shared memory) page-locked in
+/// place with `cuMemHostRegister`: portable and mapped into the device's address space, and *not* write-combined,
+/// because the storage tier's threads read it. Registering in place (rather than allocating with `cuMemHostAlloc`)
+/// is what lets one set of bytes be the GPU's copy source and destination, the storage backends' registered
+/// buffer, and a shared-memory file another process maps (3FS's agent). Unregistered when dropped, before the
+/// memory can be unmapped (this value holds it).
 #[derive(Debug)]
 pub struct PinnedBuffer {
     context: Arc<CudaContext>,
-    host: *mut u8,
+    memory: Arc<HostMemory>,
     device: sys::CUdeviceptr,
-    bytes: usize,
 }
 
-// SAFETY: the allocation is owned by this value and lives until Drop; it is reached only through raw-pointer copies
-// of ranges the controller hands to one user at a time.
-unsafe impl Send for PinnedBuffer {}
-// SAFETY: as Send.
-unsafe impl Sync for PinnedBuffer {}
-
 impl PinnedBuffer {
-    /// Allocates `bytes` of pinned, device-mapped host memory, zeroed.
+    /// Pins `memory` and maps it for the device.
     ///
     /// # Errors
     ///
     /// [`Error::Device`] when the machine cannot pin that much (the message says how much was asked for).
-    pub fn zeroed(device: &Device, bytes: usize) -> Result<Self, Error> {
+    pub fn register(device: &Device, memory: Arc<HostMemory>) -> Result<Self, Error> {
         let context = device.context().clone();
         context.bind_to_thread().map_err(driver("bind the context"))?;
-        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
-        // SAFETY: a plain pinned allocation of `bytes`, freed once in Drop.
-        let host = unsafe { result::malloc_host(bytes.max(1), flags) }.map_err(|error| Error::Device {
-            operation: "pin the host pool",
-            message: format!("{bytes} bytes ({:.1} GB): {error:?}", bytes as f64 / 1e9),
-        })? as *mut u8;
-        // SAFETY: `host` is `bytes` long, just allocated and not yet shared.
-        unsafe { std::ptr::write_bytes(host, 0, bytes) };
+        let bytes = memory.map().total_bytes();
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the range is the whole mapping of `memory` (page-aligned, `bytes` long), which this value keeps
+        // alive (an `Arc`) until Drop unregisters it; registering only pins and maps the pages.
+        unsafe { sys::cuMemHostRegister_v2(memory.as_ptr().cast(), bytes, flags) }.result().map_err(|error| {
+            Error::Device {
+                operation: "pin the host pool",
+                message: format!("{bytes} bytes ({:.1} GB): {error:?}", bytes as f64 / 1e9),
+            }
+        })?;
         let mut mapped: sys::CUdeviceptr = 0;
-        // SAFETY: `host` was allocated with DEVICEMAP in this context; the driver writes the mapped address.
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut mapped, host.cast(), 0) }
-            .result()
-            .map_err(driver("map the host pool"))?;
-        Ok(Self { context, host, device: mapped, bytes })
+        // SAFETY: the range was registered with DEVICEMAP in this context just above; the driver writes the address.
+        let got = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut mapped, memory.as_ptr().cast(), 0) }.result();
+        if let Err(error) = got {
+            // SAFETY: registered above and not yet shared.
+            let _ = unsafe { sys::cuMemHostUnregister(memory.as_ptr().cast()) };
+            return Err(driver("map the host pool")(error));
+        }
+        Ok(Self { context, memory, device: mapped })
     }
 
     /// The address kernels use.
@@ -255,59 +258,28 @@ impl PinnedBuffer {
         self.device
     }
 
+    /// The memory pinned: its bytes are reached through its leases.
+    pub fn memory(&self) -> &Arc<HostMemory> {
+        &self.memory
+    }
+
     /// Size in bytes.
     pub fn len(&self) -> usize {
-        self.bytes
+        self.memory.map().total_bytes()
     }
 
     /// Whether the buffer is empty.
     pub fn is_empty(&self) -> bool {
-        self.bytes == 0
-    }
-
-    /// Copies `data` into the buffer at `offset`.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] beyond the end.
-    ///
-    /// The caller owns the range for the copy: no transfer in flight uses it (the controller's page states).
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), Error> {
-        self.check(offset, data.len())?;
-        // SAFETY: the range is inside the allocation (checked); no reference to the buffer exists, and the range is
-        // not being written by the GPU or another thread (the caller's page ownership), so the copy races nothing.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.host.add(offset), data.len()) };
-        Ok(())
-    }
-
-    /// Copies the buffer at `offset` into `out`.
-    ///
-    /// # Errors
-    ///
-    /// As [`write`](Self::write).
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), Error> {
-        self.check(offset, out.len())?;
-        // SAFETY: as `write`, the other way.
-        unsafe { std::ptr::copy_nonoverlapping(self.host.add(offset), out.as_mut_ptr(), out.len()) };
-        Ok(())
-    }
-
-    fn check(&self, offset: usize, len: usize) -> Result<(), Error> {
-        if offset.checked_add(len).is_none_or(|end| end > self.bytes) {
-            return Err(Error::InvalidArgument {
-                field: "offset",
-                reason: format!("{len} bytes at {offset} run past the host pool's {}", self.bytes),
-            });
-        }
-        Ok(())
+        self.len() == 0
     }
 }
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
         if self.context.bind_to_thread().is_ok() {
-            // SAFETY: allocated by `zeroed` and freed only here.
-            let _ = unsafe { result::free_host(self.host.cast()) };
+            // SAFETY: registered by `register` and unregistered only here; the engine that copies through the device
+            // pointer holds this value, so no copy is in flight.
+            let _ = unsafe { sys::cuMemHostUnregister(self.memory.as_ptr().cast()) };
         }
     }
 }

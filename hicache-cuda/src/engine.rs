@@ -14,7 +14,8 @@ use hicache_core::config::IoBackend;
 use hicache_core::host_pool::HostPageId;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::ops::DeviceSlot;
-use hicache_core::transfer::{DeviceLayoutMap, HostMemory, TransferEngine, TransferEvent};
+use hicache_core::host_memory::HostMemory;
+use hicache_core::transfer::{DeviceLayoutMap, TransferEngine, TransferEvent};
 
 use crate::device::{Device, DeviceBuffer, PinnedBuffer, driver};
 use crate::kernels::TransferKernel;
@@ -313,7 +314,7 @@ impl CudaEngine {
         Ok(engine)
     }
 
-    /// An engine over an existing device pool (see [`DeviceBuffer::borrowed`]).
+    /// An engine over an existing device pool (see [`DeviceBuffer::borrowed`]) and a new anonymous host pool.
     ///
     /// # Errors
     ///
@@ -324,6 +325,22 @@ impl CudaEngine {
         host_map: HostLayoutMap,
         device_pool: DeviceBuffer,
     ) -> Result<Self, Error> {
+        Self::with_pools(device, device_map, device_pool, Arc::new(HostMemory::anonymous(host_map)?))
+    }
+
+    /// An engine over an existing device pool and the caller's host memory (in shared memory, say), which it pins in
+    /// place.
+    ///
+    /// # Errors
+    ///
+    /// As [`with_device_pool`](Self::with_device_pool).
+    pub fn with_pools(
+        device: &Device,
+        device_map: DeviceLayoutMap,
+        device_pool: DeviceBuffer,
+        host: Arc<HostMemory>,
+    ) -> Result<Self, Error> {
+        let host_map = *host.map();
         if device_map.geometry() != host_map.geometry() {
             return Err(Error::InvalidArgument {
                 field: "host_map",
@@ -336,7 +353,7 @@ impl CudaEngine {
                 reason: format!("{} bytes, the map needs {}", device_pool.len(), device_map.total_bytes()),
             });
         }
-        let host_pool = PinnedBuffer::zeroed(device, host_map.total_bytes())?;
+        let host_pool = PinnedBuffer::register(device, host)?;
         let kernel = TransferKernel::load(device)?;
         let context = device.context();
         let caller = context.new_stream().map_err(driver("create a stream"))?;
@@ -730,8 +747,8 @@ impl CudaEngine {
 impl TransferEngine for CudaEngine {
     type Event = CudaTransferEvent;
 
-    fn host_memory(&self) -> Arc<dyn HostMemory> {
-        Arc::new(CudaHostMemory { pool: self.host_pool.clone(), map: self.host_map })
+    fn host_memory(&self) -> Arc<HostMemory> {
+        self.host_pool.memory().clone()
     }
 
     fn start_event(&mut self) -> Result<CudaTransferEvent, Error> {
@@ -855,58 +872,4 @@ fn copy_batch(stream: &Arc<CudaStream>, copies: &[(u64, u64, usize)]) -> Result<
     }
     .result()
     .map_err(driver("queue a batch of copies"))
-}
-
-/// The pinned host pool as the storage tier's threads see it: flat pages copied out and in by the CPU.
-#[derive(Debug)]
-struct CudaHostMemory {
-    pool: Arc<PinnedBuffer>,
-    map: HostLayoutMap,
-}
-
-impl CudaHostMemory {
-    fn segments(&self, pages: &[HostPageId], bytes: usize) -> Result<Vec<(usize, usize)>, Error> {
-        if let Some(page) = pages.iter().find(|page| page.index() >= self.map.pages()) {
-            return Err(Error::InvalidArgument {
-                field: "pages",
-                reason: format!("host {page} out of range ({} pages)", self.map.pages()),
-            });
-        }
-        if bytes != pages.len() * self.map.page_bytes() {
-            return Err(Error::InvalidArgument {
-                field: "buffer",
-                reason: format!("{bytes} bytes for {} pages of {}", pages.len(), self.map.page_bytes()),
-            });
-        }
-        Ok(pages
-            .iter()
-            .flat_map(|page| {
-                self.map.page_segments(page.index()).into_iter().map(|segment| (segment.offset, segment.len))
-            })
-            .collect())
-    }
-}
-
-impl HostMemory for CudaHostMemory {
-    fn page_bytes(&self) -> usize {
-        self.map.page_bytes()
-    }
-
-    fn read_pages(&self, pages: &[HostPageId], out: &mut [u8]) -> Result<(), Error> {
-        let mut at = 0;
-        for (offset, len) in self.segments(pages, out.len())? {
-            self.pool.read(offset, &mut out[at..at + len])?;
-            at += len;
-        }
-        Ok(())
-    }
-
-    fn write_pages(&self, pages: &[HostPageId], data: &[u8]) -> Result<(), Error> {
-        let mut at = 0;
-        for (offset, len) in self.segments(pages, data.len())? {
-            self.pool.write(offset, &data[at..at + len])?;
-            at += len;
-        }
-        Ok(())
-    }
 }

@@ -1,17 +1,20 @@
 //! The CUDA engine against the CPU engine (the reference), on fresh random data with poisoned destinations: every
 //! kernel (warp, TMA) × layout × MHA/MLA (and odd item sizes) × page size {1, 16, 64} × direction; the TMA kernel's
 //! rings and pieces; per-layer events that order a consumer; transfers beside a busy kernel; the controller running
-//! unchanged on the GPU. GPU tests are ignored unless run on a
+//! unchanged on the GPU; page-first host pools in shared memory, pinned in place. GPU tests are ignored unless run on a
 //! GPU machine (`../shared/tools/gpu-pack`); the first test runs everywhere.
 
 use hicache_core::config::IoBackend;
 use hicache_core::controller::CacheController;
 use hicache_core::geometry::{KvDtype, KvGeometry, KvPart};
+use std::sync::Arc;
+
+use hicache_core::host_memory::{HostAllocation, HostMemory};
 use hicache_core::host_pool::{HostPageAllocator, HostPageId};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::ops::{DeviceSlot, NodeId};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, SlotReuse, TransferEngine, TransferEvent};
-use hicache_cuda::{AutoMinRun, CopyKernel, CudaEngine, Device, LaunchShape, TmaShape, driver_present};
+use hicache_cuda::{AutoMinRun, CopyKernel, CudaEngine, Device, DeviceBuffer, LaunchShape, TmaShape, driver_present};
 use rand::RngExt as _;
 use rand::seq::SliceRandom as _;
 
@@ -55,15 +58,21 @@ fn pair(device: &Device, geometry: KvGeometry, layout: HostLayout, page: usize, 
     let device_pages = 2 * pages;
     let device_map = DeviceLayoutMap::new(geometry, device_pages * page).unwrap();
     let host_map = HostLayoutMap::new(geometry, layout, page, 2 * pages).unwrap();
-    let cuda = CudaEngine::new(device, device_map, host_map).unwrap();
+    // the page-first pools live in shared memory, pinned in place, as a 3FS deployment has them
+    let allocation = match layout {
+        HostLayout::PageFirst => HostAllocation::shared_memory(),
+        _ => HostAllocation::Anonymous,
+    };
+    let host = Arc::new(HostMemory::new(host_map, &allocation).unwrap());
+    let device_pool = DeviceBuffer::zeroed(device, device_map.total_bytes()).unwrap();
+    let cuda = CudaEngine::with_pools(device, device_map, device_pool, host).unwrap();
     let cpu = CpuEngine::new(device_map, host_map, Completion::Immediate).unwrap();
     let mut rng = rand::rng();
     let mut bytes = vec![0u8; device_map.total_bytes()];
     rng.fill(&mut bytes[..]);
     cuda.device_pool().write(0, &bytes).unwrap();
     cpu.with_device(|device| device.copy_from_slice(&bytes));
-    let poison = vec![HOST_POISON; host_map.total_bytes()];
-    cuda.host_pool().write(0, &poison).unwrap();
+    cuda.host_memory().with_all_mut(|host| host.fill(HOST_POISON));
     cpu.with_host(|host| host.fill(HOST_POISON));
     let mut all = HostPageAllocator::new(2 * pages).unwrap().alloc(2 * pages).unwrap();
     all.shuffle(&mut rng);
@@ -79,8 +88,12 @@ fn pair(device: &Device, geometry: KvGeometry, layout: HostLayout, page: usize, 
 }
 
 fn host_bytes(pair: &Pair) -> (Vec<u8>, Vec<u8>) {
-    let mut gpu = vec![0u8; pair.cuda.host_pool().len()];
-    pair.cuda.host_pool().read(0, &mut gpu).unwrap();
+    let memory = pair.cuda.host_memory();
+    let gpu = memory.with_all_mut(|host| host.to_vec());
+    if let Some(path) = memory.region().shared_memory() {
+        // the shared-memory file another process would map holds the same bytes
+        assert!(std::fs::read(path).unwrap() == gpu, "the pinned pool and its shared-memory file differ");
+    }
     (gpu, pair.cpu.with_host(|host| host.to_vec()))
 }
 

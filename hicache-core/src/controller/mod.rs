@@ -31,6 +31,7 @@ use rustc_hash::FxHashMap as HashMap;
 
 use crate::error::Error;
 use crate::hash::PageKey;
+use crate::host_memory::{Access, HostMemory};
 use crate::host_pool::{HostPageAllocator, HostPageId, PageState};
 use crate::ops::{CacheOperation, DeviceSlot, NodeId, OpId, OpIds};
 use crate::rate_limit::{Clock, PrefetchCapacity};
@@ -41,6 +42,19 @@ pub use hit_query::{HitQuery, storage_hit_query};
 pub use prefetch::{PrefetchDone, PrefetchStart, TickReport};
 pub use release::{Release, ReleaseLedger};
 pub use storage::{DEFAULT_TICK_SLOTS, PageBackup, PrefetchExplanation, PrefetchStop, StorageSettings};
+
+fn lent_error(host_pages: &[HostPageId], index: usize, how: Access, operation: &'static str) -> Error {
+    let page = host_pages.iter().find(|page| page.index() == index).map_or(index.to_string(), ToString::to_string);
+    Error::PageState {
+        page,
+        operation,
+        expected: "not lent to a storage thread".into(),
+        found: match how {
+            Access::Write => "lent for writing (a fetch)".into(),
+            Access::Read => "lent for reading (a backup)".into(),
+        },
+    }
+}
 
 /// A finished (or finishing) transfer: its event and the tree nodes whose data it moved.
 #[derive(Clone, Debug)]
@@ -110,6 +124,8 @@ struct PendingWrite<E> {
 #[derive(Debug)]
 pub struct CacheController<E: TransferEngine> {
     engine: E,
+    /// The engine's host memory, whose leases the controller checks before it starts a transfer or frees a page.
+    memory: Arc<HostMemory>,
     page_size: usize,
     host: HostPageAllocator,
     /// Device pages: a device page `d` is slots `[d·P, (d+1)·P)`.
@@ -153,6 +169,7 @@ impl<E: TransferEngine> CacheController<E> {
             });
         }
         Ok(Self {
+            memory: engine.host_memory(),
             engine,
             page_size,
             host: HostPageAllocator::new(host_pages)?,
@@ -167,8 +184,9 @@ impl<E: TransferEngine> CacheController<E> {
         })
     }
 
-    /// Adds a storage tier: starts its I/O threads, which read and write host pages through the engine's
-    /// [`host_memory`](TransferEngine::host_memory). `clock` times prefetches (the `timeout` policy).
+    /// Adds a storage tier: starts its I/O threads, which the engine's [`host_memory`](TransferEngine::host_memory)
+    /// lends host pages to in place, and tells the backend about that memory once. `clock` times prefetches (the
+    /// `timeout` policy).
     ///
     /// # Errors
     ///
@@ -192,7 +210,7 @@ impl<E: TransferEngine> CacheController<E> {
                 reason: "storage batches and tick slots must be at least 1".into(),
             });
         }
-        let workers = storage::Workers::start(storage, self.engine.host_memory(), &settings)?;
+        let workers = storage::Workers::start(storage, self.memory.clone(), &settings)?;
         self.storage = Some(StorageHalf {
             capacity: PrefetchCapacity::with_limit(settings.capacity_tokens),
             settings,
@@ -316,8 +334,11 @@ impl<E: TransferEngine> CacheController<E> {
             });
         }
         let Some(host_pages) = self.host.alloc(device_slots.len() / self.page_size) else { return Ok(None) };
-        let start = self.engine.start_event()?;
-        let finish = match self.engine.backup(device_slots, &host_pages, &start) {
+        let submitted = self.unlent(&host_pages, "write").and_then(|()| {
+            let start = self.engine.start_event()?;
+            self.engine.backup(device_slots, &host_pages, &start)
+        });
+        let finish = match submitted {
             Ok(finish) => finish,
             Err(error) => {
                 self.host.free(&host_pages)?;
@@ -344,6 +365,7 @@ impl<E: TransferEngine> CacheController<E> {
         priority: Option<i64>,
     ) -> Result<Option<Vec<DeviceSlot>>, Error> {
         self.host.expect_state(host_pages, "load", crate::host_pool::PageState::Backup)?;
+        self.unlent_for_writing(host_pages, "load")?;
         let Some(device_pages) = self.device.alloc(host_pages.len()) else { return Ok(None) };
         let slots = self.device_slots(&device_pages);
         self.host.protect_load(host_pages)?;
@@ -583,7 +605,32 @@ impl<E: TransferEngine> CacheController<E> {
                 found: "pinned".into(),
             });
         }
+        self.free_host(host_pages)
+    }
+
+    /// Frees host pages, refusing (and freeing none) when one is still lent to a storage thread: a broken protocol
+    /// shows as an error naming the page, never as a page reused under a read or a write.
+    fn free_host(&mut self, host_pages: &[HostPageId]) -> Result<(), Error> {
+        self.unlent(host_pages, "free")?;
         self.host.free(host_pages)
+    }
+
+    /// Checks that no storage thread holds a lease on `host_pages` (before a device→host write or a free).
+    fn unlent(&self, host_pages: &[HostPageId], operation: &'static str) -> Result<(), Error> {
+        let indices: Vec<usize> = host_pages.iter().map(|page| page.index()).collect();
+        match self.memory.lent(&indices) {
+            None => Ok(()),
+            Some((index, how)) => Err(lent_error(host_pages, index, how, operation)),
+        }
+    }
+
+    /// Checks that no storage thread is writing `host_pages` (before a host→device load, which reads them).
+    fn unlent_for_writing(&self, host_pages: &[HostPageId], operation: &'static str) -> Result<(), Error> {
+        let indices: Vec<usize> = host_pages.iter().map(|page| page.index()).collect();
+        match self.memory.lent_for_writing(&indices) {
+            None => Ok(()),
+            Some(index) => Err(lent_error(host_pages, index, Access::Write, operation)),
+        }
     }
 
     /// Waits for every transfer in flight, stops every prefetch and backup and waits until the I/O threads are done

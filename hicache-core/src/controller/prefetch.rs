@@ -453,7 +453,7 @@ impl<E: TransferEngine> CacheController<E> {
         let start = entry.explanation.reserved_tokens / self.page_size - tail.len();
         let release = super::Release { op: entry.explanation.op, range: start..start + tail.len() };
         let pages = storage.ledger.release(&release)?;
-        self.host.free(&pages)
+        self.free_host(&pages)
     }
 
     fn finish_entry(&mut self, entry: &mut PrefetchEntry, pages: Vec<HostPageId>, keys: Vec<PageKey>) -> PrefetchDone {

@@ -3,13 +3,20 @@
 //! Three threads per controller, each taking jobs in order from a channel:
 //! * the **query** thread hashes a prefetch's tokens and asks storage which leading pages it holds
 //!   ([`storage_hit_query`]), batch by batch with early exit; it touches no host memory;
-//! * the **fetch** thread reads the pages of a reserved prefetch, a batch at a time, into host pages, and counts
-//!   them only after their bytes are in host memory ([`Progress`]: data before count); it stops at the first page
-//!   that fails or when the scheduler terminates the prefetch, and then marks the operation *quiet*: it will not
-//!   touch its host pages again, so the scheduler may free them;
-//! * the **backup** thread writes host pages to storage a batch at a time, recording every page's outcome and going
-//!   on past a failed page (SGLang stops at the first failed batch and records nothing: §17 item 27), under an
-//!   optional bandwidth cap.
+//! * the **fetch** thread reads the pages of a reserved prefetch, a batch at a time, straight into host pages, and
+//!   counts them only after their bytes are in host memory ([`Progress`]: data before count); it stops at the first
+//!   page that fails or when the scheduler terminates the prefetch, and then marks the operation *quiet*: it will
+//!   not touch its host pages again, so the scheduler may free them;
+//! * the **backup** thread writes host pages to storage a batch at a time, straight from host memory, recording
+//!   every page's outcome and going on past a failed page (SGLang stops at the first failed batch and records
+//!   nothing: §17 item 27), under an optional bandwidth cap.
+//!
+//! Zero copy: a batch's host pages are lent to the backend in place ([`HostMemory`]'s leases), for writing during a
+//! fetch (the pages are *reserved*: nothing else reads or frees them until the prefetch is quiet) and for reading
+//! during a backup (the pages are *pinned*: nothing writes or frees them until the backup is taken). The lease of a
+//! fetched batch is returned before its tokens are counted, so a page that a load may read is never still being
+//! written. The backend is told about the whole host pool once, when the threads start
+//! ([`StorageBackend::register_host_memory`]), and told to forget it when they stop.
 //!
 //! The threads never touch the allocators: they report through shared records the scheduler reads at its tick.
 
@@ -25,8 +32,8 @@ use crate::hash::{PageHasher, PageKey};
 use crate::host_pool::HostPageId;
 use crate::ops::{OpId, Progress};
 use crate::rate_limit::{Admission, Clock, SystemClock, TokenBucket};
-use crate::storage::{GetOutcome, PageSegments, PageSegmentsMut, SetOutcome, StorageBackend};
-use crate::transfer::HostMemory;
+use crate::storage::{GetOutcome, SetOutcome, StorageBackend};
+use crate::host_memory::{HostMemory, MemoryRegion};
 
 /// How the storage half behaves: SGLang's knobs (all configurable here) and this rank's role.
 #[derive(Clone, Debug, PartialEq)]
@@ -251,12 +258,16 @@ struct BackupJob {
     keys: Vec<PageKey>,
 }
 
-/// The three I/O threads; dropping this closes their channels and joins them.
+/// The three I/O threads; dropping this closes their channels, joins them and tells the backend to forget the host
+/// pool.
 pub(super) struct Workers {
     query: Option<Sender<QueryJob>>,
     fetch: Option<Sender<FetchJob>>,
     backup: Option<Sender<BackupJob>>,
     threads: Vec<JoinHandle<()>>,
+    storage: Arc<dyn StorageBackend>,
+    region: MemoryRegion,
+    registered: bool,
 }
 
 impl std::fmt::Debug for Workers {
@@ -268,7 +279,7 @@ impl std::fmt::Debug for Workers {
 #[derive(Clone)]
 struct Io {
     storage: Arc<dyn StorageBackend>,
-    host: Arc<dyn HostMemory>,
+    host: Arc<HostMemory>,
     page_size: usize,
     batch_pages: usize,
 }
@@ -276,10 +287,11 @@ struct Io {
 impl Workers {
     pub(super) fn start(
         storage: Arc<dyn StorageBackend>,
-        host: Arc<dyn HostMemory>,
+        host: Arc<HostMemory>,
         settings: &StorageSettings,
     ) -> Result<Self, Error> {
-        let io = Io { storage, host, page_size: settings.page_size, batch_pages: settings.batch_pages };
+        let region = host.region();
+        let io = Io { storage: storage.clone(), host, page_size: settings.page_size, batch_pages: settings.batch_pages };
         let (query, query_jobs) = channel();
         let (fetch, fetch_jobs) = channel();
         let (backup, backup_jobs) = channel();
@@ -310,7 +322,19 @@ impl Workers {
             )?,
             spawn("hicache-backup", Box::new(move || run_backups(&io, backup_jobs, bucket)))?,
         ];
-        Ok(Self { query: Some(query), fetch: Some(fetch), backup: Some(backup), threads })
+        let mut workers = Self {
+            query: Some(query),
+            fetch: Some(fetch),
+            backup: Some(backup),
+            threads,
+            storage,
+            region,
+            registered: false,
+        };
+        // on failure, dropping `workers` stops the threads (no job was sent yet)
+        workers.storage.register_host_memory(&workers.region)?;
+        workers.registered = true;
+        Ok(workers)
     }
 
     pub(super) fn query(&self, shared: Arc<PrefetchShared>, tokens: Vec<u32>, last_key: Option<PageKey>) {
@@ -338,6 +362,9 @@ impl Drop for Workers {
         self.backup.take();
         for thread in self.threads.drain(..) {
             let _ = thread.join();
+        }
+        if self.registered {
+            self.storage.unregister_host_memory(&self.region);
         }
     }
 }
@@ -375,35 +402,30 @@ fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
 }
 
 fn run_fetches(io: &Io, jobs: Receiver<FetchJob>) {
-    let page_bytes = io.host.page_bytes();
-    let mut staging = Vec::new();
     for job in jobs {
         let shared = &job.shared;
         for (pages, keys) in job.pages.chunks(io.batch_pages).zip(job.keys.chunks(io.batch_pages)) {
             if shared.progress.is_terminated() {
                 break;
             }
-            staging.resize(pages.len() * page_bytes, 0);
-            let read = guarded(|| {
-                let mut segments: Vec<PageSegmentsMut<'_>> =
-                    staging.chunks_mut(page_bytes).map(|page| vec![page]).collect();
-                io.storage.batch_get(keys, &mut segments)
-            });
-            let (arrived, failure) = match read {
-                Ok(outcomes) => {
-                    let arrived = outcomes.iter().take_while(|outcome| **outcome == GetOutcome::Hit).count();
-                    let failure = outcomes.get(arrived).map(|outcome| match outcome {
-                        GetOutcome::Miss => format!("page {} was no longer in storage", keys[arrived]),
-                        GetOutcome::Failed(failure) => format!("page {}: {failure}", keys[arrived]),
-                        GetOutcome::Hit => unreachable!("counted above"),
-                    });
-                    (arrived.min(pages.len()), failure)
-                }
-                Err(error) => (0, Some(error)),
+            let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();
+            // the lease ends with this block: the batch's pages are returned before their tokens are counted
+            let (arrived, failure) = match io.host.lend_write(&indices) {
+                Ok(mut lease) => match guarded(|| io.storage.batch_get(keys, &mut lease.pages_mut())) {
+                    Ok(outcomes) => {
+                        let arrived = outcomes.iter().take_while(|outcome| **outcome == GetOutcome::Hit).count();
+                        let failure = outcomes.get(arrived).map(|outcome| match outcome {
+                            GetOutcome::Miss => format!("page {} was no longer in storage", keys[arrived]),
+                            GetOutcome::Failed(failure) => format!("page {}: {failure}", keys[arrived]),
+                            GetOutcome::Hit => unreachable!("counted above"),
+                        });
+                        (arrived.min(pages.len()), failure)
+                    }
+                    Err(error) => (0, Some(error)),
+                },
+                Err(error) => (0, Some(error.to_string())),
             };
-            let copied = io.host.write_pages(&pages[..arrived], &staging[..arrived * page_bytes]);
-            let failure = failure.or_else(|| copied.as_ref().err().map(ToString::to_string));
-            if copied.is_ok() && arrived > 0 && shared.progress.increment((arrived * io.page_size) as u64).is_err() {
+            if arrived > 0 && shared.progress.increment((arrived * io.page_size) as u64).is_err() {
                 break;
             }
             if let Some(failure) = failure {
@@ -419,7 +441,6 @@ fn run_fetches(io: &Io, jobs: Receiver<FetchJob>) {
 fn run_backups(io: &Io, jobs: Receiver<BackupJob>, mut bucket: Option<TokenBucket>) {
     let page_bytes = io.host.page_bytes();
     let clock = SystemClock::new();
-    let mut staging = Vec::new();
     for job in jobs {
         let mut outcomes = Vec::with_capacity(job.pages.len());
         for (pages, keys) in job.pages.chunks(io.batch_pages).zip(job.keys.chunks(io.batch_pages)) {
@@ -431,12 +452,9 @@ fn run_backups(io: &Io, jobs: Receiver<BackupJob>, mut bucket: Option<TokenBucke
                     std::thread::sleep(wait);
                 }
             }
-            staging.resize(pages.len() * page_bytes, 0);
-            let result = match io.host.read_pages(pages, &mut staging) {
-                Ok(()) => guarded(|| {
-                    let segments: Vec<PageSegments<'_>> = staging.chunks(page_bytes).map(|page| vec![page]).collect();
-                    io.storage.batch_set(keys, &segments)
-                }),
+            let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();
+            let result = match io.host.lend_read(&indices) {
+                Ok(lease) => guarded(|| io.storage.batch_set(keys, &lease.pages())),
                 Err(error) => Err(error.to_string()),
             };
             match result {

@@ -178,6 +178,14 @@ impl<S: StorageBackend> StorageBackend for FaultyStorage<S> {
         self.inner.stats()
     }
 
+    fn register_host_memory(&self, region: &crate::host_memory::MemoryRegion) -> Result<(), Error> {
+        self.inner.register_host_memory(region)
+    }
+
+    fn unregister_host_memory(&self, region: &crate::host_memory::MemoryRegion) {
+        self.inner.unregister_host_memory(region);
+    }
+
     fn list(&self) -> Result<Vec<(PageKey, u64)>, Error> {
         self.enter("list")?;
         self.inner.list()

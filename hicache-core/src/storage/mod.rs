@@ -24,6 +24,7 @@ pub use stats::{StatsRecorder, StorageStats};
 
 use crate::error::Error;
 use crate::hash::PageKey;
+use crate::host_memory::MemoryRegion;
 
 /// Destination of one page: segments whose concatenation receives the page.
 pub type PageSegmentsMut<'a> = Vec<&'a mut [u8]>;
@@ -143,6 +144,29 @@ pub trait StorageBackend: Send + Sync {
 
     /// Counters since the backend was opened.
     fn stats(&self) -> StorageStats;
+
+    /// Tells the backend, once, about host memory that the segments of later calls will lie in (a host pool), so it
+    /// can register it with its transport or map it, instead of per call. Segments outside every registered region
+    /// must still work (the backend registers or copies them as it would without this call). The default does
+    /// nothing.
+    ///
+    /// The caller keeps the memory mapped until it calls [`unregister_host_memory`](Self::unregister_host_memory)
+    /// with the same region (the controller does when its I/O threads stop); the region grants no access by itself:
+    /// bytes move only through each call's segments.
+    ///
+    /// # Errors
+    ///
+    /// A failure to register; the backend is then as before the call.
+    fn register_host_memory(&self, region: &MemoryRegion) -> Result<(), Error> {
+        let _ = region;
+        Ok(())
+    }
+
+    /// Forgets a region told with [`register_host_memory`](Self::register_host_memory); no call in flight uses it.
+    /// The default does nothing.
+    fn unregister_host_memory(&self, region: &MemoryRegion) {
+        let _ = region;
+    }
 
     /// Every page of this namespace with its stored size in bytes, in no particular order.
     ///

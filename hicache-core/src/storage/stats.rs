@@ -31,6 +31,9 @@ pub struct StorageStats {
     pub bytes_written: u64,
     /// Pages removed (by `remove`, `clear`, and eviction in backends with a capacity).
     pub removed: u64,
+    /// Bytes copied through an intermediate buffer on their way between the caller's segments and storage (a bounce
+    /// buffer for memory the transport cannot reach); 0 when every byte moves straight from and into the segments.
+    pub staging_bytes: u64,
 }
 
 /// Thread-safe counters behind [`StorageStats`].
@@ -47,6 +50,7 @@ pub struct StatsRecorder {
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
     removed: AtomicU64,
+    staging_bytes: AtomicU64,
 }
 
 fn add(counter: &AtomicU64, amount: usize) {
@@ -93,6 +97,11 @@ impl StatsRecorder {
         self.removed.fetch_add(pages, Ordering::Relaxed);
     }
 
+    /// Records bytes copied through an intermediate buffer.
+    pub fn record_staging(&self, bytes: usize) {
+        add(&self.staging_bytes, bytes);
+    }
+
     /// A snapshot.
     pub fn snapshot(&self) -> StorageStats {
         let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
@@ -108,6 +117,7 @@ impl StatsRecorder {
             bytes_read: load(&self.bytes_read),
             bytes_written: load(&self.bytes_written),
             removed: load(&self.removed),
+            staging_bytes: load(&self.staging_bytes),
         }
     }
 }

@@ -9,8 +9,9 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{DeviceLayoutMap, HostMemory, TransferEngine, TransferEvent};
+use super::{DeviceLayoutMap, TransferEngine, TransferEvent};
 use crate::error::Error;
+use crate::host_memory::HostMemory;
 use crate::host_pool::HostPageId;
 use crate::layout::HostLayoutMap;
 use crate::ops::DeviceSlot;
@@ -91,38 +92,62 @@ impl State {
         let page_size = self.host_map.page_size();
         let geometry = *self.device_map.geometry();
         let (device_map, host_map) = (self.device_map, self.host_map);
-        let mut runs = Runs::new(geometry.item_bytes());
+        let item = geometry.item_bytes();
+        let mut runs = Runs::new(item);
         let mut device = lock(&self.memory.device);
-        let mut host = lock(&self.memory.host);
+        let host = &self.memory.host;
         match work {
             Work::Backup { slots, pages } => {
+                // like a DMA engine, the copy waits until no storage thread holds these pages
+                let mut lease = host.lend_write_waiting(pages).expect("pages checked when submitted");
+                let mut host_pages = lease.pages_mut();
+                let mut copy = SegmentCopy::new(item, host_pages.first().map_or(item, |page| page[0].len()));
                 // layer and part outermost: consecutive pages of one layer merge into one run (`layer_first`)
                 for layer in 0..geometry.layers {
                     for &part in geometry.parts() {
-                        for (&page, page_slots) in pages.iter().zip(slots.chunks(page_size)) {
+                        for (index, (&page, page_slots)) in pages.iter().zip(slots.chunks(page_size)).enumerate() {
                             for (offset, &slot) in page_slots.iter().enumerate() {
                                 let from = device_map.item_offset(slot as usize, layer, part);
-                                let to = host_map.item_offset(page * page_size + offset, layer, part);
-                                runs.push(from, to, &device, &mut host);
+                                runs.push(from, host_map.item_offset(page * page_size + offset, layer, part));
+                                let flat = host_map.flat_offset(offset, layer, part);
+                                copy.push(from, index, flat, &mut |from, (index, flat), len| {
+                                    let (segment, at) = locate(&host_pages[index], flat);
+                                    host_pages[index][segment][at..at + len].copy_from_slice(&device[from..from + len]);
+                                });
                             }
                         }
                     }
                 }
-                runs.flush(&device, &mut host);
+                copy.flush(&mut |from, (index, flat), len| {
+                    let (segment, at) = locate(&host_pages[index], flat);
+                    host_pages[index][segment][at..at + len].copy_from_slice(&device[from..from + len]);
+                });
+                runs.finish();
                 self.stats.backup_items += runs.items;
                 self.stats.backup_runs += runs.runs;
             }
             Work::LoadLayer { layer, pages, slots } => {
+                let lease = host.lend_read_waiting(pages).expect("pages checked when submitted");
+                let host_pages = lease.pages();
+                let mut copy = SegmentCopy::new(item, host_pages.first().map_or(item, |page| page[0].len()));
                 for &part in geometry.parts() {
-                    for (&page, page_slots) in pages.iter().zip(slots.chunks(page_size)) {
+                    for (index, (&page, page_slots)) in pages.iter().zip(slots.chunks(page_size)).enumerate() {
                         for (offset, &slot) in page_slots.iter().enumerate() {
-                            let from = host_map.item_offset(page * page_size + offset, *layer, part);
                             let to = device_map.item_offset(slot as usize, *layer, part);
-                            runs.push(from, to, &host, &mut device);
+                            runs.push(host_map.item_offset(page * page_size + offset, *layer, part), to);
+                            let flat = host_map.flat_offset(offset, *layer, part);
+                            copy.push(to, index, flat, &mut |to, (index, flat), len| {
+                                let (segment, at) = locate(&host_pages[index], flat);
+                                device[to..to + len].copy_from_slice(&host_pages[index][segment][at..at + len]);
+                            });
                         }
                     }
                 }
-                runs.flush(&host, &mut device);
+                copy.flush(&mut |to, (index, flat), len| {
+                    let (segment, at) = locate(&host_pages[index], flat);
+                    device[to..to + len].copy_from_slice(&host_pages[index][segment][at..at + len]);
+                });
+                runs.finish();
                 self.stats.load_items += runs.items;
                 self.stats.load_runs += runs.runs;
             }
@@ -130,14 +155,62 @@ impl State {
     }
 }
 
-/// Item copies merged into runs where both sides continue where the last item ended (consecutive slots of a page
-/// in `layer_first`, say), so a page is a few `memcpy`s rather than one per item.
+/// Where flat page byte `flat` lies among a page's segments: (segment, offset in it). Every segment of a page has
+/// the same length in every layout (one per part and layer, or one per part), and no item straddles two.
+fn locate<S: AsRef<[u8]>>(segments: &[S], flat: usize) -> (usize, usize) {
+    let len = segments[0].as_ref().len();
+    (flat / len, flat % len)
+}
+
+/// Item copies between the device pool and one lease's page segments, merged while both sides continue where the
+/// last item ended (consecutive slots of one segment); `copy(device offset, (page, flat offset), len)` does each.
+struct SegmentCopy {
+    item: usize,
+    segment: usize,
+    device: usize,
+    page: usize,
+    flat: usize,
+    len: usize,
+}
+
+impl SegmentCopy {
+    /// Copies of `item`-byte items into or out of segments of `segment` bytes each.
+    fn new(item: usize, segment: usize) -> Self {
+        Self { item, segment, device: 0, page: 0, flat: 0, len: 0 }
+    }
+
+    fn push(&mut self, device: usize, page: usize, flat: usize, copy: &mut dyn FnMut(usize, (usize, usize), usize)) {
+        let continues = self.len > 0
+            && device == self.device + self.len
+            && page == self.page
+            && flat == self.flat + self.len
+            // the run stays inside one segment: segment boundaries fall on multiples of the segment length
+            && !flat.is_multiple_of(self.segment);
+        if continues {
+            self.len += self.item;
+            return;
+        }
+        self.flush(copy);
+        (self.device, self.page, self.flat, self.len) = (device, page, flat, self.item);
+    }
+
+    fn flush(&mut self, copy: &mut dyn FnMut(usize, (usize, usize), usize)) {
+        if self.len > 0 {
+            copy(self.device, (self.page, self.flat), self.len);
+            self.len = 0;
+        }
+    }
+}
+
+/// Item copies counted as the runs (one `memcpy` each) they merge into where both sides continue where the last
+/// item ended in the pools' own offsets (consecutive slots of a page in `layer_first`, say): what a GPU's copy
+/// engine would get per copy.
 struct Runs {
     item: usize,
     from: usize,
     to: usize,
     len: usize,
-    /// Items pushed and runs copied so far.
+    /// Items pushed and runs counted so far.
     items: u64,
     runs: u64,
 }
@@ -147,31 +220,31 @@ impl Runs {
         Self { item, from: 0, to: 0, len: 0, items: 0, runs: 0 }
     }
 
-    fn push(&mut self, from: usize, to: usize, source: &[u8], destination: &mut [u8]) {
+    fn push(&mut self, from: usize, to: usize) {
         self.items += 1;
         if self.len > 0 && from == self.from + self.len && to == self.to + self.len {
             self.len += self.item;
             return;
         }
-        self.flush(source, destination);
+        self.finish();
         (self.from, self.to, self.len) = (from, to, self.item);
     }
 
-    fn flush(&mut self, source: &[u8], destination: &mut [u8]) {
+    fn finish(&mut self) {
         if self.len > 0 {
-            destination[self.to..self.to + self.len].copy_from_slice(&source[self.from..self.from + self.len]);
             self.len = 0;
             self.runs += 1;
         }
     }
 }
 
-/// The pools' bytes, each behind its own lock, so the storage tier's threads copy host pages while the forward
-/// pass reads the device pool. Lock order: the engine's state, then the device, then the host.
+/// The pools' bytes: the device pool behind its own lock (the forward pass reads it while copies run), the host
+/// pool lent page by page ([`HostMemory`]), so the storage tier's threads work on other pages meanwhile. Order: the
+/// engine's state, then the device, then a lease.
 #[derive(Debug)]
 struct Memory {
     device: Mutex<Vec<u8>>,
-    host: Mutex<Vec<u8>>,
+    host: Arc<HostMemory>,
 }
 
 /// The CPU engine.
@@ -213,6 +286,21 @@ impl CpuEngine {
     ///
     /// [`Error::InvalidArgument`] when the two maps' geometries differ.
     pub fn new(device_map: DeviceLayoutMap, host_map: HostLayoutMap, completion: Completion) -> Result<Self, Error> {
+        Self::with_host_memory(device_map, Arc::new(HostMemory::anonymous(host_map)?), completion)
+    }
+
+    /// An engine over a zeroed device pool of `device_map` and the caller's host memory (allocated as the caller
+    /// chose: in shared memory, say).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the two pools' geometries differ.
+    pub fn with_host_memory(
+        device_map: DeviceLayoutMap,
+        host: Arc<HostMemory>,
+        completion: Completion,
+    ) -> Result<Self, Error> {
+        let host_map = *host.map();
         if device_map.geometry() != host_map.geometry() {
             return Err(Error::InvalidArgument {
                 field: "host_map",
@@ -223,10 +311,7 @@ impl CpuEngine {
                 ),
             });
         }
-        let memory = Memory {
-            device: Mutex::new(vec![0; device_map.total_bytes()]),
-            host: Mutex::new(vec![0; host_map.total_bytes()]),
-        };
+        let memory = Memory { device: Mutex::new(vec![0; device_map.total_bytes()]), host };
         let state = State {
             memory: Arc::new(memory),
             device_map,
@@ -247,11 +332,10 @@ impl CpuEngine {
         f(&mut device)
     }
 
-    /// Runs `f` on the host pool's bytes (in the host layout, see [`HostLayoutMap`]).
+    /// Runs `f` on the host pool's bytes (in the host layout, see [`HostLayoutMap`]), once no page is lent.
     pub fn with_host<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
         let memory = lock(&self.state).memory.clone();
-        let mut host = lock(&memory.host);
-        f(&mut host)
+        memory.host.with_all_mut(f)
     }
 
     /// The device pool's map.
@@ -339,65 +423,6 @@ impl CpuEngine {
     }
 }
 
-/// The CPU engine's host pool as [`HostMemory`]: copies under the engine's lock.
-#[derive(Debug)]
-pub struct CpuHostMemory {
-    memory: Arc<Memory>,
-    map: HostLayoutMap,
-}
-
-impl CpuHostMemory {
-    /// The host buffer's segments of `pages`, in flat page order, after checking the buffer's size.
-    fn segments(&self, pages: &[HostPageId], bytes: usize) -> Result<Vec<(usize, usize)>, Error> {
-        let map = self.map;
-        if let Some(page) = pages.iter().find(|page| page.index() >= map.pages()) {
-            return Err(Error::InvalidArgument {
-                field: "pages",
-                reason: format!("host {page} out of range ({} pages)", map.pages()),
-            });
-        }
-        let expected = pages.len() * map.page_bytes();
-        if bytes != expected {
-            return Err(Error::InvalidArgument {
-                field: "buffer",
-                reason: format!("{bytes} bytes for {} pages of {}", pages.len(), map.page_bytes()),
-            });
-        }
-        Ok(pages
-            .iter()
-            .flat_map(|page| map.page_segments(page.index()).into_iter().map(|segment| (segment.offset, segment.len)))
-            .collect())
-    }
-}
-
-impl HostMemory for CpuHostMemory {
-    fn page_bytes(&self) -> usize {
-        self.map.page_bytes()
-    }
-
-    fn read_pages(&self, pages: &[HostPageId], out: &mut [u8]) -> Result<(), Error> {
-        let segments = self.segments(pages, out.len())?;
-        let host = lock(&self.memory.host);
-        let mut at = 0;
-        for (offset, len) in segments {
-            out[at..at + len].copy_from_slice(&host[offset..offset + len]);
-            at += len;
-        }
-        Ok(())
-    }
-
-    fn write_pages(&self, pages: &[HostPageId], data: &[u8]) -> Result<(), Error> {
-        let segments = self.segments(pages, data.len())?;
-        let mut host = lock(&self.memory.host);
-        let mut at = 0;
-        for (offset, len) in segments {
-            host[offset..offset + len].copy_from_slice(&data[at..at + len]);
-            at += len;
-        }
-        Ok(())
-    }
-}
-
 /// The first index listed twice, found with a bitmap kept in the state (cleared again before returning): O(n), no
 /// allocation after the first call.
 fn first_repeat(seen: &mut Vec<u64>, items: impl Iterator<Item = usize> + Clone) -> Option<usize> {
@@ -424,9 +449,8 @@ fn first_repeat(seen: &mut Vec<u64>, items: impl Iterator<Item = usize> + Clone)
 impl TransferEngine for CpuEngine {
     type Event = CpuEvent;
 
-    fn host_memory(&self) -> Arc<dyn HostMemory> {
-        let state = lock(&self.state);
-        Arc::new(CpuHostMemory { memory: state.memory.clone(), map: state.host_map })
+    fn host_memory(&self) -> Arc<HostMemory> {
+        lock(&self.state).memory.host.clone()
     }
 
     fn start_event(&mut self) -> Result<CpuEvent, Error> {

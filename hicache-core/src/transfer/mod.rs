@@ -14,7 +14,7 @@
 mod cpu;
 mod layer_counter;
 
-pub use cpu::{Completion, CopyStats, CpuEngine, CpuEvent, CpuHostMemory, Stream};
+pub use cpu::{Completion, CopyStats, CpuEngine, CpuEvent, Stream};
 pub use layer_counter::{LayerDoneCounter, SlotBusy, SlotReuse};
 
 use crate::error::Error;
@@ -31,37 +31,14 @@ pub trait TransferEvent: Clone + Send + Sync + std::fmt::Debug {
     fn wait(&self);
 }
 
-/// The host pool's bytes as the storage tier's I/O threads see them: whole pages in flat page order (spec §3.4),
-/// copied out for a backup to storage and in for a prefetch.
-///
-/// The controller hands a page to an I/O thread only while no transfer uses it (a prefetch target is reserved, a
-/// backup source is synced or backed up and pinned), so these copies never race the engine's own.
-pub trait HostMemory: Send + Sync {
-    /// Bytes of one flat page.
-    fn page_bytes(&self) -> usize;
-
-    /// Copies `pages` out, one flat page after another, into `out` (`pages.len() × page_bytes` bytes).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] for a page out of range or a wrongly sized buffer; nothing is copied then.
-    fn read_pages(&self, pages: &[HostPageId], out: &mut [u8]) -> Result<(), Error>;
-
-    /// Copies flat pages from `data` into `pages`.
-    ///
-    /// # Errors
-    ///
-    /// As [`read_pages`](Self::read_pages).
-    fn write_pages(&self, pages: &[HostPageId], data: &[u8]) -> Result<(), Error>;
-}
-
 /// Moves pages between the device pool and the host pool.
 pub trait TransferEngine: Send {
     /// The engine's completion event.
     type Event: TransferEvent;
 
-    /// The host pool, for the storage tier's I/O threads.
-    fn host_memory(&self) -> std::sync::Arc<dyn HostMemory>;
+    /// The host pool's memory, which the storage tier's I/O threads lend pages of
+    /// ([`HostMemory`](crate::host_memory::HostMemory)). The engine's own copies use the same bytes.
+    fn host_memory(&self) -> std::sync::Arc<crate::host_memory::HostMemory>;
 
     /// An event recorded on the caller's stream now: a transfer given it as `after` starts only once the caller's
     /// work submitted before it is done.
