@@ -130,10 +130,7 @@ struct LeaseTable {
 #[derive(Debug)]
 enum Backing {
     Mapped(#[expect(dead_code, reason = "held for its Drop: the mapping lives as long as the pool")] MmapMut),
-    Shared {
-        _map: MmapMut,
-        path: PathBuf,
-    },
+    Shared { _map: MmapMut, path: PathBuf },
 }
 
 /// The bytes of one host pool, lent page by page. See the module documentation.
@@ -402,7 +399,9 @@ fn create_shared_file(dir: &Path, bytes: usize) -> Result<(File, PathBuf), Strin
     for _ in 0..16 {
         // RandomState is seeded from the OS's random source per process and varies per instance
         let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-        hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+        hasher.write_u128(
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos(),
+        );
         let path = dir.join(format!("hicache-host-pool-{:016x}", hasher.finish()));
         let mut file = match std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path) {
             Ok(file) => file,

@@ -235,7 +235,11 @@ fn a_page_lent_for_a_backup_is_neither_written_nor_freed_until_the_lease_returns
     seen.recv_timeout(Duration::from_secs(10)).expect("granted once the backup returned the lease");
     writer.join().unwrap();
     wait_until("backup taken", || {
-        rig.tick(&mut SingleRank).unwrap().backups.iter().any(|backup| backup.pages == vec![PageBackup::Stored, PageBackup::Stored])
+        rig.tick(&mut SingleRank)
+            .unwrap()
+            .backups
+            .iter()
+            .any(|backup| backup.pages == vec![PageBackup::Stored, PageBackup::Stored])
     });
     rig.evict_host(&pages).unwrap();
     assert_eq!(*storage.outside.lock().unwrap(), 0, "every segment was inside the registered host pool");

@@ -39,6 +39,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub use agent::{AUTO_PLUGINS, PluginChoice};
 use hicache_core::Error;
 use hicache_core::hash::PageKey;
+use hicache_core::host_memory::MemoryRegion;
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::{
     FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, StatsRecorder, StorageBackend,
@@ -115,9 +116,11 @@ pub struct NixlUsage {
     pub open_files: usize,
     /// Page files opened and registered so far.
     pub files_opened: u64,
-    /// Host memory ranges registered now.
+    /// Host pools registered now (told with `register_host_memory`).
+    pub registered_pools: usize,
+    /// Other host memory ranges registered now.
     pub registered_regions: usize,
-    /// Host memory ranges registered so far.
+    /// Host memory ranges (pools and others) registered so far.
     pub regions_registered: u64,
 }
 
@@ -194,6 +197,7 @@ impl NixlStorage {
             plugin: self.agent.plugin().to_owned(),
             open_files: files.len(),
             files_opened: files.opened(),
+            registered_pools: regions.pools(),
             registered_regions: regions.len(),
             regions_registered: regions.registrations(),
         }
@@ -460,6 +464,16 @@ impl StorageBackend for NixlStorage {
 
     fn stats(&self) -> StorageStats {
         self.stats.snapshot()
+    }
+
+    fn register_host_memory(&self, region: &MemoryRegion) -> Result<(), Error> {
+        self.lock_regions().register_pool(&self.agent, region.address(), region.len()).map_err(|failure| {
+            storage(format!("registering the host pool ({} bytes) with NIXL: {failure}", region.len()))
+        })
+    }
+
+    fn unregister_host_memory(&self, region: &MemoryRegion) {
+        self.lock_regions().unregister_pool(region.address(), region.len());
     }
 
     fn list(&self) -> Result<Vec<(PageKey, u64)>, Error> {

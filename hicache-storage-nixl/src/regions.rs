@@ -1,11 +1,13 @@
 //! Host memory registered with NIXL, kept between calls.
 //!
 //! NIXL moves host memory only inside registered ranges, each transfer piece within one range. SGLang registers the
-//! buffers of every call again and never deregisters them (§17 item 5). Here a range stays registered while it is
-//! among the `capacity` most recently used: the storage threads of the controller reuse one staging buffer each,
-//! and an engine's host pool is one range, so after the first call nothing is registered again. A range no longer
-//! used is deregistered when it falls out of the cache, or at the latest when the backend drops; a range in use by a
-//! transfer is never deregistered under it (the transfer holds it).
+//! buffers of every call again and never deregisters them (§17 item 5). Here a host pool the backend is told about
+//! ([`StorageBackend::register_host_memory`](hicache_core::storage::StorageBackend::register_host_memory): the
+//! controller's whole pool) is registered once and stays registered until it is unregistered; pieces inside it
+//! register nothing. Memory outside every told region (a caller's own buffers) is registered by range, and a range
+//! stays registered while it is among the `capacity` most recently used, so a reused buffer is registered once. A
+//! range no longer used is deregistered when it falls out of the cache, or at the latest when the backend drops; a
+//! range in use by a transfer is never deregistered under it (the transfer holds it).
 //!
 //! Registering does not touch the memory (POSIX records the range; GDS pins it), and a transfer only reaches memory
 //! that its own pieces name, which the caller keeps alive for the call. So a range whose memory the caller has since
@@ -25,9 +27,10 @@ pub(crate) struct Registered {
     _handle: RegistrationHandle,
 }
 
-/// Recently used registered ranges, most recent last.
+/// Host pools told about, registered until unregistered, and recently used other ranges, most recent last.
 #[derive(Debug)]
 pub(crate) struct RegionCache {
+    pools: Vec<Arc<Registered>>,
     ranges: Vec<Arc<Registered>>,
     capacity: usize,
     registrations: u64,
@@ -35,7 +38,30 @@ pub(crate) struct RegionCache {
 
 impl RegionCache {
     pub(crate) fn new(capacity: usize) -> Self {
-        Self { ranges: Vec::new(), capacity: capacity.max(1), registrations: 0 }
+        Self { pools: Vec::new(), ranges: Vec::new(), capacity: capacity.max(1), registrations: 0 }
+    }
+
+    /// Registers a host pool `[start, start + len)` until [`unregister_pool`](Self::unregister_pool); a pool already
+    /// registered is not registered again.
+    pub(crate) fn register_pool(&mut self, agent: &NixlAgent, start: usize, len: usize) -> Result<(), NixlError> {
+        if self.pools.iter().any(|pool| pool.start == start && pool.end == start + len) {
+            return Ok(());
+        }
+        let region = Region { address: start, len, mem_type: MemType::Dram, device: 0 };
+        let handle = agent.register(&region)?;
+        self.registrations += 1;
+        self.pools.push(Arc::new(Registered { start, end: start + len, _handle: handle }));
+        Ok(())
+    }
+
+    /// Forgets a host pool; its registration ends once no transfer holds it.
+    pub(crate) fn unregister_pool(&mut self, start: usize, len: usize) {
+        self.pools.retain(|pool| !(pool.start == start && pool.end == start + len));
+    }
+
+    /// Host pools registered now.
+    pub(crate) fn pools(&self) -> usize {
+        self.pools.len()
     }
 
     /// Ranges registered so far (a figure for tests and reports: it stops growing once buffers are reused).
@@ -58,6 +84,10 @@ impl RegionCache {
         let runs = merge_runs(spans);
         let mut held = Vec::with_capacity(runs.len());
         for (start, end) in runs {
+            if let Some(pool) = self.pools.iter().find(|pool| pool.start <= start && end <= pool.end) {
+                held.push(Arc::clone(pool));
+                continue;
+            }
             let found = self.ranges.iter().rposition(|range| range.start <= start && end <= range.end);
             let range = match found {
                 Some(index) => self.ranges.remove(index),

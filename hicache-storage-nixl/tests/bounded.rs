@@ -34,7 +34,7 @@ fn descriptors_and_registrations_stay_bounded() {
     let before = open_descriptors();
     let keys = random_keys(64);
     let pages = random_pages(64, PAGE);
-    // one reused buffer per direction, as the controller's storage threads do
+    // one reused buffer of the caller's own, outside any host pool told to the backend: registered once, kept
     let mut staging = vec![0u8; 16 * PAGE];
     for _ in 0..3 {
         for (batch_keys, batch_pages) in keys.chunks(16).zip(pages.chunks(16)) {

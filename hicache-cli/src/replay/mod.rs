@@ -400,9 +400,9 @@ fn run_on<E: device::ReplayEngine>(
         prefetch_threshold: args.prefetch_threshold,
         ..HiCacheConfig::default()
     };
-    if let Some(backend) = backend {
+    if let Some(backend) = &backend {
         let settings = StorageSettings::from_config(&config, host_pages * page, device_pages * page, false, rank)?;
-        controller = controller.with_storage(backend, settings, Arc::new(SystemClock::new()))?;
+        controller = controller.with_storage(backend.clone(), settings, Arc::new(SystemClock::new()))?;
     }
     let settings = TreeSettings {
         write_policy: config.write_policy,
@@ -432,7 +432,9 @@ fn run_on<E: device::ReplayEngine>(
         decode_ms_per_token: args.decode_ms_per_token,
         sync_storage: args.sync_storage,
     };
-    rank::run_rank(&mut tree, &mut workload, &spec, collective, progress, metrics)
+    let mut outcome = rank::run_rank(&mut tree, &mut workload, &spec, collective, progress, metrics)?;
+    outcome.storage = backend.map(|backend| backend.stats());
+    Ok(outcome)
 }
 
 fn write_policy(args: &ReplayArgs) -> WritePolicy {

@@ -65,6 +65,8 @@ pub(crate) struct RankOutcome {
     pub(crate) tree: hicache_core::tree::TreeStats,
     /// The engine's copies: items and the contiguous runs they merged into (engines that count them).
     pub(crate) copies: Option<hicache_core::transfer::CopyStats>,
+    /// The storage backend's counters at the end, with a storage tier.
+    pub(crate) storage: Option<hicache_core::storage::StorageStats>,
 }
 
 /// The replay's knobs that the loop needs.

@@ -55,6 +55,12 @@ struct Report {
     bytes: Paths<u64>,
     gbps: Paths<f64>,
     prefetch_stop_reasons: BTreeMap<String, usize>,
+    /// Bytes the storage backends of all ranks copied through an intermediate buffer (0: every byte moved straight
+    /// between the host pool and storage).
+    staging_bytes: u64,
+    /// Rank 0's storage backend counters, with a storage tier.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    storage: Option<hicache_core::storage::StorageStats>,
     tree: hicache_core::tree::TreeStats,
     /// Mean bytes per contiguous copy (rank 0, CPU engine): what a GPU copy engine would get per copy from the same
     /// pages.
@@ -124,6 +130,8 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
         bytes,
         gbps,
         prefetch_stop_reasons: first.stop_reasons.clone(),
+        staging_bytes: outcomes.iter().filter_map(|outcome| outcome.storage).map(|stats| stats.staging_bytes).sum(),
+        storage: first.storage,
         tree: first.tree.clone(),
         bytes_per_copy: {
             let item = super::geometry(args)?.item_bytes() as f64;
@@ -199,6 +207,9 @@ fn print_text(description: &str, report: &Report) {
         report.gbps.host_to_storage,
         report.gbps.storage_to_host
     );
+    if report.storage.is_some() {
+        println!("staged through intermediate buffers (all ranks): {} bytes", report.staging_bytes);
+    }
     if let Some(sizes) = &report.bytes_per_copy {
         println!(
             "bytes per contiguous copy (both pools): device→host {:.1} KiB, host→device {:.1} KiB",

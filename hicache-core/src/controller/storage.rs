@@ -29,11 +29,11 @@ use super::hit_query::storage_hit_query;
 use crate::config::{HiCacheConfig, PrefetchPolicy};
 use crate::error::Error;
 use crate::hash::{PageHasher, PageKey};
+use crate::host_memory::{HostMemory, MemoryRegion};
 use crate::host_pool::HostPageId;
 use crate::ops::{OpId, Progress};
 use crate::rate_limit::{Admission, Clock, SystemClock, TokenBucket};
 use crate::storage::{GetOutcome, SetOutcome, StorageBackend};
-use crate::host_memory::{HostMemory, MemoryRegion};
 
 /// How the storage half behaves: SGLang's knobs (all configurable here) and this rank's role.
 #[derive(Clone, Debug, PartialEq)]
@@ -291,7 +291,8 @@ impl Workers {
         settings: &StorageSettings,
     ) -> Result<Self, Error> {
         let region = host.region();
-        let io = Io { storage: storage.clone(), host, page_size: settings.page_size, batch_pages: settings.batch_pages };
+        let io =
+            Io { storage: storage.clone(), host, page_size: settings.page_size, batch_pages: settings.batch_pages };
         let (query, query_jobs) = channel();
         let (fetch, fetch_jobs) = channel();
         let (backup, backup_jobs) = channel();
