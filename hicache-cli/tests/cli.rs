@@ -413,6 +413,26 @@ fn help_describes_every_option() {
 }
 
 #[test]
+fn bench_storage_via_the_controller_moves_pool_pages_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_str().unwrap();
+    let args = ["--pages", "12", "--page-bytes", "65536", "--batch", "5", "--rounds", "2", "--json"];
+    let output = hicache(&[&["bench", "storage", "--via", "controller", "--dir", path][..], &args].concat(), "");
+    assert!(output.status.success(), "{}", stderr(&output));
+    let figure: Value = serde_json::from_str(&stdout(&output)).expect("one JSON object");
+    assert_eq!((figure["backend"].as_str(), figure["via"].as_str()), (Some("file"), Some("controller")));
+    assert_eq!((figure["pages"].as_u64(), figure["page_bytes"].as_u64()), (Some(12), Some(65536)));
+    for field in ["set_gbps", "direct_set_gbps", "get_gbps", "direct_get_gbps"] {
+        assert!(figure[field].as_f64().is_some_and(|value| value > 0.0), "{field} in {figure}");
+    }
+    let ratio = figure["get_gbps"].as_f64().unwrap() / figure["direct_get_gbps"].as_f64().unwrap();
+    assert!((figure["get_ratio"].as_f64().unwrap() - ratio).abs() < 1e-9, "{figure}");
+    assert_eq!(figure["staging_bytes"], 0, "{figure}");
+    let leftovers: Vec<_> = walk(dir.path());
+    assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
+}
+
+#[test]
 fn bench_storage_reports_backend_and_raw_figures_as_json() {
     let dir = tempfile::tempdir().unwrap();
     for format in ["native", "sglang"] {

@@ -57,9 +57,25 @@ pub(crate) struct BenchStorageArgs {
     /// Rounds; each figure is the best round.
     #[arg(long, default_value_t = 3, value_name = "N")]
     rounds: usize,
-    /// Print one JSON object {backend, pages, page_bytes, set_gbps, get_gbps, raw_write_gbps, raw_read_gbps}.
+    /// What the backend is measured against: `direct` calls it from host memory next to raw sequential I/O of the
+    /// same bytes; `controller` has the controller's backup thread write pages of a host pool and its query and fetch
+    /// threads read them back (in place), next to the backend called directly on the same pool pages.
+    #[arg(long, value_enum, default_value_t = Via::Direct)]
+    via: Via,
+    /// Print one JSON object: {backend, pages, page_bytes, set_gbps, get_gbps, raw_write_gbps, raw_read_gbps,
+    /// set_ratio, get_ratio}, or with `--via controller` {backend, via, pages, page_bytes, set_gbps, direct_set_gbps,
+    /// set_ratio, get_gbps, direct_get_gbps, get_ratio, staging_bytes}.
     #[arg(long)]
     json: bool,
+}
+
+/// What `bench storage` compares the backend with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Via {
+    /// The backend called directly, next to raw sequential I/O.
+    Direct,
+    /// The controller's storage threads, next to the backend called directly on the same host pages.
+    Controller,
 }
 
 /// The result of `bench storage`.
@@ -127,6 +143,9 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let namespace = namespace(args.page_bytes)?;
     let backend = backends::open(args.backend, &namespace, &options)?;
+    if args.via == Via::Controller {
+        return via_controller(args, backend.into(), &namespace, &dir);
+    }
     let total = args.pages * args.page_bytes;
     let mut source_blocks = vec![Block([0; BLOCK]); total.div_ceil(BLOCK)];
     let source = &mut bytemuck::cast_slice_mut::<Block, u8>(&mut source_blocks)[..total];
@@ -201,6 +220,40 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
             figure.get_gbps,
             figure.raw_read_gbps,
             figure.get_ratio
+        );
+    }
+    Ok(())
+}
+
+fn via_controller(
+    args: &BenchStorageArgs,
+    backend: std::sync::Arc<dyn StorageBackend>,
+    namespace: &StorageNamespace,
+    dir: &Path,
+) -> anyhow::Result<()> {
+    let bench =
+        super::bench_storage_controller::ControllerBench { pages: args.pages, batch: args.batch, rounds: args.rounds };
+    let result = super::bench_storage_controller::run(&bench, backend.clone(), namespace);
+    let _ = backend.clear();
+    let figure = result?;
+    if args.json {
+        println!("{}", serde_json::to_string(&figure)?);
+    } else {
+        println!(
+            "{} × {} B pages in {}{} through the controller: backup {:.2} GB/s (the backend called directly on the \
+             same pool pages {:.2} GB/s, ratio {:.2}); prefetch {:.2} GB/s (directly {:.2} GB/s, ratio {:.2}); \
+             {} bytes staged",
+            figure.pages,
+            figure.page_bytes,
+            dir.display(),
+            if args.direct { " with O_DIRECT" } else { "" },
+            figure.set_gbps,
+            figure.direct_set_gbps,
+            figure.set_ratio,
+            figure.get_gbps,
+            figure.direct_get_gbps,
+            figure.get_ratio,
+            figure.staging_bytes
         );
     }
     Ok(())

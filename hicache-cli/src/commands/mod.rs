@@ -3,6 +3,7 @@
 pub(crate) mod bench;
 pub(crate) mod bench_controller;
 pub(crate) mod bench_storage;
+mod bench_storage_controller;
 pub(crate) mod bench_transfer;
 #[cfg(feature = "cuda")]
 pub(crate) mod bench_transfer_cuda;
