@@ -425,8 +425,19 @@ fn bench_storage_via_the_controller_moves_pool_pages_in_place() {
     for field in ["set_gbps", "direct_set_gbps", "get_gbps", "direct_get_gbps"] {
         assert!(figure[field].as_f64().is_some_and(|value| value > 0.0), "{field} in {figure}");
     }
-    let ratio = figure["get_gbps"].as_f64().unwrap() / figure["direct_get_gbps"].as_f64().unwrap();
-    assert!((figure["get_ratio"].as_f64().unwrap() - ratio).abs() < 1e-9, "{figure}");
+    // two rounds, alternating which path goes first; the ratio is the median (here the mean) of the paired ratios
+    let rounds = figure["rounds"].as_array().unwrap();
+    assert_eq!(rounds.len(), 2);
+    assert_ne!(rounds[0]["controller_first"], rounds[1]["controller_first"]);
+    let paired = |round: &Value, path: &str| {
+        round[format!("{path}_gbps")].as_f64().unwrap() / round[format!("direct_{path}_gbps")].as_f64().unwrap()
+    };
+    for path in ["set", "get"] {
+        let median = (paired(&rounds[0], path) + paired(&rounds[1], path)) / 2.0;
+        assert!((figure[format!("{path}_ratio")].as_f64().unwrap() - median).abs() < 1e-9, "{path}: {figure}");
+        let best = rounds.iter().map(|round| round[format!("{path}_gbps")].as_f64().unwrap()).fold(0.0, f64::max);
+        assert_eq!(figure[format!("{path}_gbps")].as_f64().unwrap(), best, "{path}: {figure}");
+    }
     assert_eq!(figure["staging_bytes"], 0, "{figure}");
     let leftovers: Vec<_> = walk(dir.path());
     assert!(leftovers.is_empty(), "left behind: {leftovers:?}");

@@ -269,3 +269,28 @@ fn contiguous_pages_merge_into_one_copy_per_layer_and_part() {
         assert_eq!(stats.backup_runs, expected * geometry.layers as u64, "{layout:?} reversed {reversed}");
     }
 }
+
+#[test]
+fn a_copy_into_a_page_lent_to_storage_waits_for_the_lease() {
+    let geometry = KvGeometry::mha(2, 1, 4, KvDtype::Bf16).unwrap();
+    let Setup { mut engine, host_map, slots_total, pages, slots, device, .. } =
+        setup(geometry, HostLayout::LayerFirst, 2, 4, 11, Completion::Manual);
+    let (pages, slots) = (&pages[..1], &slots[..2]);
+    let memory = engine.host_memory();
+    let start = engine.start_event().unwrap();
+    let backup = engine.backup(slots, pages, &start).unwrap();
+    // a storage thread reads the page (a backup to storage of what it held before)
+    let lease = memory.lend_read(&[pages[0].index()]).unwrap();
+    let (done, finished) = std::sync::mpsc::channel();
+    let copier = std::thread::spawn(move || {
+        backup.wait();
+        done.send(()).unwrap();
+    });
+    assert!(finished.recv_timeout(std::time::Duration::from_millis(50)).is_err(), "copied under a read lease");
+    assert!(lease.page(0).iter().all(|segment| segment.iter().all(|&byte| byte == HOST_POISON)), "written under it");
+    drop(lease);
+    finished.recv_timeout(std::time::Duration::from_secs(10)).expect("the copy runs once the lease returns");
+    copier.join().unwrap();
+    let host = engine.with_host(|bytes| bytes.to_vec());
+    assert_eq!(host_page(&host, &host_map, pages[0]), expected_flat_page(&device, &host_map, slots_total, slots));
+}

@@ -64,7 +64,8 @@ pub(crate) struct BenchStorageArgs {
     via: Via,
     /// Print one JSON object: {backend, pages, page_bytes, set_gbps, get_gbps, raw_write_gbps, raw_read_gbps,
     /// set_ratio, get_ratio}, or with `--via controller` {backend, via, pages, page_bytes, set_gbps, direct_set_gbps,
-    /// set_ratio, get_gbps, direct_get_gbps, get_ratio, staging_bytes}.
+    /// set_ratio, get_gbps, direct_get_gbps, get_ratio, staging_bytes, rounds} (rates of the best round, ratios the
+    /// median of each round's paired ratio, every round's rates in `rounds`).
     #[arg(long)]
     json: bool,
 }
@@ -241,8 +242,8 @@ fn via_controller(
     } else {
         println!(
             "{} × {} B pages in {}{} through the controller: backup {:.2} GB/s (the backend called directly on the \
-             same pool pages {:.2} GB/s, ratio {:.2}); prefetch {:.2} GB/s (directly {:.2} GB/s, ratio {:.2}); \
-             {} bytes staged",
+             same pool pages {:.2} GB/s; median paired ratio {:.2}); prefetch {:.2} GB/s (directly {:.2} GB/s; \
+             median paired ratio {:.2}); {} bytes staged",
             figure.pages,
             figure.page_bytes,
             dir.display(),

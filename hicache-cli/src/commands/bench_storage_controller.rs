@@ -4,8 +4,10 @@
 //!
 //! Both paths move the same bytes between the same pool pages and the same backend; the controller's also pays for
 //! its hit query (an existence check per batch), its thread hand-offs and the scheduler's ticks. Each round writes
-//! under fresh keys (removed at the round's end, outside the timings) and alternates which path goes first, so
-//! neither always finds a cold or a warm page cache; each figure is the best round.
+//! under fresh keys (removed at the round's end, outside the timings) and measures both paths back to back,
+//! alternating which goes first, so neither always finds a cold or a warm page cache. The rates reported are the best
+//! round's; the ratios are the median of the rounds' paired ratios, which a disk that is slow for a while (file
+//! creation on a journaling file system varies several-fold here) moves far less than a ratio of two best rounds.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,20 +41,33 @@ pub(super) struct ControllerFigure {
     pub(super) via: &'static str,
     pub(super) pages: usize,
     pub(super) page_bytes: usize,
-    /// Backups by the controller's backup thread.
+    /// Backups by the controller's backup thread (best round).
     pub(super) set_gbps: f64,
-    /// `batch_set` called directly on the same host pages.
+    /// `batch_set` called directly on the same host pages (best round).
     pub(super) direct_set_gbps: f64,
-    /// set_gbps / direct_set_gbps.
+    /// The median over rounds of the round's controller / direct backup rate (each round measures both paths
+    /// back to back, so the ratio is paired: a disk that is slow for a while slows both).
     pub(super) set_ratio: f64,
-    /// Prefetches by the controller's query and fetch threads.
+    /// Prefetches by the controller's query and fetch threads (best round).
     pub(super) get_gbps: f64,
-    /// `batch_get` called directly into host pages.
+    /// `batch_get` called directly into host pages (best round).
     pub(super) direct_get_gbps: f64,
-    /// get_gbps / direct_get_gbps.
+    /// The median over rounds of the round's controller / direct prefetch rate.
     pub(super) get_ratio: f64,
     /// Bytes the backend copied through an intermediate buffer, over the whole run.
     pub(super) staging_bytes: u64,
+    /// Every round's figures, in GB/s: [set, direct set, get, direct get], and whether the controller went first.
+    pub(super) rounds: Vec<RoundFigure>,
+}
+
+/// One round of `bench storage --via controller`.
+#[derive(Debug, Default, Serialize)]
+pub(super) struct RoundFigure {
+    pub(super) controller_first: bool,
+    pub(super) set_gbps: f64,
+    pub(super) direct_set_gbps: f64,
+    pub(super) get_gbps: f64,
+    pub(super) direct_get_gbps: f64,
 }
 
 /// Device pages at a time while the source pages are filled.
@@ -96,22 +111,23 @@ pub(super) fn run(
     let expected = memory.copy_pages_out(&source_indices)?;
     let spare: Vec<usize> = (0..host_pages).filter(|index| !source_indices.contains(index)).take(bench.pages).collect();
 
-    let mut best = Best::default();
+    let mut rounds = Vec::with_capacity(bench.rounds);
     for round in 0..bench.rounds {
         let direct_keys = keys(&tokens(round, 0, bench.pages))?;
         let controller_tokens = tokens(round, 1, bench.pages);
         let controller_keys = keys(&controller_tokens)?;
         // alternate which path meets the page cache first
         let order = if round % 2 == 0 { [false, true] } else { [true, false] };
+        let mut figure = RoundFigure { controller_first: order[0], ..RoundFigure::default() };
         for via_controller in order {
             rustix::fs::sync();
             let started = Instant::now();
             if via_controller {
                 backup(&mut controller, &sources, controller_keys.clone())?;
-                best.set = best.set.max(gbps(bench.pages * page_bytes, started));
+                figure.set_gbps = gbps(bench.pages * page_bytes, started);
             } else {
                 direct_set(backend.as_ref(), &memory, &source_indices, &direct_keys, bench.batch)?;
-                best.direct_set = best.direct_set.max(gbps(bench.pages * page_bytes, started));
+                figure.direct_set_gbps = gbps(bench.pages * page_bytes, started);
             }
         }
         rustix::fs::sync();
@@ -119,7 +135,7 @@ pub(super) fn run(
             if via_controller {
                 let started = Instant::now();
                 let fetched = prefetch(&mut controller, &format!("bench-{round}"), &controller_tokens)?;
-                best.get = best.get.max(gbps(bench.pages * page_bytes, started));
+                figure.get_gbps = gbps(bench.pages * page_bytes, started);
                 let indices: Vec<usize> = fetched.iter().map(|page| page.index()).collect();
                 ensure!(memory.copy_pages_out(&indices)? == expected, "the controller fetched bytes that differ");
                 controller.evict_host(&fetched)?;
@@ -128,35 +144,39 @@ pub(super) fn run(
                 memory.lend_write(&spare)?.pages_mut().iter_mut().flatten().for_each(|segment| segment.fill(0));
                 let started = Instant::now();
                 direct_get(backend.as_ref(), &memory, &spare, &direct_keys, bench.batch)?;
-                best.direct_get = best.direct_get.max(gbps(bench.pages * page_bytes, started));
+                figure.direct_get_gbps = gbps(bench.pages * page_bytes, started);
                 ensure!(memory.copy_pages_out(&spare)? == expected, "{} returned bytes that differ", backend.name());
             }
         }
         // the round's pages go, so a run holds at most two sets (on tmpfs they are memory)
         backend.remove(&direct_keys)?;
         backend.remove(&controller_keys)?;
+        rounds.push(figure);
     }
+    let best = |figure: fn(&RoundFigure) -> f64| rounds.iter().map(figure).fold(0.0, f64::max);
+    let (set, direct_set) = (best(|round| round.set_gbps), best(|round| round.direct_set_gbps));
+    let (get, direct_get) = (best(|round| round.get_gbps), best(|round| round.direct_get_gbps));
     Ok(ControllerFigure {
         backend: backend.name().to_owned(),
         via: "controller",
         pages: bench.pages,
         page_bytes,
-        set_gbps: best.set,
-        direct_set_gbps: best.direct_set,
-        set_ratio: best.set / best.direct_set,
-        get_gbps: best.get,
-        direct_get_gbps: best.direct_get,
-        get_ratio: best.get / best.direct_get,
+        set_gbps: set,
+        direct_set_gbps: direct_set,
+        set_ratio: median(rounds.iter().map(|round| round.set_gbps / round.direct_set_gbps).collect()),
+        get_gbps: get,
+        direct_get_gbps: direct_get,
+        get_ratio: median(rounds.iter().map(|round| round.get_gbps / round.direct_get_gbps).collect()),
         staging_bytes: backend.stats().staging_bytes,
+        rounds,
     })
 }
 
-#[derive(Default)]
-struct Best {
-    set: f64,
-    direct_set: f64,
-    get: f64,
-    direct_get: f64,
+/// The median (the mean of the middle two for an even count).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let middle = values.len() / 2;
+    if values.len() % 2 == 1 { values[middle] } else { (values[middle - 1] + values[middle]) / 2.0 }
 }
 
 fn gbps(bytes: usize, started: Instant) -> f64 {
