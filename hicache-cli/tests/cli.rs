@@ -206,6 +206,18 @@ fn replay_moves_storage_pages_in_place_under_every_write_policy() {
 }
 
 #[test]
+fn replay_runs_with_the_host_pool_in_shared_memory() {
+    let shm = tempfile::tempdir().unwrap();
+    let path = shm.path().to_str().unwrap();
+    let report = replay_json(&["--clients", "8", "--rounds", "3", "--tp-size", "2", "--host-shm", path]);
+    assert_eq!(report["verified"], true, "{report}");
+    assert_eq!(report["lockstep"], true, "{report}");
+    assert_eq!(report["staging_bytes"], 0, "{report}");
+    assert!(walk(shm.path()).is_empty(), "the pools' files are removed at the end");
+    assert_usage_error(&hicache(&["replay", "--host-shm", "/does/not/exist"], ""), "--host-shm: host_allocation");
+}
+
+#[test]
 fn with_a_small_host_pool_storage_serves_what_the_host_evicted() {
     // --sync-storage: backups finish before the next batch, so the comparison does not depend on thread timing
     let small = ["--clients", "24", "--host-tokens", "20480", "--sync-storage", "--backend"];

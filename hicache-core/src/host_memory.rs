@@ -250,7 +250,8 @@ impl HostMemory {
         Ok(WriteLease { memory: self, pages: pages.to_vec() })
     }
 
-    /// As [`lend_read`](Self::lend_read), waiting for conflicting leases to return instead of refusing.
+    /// As [`lend_read`](Self::lend_read), waiting for conflicting leases to return instead of refusing (a lease the
+    /// calling thread holds itself never returns: the caller must not hold one on these pages).
     ///
     /// # Errors
     ///
@@ -260,7 +261,8 @@ impl HostMemory {
         Ok(ReadLease { memory: self, pages: pages.to_vec() })
     }
 
-    /// As [`lend_write`](Self::lend_write), waiting for conflicting leases to return instead of refusing.
+    /// As [`lend_write`](Self::lend_write), waiting for conflicting leases to return instead of refusing (the caller
+    /// must not hold a lease on these pages itself).
     ///
     /// # Errors
     ///
@@ -286,7 +288,8 @@ impl HostMemory {
         pages.iter().copied().find(|&page| table.get(page) == Some(&WRITER))
     }
 
-    /// Runs `f` on the whole pool's bytes, once no lease is out on any page (and none is granted meanwhile).
+    /// Runs `f` on the whole pool's bytes, once no lease is out on any page (and none is granted meanwhile); the
+    /// calling thread must hold no lease.
     pub fn with_all_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
         let all: Vec<usize> = (0..self.map.pages()).collect();
         let _lease = self.lend_write_waiting(&all).expect("every page is in range and listed once");

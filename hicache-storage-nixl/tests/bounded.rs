@@ -51,7 +51,7 @@ fn descriptors_and_registrations_stay_bounded() {
     assert_eq!(usage.plugin, "POSIX");
     assert!(usage.open_files <= 8, "{usage:?}");
     assert!(open_descriptors() <= before + 8 + 2, "descriptors grow with the bound, not the pages: {usage:?}");
-    assert_eq!(usage.regions_registered, 1, "one staging buffer, registered once: {usage:?}");
+    assert_eq!(usage.regions_registered, 1, "one reused buffer, registered once: {usage:?}");
     assert!(usage.files_opened >= 64 * 2, "reads reopened files the bound had closed: {usage:?}");
     drop(storage);
     assert!(open_descriptors() <= before, "dropping the backend closes its files");

@@ -54,7 +54,8 @@ pub(crate) struct BenchStorageArgs {
     /// Pages per batch call (SGLang's storage batch is 128).
     #[arg(long, default_value_t = 128, value_name = "N")]
     batch: usize,
-    /// Rounds; each figure is the best round.
+    /// Rounds; each rate is the best round's (with `--via controller` each ratio is the median of the rounds' paired
+    /// ratios).
     #[arg(long, default_value_t = 3, value_name = "N")]
     rounds: usize,
     /// What the backend is measured against: `direct` calls it from host memory next to raw sequential I/O of the

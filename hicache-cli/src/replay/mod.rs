@@ -23,6 +23,7 @@ use hicache_core::collective::{Collective, InProcessGroup, SingleRank};
 use hicache_core::config::{HiCacheConfig, PrefetchPolicy, WritePolicy};
 use hicache_core::controller::{CacheController, StorageSettings};
 use hicache_core::geometry::{KvDtype, KvGeometry};
+use hicache_core::host_memory::{HostAllocation, HostMemory};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::rate_limit::SystemClock;
@@ -110,6 +111,11 @@ pub(crate) struct ReplayArgs {
     /// Host pool size in tokens (must exceed the device pool).
     #[arg(long, default_value_t = 32_768, value_name = "N")]
     host_tokens: usize,
+    /// Allocate each rank's host pool in a new file of this shared-memory directory (a tmpfs such as /dev/shm), as
+    /// a deployment whose storage agent maps the pool does (3FS); the file is removed at the end. Default: private
+    /// anonymous memory.
+    #[arg(long, value_name = "DIR")]
+    host_shm: Option<PathBuf>,
     /// Storage tier.
     #[arg(long, value_enum, default_value_t = ReplayBackend::File)]
     backend: ReplayBackend,
@@ -351,15 +357,24 @@ fn run_one(
     let (device_pages, host_pages) = (args.device_tokens / page, args.host_tokens / page);
     let device_map = DeviceLayoutMap::new(geometry, device_pages * page)?;
     let host_map = HostLayoutMap::new(geometry, layout(args), page, host_pages)?;
+    let allocation = match &args.host_shm {
+        Some(dir) => HostAllocation::SharedMemory { dir: dir.clone() },
+        None => HostAllocation::Anonymous,
+    };
+    let host = Arc::new(HostMemory::new(host_map, &allocation).map_err(|error| match &args.host_shm {
+        Some(_) => anyhow::Error::from(Usage(format!("--host-shm: {error}"))),
+        None => error.into(),
+    })?);
     match args.engine {
         EngineName::Cpu => {
-            let engine = CpuEngine::new(device_map, host_map, Completion::Immediate)?;
+            let engine = CpuEngine::with_host_memory(device_map, host, Completion::Immediate)?;
             run_on(engine, args, rank, storage, collective, progress, metrics)
         }
         #[cfg(feature = "cuda")]
         EngineName::Cuda => {
             let device = hicache_cuda::Device::open(0)?;
-            let engine = hicache_cuda::CudaEngine::new(&device, device_map, host_map)?;
+            let device_pool = hicache_cuda::DeviceBuffer::zeroed(&device, device_map.total_bytes())?;
+            let engine = hicache_cuda::CudaEngine::with_pools(&device, device_map, device_pool, host)?;
             run_on(engine, args, rank, storage, collective, progress, metrics)
         }
         #[cfg(not(feature = "cuda"))]
