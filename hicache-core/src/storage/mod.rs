@@ -15,6 +15,8 @@ mod stats;
 
 #[cfg(feature = "testing")]
 pub mod conformance;
+#[cfg(feature = "testing")]
+pub mod rig;
 
 use std::fmt;
 
