@@ -151,7 +151,8 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
     let total = args.pages * args.page_bytes;
     let mut source_blocks = vec![Block([0; BLOCK]); total.div_ceil(BLOCK)];
     let source = &mut bytemuck::cast_slice_mut::<Block, u8>(&mut source_blocks)[..total];
-    fill(source);
+    let mut state = FILL_SEED;
+    fill(source, &mut state);
     let source = &*source;
     let mut target_blocks = vec![Block([0; BLOCK]); total.div_ceil(BLOCK)];
     let target = &mut bytemuck::cast_slice_mut::<Block, u8>(&mut target_blocks)[..total];
@@ -268,13 +269,16 @@ const BLOCK: usize = 4096;
 #[repr(C, align(4096))]
 struct Block([u8; BLOCK]);
 
-/// Pseudo-random bytes (xorshift words), so no layer below can compress or deduplicate them.
-fn fill(data: &mut [u8]) {
-    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+/// The xorshift state `fill` starts from.
+pub(super) const FILL_SEED: u64 = 0x2545_f491_4f6c_dd1d;
+
+/// Pseudo-random bytes (xorshift words from `state`, which is left where the bytes end, so consecutive calls go on
+/// with new bytes), so no layer below can compress or deduplicate them.
+pub(super) fn fill(data: &mut [u8], state: &mut u64) {
     for chunk in data.chunks_mut(8) {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
         chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
     }
 }

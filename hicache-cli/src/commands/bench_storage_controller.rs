@@ -197,17 +197,11 @@ fn keys(tokens: &[u32]) -> anyhow::Result<Vec<PageKey>> {
 /// leaves them backed up (host only), as pages a request left behind.
 fn fill_sources(controller: &mut CacheController<CpuEngine>, pages: usize) -> anyhow::Result<Vec<HostPageId>> {
     let mut sources = Vec::with_capacity(pages);
-    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    // one stream of bytes over every chunk, so no two source pages are alike
+    let mut state = super::bench_storage::FILL_SEED;
     while sources.len() < pages {
         let count = (pages - sources.len()).min(FILL_CHUNK);
-        controller.engine().with_device(|bytes| {
-            for chunk in bytes.chunks_mut(8) {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
-            }
-        });
+        controller.engine().with_device(|bytes| super::bench_storage::fill(bytes, &mut state));
         let slots = controller.alloc_device(count).context("device pages for the sources")?;
         let written = controller.write(&slots, NodeId(1), None)?.context("host pages for the sources")?;
         controller.take_all_write_acks()?;

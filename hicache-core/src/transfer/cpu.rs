@@ -102,6 +102,10 @@ impl State {
                 let mut lease = host.lend_write_waiting(pages).expect("pages checked when submitted");
                 let mut host_pages = lease.pages_mut();
                 let mut copy = SegmentCopy::new(item, host_pages.first().map_or(item, |page| page[0].len()));
+                let mut write = |from: usize, (index, flat): (usize, usize), len: usize| {
+                    let (segment, at) = locate(&host_pages[index], flat);
+                    host_pages[index][segment][at..at + len].copy_from_slice(&device[from..from + len]);
+                };
                 // layer and part outermost: consecutive pages of one layer merge into one run (`layer_first`)
                 for layer in 0..geometry.layers {
                     for &part in geometry.parts() {
@@ -109,19 +113,12 @@ impl State {
                             for (offset, &slot) in page_slots.iter().enumerate() {
                                 let from = device_map.item_offset(slot as usize, layer, part);
                                 runs.push(from, host_map.item_offset(page * page_size + offset, layer, part));
-                                let flat = host_map.flat_offset(offset, layer, part);
-                                copy.push(from, index, flat, &mut |from, (index, flat), len| {
-                                    let (segment, at) = locate(&host_pages[index], flat);
-                                    host_pages[index][segment][at..at + len].copy_from_slice(&device[from..from + len]);
-                                });
+                                copy.push(from, index, host_map.flat_offset(offset, layer, part), &mut write);
                             }
                         }
                     }
                 }
-                copy.flush(&mut |from, (index, flat), len| {
-                    let (segment, at) = locate(&host_pages[index], flat);
-                    host_pages[index][segment][at..at + len].copy_from_slice(&device[from..from + len]);
-                });
+                copy.flush(&mut write);
                 runs.finish();
                 self.stats.backup_items += runs.items;
                 self.stats.backup_runs += runs.runs;
@@ -130,23 +127,20 @@ impl State {
                 let lease = host.lend_read_waiting(pages).expect("pages checked when submitted");
                 let host_pages = lease.pages();
                 let mut copy = SegmentCopy::new(item, host_pages.first().map_or(item, |page| page[0].len()));
+                let mut read = |to: usize, (index, flat): (usize, usize), len: usize| {
+                    let (segment, at) = locate(&host_pages[index], flat);
+                    device[to..to + len].copy_from_slice(&host_pages[index][segment][at..at + len]);
+                };
                 for &part in geometry.parts() {
                     for (index, (&page, page_slots)) in pages.iter().zip(slots.chunks(page_size)).enumerate() {
                         for (offset, &slot) in page_slots.iter().enumerate() {
                             let to = device_map.item_offset(slot as usize, *layer, part);
                             runs.push(host_map.item_offset(page * page_size + offset, *layer, part), to);
-                            let flat = host_map.flat_offset(offset, *layer, part);
-                            copy.push(to, index, flat, &mut |to, (index, flat), len| {
-                                let (segment, at) = locate(&host_pages[index], flat);
-                                device[to..to + len].copy_from_slice(&host_pages[index][segment][at..at + len]);
-                            });
+                            copy.push(to, index, host_map.flat_offset(offset, *layer, part), &mut read);
                         }
                     }
                 }
-                copy.flush(&mut |to, (index, flat), len| {
-                    let (segment, at) = locate(&host_pages[index], flat);
-                    device[to..to + len].copy_from_slice(&host_pages[index][segment][at..at + len]);
-                });
+                copy.flush(&mut read);
                 runs.finish();
                 self.stats.load_items += runs.items;
                 self.stats.load_runs += runs.runs;
