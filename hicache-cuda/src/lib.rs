@@ -4,7 +4,7 @@
 //!
 //! Built on cudarc with dynamic loading: the crate builds and its tests compile on machines without CUDA, and
 //! opening a device there is an error that says what is missing. GPU tests are `#[ignore = "needs a CUDA GPU"]`; run
-//! them on a GPU machine with `../shared/tools/gpu-pack`.
+//! them on a GPU machine with `--include-ignored` (`docs/gpu.md` says how).
 
 mod device;
 mod engine;

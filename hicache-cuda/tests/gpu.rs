@@ -2,7 +2,7 @@
 //! kernel (warp, TMA) × layout × MHA/MLA (and odd item sizes) × page size {1, 16, 64} × direction; the TMA kernel's
 //! rings and pieces; per-layer events that order a consumer; transfers beside a busy kernel; the controller running
 //! unchanged on the GPU; page-first host pools in shared memory, pinned in place. GPU tests are ignored unless run on a
-//! GPU machine (`../shared/tools/gpu-pack`); the first test runs everywhere.
+//! GPU machine with `--include-ignored` (`docs/gpu.md`); the first test runs everywhere.
 
 use hicache_core::config::IoBackend;
 use hicache_core::controller::CacheController;
