@@ -227,22 +227,52 @@ fn short_requests_and_a_full_capacity_are_refused_before_any_query() {
     assert!(matches!(rig.prefetch("b", &tokens(3, 4), None).unwrap(), PrefetchStart::Started(_)));
 }
 
-/// A backend whose gets wait at a gate: each `open` lets one more batch through.
-#[derive(Debug)]
-struct Gated {
-    inner: MemoryStorage,
+/// Lets calls through one at a time as it is opened.
+#[derive(Debug, Default)]
+struct Gate {
     allowed: Mutex<usize>,
     opened: Condvar,
 }
 
+impl Gate {
+    fn open(&self, calls: usize) {
+        *self.allowed.lock().unwrap() += calls;
+        self.opened.notify_all();
+    }
+
+    fn pass(&self) {
+        let mut allowed = self.allowed.lock().unwrap();
+        while *allowed == 0 {
+            allowed = self.opened.wait(allowed).unwrap();
+        }
+        *allowed -= 1;
+    }
+}
+
+/// A backend whose gets wait at a gate (each `open` lets one more batch through), and, when asked for, whose
+/// existence checks wait at another.
+#[derive(Debug)]
+struct Gated {
+    inner: MemoryStorage,
+    gets: Gate,
+    queries: Option<Gate>,
+}
+
 impl Gated {
     fn new(inner: MemoryStorage) -> Self {
-        Self { inner, allowed: Mutex::new(0), opened: Condvar::new() }
+        Self { inner, gets: Gate::default(), queries: None }
+    }
+
+    fn with_query_gate(inner: MemoryStorage) -> Self {
+        Self { inner, gets: Gate::default(), queries: Some(Gate::default()) }
     }
 
     fn open(&self, batches: usize) {
-        *self.allowed.lock().unwrap() += batches;
-        self.opened.notify_all();
+        self.gets.open(batches);
+    }
+
+    fn open_queries(&self, batches: usize) {
+        self.queries.as_ref().expect("a query gate").open(batches);
     }
 }
 
@@ -252,16 +282,14 @@ impl StorageBackend for Gated {
     }
 
     fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {
+        if let Some(gate) = &self.queries {
+            gate.pass();
+        }
         self.inner.batch_exists(keys)
     }
 
     fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
-        let mut allowed = self.allowed.lock().unwrap();
-        while *allowed == 0 {
-            allowed = self.opened.wait(allowed).unwrap();
-        }
-        *allowed -= 1;
-        drop(allowed);
+        self.gets.pass();
         self.inner.batch_get(keys, pages)
     }
 
@@ -484,6 +512,65 @@ fn an_aborted_prefetch_keeps_nothing_and_returns_every_page() {
 }
 
 #[test]
+fn the_agreed_leading_hit_is_read_while_the_query_goes_on() {
+    let store = MemoryStore::new();
+    let (prompt, expected) = seed_storage(&store, 17, 7);
+    let page_bytes = {
+        let rig = controller(
+            Arc::new(memory(&store, 0, 1)),
+            settings(PrefetchPolicy::WaitComplete),
+            Arc::new(SystemClock::new()),
+        );
+        rig.engine().host_map().page_bytes()
+    };
+    for ending in ["complete", "abort", "reset"] {
+        let gated = Arc::new(Gated::with_query_gate(memory(&store, 0, 1)));
+        let mut rig = controller(gated.clone(), settings(PrefetchPolicy::WaitComplete), Arc::new(SystemClock::new()));
+        gated.open(100);
+        rig.prefetch("r", &prompt, None).unwrap();
+        // one batch of two pages answered (the threshold): its pages are reserved and read, the query waits
+        gated.open_queries(1);
+        tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(2 * PAGE));
+        assert_eq!(rig.host().available(), HOST_PAGES - 2, "{ending}: only the agreed pages are reserved");
+        match ending {
+            "complete" => {
+                gated.open_queries(1);
+                tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(4 * PAGE));
+                gated.open_queries(10);
+                rig.finish_prefetch("r");
+                let done = prefetch_result(&mut rig, "r");
+                assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::Complete, 7));
+                assert_eq!(done.explanation.tp_min_hit_tokens, 7 * PAGE);
+                assert_eq!(host_bytes(&rig, &done.host_pages), expected[..7 * page_bytes]);
+                rig.evict_host(&done.host_pages).unwrap();
+            }
+            "abort" => {
+                assert!(rig.abort_prefetch("r"));
+                gated.open_queries(10);
+                let done = prefetch_result(&mut rig, "r");
+                assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::Aborted, 0));
+                tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
+            }
+            _ => {
+                // the query thread still waits; reset must not wait for reads that were never queued
+                let opener = {
+                    let gated = gated.clone();
+                    std::thread::spawn(move || {
+                        std::thread::sleep(Duration::from_millis(20));
+                        gated.open_queries(10);
+                    })
+                };
+                rig.reset();
+                opener.join().unwrap();
+            }
+        }
+        assert_eq!(rig.host().available(), HOST_PAGES, "{ending}");
+        assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0, "{ending}");
+        rig.host().check_invariants().unwrap();
+    }
+}
+
+#[test]
 fn reset_waits_for_storage_io_and_leaves_nothing_behind() {
     // §17 item 14: SGLang's reset neither joins its I/O thread nor clears its storage records
     let store = MemoryStore::new();
@@ -554,9 +641,9 @@ fn host_eviction_on_demand_makes_room_for_a_hit() {
 }
 
 #[test]
-fn a_full_host_pool_without_eviction_revokes_with_the_reason() {
+fn a_host_pool_too_small_for_the_hit_keeps_what_fits_and_says_why() {
     let store = MemoryStore::new();
-    let (prompt, _) = seed_storage(&store, 16, 10);
+    let (prompt, expected) = seed_storage(&store, 16, 10);
     let mut rig = controller(
         Arc::new(memory(&store, 0, 1)),
         settings(PrefetchPolicy::WaitComplete),
@@ -567,14 +654,25 @@ fn a_full_host_pool_without_eviction_revokes_with_the_reason() {
         let slots = rig.alloc_device(DEVICE_PAGES).unwrap();
         rig.write(&slots, NodeId(node), None).unwrap().unwrap();
         rig.take_all_write_acks().unwrap();
-        if node == 1 {
-            rig.free_device(&slots).unwrap();
-        }
+        rig.free_device(&slots).unwrap();
     }
-    rig.alloc_device(0);
     assert_eq!(rig.host().available(), HOST_PAGES - 2 * DEVICE_PAGES);
     rig.prefetch("r", &prompt, None).unwrap();
+    rig.finish_prefetch("r");
     let done = prefetch_result(&mut rig, "r");
+    assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::HostPoolFull, 8));
+    assert_eq!((done.explanation.tp_min_hit_tokens, done.explanation.reserved_tokens), (10 * PAGE, 8 * PAGE));
+    assert_eq!(host_bytes(&rig, &done.host_pages), expected[..8 * rig.engine().host_map().page_bytes()]);
+    rig.evict_host(&done.host_pages).unwrap();
+
+    // with fewer free pages than the threshold, nothing is reserved at all
+    let slots = rig.alloc_device(7).unwrap();
+    rig.write(&slots, NodeId(3), None).unwrap().unwrap();
+    rig.take_all_write_acks().unwrap();
+    assert_eq!(rig.host().available(), 1);
+    rig.prefetch("s", &prompt, None).unwrap();
+    let done = prefetch_result(&mut rig, "s");
     assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::HostPoolFull, 0));
+    assert_eq!(rig.host().available(), 1);
     assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
 }

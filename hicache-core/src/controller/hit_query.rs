@@ -33,6 +33,25 @@ pub fn storage_hit_query(
     last_key: Option<PageKey>,
     batch_pages: usize,
 ) -> Result<HitQuery, Error> {
+    storage_hit_query_with(storage, hasher, tokens, page_size, last_key, batch_pages, &mut |_| true)
+}
+
+/// [`storage_hit_query`], telling `found` the keys of each batch's leading hits as soon as that batch is answered
+/// (so a caller can start reading them while later batches are asked for); `found` returning false ends the query
+/// there, with the hits so far.
+///
+/// # Errors
+///
+/// As [`storage_hit_query`].
+pub fn storage_hit_query_with(
+    storage: &dyn StorageBackend,
+    hasher: &mut PageHasher,
+    tokens: &[u32],
+    page_size: usize,
+    last_key: Option<PageKey>,
+    batch_pages: usize,
+    found: &mut dyn FnMut(&[PageKey]) -> bool,
+) -> Result<HitQuery, Error> {
     if batch_pages == 0 {
         return Err(Error::InvalidArgument { field: "storage_batch_pages", reason: "must be at least 1".into() });
     }
@@ -41,11 +60,13 @@ pub fn storage_hit_query(
     let mut last = last_key;
     for batch in whole.chunks(page_size.max(1) * batch_pages) {
         let keys = hasher.page_keys(batch, page_size, last, PartialPage::Reject)?;
-        let hits = storage.batch_exists(&keys)?;
+        // a backend answering more than it was asked is not trusted beyond the batch
+        let hits = storage.batch_exists(&keys)?.min(keys.len());
         query.round_trips += 1;
         query.keys.extend_from_slice(&keys[..hits]);
         query.hit_tokens += hits * page_size;
-        if hits < keys.len() {
+        let go_on = found(&keys[..hits]);
+        if hits < keys.len() || !go_on {
             break;
         }
         last = keys.last().copied();
@@ -95,6 +116,34 @@ mod tests {
         // without the prior the chain differs: nothing is found, in one round trip
         let cold = storage_hit_query(&storage, &mut PageHasher::new(), &tokens, PAGE, None, 8).unwrap();
         assert_eq!((cold.hit_tokens, cold.round_trips), (0, 1));
+    }
+
+    #[test]
+    fn each_batch_is_reported_as_it_is_answered_and_the_caller_may_end_the_query() {
+        let storage = storage();
+        let tokens: Vec<u32> = (0..20 * PAGE as u32).collect();
+        let keys = page_keys(&tokens, PAGE, None, PartialPage::Reject).unwrap();
+        store(&storage, &keys[..13]);
+        let mut reported = Vec::new();
+        let query = storage_hit_query_with(&storage, &mut PageHasher::new(), &tokens, PAGE, None, 4, &mut |found| {
+            reported.push(found.to_vec());
+            true
+        })
+        .unwrap();
+        let batches: Vec<Vec<PageKey>> =
+            vec![keys[..4].to_vec(), keys[4..8].to_vec(), keys[8..12].to_vec(), keys[12..13].to_vec()];
+        assert_eq!(reported, batches);
+        assert_eq!((query.keys.as_slice(), query.round_trips), (&keys[..13], 4));
+        // ended by the caller after the second batch: the hits so far, no further round trip
+        let calls = storage.calls();
+        let mut batches_seen = 0;
+        let query = storage_hit_query_with(&storage, &mut PageHasher::new(), &tokens, PAGE, None, 4, &mut |_| {
+            batches_seen += 1;
+            batches_seen < 2
+        })
+        .unwrap();
+        assert_eq!((query.keys.as_slice(), query.round_trips), (&keys[..8], 2));
+        assert_eq!(storage.calls(), calls + 2);
     }
 
     #[test]

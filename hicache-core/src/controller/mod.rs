@@ -38,7 +38,7 @@ use crate::rate_limit::{Clock, PrefetchCapacity};
 use crate::storage::StorageBackend;
 use crate::transfer::{LayerDoneCounter, SlotBusy, SlotReuse, TransferEngine, TransferEvent};
 
-pub use hit_query::{HitQuery, storage_hit_query};
+pub use hit_query::{HitQuery, storage_hit_query, storage_hit_query_with};
 pub use prefetch::{PrefetchDone, PrefetchStart, TickReport};
 pub use release::{Release, ReleaseLedger};
 pub use storage::{DEFAULT_TICK_SLOTS, PageBackup, PrefetchExplanation, PrefetchStop, StorageSettings};
@@ -644,8 +644,8 @@ impl<E: TransferEngine> CacheController<E> {
             ack.finish.wait();
         }
         if let Some(storage) = &mut self.storage {
-            for entry in storage.prefetches.values() {
-                entry.stop_for_reset();
+            for entry in storage.prefetches.values_mut() {
+                entry.stop_for_reset(&storage.workers);
             }
             for backup in &storage.backups {
                 backup.shared.cancel.store(true, std::sync::atomic::Ordering::Release);

@@ -6,9 +6,12 @@
 //!
 //! 1. [`prefetch`](CacheController::prefetch) queues a hit query. No host memory is reserved yet (SGLang reserves
 //!    the whole prompt before it knows the hit, and may evict L2 for it: §17 item 18).
-//! 2. When every rank's query is done, the TP minimum of the hit decides: below the threshold the prefetch is
-//!    revoked; otherwise host pages are reserved for exactly the hit (evicting through the caller's callback when the
-//!    pool is short) and the fetch thread reads them.
+//! 2. While the queries run, each tick reserves host pages for the leading hit every rank has found so far (the TP
+//!    minimum of the pages found), once it reaches the threshold, from pages free now, and the fetch thread starts
+//!    reading them: a long hit is read while its later batches are still being asked for. When every rank's query
+//!    is done, the TP minimum of the hit decides: below the threshold the prefetch is revoked (nothing was reserved
+//!    then); otherwise host pages are reserved for the rest of the hit (evicting through the caller's callback when
+//!    the pool is short; when even that leaves too few, the hit is cut to what fits) and the fetch thread reads them.
 //! 3. The scheduler asks for the result with [`finish_prefetch`](CacheController::finish_prefetch). `best_effort`
 //!    terminates the fetch at once; `wait_complete` waits until every rank's fetch is done; `timeout` waits until
 //!    done or until any rank's limit passed. When every rank's count is final, the TP minimum of the fetched tokens
@@ -74,8 +77,9 @@ pub struct TickReport<E> {
 
 #[derive(Debug)]
 enum Stage {
-    /// The hit query runs.
-    Querying,
+    /// The hit query runs. `pages` hold the leading hit every rank has found so far (reserved once it reached the
+    /// threshold) and are queued for the fetch thread already.
+    Querying { pages: Vec<HostPageId>, keys: Vec<PageKey> },
     /// Host pages reserved; the fetch thread reads them.
     Fetching { pages: Vec<HostPageId>, keys: Vec<PageKey> },
     /// Result given; these pages return to the allocator when every rank's fetch thread is quiet.
@@ -96,12 +100,21 @@ pub(super) struct PrefetchEntry {
     timed_out: bool,
     /// Tokens counted against the prefetch capacity.
     admitted: u64,
+    /// The host pool could not hold the whole hit: fewer pages were reserved.
+    capped: bool,
     explanation: PrefetchExplanation,
 }
 
 impl PrefetchEntry {
-    pub(super) fn stop_for_reset(&self) {
+    /// Terminates the prefetch; reads already queued end with a last (empty) job, so it becomes quiet.
+    pub(super) fn stop_for_reset(&mut self, workers: &super::storage::Workers) {
         self.shared.progress.terminate();
+        if let Stage::Querying { pages, keys } = &mut self.stage
+            && !pages.is_empty()
+        {
+            workers.fetch(self.shared.clone(), Vec::new(), Vec::new(), true);
+            self.stage = Stage::Fetching { pages: std::mem::take(pages), keys: std::mem::take(keys) };
+        }
     }
 
     /// Waits until the fetch thread is done with the host pages (at once when none were reserved).
@@ -113,7 +126,7 @@ impl PrefetchEntry {
 
     fn in_collective(&self) -> bool {
         match self.stage {
-            Stage::Querying | Stage::Draining { .. } => true,
+            Stage::Querying { .. } | Stage::Draining { .. } => true,
             Stage::Fetching { .. } => self.wanted || self.aborted,
         }
     }
@@ -209,11 +222,12 @@ impl<E: TransferEngine> CacheController<E> {
                 tokens: whole,
                 started_at,
                 shared,
-                stage: Stage::Querying,
+                stage: Stage::Querying { pages: Vec::new(), keys: Vec::new() },
                 wanted: false,
                 aborted: false,
                 timed_out: false,
                 admitted: whole as u64,
+                capped: false,
                 explanation,
             },
         );
@@ -300,9 +314,11 @@ impl<E: TransferEngine> CacheController<E> {
                 let limit = storage.settings.timeout(entry.tokens);
                 let quiet = entry.shared.quiet.is_set();
                 let terminated = entry.shared.progress.is_terminated();
+                // before the query ends, the pages found so far (a lower bound of the hit: they only grow)
+                let hit = entry.shared.hit.get();
                 let slot = Slot {
-                    hit_ready: entry.shared.hit.get().is_some(),
-                    hit_pages: entry.shared.hit.get().map_or(0, |hit| hit.keys.len() as i64),
+                    hit_ready: hit.is_some(),
+                    hit_pages: hit.map_or_else(|| entry.shared.found_pages(), |hit| hit.pages) as i64,
                     last: quiet || terminated,
                     fetched_tokens: entry.shared.progress.completed() as i64,
                     quiet,
@@ -325,8 +341,12 @@ impl<E: TransferEngine> CacheController<E> {
             let storage = self.storage.as_mut().expect("slots only with storage");
             let mut entry = storage.prefetches.remove(&op).expect("slots name live prefetches");
             let done = match entry.stage {
-                Stage::Querying if slot.hit_ready => {
+                Stage::Querying { .. } if slot.hit_ready => {
                     self.reserve(op, &mut entry, slot.hit_pages as usize, evict_host)?
+                }
+                Stage::Querying { .. } => {
+                    self.reserve_agreed(op, &mut entry, slot.hit_pages as usize)?;
+                    None
                 }
                 Stage::Fetching { .. } => {
                     entry.timed_out = !slot.in_time;
@@ -336,7 +356,7 @@ impl<E: TransferEngine> CacheController<E> {
                     self.drain(&mut entry)?;
                     None
                 }
-                Stage::Querying | Stage::Draining { .. } => None,
+                Stage::Draining { .. } => None,
             };
             report.prefetches.extend(done);
             let storage = self.storage.as_mut().expect("checked above");
@@ -350,7 +370,36 @@ impl<E: TransferEngine> CacheController<E> {
         Ok(report)
     }
 
-    /// The hit is known on every rank: revoke, or reserve host pages for it and start the fetch.
+    /// The query still runs on some rank: reserve host pages for the leading hit every rank has found so far
+    /// (`agreed_pages`), once it reaches the threshold, from the pages free now (eviction waits until the whole hit
+    /// is known), and queue their reads. Every rank sees the same minimum and the same allocator, so every rank
+    /// reserves the same pages.
+    fn reserve_agreed(&mut self, op: OpId, entry: &mut PrefetchEntry, agreed_pages: usize) -> Result<(), Error> {
+        let storage = self.storage.as_mut().expect("storage");
+        let Stage::Querying { pages, keys } = &mut entry.stage else {
+            unreachable!("reserve_agreed is called on querying prefetches")
+        };
+        // only the scheduler's own state decides (the same on every rank), never a flag an I/O thread sees first
+        let cut_off = entry.wanted && storage.settings.policy == PrefetchPolicy::BestEffort;
+        if entry.aborted || cut_off || agreed_pages * self.page_size < storage.settings.prefetch_threshold {
+            return Ok(());
+        }
+        let count = agreed_pages.saturating_sub(pages.len()).min(self.host.available());
+        if count == 0 {
+            return Ok(());
+        }
+        let more = self.host.alloc(count).expect("no more than available");
+        let more_keys = entry.shared.found_keys(pages.len()..pages.len() + count);
+        storage.ledger.extend(op, more.clone())?;
+        storage.workers.fetch(entry.shared.clone(), more.clone(), more_keys.clone(), false);
+        pages.extend(more);
+        keys.extend(more_keys);
+        entry.explanation.reserved_tokens = pages.len() * self.page_size;
+        Ok(())
+    }
+
+    /// The hit is known on every rank: revoke, or reserve host pages for the rest of it (as many as the pool can
+    /// hold after eviction) and queue the prefetch's last reads.
     fn reserve(
         &mut self,
         op: OpId,
@@ -359,45 +408,60 @@ impl<E: TransferEngine> CacheController<E> {
         evict_host: &mut dyn FnMut(&mut Self, usize),
     ) -> Result<Option<PrefetchDone>, Error> {
         let found = entry.shared.hit.get().expect("ready on this rank too");
-        entry.explanation.local_hit_tokens = found.keys.len() * self.page_size;
+        entry.explanation.local_hit_tokens = found.pages * self.page_size;
         entry.explanation.error.clone_from(&found.error);
         entry.explanation.tp_min_hit_tokens = hit_pages * self.page_size;
+        let Stage::Querying { mut pages, mut keys } =
+            std::mem::replace(&mut entry.stage, Stage::Querying { pages: Vec::new(), keys: Vec::new() })
+        else {
+            unreachable!("reserve is called on querying prefetches")
+        };
         let threshold = self.storage.as_ref().expect("storage").settings.prefetch_threshold;
         let policy = self.storage.as_ref().expect("storage").settings.policy;
         let stop = if entry.aborted {
             Some(PrefetchStop::Aborted)
         } else if entry.wanted && policy == PrefetchPolicy::BestEffort {
-            // taken by the scheduler before the hit was known: nothing to wait for
+            // taken by the scheduler before the hit was known: nothing more to wait for
             Some(PrefetchStop::CutOff)
         } else if hit_pages * self.page_size < threshold {
             Some(PrefetchStop::Revoked)
         } else {
             None
         };
-        let pages = match stop {
-            Some(_) => None,
-            None => match self.host.alloc(hit_pages) {
-                Some(pages) => Some(pages),
-                None => {
-                    let short = hit_pages - self.host.available();
+        let more = match stop {
+            Some(stop) if pages.is_empty() => {
+                entry.explanation.stop = stop;
+                return Ok(Some(self.finish_entry(entry, Vec::new(), Vec::new())));
+            }
+            // reads of the agreed hit are under way (so it reached the threshold): what arrives is resolved
+            Some(_) => Vec::new(),
+            None => {
+                let wanted = hit_pages - pages.len();
+                if self.host.available() < wanted {
+                    let short = wanted - self.host.available();
                     evict_host(self, short);
-                    self.host.alloc(hit_pages)
                 }
-            },
+                let count = wanted.min(self.host.available());
+                if (pages.len() + count) * self.page_size < threshold {
+                    // nothing reserved yet (the agreed part would have reached the threshold), and too few fit
+                    entry.explanation.stop = PrefetchStop::HostPoolFull;
+                    return Ok(Some(self.finish_entry(entry, Vec::new(), Vec::new())));
+                }
+                entry.capped = count < wanted;
+                self.host.alloc(count).expect("no more than available")
+            }
         };
         let storage = self.storage.as_mut().expect("storage");
-        let Some(pages) = pages else {
-            entry.explanation.stop = stop.unwrap_or(PrefetchStop::HostPoolFull);
-            return Ok(Some(self.finish_entry(entry, Vec::new(), Vec::new())));
-        };
-        // hold the hit's tokens against the capacity from now on, not the whole request's
-        let hit_tokens = (hit_pages * self.page_size) as u64;
-        storage.capacity.release(entry.admitted - hit_tokens)?;
-        entry.admitted = hit_tokens;
-        entry.explanation.reserved_tokens = hit_pages * self.page_size;
-        let keys = found.keys[..hit_pages].to_vec();
-        storage.ledger.hold(op, pages.clone())?;
-        storage.workers.fetch(entry.shared.clone(), pages.clone(), keys.clone());
+        let more_keys = entry.shared.found_keys(pages.len()..pages.len() + more.len());
+        storage.ledger.extend(op, more.clone())?;
+        storage.workers.fetch(entry.shared.clone(), more.clone(), more_keys.clone(), true);
+        pages.extend(more);
+        keys.extend(more_keys);
+        // hold the reserved tokens against the capacity from now on, not the whole request's
+        let reserved = (pages.len() * self.page_size) as u64;
+        storage.capacity.release(entry.admitted - reserved)?;
+        entry.admitted = reserved;
+        entry.explanation.reserved_tokens = pages.len() * self.page_size;
         entry.stage = Stage::Fetching { pages, keys };
         Ok(None)
     }
@@ -407,7 +471,9 @@ impl<E: TransferEngine> CacheController<E> {
         if !(entry.wanted || entry.aborted) {
             return Ok(None);
         }
-        let Stage::Fetching { pages, keys } = std::mem::replace(&mut entry.stage, Stage::Querying) else {
+        let Stage::Fetching { pages, keys } =
+            std::mem::replace(&mut entry.stage, Stage::Querying { pages: Vec::new(), keys: Vec::new() })
+        else {
             unreachable!("resolve is called on fetching prefetches")
         };
         let kept = if entry.aborted { 0 } else { slot.fetched_tokens as usize / self.page_size };
@@ -418,6 +484,8 @@ impl<E: TransferEngine> CacheController<E> {
         entry.explanation.fetched_tokens = kept * self.page_size;
         entry.explanation.stop = if entry.aborted {
             PrefetchStop::Aborted
+        } else if kept == pages.len() && entry.capped {
+            PrefetchStop::HostPoolFull
         } else if kept == pages.len() {
             PrefetchStop::Complete
         } else if failure.is_some() {
@@ -472,7 +540,7 @@ impl<E: TransferEngine> CacheController<E> {
             error = explanation.error.as_deref(),
             "prefetch finished"
         );
-        if matches!(entry.stage, Stage::Querying) {
+        if matches!(entry.stage, Stage::Querying { .. }) {
             // nothing was reserved
             entry.stage = Stage::Draining { tail: Vec::new() };
         }

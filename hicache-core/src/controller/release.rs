@@ -58,6 +58,23 @@ impl ReleaseLedger {
         Ok(())
     }
 
+    /// Records that `op` holds `pages` as well, at positions after those it held (a prefetch reserves its hit in
+    /// steps while the query runs). An operation holding nothing yet starts at position 0.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Internal`] when a page of `op` was released already: positions would no longer be stable.
+    pub fn extend(&mut self, op: OpId, pages: Vec<HostPageId>) -> Result<(), Error> {
+        let Some(held) = self.held.get_mut(&op) else { return self.hold(op, pages) };
+        if held.left != held.pages.len() {
+            return Err(Error::Internal(format!("operation {} grew after a release", op.0)));
+        }
+        held.left += pages.len();
+        held.released.resize(held.released.len() + pages.len(), false);
+        held.pages.extend(pages);
+        Ok(())
+    }
+
     /// Applies a release: returns the pages to free now. An empty range releases nothing and is not an error.
     ///
     /// # Errors
@@ -126,7 +143,10 @@ mod tests {
             let mut ledger = ReleaseLedger::new();
             let mut model: Vec<Vec<bool>> = Vec::new();
             for (index, &count) in ops.iter().enumerate() {
-                ledger.hold(OpId(index as u64), allocator.alloc(count).unwrap()).unwrap();
+                // held in one step or two, as a prefetch reserves its hit while the query runs
+                let first = count / (1 + index % 2);
+                ledger.hold(OpId(index as u64), allocator.alloc(first).unwrap()).unwrap();
+                ledger.extend(OpId(index as u64), allocator.alloc(count - first).unwrap()).unwrap();
                 model.push(vec![false; count]);
             }
             for (op, start, len) in releases {
@@ -166,5 +186,20 @@ mod tests {
         assert!(error.contains("page 4 of operation 1 released twice"), "{error}");
         assert_eq!(ledger.held_by(OpId(1)).len(), 4);
         assert_eq!(allocator.available(), 4);
+    }
+
+    #[test]
+    fn an_operation_grows_in_steps_until_its_first_release() {
+        let mut allocator = HostPageAllocator::new(8).unwrap();
+        let mut ledger = ReleaseLedger::new();
+        let first = allocator.alloc(2).unwrap();
+        let second = allocator.alloc(3).unwrap();
+        ledger.extend(OpId(1), first.clone()).unwrap();
+        ledger.extend(OpId(1), second.clone()).unwrap();
+        assert_eq!(ledger.held_by(OpId(1)), [first, second.clone()].concat());
+        assert_eq!(ledger.release(&Release { op: OpId(1), range: 2..5 }).unwrap(), second);
+        let error = ledger.extend(OpId(1), allocator.alloc(1).unwrap()).unwrap_err().to_string();
+        assert!(error.contains("operation 1 grew after a release"), "{error}");
+        assert_eq!(ledger.held_by(OpId(1)).len(), 2);
     }
 }

@@ -2,11 +2,14 @@
 //!
 //! Three threads per controller, each taking jobs in order from a channel:
 //! * the **query** thread hashes a prefetch's tokens and asks storage which leading pages it holds
-//!   ([`storage_hit_query`]), batch by batch with early exit; it touches no host memory;
-//! * the **fetch** thread reads the pages of a reserved prefetch, a batch at a time, straight into host pages, and
-//!   counts them only after their bytes are in host memory ([`Progress`]: data before count); it stops at the first
-//!   page that fails or when the scheduler terminates the prefetch, and then marks the operation *quiet*: it will
-//!   not touch its host pages again, so the scheduler may free them;
+//!   ([`storage_hit_query_with`]), batch by batch with early exit, publishing each batch's hits as it is answered;
+//!   it touches no host memory;
+//! * the **fetch** thread reads the pages the scheduler reserved for a prefetch, a batch at a time, straight into
+//!   host pages, and counts them only after their bytes are in host memory ([`Progress`]: data before count). A
+//!   prefetch's pages may come in several jobs (the scheduler reserves the agreed leading hit while the query still
+//!   runs); the thread stops at the first page that fails or when the scheduler terminates the prefetch, and after
+//!   the prefetch's last job marks it *quiet*: it will not touch its host pages again, so the scheduler may free
+//!   them;
 //! * the **backup** thread writes host pages to storage a batch at a time, straight from host memory, recording
 //!   every page's outcome and going on past a failed page (SGLang stops at the first failed batch and records
 //!   nothing: §17 item 27), under an optional bandwidth cap.
@@ -25,7 +28,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::hit_query::storage_hit_query;
+use super::hit_query::storage_hit_query_with;
 use crate::config::{HiCacheConfig, PrefetchPolicy};
 use crate::error::Error;
 use crate::hash::{PageHasher, PageKey};
@@ -202,10 +205,12 @@ impl Latch {
     }
 }
 
-/// What this rank's query found.
+/// How this rank's query ended.
 #[derive(Debug)]
 pub(super) struct HitFound {
-    pub(super) keys: Vec<PageKey>,
+    /// Leading pages found: all of [`PrefetchShared::found`] (never fewer than were published during the query).
+    pub(super) pages: usize,
+    /// The storage error that ended the query early, if any.
     pub(super) error: Option<String>,
 }
 
@@ -214,12 +219,26 @@ pub(super) struct HitFound {
 pub(super) struct PrefetchShared {
     /// Tokens fetched (bytes in host memory first), and the scheduler's terminate flag.
     pub(super) progress: Progress,
-    /// Set once by the query thread.
+    /// Keys of the leading pages found so far, published batch by batch by the query thread; only ever grows.
+    pub(super) found: Mutex<Vec<PageKey>>,
+    /// Set once by the query thread when it is done.
     pub(super) hit: OnceLock<HitFound>,
     /// Set by the fetch thread when it is done with the host pages for good.
     pub(super) quiet: Latch,
     /// The read error that stopped the fetch, if any.
     pub(super) failure: OnceLock<String>,
+}
+
+impl PrefetchShared {
+    /// Leading pages the query found so far.
+    pub(super) fn found_pages(&self) -> usize {
+        self.found.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).len()
+    }
+
+    /// Keys of found pages `range` (the scheduler only asks for pages every rank found).
+    pub(super) fn found_keys(&self, range: std::ops::Range<usize>) -> Vec<PageKey> {
+        self.found.lock().unwrap_or_else(|poisoned| poisoned.into_inner())[range].to_vec()
+    }
 }
 
 /// A backup as the backup thread and the scheduler share it.
@@ -250,6 +269,8 @@ struct FetchJob {
     shared: Arc<PrefetchShared>,
     pages: Vec<HostPageId>,
     keys: Vec<PageKey>,
+    /// The prefetch's last job: the operation is quiet after it.
+    last: bool,
 }
 
 struct BackupJob {
@@ -342,8 +363,10 @@ impl Workers {
         send(&self.query, QueryJob { shared, tokens, last_key });
     }
 
-    pub(super) fn fetch(&self, shared: Arc<PrefetchShared>, pages: Vec<HostPageId>, keys: Vec<PageKey>) {
-        send(&self.fetch, FetchJob { shared, pages, keys });
+    /// Queues the reads of `pages` (positions after those of earlier jobs of the same prefetch); `last` when no
+    /// more jobs of this prefetch follow.
+    pub(super) fn fetch(&self, shared: Arc<PrefetchShared>, pages: Vec<HostPageId>, keys: Vec<PageKey>, last: bool) {
+        send(&self.fetch, FetchJob { shared, pages, keys, last });
     }
 
     pub(super) fn backup(&self, shared: Arc<BackupShared>, pages: Vec<HostPageId>, keys: Vec<PageKey>) {
@@ -385,20 +408,32 @@ fn guarded<T>(job: impl FnOnce() -> Result<T, Error>) -> Result<T, String> {
 fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
     let mut hasher = PageHasher::new();
     for job in jobs {
-        let found = if job.shared.progress.is_terminated() {
-            HitFound { keys: Vec::new(), error: None }
+        let shared = &job.shared;
+        let error = if shared.progress.is_terminated() {
+            None
         } else {
-            match guarded(|| {
-                storage_hit_query(&*io.storage, &mut hasher, &job.tokens, io.page_size, job.last_key, io.batch_pages)
-            }) {
-                Ok(query) => HitFound { keys: query.keys, error: None },
-                Err(error) => {
-                    tracing::warn!(backend = io.storage.name(), %error, "storage hit query failed; nothing is prefetched");
-                    HitFound { keys: Vec::new(), error: Some(error) }
-                }
-            }
+            let mut publish = |keys: &[PageKey]| {
+                shared.found.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend_from_slice(keys);
+                !shared.progress.is_terminated()
+            };
+            let query = guarded(|| {
+                storage_hit_query_with(
+                    &*io.storage,
+                    &mut hasher,
+                    &job.tokens,
+                    io.page_size,
+                    job.last_key,
+                    io.batch_pages,
+                    &mut publish,
+                )
+            });
+            query.err()
         };
-        let _ = job.shared.hit.set(found);
+        let pages = shared.found_pages();
+        if let Some(error) = &error {
+            tracing::warn!(backend = io.storage.name(), %error, pages, "storage hit query failed; the hit ends there");
+        }
+        let _ = shared.hit.set(HitFound { pages, error });
     }
 }
 
@@ -406,7 +441,8 @@ fn run_fetches(io: &Io, jobs: Receiver<FetchJob>) {
     for job in jobs {
         let shared = &job.shared;
         for (pages, keys) in job.pages.chunks(io.batch_pages).zip(job.keys.chunks(io.batch_pages)) {
-            if shared.progress.is_terminated() {
+            // a failure in an earlier job of the prefetch ends the later ones too: counted pages stay a prefix
+            if shared.progress.is_terminated() || shared.failure.get().is_some() {
                 break;
             }
             let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();
@@ -435,7 +471,9 @@ fn run_fetches(io: &Io, jobs: Receiver<FetchJob>) {
                 break;
             }
         }
-        shared.quiet.set();
+        if job.last {
+            shared.quiet.set();
+        }
     }
 }
 
