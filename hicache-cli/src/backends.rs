@@ -17,9 +17,9 @@ pub(crate) enum BackendName {
     File,
     /// NIXL (cargo feature `nixl`).
     Nixl,
-    /// Mooncake Store (cargo feature `mooncake`).
+    /// Mooncake Store (not available yet).
     Mooncake,
-    /// DeepSeek 3FS (cargo feature `3fs`).
+    /// DeepSeek 3FS (not available yet).
     #[value(name = "3fs", alias = "hf3fs")]
     ThreeFs,
 }
@@ -53,6 +53,9 @@ pub(crate) struct BackendOptions {
     /// NIXL plugin parameters over the plugin's defaults.
     #[cfg_attr(not(feature = "nixl"), expect(dead_code, reason = "read only by the NIXL backend"))]
     pub(crate) nixl_params: Vec<(String, String)>,
+    /// Open for inspection: create, change and remove nothing (the file backend).
+    #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
+    pub(crate) read_only: bool,
 }
 
 /// Opens `name` for `namespace`.
@@ -80,6 +83,7 @@ fn open_file(namespace: &StorageNamespace, options: &BackendOptions) -> anyhow::
     let mut config = FileConfig::new(dir, format);
     config.io_threads = options.io_threads.unwrap_or(config.io_threads);
     config.direct_io = options.direct_io;
+    config.read_only = options.read_only;
     Ok(Box::new(FileStorage::open(config, namespace)?))
 }
 
@@ -106,10 +110,16 @@ fn open_nixl(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box<dyn
 
 fn not_compiled(name: BackendName) -> anyhow::Error {
     let feature = name.to_possible_value().map(|value| value.get_name().to_owned()).unwrap_or_default();
-    Usage(format!(
-        "the {feature} backend is not compiled into this hicache; rebuild with `cargo build --release -p hicache-cli \
-         --features {feature}`"
-    ))
+    match name {
+        BackendName::Mooncake | BackendName::ThreeFs => Usage(format!(
+            "the {feature} backend is not available in hicache yet (no build of it exists); the storage backends \
+             are memory, file and nixl"
+        )),
+        _ => Usage(format!(
+            "the {feature} backend is not compiled into this hicache; rebuild with `cargo build --release -p \
+             hicache-cli --features {feature}`"
+        )),
+    }
     .into()
 }
 

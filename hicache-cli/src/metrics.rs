@@ -1,5 +1,9 @@
-//! Prometheus metrics of long-running commands, served at `--metrics-addr` (`GET /metrics`, text format 0.0.4), and
-//! the `tracing` subscriber (`RUST_LOG` filters it; silent by default).
+//! Prometheus metrics of long-running commands, served at `--metrics-addr` (`GET /metrics`), and the `tracing`
+//! subscriber (`RUST_LOG` filters it; silent by default).
+//!
+//! The endpoint answers in the format the scraper asks for: OpenMetrics 1.0 (`application/openmetrics-text`) when its
+//! `Accept` header names it, as Prometheus's does, else the Prometheus text format 0.0.4 (`text/plain`), which has
+//! no `# EOF` and no `# UNIT` lines and names a counter's family after its `_total` samples.
 //!
 //! Metric names (counters get `_total`): `hicache_requests`, `hicache_prompt_tokens`, `hicache_hit_tokens{tier}`
 //! (l1, l2, l3), `hicache_transfer_bytes{path}` (device_to_host, host_to_device, host_to_storage, storage_to_host),
@@ -132,17 +136,39 @@ impl Metrics {
 
 /// Serves `metrics` at `addr` on a thread for the rest of the process; returns the bound address (port 0 picks
 /// one) and says where on stderr.
+///
+/// # Errors
+///
+/// [`Usage`](crate::exit::Usage) when `addr` is not an address to listen on; an error when listening fails.
 pub(crate) fn serve(addr: &str, metrics: Arc<Metrics>) -> anyhow::Result<SocketAddr> {
+    use std::net::ToSocketAddrs as _;
+    let usable = addr.to_socket_addrs().map(|mut addrs| addrs.next().is_some());
+    if !matches!(usable, Ok(true)) {
+        let why = usable.err().map_or_else(|| "it names no address".to_owned(), |error| error.to_string());
+        return Err(crate::exit::Usage(format!(
+            "--metrics-addr {addr}: not an address to listen on (HOST:PORT, e.g. 127.0.0.1:9090): {why}"
+        ))
+        .into());
+    }
     let server = tiny_http::Server::http(addr)
         .map_err(|error| anyhow::anyhow!("{error}"))
         .with_context(|| format!("--metrics-addr {addr}: cannot listen"))?;
     let bound = server.server_addr().to_ip().context("--metrics-addr: not an IP address")?;
     std::thread::Builder::new().name("hicache-metrics".into()).spawn(move || {
-        let content_type: tiny_http::Header =
+        let openmetrics: tiny_http::Header =
+            "Content-Type: application/openmetrics-text; version=1.0.0; charset=utf-8".parse().expect("a valid header");
+        let text: tiny_http::Header =
             "Content-Type: text/plain; version=0.0.4; charset=utf-8".parse().expect("a valid header");
         for request in server.incoming_requests() {
             let response = if request.url() == "/metrics" {
-                tiny_http::Response::from_string(metrics.render()).with_header(content_type.clone())
+                let wants_openmetrics = request.headers().iter().any(|header| {
+                    header.field.equiv("Accept") && header.value.as_str().contains("application/openmetrics-text")
+                });
+                if wants_openmetrics {
+                    tiny_http::Response::from_string(metrics.render()).with_header(openmetrics.clone())
+                } else {
+                    tiny_http::Response::from_string(text_format(&metrics.render())).with_header(text.clone())
+                }
             } else {
                 tiny_http::Response::from_string("see /metrics\n").with_status_code(404)
             };
@@ -154,10 +180,58 @@ pub(crate) fn serve(addr: &str, metrics: Arc<Metrics>) -> anyhow::Result<SocketA
     Ok(bound)
 }
 
+/// OpenMetrics text as the Prometheus text format 0.0.4: without `# EOF` and `# UNIT`, and with each counter's
+/// `# HELP` and `# TYPE` named as its samples are (`…_total`).
+fn text_format(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> =
+        openmetrics.lines().filter_map(|line| line.strip_prefix("# TYPE ")?.strip_suffix(" counter")).collect();
+    let mut text = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|prefix| {
+            let rest = line.strip_prefix(prefix)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters.contains(name).then(|| format!("{prefix}{name}_total {tail}"))
+        });
+        text.push_str(renamed.as_deref().unwrap_or(line));
+        text.push('\n');
+    }
+    text
+}
+
 /// Installs the `tracing` subscriber: events to stderr, filtered by `RUST_LOG` (nothing when it is unset).
 pub(crate) fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("off"));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_text_format_names_every_family_as_its_samples_and_has_no_openmetrics_lines() {
+        let metrics = Metrics::new();
+        metrics.requests.inc();
+        metrics.moved(crate::metrics::DataPath::DeviceToHost, 4096);
+        let openmetrics = metrics.render();
+        assert!(openmetrics.ends_with("# EOF\n"), "{openmetrics}");
+        let text = text_format(&openmetrics);
+        assert!(!text.contains("# EOF") && !text.contains("# UNIT"), "{text}");
+        // 0.0.4: every sample belongs to a family declared by a TYPE line of its name, or of its name without a
+        // histogram suffix
+        let declared: Vec<&str> =
+            text.lines().filter_map(|line| line.strip_prefix("# TYPE ")?.split(' ').next()).collect();
+        for sample in text.lines().filter(|line| !line.starts_with('#')) {
+            let name = sample.split(['{', ' ']).next().unwrap();
+            let family =
+                ["_bucket", "_sum", "_count"].iter().find_map(|suffix| name.strip_suffix(suffix)).unwrap_or(name);
+            assert!(declared.contains(&name) || declared.contains(&family), "{name} undeclared in {text}");
+        }
+        assert!(text.contains("# TYPE hicache_requests_total counter\nhicache_requests_total 1\n"), "{text}");
+    }
 }

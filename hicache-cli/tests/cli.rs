@@ -8,6 +8,10 @@ use serde_json::Value;
 const GOLDEN: &str = include_str!("../../hicache-core/tests/data/sglang_0_5_2_page_keys.json");
 
 fn hicache(args: &[&str], stdin: &str) -> Output {
+    hicache_bytes(args, stdin.as_bytes())
+}
+
+fn hicache_bytes(args: &[&str], stdin: &[u8]) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_hicache"))
         .args(args)
         .stdin(Stdio::piped())
@@ -16,7 +20,7 @@ fn hicache(args: &[&str], stdin: &str) -> Output {
         .spawn()
         .expect("the binary starts");
     // a command that fails before reading its input closes the pipe early: that is not the test's failure
-    match child.stdin.take().expect("stdin").write_all(stdin.as_bytes()) {
+    match child.stdin.take().expect("stdin").write_all(stdin) {
         Err(error) if error.kind() != std::io::ErrorKind::BrokenPipe => panic!("writing stdin: {error}"),
         _ => {}
     }
@@ -63,6 +67,12 @@ fn hash_prints_sglang_keys_for_every_golden_case() {
             args.extend(["--prior", prior]);
         }
         let output = hicache(&args, &tokens_text(&case));
+        if case["tokens"].as_array().is_some_and(Vec::is_empty) {
+            // no keys, as the library says, but the command says why it prints nothing
+            assert!(expected_keys(&case).is_empty());
+            assert_usage_error(&output, "no tokens in standard input");
+            continue;
+        }
         assert!(output.status.success(), "{}: {}", case["name"], stderr(&output));
         let keys: Vec<String> = stdout(&output).lines().map(str::to_owned).collect();
         assert_eq!(keys, expected_keys(&case), "{}", case["name"]);
@@ -202,6 +212,12 @@ fn replay_moves_storage_pages_in_place_under_every_write_policy() {
         }
         assert_eq!(report["staging_bytes"], 0, "{policy}: {report}");
         assert_eq!(storage["staging_bytes"], 0, "{policy}: {report}");
+        // every page that reached storage was copied device → host first (under write-back, at device eviction)
+        let bytes = &report["bytes"];
+        assert!(
+            bytes["device_to_host"].as_u64().unwrap() >= bytes["host_to_storage"].as_u64().unwrap(),
+            "{policy}: device → host copies not all counted: {report}"
+        );
     }
 }
 
@@ -252,7 +268,7 @@ fn replay_refuses_bad_settings_with_exit_code_2() {
     assert_usage_error(&hicache(&["replay", "--host-tokens", "1024", "--device-tokens", "2048"], ""), "--host-tokens");
     assert_usage_error(&hicache(&["replay", "--device-tokens", "64"], ""), "cannot hold one conversation");
     assert_usage_error(&hicache(&["replay", "--clients", "0"], ""), "--clients must be at least 1");
-    assert_usage_error(&hicache(&["replay", "--backend", "mooncake"], ""), "--features mooncake");
+    assert_usage_error(&hicache(&["replay", "--backend", "mooncake"], ""), "the mooncake backend is not available");
     let output = hicache(&["replay", "--backend", "tape"], "");
     assert_eq!(output.status.code(), Some(2));
     assert!(stderr(&output).contains("'tape'") && stderr(&output).contains("memory, file"), "{}", stderr(&output));
@@ -260,13 +276,22 @@ fn replay_refuses_bad_settings_with_exit_code_2() {
 
 /// Sends `GET /metrics` to `addr` and returns the body.
 fn scrape(addr: &str) -> String {
+    scrape_accepting(addr, None).1
+}
+
+/// Sends `GET /metrics` to `addr` with an `Accept` header or none; returns the content type and the body.
+fn scrape_accepting(addr: &str, accept: Option<&str>) -> (String, String) {
     use std::io::Read as _;
     let mut stream = std::net::TcpStream::connect(addr).expect("the metrics endpoint accepts");
-    stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: hicache\r\n\r\n").unwrap();
+    let accept = accept.map_or_else(String::new, |accept| format!("Accept: {accept}\r\n"));
+    stream.write_all(format!("GET /metrics HTTP/1.0\r\nHost: hicache\r\n{accept}\r\n").as_bytes()).unwrap();
     let mut response = String::new();
     stream.read_to_string(&mut response).unwrap();
     assert!(response.starts_with("HTTP/1.0 200") || response.starts_with("HTTP/1.1 200"), "{response}");
-    response.split_once("\r\n\r\n").expect("a body").1.to_owned()
+    let (head, body) = response.split_once("\r\n\r\n").expect("a body");
+    let content_type =
+        head.lines().find_map(|line| line.strip_prefix("Content-Type: ")).expect("a content type").to_owned();
+    (content_type, body.to_owned())
 }
 
 fn metric(body: &str, name: &str) -> Option<f64> {
@@ -308,6 +333,15 @@ fn metrics_are_served_while_a_replay_runs() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     assert!(child.try_wait().unwrap().is_none(), "scraped during the run, not after");
+    // each format under its own content type: OpenMetrics for a scraper that asks for it (as Prometheus does), the
+    // 0.0.4 text format otherwise
+    let prometheus = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+    let (content_type, body) = scrape_accepting(&addr, Some(prometheus));
+    assert!(content_type.starts_with("application/openmetrics-text; version=1.0.0"), "{content_type}");
+    assert!(body.ends_with("# EOF\n"), "{body}");
+    let (content_type, body) = scrape_accepting(&addr, None);
+    assert!(content_type.starts_with("text/plain; version=0.0.4"), "{content_type}");
+    assert!(!body.contains("# EOF") && body.contains("# TYPE hicache_requests_total counter"), "{body}");
     // the rest of the run is not needed
     child.kill().unwrap();
     child.wait().unwrap();
@@ -451,7 +485,7 @@ fn bench_storage_via_the_controller_moves_pool_pages_in_place() {
         assert_eq!(figure[format!("{path}_gbps")].as_f64().unwrap(), best, "{path}: {figure}");
     }
     assert_eq!(figure["staging_bytes"], 0, "{figure}");
-    let leftovers: Vec<_> = walk(dir.path());
+    let leftovers = everything(dir.path());
     assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
 }
 
@@ -474,8 +508,8 @@ fn bench_storage_reports_backend_and_raw_figures_as_json() {
             assert!(figure[field].as_f64().is_some_and(|value| value > 0.0), "{field} in {figure}");
         }
     }
-    // the benchmark cleans up after itself: no pages, no raw file
-    let leftovers: Vec<_> = walk(dir.path());
+    // the benchmark cleans up after itself: no pages, no raw file, no empty folders
+    let leftovers = everything(dir.path());
     assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
     let output = hicache(
         &[
@@ -608,6 +642,18 @@ fn bench_storage_and_store_run_on_nixl_when_compiled_in() {
     assert!(stderr(&output).contains("/nonexistent/libnixl_capi.so does not exist"), "{}", stderr(&output));
 }
 
+/// Every file and folder below `dir`.
+fn everything(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        found.push(entry.path());
+        if entry.path().is_dir() {
+            found.extend(everything(&entry.path()));
+        }
+    }
+    found
+}
+
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut files = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap().flatten() {
@@ -623,8 +669,11 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
 #[test]
 fn backends_not_compiled_in_say_how_to_rebuild() {
     let output = hicache(&["bench", "storage", "--backend", "mooncake", "--pages", "1", "--page-bytes", "64"], "");
-    assert_usage_error(&output, "the mooncake backend is not compiled into this hicache; rebuild with");
-    assert!(stderr(&output).contains("--features mooncake"), "{}", stderr(&output));
+    assert_usage_error(&output, "the mooncake backend is not available in hicache yet");
+    // no cargo feature is promised that does not exist
+    assert!(!stderr(&output).contains("--features"), "{}", stderr(&output));
+    let output = hicache(&["bench", "storage", "--backend", "3fs", "--pages", "1", "--page-bytes", "64"], "");
+    assert_usage_error(&output, "the 3fs backend is not available in hicache yet");
     if !cfg!(feature = "nixl") {
         let output = hicache(&["bench", "storage", "--backend", "nixl", "--pages", "1", "--page-bytes", "64"], "");
         assert_usage_error(&output, "the nixl backend is not compiled into this hicache; rebuild with");
@@ -658,4 +707,18 @@ fn config_check_prints_resolved_values_and_names_bad_fields() {
         &hicache(&["config", "check", "/no/such/config.json"], ""),
         "cannot read config file /no/such/config.json",
     );
+}
+
+#[test]
+fn bad_input_exits_2_with_one_line_naming_it() {
+    for addr in ["notanaddr", "999.1.1.1:1"] {
+        let output = hicache(&["replay", "--clients", "1", "--rounds", "1", "--metrics-addr", addr], "");
+        assert_usage_error(&output, &format!("--metrics-addr {addr}: not an address to listen on"));
+    }
+    // binary and text garbage alike
+    assert_usage_error(&hicache_bytes(&["hash", "--page-size", "4"], &[0xff, 0xfe, 0x00, 0x80]), "not text");
+    assert_usage_error(&hicache(&["hash", "--page-size", "4"], "1 2 three 4"), "three");
+    let output = hicache(&["hash", "--page-size", "4"], "\n");
+    assert_usage_error(&output, "no tokens in standard input");
+    assert!(output.stdout.is_empty());
 }

@@ -135,6 +135,7 @@ fn the_directory_and_namespace_come_from_sglangs_variable_and_a_config() {
 fn bad_inputs_name_what_is_wrong() {
     let work = tempfile::tempdir().unwrap();
     let storage = work.path().join("s");
+    std::fs::create_dir(&storage).unwrap();
     let (tokens, _) = fixture(work.path(), 2);
     let input = work.path().join("pages.bin");
     let input = input.to_str().unwrap();
@@ -146,13 +147,48 @@ fn bad_inputs_name_what_is_wrong() {
     let bad = work.path().join("bad.txt");
     failure(&store("exists", &storage, &["--tokens", bad.to_str().unwrap()]), 2, "4294967296");
     failure(&store("exists", &storage, &[]), 2, "no pages named");
+    // a short page is never stored, whatever --partial says; nothing reaches the directory
+    let short = work.path().join("short.txt");
+    std::fs::write(&short, "1 2 3 4 5 6").unwrap();
+    let short = short.to_str().unwrap();
+    failure(&store("put", &storage, &["--tokens", short, "--partial", "hash", "--in", input]), 2, "whole pages only");
+    assert_eq!(ok(store("ls", &storage, &[])), "");
     failure(&store("ls", &storage, &["--page-bytes", "100"]), 2, "--page-bytes 100 does not match");
-    failure(&store("ls", &storage, &["--backend", "mooncake"]), 2, "--features mooncake");
+    failure(&store("ls", &storage, &["--backend", "mooncake"]), 2, "the mooncake backend is not available");
     failure(&store("ls", &storage, &["--backend", "floppy"]), 2, "floppy");
     let config = work.path().join("bad.json");
     std::fs::write(&config, r#"{"page_size": 0}"#).unwrap();
     failure(&store("ls", &storage, &["--config", config.to_str().unwrap()]), 2, "page_size");
     failure(&store("ls", &storage, &["--config", "/nonexistent.json"]), 2, "cannot read config");
+}
+
+#[test]
+fn commands_that_only_read_create_nothing_and_a_missing_directory_is_an_error() {
+    let work = tempfile::tempdir().unwrap();
+    let missing = work.path().join("does/not/exist");
+    let key = "ab".repeat(32);
+    let out = work.path().join("out.bin");
+    for (action, extra) in [
+        ("ls", vec![]),
+        ("stat", vec![]),
+        ("exists", vec!["--key", key.as_str()]),
+        ("get", vec!["--key", key.as_str(), "--out", out.to_str().unwrap()]),
+        ("rm", vec!["--key", key.as_str()]),
+        ("clear", vec![]),
+    ] {
+        failure(&store(action, &missing, &extra), 2, "the storage directory");
+        failure(&store(action, &missing, &extra), 2, missing.to_str().unwrap());
+        assert!(!work.path().join("does").exists(), "{action} created the directory");
+    }
+    // an existing empty directory: answered, and left empty
+    let empty = work.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    assert_eq!(ok(store("ls", &empty, &[])), "");
+    let stat: Value = serde_json::from_str(&ok(store("stat", &empty, &["--json"]))).unwrap();
+    assert_eq!(stat["pages"], 0);
+    let exists: Value = serde_json::from_str(&ok(store("exists", &empty, &["--key", &key, "--json"]))).unwrap();
+    assert_eq!(exists["leading"], 0);
+    assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0, "a read-only command wrote into the directory");
 }
 
 #[test]

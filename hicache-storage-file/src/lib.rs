@@ -64,6 +64,9 @@ pub struct FileConfig {
     /// 4 KiB-aligned addresses (other pages go through the page cache). For stores larger than memory: the host
     /// pool already holds the hot pages, so caching them twice wastes memory.
     pub direct_io: bool,
+    /// Open without creating or changing anything (for inspection): the directory must exist, puts, removals and
+    /// clears are refused, and a damaged page is reported but left in place.
+    pub read_only: bool,
 }
 
 impl FileConfig {
@@ -80,7 +83,14 @@ impl FileConfig {
     /// speed with one per core, 0.86–0.91 with two, on a two-core machine).
     pub fn new(dir: impl Into<PathBuf>, format: FileFormat) -> Self {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        Self { dir: dir.into(), format, io_threads: (2 * cores).clamp(2, 16), capacity_bytes: None, direct_io: false }
+        Self {
+            dir: dir.into(),
+            format,
+            io_threads: (2 * cores).clamp(2, 16),
+            capacity_bytes: None,
+            direct_io: false,
+            read_only: false,
+        }
     }
 }
 
@@ -107,12 +117,13 @@ pub struct FileStorage {
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 impl FileStorage {
-    /// Opens (creating if needed) the directory for `namespace`.
+    /// Opens (creating if needed, unless read-only) the directory for `namespace`.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for an invalid namespace or a model name that cannot be a file name;
-    /// [`Error::Storage`] when the directory cannot be created.
+    /// [`Error::InvalidArgument`] for an invalid namespace or a model name that cannot be a file name, and (field
+    /// `dir`) for a read-only open of a directory that does not exist; [`Error::Storage`] when the directory cannot
+    /// be created.
     pub fn open(config: FileConfig, namespace: &StorageNamespace) -> Result<Self, Error> {
         let namespace = namespace.clone().validated()?;
         let model = namespace.file_name_model()?;
@@ -128,12 +139,21 @@ impl FileStorage {
             FileFormat::Sglang => config.dir.clone(),
             FileFormat::Native => config.dir.join("hicache-v1").join(namespace.digest()),
         };
-        std::fs::create_dir_all(&root)
-            .map_err(|error| storage_error(format!("creating {}: {error}", root.display())))?;
+        if config.read_only {
+            if !config.dir.is_dir() {
+                return Err(Error::InvalidArgument {
+                    field: "dir",
+                    reason: format!("{} does not exist or is not a directory", config.dir.display()),
+                });
+            }
+        } else {
+            std::fs::create_dir_all(&root)
+                .map_err(|error| storage_error(format!("creating {}: {error}", root.display())))?;
+        }
         let page_bytes = namespace.geometry.bytes_per_page(namespace.page_size);
         let shape = page_file::FileShape::new(page_bytes, config.format == FileFormat::Native, config.direct_io);
         let file_bytes = shape.file_bytes() as u64;
-        if config.direct_io {
+        if config.direct_io && !config.read_only {
             page_file::probe_direct(&root).map_err(|error| Error::InvalidArgument {
                 field: "direct_io",
                 reason: format!("the file system of {} does not take O_DIRECT: {error}", root.display()),
@@ -182,6 +202,10 @@ impl FileStorage {
 
     /// Calls `visit(modified, key, bytes)` for each of this namespace's page files (temporary files are not pages).
     fn visit_own_files(&self, visit: &mut dyn FnMut(std::time::SystemTime, PageKey, u64)) -> Result<(), Error> {
+        if !self.root.exists() {
+            // a namespace nothing was written to yet (read-only opens do not create its folder)
+            return Ok(());
+        }
         page_file::list_files(&self.root, &mut |path, bytes, modified| {
             let Some(name) = path.file_name().and_then(|name| name.to_str()) else { return };
             let own = match self.config.format {
@@ -238,7 +262,9 @@ impl FileStorage {
             Ok(page_file::Read::Missing) => GetOutcome::Miss,
             Ok(page_file::Read::Corrupt(reason)) => {
                 // a torn or corrupt page is as good as absent; remove it so it is written again
-                let _ = std::fs::remove_file(&path);
+                if !self.config.read_only {
+                    let _ = std::fs::remove_file(&path);
+                }
                 GetOutcome::Failed(PageFailure::new(FailureKind::Corrupt, format!("{}: {reason}", path.display())))
             }
             Err(error) => GetOutcome::Failed(PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display()))),
@@ -258,6 +284,9 @@ impl FileStorage {
     fn set_one(&self, key: &PageKey, page: &[&[u8]]) -> SetOutcome {
         if segments_len(page) != self.shape.page_bytes {
             return SetOutcome::Failed(size_mismatch(segments_len(page), self.shape.page_bytes));
+        }
+        if self.config.read_only {
+            return SetOutcome::Failed(PageFailure::new(FailureKind::Rejected, self.read_only_message()));
         }
         let path = self.page_path(key);
         if path.exists() {
@@ -302,6 +331,10 @@ impl FileStorage {
             return keys.iter().zip(items).map(|(key, item)| work(key, item)).collect();
         }
         self.pool.install(|| keys.par_iter().zip(items.par_iter_mut()).map(|(key, item)| work(key, item)).collect())
+    }
+
+    fn read_only_message(&self) -> String {
+        format!("{} was opened read-only", self.config.dir.display())
     }
 
     /// Whether a file name in the SGLang directory belongs to this namespace: `{64 hex}_{suffix}.bin`, exactly.
@@ -368,6 +401,9 @@ impl StorageBackend for FileStorage {
     }
 
     fn remove(&self, keys: &[PageKey]) -> Result<usize, Error> {
+        if self.config.read_only {
+            return Err(storage_error(self.read_only_message()));
+        }
         let mut removed = 0;
         for key in keys {
             let path = self.page_path(key);
@@ -385,8 +421,20 @@ impl StorageBackend for FileStorage {
     }
 
     fn clear(&self) -> Result<u64, Error> {
+        if self.config.read_only {
+            return Err(storage_error(self.read_only_message()));
+        }
         let removed = match self.config.format {
-            FileFormat::Native => page_file::remove_tree_files(&self.root, &|_| true),
+            FileFormat::Native => page_file::remove_tree_files(&self.root, &|_| true).and_then(|removed| {
+                // the namespace's folders go too when empty (its shard folders, itself, `hicache-v1`)
+                page_file::remove_empty_dirs(&self.root)?;
+                if std::fs::remove_dir(&self.root).is_ok()
+                    && let Some(parent) = self.root.parent()
+                {
+                    let _ = std::fs::remove_dir(parent);
+                }
+                Ok(removed)
+            }),
             FileFormat::Sglang => page_file::remove_tree_files(&self.root, &|name| self.is_own_sglang_file(name)),
         }
         .map_err(|error| storage_error(format!("clearing {}: {error}", self.root.display())))?;

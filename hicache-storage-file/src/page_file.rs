@@ -149,8 +149,15 @@ pub(crate) fn write_atomic(path: &Path, page: &[&[u8]], shape: FileShape, unique
     let result = (|| {
         let mut file = match create() {
             Err(error) if error.kind() == io::ErrorKind::NotFound => {
-                std::fs::create_dir_all(dir)?;
-                create()?
+                // the shard folder is new, or a `clear` removed it as empty just now: make it and try again
+                let mut attempts = 0;
+                loop {
+                    std::fs::create_dir_all(dir)?;
+                    match create() {
+                        Err(error) if error.kind() == io::ErrorKind::NotFound && attempts < 3 => attempts += 1,
+                        other => break other?,
+                    }
+                }
             }
             other => other?,
         };
@@ -187,6 +194,26 @@ pub(crate) fn probe_direct(dir: &Path) -> io::Result<()> {
 
 /// Removes every file below `root` whose name `own` accepts (and temporary files of such names); returns how many
 /// page files went.
+/// Removes the empty folders below `root`, deepest first (not `root` itself); a folder another writer has just put
+/// a file into stays.
+pub(crate) fn remove_empty_dirs(root: &Path) -> io::Result<()> {
+    let entries = match std::fs::read_dir(root) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(error) => return Err(error),
+    };
+    for entry in entries {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            let path = entry.path();
+            remove_empty_dirs(&path)?;
+            // not empty (a file arrived) or gone already: either way nothing to do
+            let _ = std::fs::remove_dir(&path);
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn remove_tree_files(root: &Path, own: &dyn Fn(&str) -> bool) -> io::Result<u64> {
     let mut removed = 0;
     let entries = match std::fs::read_dir(root) {

@@ -17,8 +17,29 @@ use anyhow::{Context, bail};
 
 const USAGE: &str = "usage: cargo xtask ci [--no-fuzz] | cargo xtask fuzz [--seconds N] [TARGET...] | cargo xtask nixl | cargo xtask nvrtc";
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("-h" | "--help" | "help") => {
+            println!("{USAGE}");
+            return std::process::ExitCode::SUCCESS;
+        }
+        Some("ci" | "fuzz" | "nixl" | "nvrtc") => {}
+        _ => {
+            eprintln!("{USAGE}");
+            return std::process::ExitCode::from(2);
+        }
+    }
+    match run(&args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("Error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &[String]) -> anyhow::Result<()> {
     let root = project_root();
     std::env::set_current_dir(&root).with_context(|| format!("entering {}", root.display()))?;
     match args.first().map(String::as_str) {
@@ -71,6 +92,15 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
     };
     let started = Instant::now();
     run_program("cargo", &["fmt", "--all", "--", "--check"], &[])?;
+    // the fuzz workspace's lock file must be up to date, or running the fuzzers rewrites it
+    let fuzz_lock = Command::new("cargo")
+        .args(["metadata", "--locked", "--format-version", "1", "--manifest-path", "fuzz/Cargo.toml"])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .context("starting cargo metadata")?;
+    if !fuzz_lock.success() {
+        bail!("fuzz/Cargo.lock is out of date: run `cargo metadata --manifest-path fuzz/Cargo.toml` and commit it");
+    }
     // the NIXL backend builds with libclang and is tested against the real library
     let nixl_dir = nixl::prepare()?;
     let nixl_dir = nixl_dir.to_str().context("the NIXL library path is not UTF-8")?;

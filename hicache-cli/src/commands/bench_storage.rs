@@ -140,6 +140,7 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
                     .ok_or_else(|| Usage(format!("--nixl-param {pair:?} is not KEY=VALUE")))
             })
             .collect::<Result<_, _>>()?,
+        read_only: false,
     };
     let dir = backends::dir_of(args.backend, &options);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;

@@ -59,6 +59,9 @@ pub(crate) fn run(args: &HashArgs) -> anyhow::Result<()> {
     let text = read_input(args.input.as_ref())?;
     let tokens =
         parse_tokens(&text).with_context(|| format!("reading tokens from {}", input_name(args.input.as_ref())))?;
+    if tokens.is_empty() {
+        return Err(Usage(format!("no tokens in {}", input_name(args.input.as_ref()))).into());
+    }
     let keys = PageHasher::new().page_keys(&tokens, args.page_size, prior, args.partial.into())?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
@@ -87,9 +90,11 @@ fn read_input(input: Option<&PathBuf>) -> anyhow::Result<String> {
         Some(path) if path.as_os_str() != "-" => std::fs::read_to_string(path)
             .map_err(|error| Usage(format!("cannot read token file {}: {error}", path.display())).into()),
         _ => {
-            let mut text = String::new();
-            std::io::stdin().read_to_string(&mut text).context("reading standard input")?;
-            Ok(text)
+            let mut bytes = Vec::new();
+            std::io::stdin().read_to_end(&mut bytes).context("reading standard input")?;
+            String::from_utf8(bytes).map_err(|error| {
+                Usage(format!("standard input is not text: {error} (give token ids as decimal text)")).into()
+            })
         }
     }
 }

@@ -195,7 +195,18 @@ pub(crate) fn run(command: &StoreCommand) -> anyhow::Result<()> {
     }
 }
 
-fn open(args: &TargetArgs) -> anyhow::Result<Opened> {
+/// What a store command does to the directory of a file-like backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// Reads only: the directory must exist, and nothing in it is created, changed or removed.
+    Inspect,
+    /// Removes pages: the directory must exist.
+    Remove,
+    /// Writes pages: the directory is created if needed.
+    Write,
+}
+
+fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
     let config = match &args.config {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -256,7 +267,14 @@ fn open(args: &TargetArgs) -> anyhow::Result<Opened> {
         io_threads: None,
         nixl_plugin: None,
         nixl_params: Vec::new(),
+        read_only: mode == Mode::Inspect,
     };
+    if matches!(backend, BackendName::File | BackendName::Nixl) && mode != Mode::Write {
+        let dir = backends::dir_of(backend, &options);
+        if !dir.is_dir() {
+            bail!(Usage(format!("the storage directory {} does not exist (--dir)", dir.display())));
+        }
+    }
     let opened = backends::open(backend, &namespace, &options)?;
     let description = match backend {
         BackendName::File | BackendName::Nixl => {
@@ -296,7 +314,15 @@ fn print_json(value: &impl Serialize) -> anyhow::Result<()> {
 }
 
 fn put(args: &PutArgs) -> anyhow::Result<()> {
-    let opened = open(&args.target)?;
+    let opened = open(&args.target, Mode::Write)?;
+    if args.keys.partial == PartialArg::Hash {
+        // a short page is never stored: its key names fewer tokens than a page holds
+        bail!(Usage(
+            "store put stores whole pages only: --partial hash would key a short page; use --partial drop (leave the \
+             tail out) or reject"
+                .into()
+        ));
+    }
     let keys = keys(&args.keys, opened.namespace.page_size)?;
     let bytes = std::fs::read(&args.input)
         .map_err(|error| Usage(format!("cannot read --in {}: {error}", args.input.display())))?;
@@ -346,7 +372,7 @@ fn report_pages(target: &TargetArgs, reports: &[PageReport]) -> anyhow::Result<(
 }
 
 fn get(args: &GetArgs) -> anyhow::Result<()> {
-    let opened = open(&args.target)?;
+    let opened = open(&args.target, Mode::Inspect)?;
     let keys = keys(&args.keys, opened.namespace.page_size)?;
     let mut bytes = vec![0u8; keys.len() * opened.page_bytes];
     let mut pages: Vec<PageSegmentsMut<'_>> = bytes.chunks_mut(opened.page_bytes).map(|page| vec![page]).collect();
@@ -380,7 +406,7 @@ fn exists(args: &KeyedArgs) -> anyhow::Result<()> {
         leading: usize,
         present: Vec<(String, bool)>,
     }
-    let opened = open(&args.target)?;
+    let opened = open(&args.target, Mode::Inspect)?;
     let keys = keys(&args.keys, opened.namespace.page_size)?;
     let leading = opened.backend.batch_exists(&keys)?;
     let present = keys
@@ -404,7 +430,7 @@ fn ls(args: &TargetArgs) -> anyhow::Result<()> {
         key: String,
         bytes: u64,
     }
-    let opened = open(args)?;
+    let opened = open(args, Mode::Inspect)?;
     let mut pages = opened.backend.list()?;
     pages.sort_unstable();
     if args.json {
@@ -420,7 +446,7 @@ fn ls(args: &TargetArgs) -> anyhow::Result<()> {
 }
 
 fn rm(args: &KeyedArgs) -> anyhow::Result<()> {
-    let opened = open(&args.target)?;
+    let opened = open(&args.target, Mode::Remove)?;
     let keys = keys(&args.keys, opened.namespace.page_size)?;
     let removed = opened.backend.remove(&keys)?;
     if args.target.json {
@@ -431,7 +457,7 @@ fn rm(args: &KeyedArgs) -> anyhow::Result<()> {
 }
 
 fn clear(args: &TargetArgs) -> anyhow::Result<()> {
-    let opened = open(args)?;
+    let opened = open(args, Mode::Remove)?;
     let removed = opened.backend.clear()?;
     if args.json {
         return print_json(&serde_json::json!({ "removed": removed }));
@@ -450,7 +476,7 @@ fn stat(args: &TargetArgs) -> anyhow::Result<()> {
         pages: usize,
         bytes: u64,
     }
-    let opened = open(args)?;
+    let opened = open(args, Mode::Inspect)?;
     let pages = opened.backend.list()?;
     let stat = Stat {
         backend: opened.description.clone(),

@@ -47,9 +47,9 @@ pub(crate) enum ReplayBackend {
     File,
     /// NIXL (cargo feature `nixl`).
     Nixl,
-    /// Mooncake Store (cargo feature `mooncake`).
+    /// Mooncake Store (not available yet).
     Mooncake,
-    /// DeepSeek 3FS (cargo feature `3fs`).
+    /// DeepSeek 3FS (not available yet).
     #[value(name = "3fs")]
     ThreeFs,
 }
@@ -228,6 +228,7 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
                 io_threads: None,
                 nixl_plugin: None,
                 nixl_params: Vec::new(),
+                read_only: false,
             };
             SharedStorage::Backend { name, options, _temp: temp }
         }

@@ -118,6 +118,8 @@ pub struct HiRadixTree<E: TransferEngine> {
     protected_tokens: usize,
     /// Nodes with a device → host write in flight, and whether the write holds a lock on them.
     ongoing_writes: HashMap<NodeId, bool>,
+    /// Pages of writes acked outside a tick (device eviction waits for its writes), reported by the next tick.
+    written_since_tick: usize,
     /// Nodes with a host → device load in flight (locked until the ack).
     ongoing_loads: HashMap<NodeId, ()>,
     /// Prefetches in flight: request → (node they hang under, the tokens asked for).
@@ -143,6 +145,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
             evictable_tokens: 0,
             protected_tokens: 0,
             ongoing_writes: HashMap::default(),
+            written_since_tick: 0,
             ongoing_loads: HashMap::default(),
             ongoing_prefetches: HashMap::default(),
             stats: TreeStats::default(),
@@ -478,6 +481,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
         self.evictable_tokens = 0;
         self.protected_tokens = 0;
         self.ongoing_writes.clear();
+        self.written_since_tick = 0;
         self.ongoing_loads.clear();
         self.ongoing_prefetches.clear();
         self.stats = TreeStats::default();

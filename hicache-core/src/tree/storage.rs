@@ -27,7 +27,8 @@ pub enum PrefetchCheck {
 pub struct TickSummary {
     /// Device → host writes acked.
     pub writes_acked: usize,
-    /// Pages those writes copied.
+    /// Pages those writes copied, and those of writes acked since the last tick outside it (`write_back`'s writes at
+    /// device eviction).
     pub pages_written: usize,
     /// Host → device loads acked.
     pub loads_acked: usize,
@@ -159,7 +160,11 @@ impl<E: TransferEngine> HiRadixTree<E> {
                 stats.host_evicted_tokens += evicted;
             }
         })?;
-        let mut summary = TickSummary { writes_acked: report.write_acks.len(), ..TickSummary::default() };
+        let mut summary = TickSummary {
+            writes_acked: report.write_acks.len(),
+            pages_written: std::mem::take(&mut self.written_since_tick),
+            ..TickSummary::default()
+        };
         for ack in &report.write_acks {
             summary.pages_written += ack.host_pages.len();
             self.write_acked(&ack.node_ids);
@@ -192,6 +197,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
     /// Waits for every device → host write and takes the acks (`write_back` eviction).
     pub(super) fn take_all_writes(&mut self) -> Result<(), Error> {
         for ack in self.controller.take_all_write_acks()? {
+            self.written_since_tick += ack.host_pages.len();
             self.write_acked(&ack.node_ids);
         }
         Ok(())
