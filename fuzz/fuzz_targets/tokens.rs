@@ -1,7 +1,8 @@
-//! Fuzz target: the token-list parser never panics, and what it accepts prints back to the same list.
+//! Fuzz target: the token-list parsers never panic, what they accept prints back to the same list, and the wide
+//! parser agrees with the narrow one.
 #![no_main]
 
-use hicache_core::tokens::parse_tokens;
+use hicache_core::tokens::{parse_tokens, parse_wide_tokens};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -14,5 +15,16 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(parse_tokens(&json).expect("JSON list parses"), tokens);
         }
         Err(error) => assert!(!error.to_string().is_empty()),
+    }
+    // the wide parser accepts everything the narrow one does, with the same values
+    match parse_wide_tokens(text) {
+        Ok(wide) => {
+            if let Ok(narrow) = parse_tokens(text) {
+                assert!(wide.iter().copied().eq(narrow.iter().map(|&token| u64::from(token))));
+            }
+            let printed = wide.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+            assert_eq!(parse_wide_tokens(&printed).expect("printed list parses"), wide);
+        }
+        Err(error) => assert!(parse_tokens(text).is_err(), "narrow accepted what wide refused: {error}"),
     }
 });

@@ -116,7 +116,18 @@ fn partial_pages_are_refused_unless_asked_for() {
 
 #[test]
 fn bad_inputs_fail_with_exit_code_2_and_a_clear_line() {
-    assert_usage_error(&hicache(&["hash", "--page-size", "2"], "1 2 4294967296 4"), "token 3 (\"4294967296\")");
+    assert_usage_error(
+        &hicache(&["hash", "--page-size", "2"], "1 2 18446744073709551616 4"),
+        "token 3 (\"18446744073709551616\"): token ids must be in [0, 18446744073709551615]",
+    );
+    // a chain continued from a prior key is past its seed: clap refuses the pair (its own usage lines follow)
+    let output = hicache(&["hash", "--page-size", "2", "--prior", &"ab".repeat(32), "--extra-key", "x"], "1 2");
+    assert_eq!(output.status.code(), Some(2));
+    assert!(
+        stderr(&output).contains("'--prior <HEX>' cannot be used with '--extra-key <TEXT>'"),
+        "{}",
+        stderr(&output)
+    );
     assert_usage_error(&hicache(&["hash", "--page-size", "2"], "1 -2"), "token 2 (\"-2\")");
     assert_usage_error(&hicache(&["hash", "--page-size", "2"], "1 two"), "not an integer");
     assert_usage_error(&hicache(&["hash", "--page-size", "2"], "[1, 2"), "not a JSON array");
@@ -134,6 +145,33 @@ fn bad_inputs_fail_with_exit_code_2_and_a_clear_line() {
     assert!(stderr(&output).contains("--page-size"), "{}", stderr(&output));
     let output = hicache(&["bench", "hash", "--seconds", "0"], "");
     assert_usage_error(&output, "--seconds must be positive");
+}
+
+#[test]
+fn hash_follows_sglangs_newer_key_rules() {
+    // golden vectors of SGLang 0.5.23's own seed function and C++ hasher (hicache-core/tests/data)
+    let golden: Value =
+        serde_json::from_str(include_str!("../../hicache-core/tests/data/sglang_0_5_23_page_keys.json"))
+            .expect("golden parses");
+    let zero_to_63: String = (0..64).map(|token| token.to_string()).collect::<Vec<_>>().join(" ");
+    let output = hicache(&["hash", "--extra-key", "lora-A", "--page-size", "64"], &zero_to_63);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let case = &golden["cases"][0];
+    assert_eq!(case["name"], "tokens 0..63 with extra key lora-A, page 64");
+    assert_eq!(stdout(&output).trim(), case["keys"][0].as_str().unwrap());
+    for case in golden["cases"].as_array().unwrap() {
+        let page_size = case["page_size"].to_string();
+        let mut args = vec!["hash", "--page-size", &page_size, "--partial", "hash"];
+        for (flag, field) in [("--extra-key", "extra_key"), ("--cache-salt", "cache_salt"), ("--prior", "prior")] {
+            if let Some(value) = case[field].as_str() {
+                args.extend([flag, value]);
+            }
+        }
+        let output = hicache(&args, &tokens_text(case));
+        assert!(output.status.success(), "{}: {}", case["name"], stderr(&output));
+        let keys: Vec<String> = stdout(&output).lines().map(str::to_owned).collect();
+        assert_eq!(keys, expected_keys(case), "{}", case["name"]);
+    }
 }
 
 #[test]

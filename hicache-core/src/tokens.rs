@@ -1,4 +1,4 @@
-//! Token-list parsing: whitespace- or comma-separated integers, or a JSON array, into u32 token ids.
+//! Token-list parsing: whitespace- or comma-separated integers, or a JSON array, into u32 token ids (or u64 ones).
 //!
 //! SGLang hashes each token id as an unsigned 32-bit little-endian integer and raises `OverflowError` for anything
 //! outside `[0, 2^32)`; hicache refuses such a token up front, naming its position.
@@ -14,18 +14,39 @@ use crate::error::{Error, shorten};
 ///
 /// [`Error::InvalidToken`] naming the first bad token's position and text, or the JSON syntax error.
 pub fn parse_tokens(text: &str) -> Result<Vec<u32>, Error> {
-    if text.trim_start().starts_with('[') { parse_json(text) } else { parse_separated(text) }
-}
-
-fn parse_separated(text: &str) -> Result<Vec<u32>, Error> {
-    text.split(|ch: char| ch.is_whitespace() || ch == ',')
-        .filter(|word| !word.is_empty())
-        .enumerate()
-        .map(|(index, word)| token_from_text(index + 1, word))
+    parse_up_to(text, u64::from(u32::MAX), OUT_OF_RANGE)?
+        .into_iter()
+        .map(|token| Ok(u32::try_from(token).expect("checked against u32::MAX")))
         .collect()
 }
 
-fn token_from_text(position: usize, word: &str) -> Result<u32, Error> {
+/// Parses token ids of up to 64 bits (SGLang 0.5.20 and later hash ids of 2^32 and above too: see
+/// [`PageHasher::page_keys_wide`](crate::hash::PageHasher::page_keys_wide)), in the formats of [`parse_tokens`].
+///
+/// # Errors
+///
+/// As [`parse_tokens`], with the range `[0, 2^64 - 1]`.
+pub fn parse_wide_tokens(text: &str) -> Result<Vec<u64>, Error> {
+    parse_up_to(text, u64::MAX, OUT_OF_WIDE_RANGE)
+}
+
+fn parse_up_to(text: &str, max: u64, out_of_range: &str) -> Result<Vec<u64>, Error> {
+    if text.trim_start().starts_with('[') {
+        parse_json(text, max, out_of_range)
+    } else {
+        parse_separated(text, max, out_of_range)
+    }
+}
+
+fn parse_separated(text: &str, max: u64, out_of_range: &str) -> Result<Vec<u64>, Error> {
+    text.split(|ch: char| ch.is_whitespace() || ch == ',')
+        .filter(|word| !word.is_empty())
+        .enumerate()
+        .map(|(index, word)| token_from_text(index + 1, word, max, out_of_range))
+        .collect()
+}
+
+fn token_from_text(position: usize, word: &str, max: u64, out_of_range: &str) -> Result<u64, Error> {
     let invalid = |reason: &str| Error::InvalidToken { position, text: shorten(word, 40), reason: reason.to_owned() };
     let (negative, digits) = match word.strip_prefix('-') {
         Some(rest) => (true, rest),
@@ -35,15 +56,16 @@ fn token_from_text(position: usize, word: &str) -> Result<u32, Error> {
         return Err(invalid("not an integer"));
     }
     // only digits remain, so parsing fails on overflow alone
-    match digits.parse::<u32>() {
-        Ok(value) if !negative || value == 0 => Ok(value),
-        _ => Err(invalid(OUT_OF_RANGE)),
+    match digits.parse::<u64>() {
+        Ok(value) if value <= max && (!negative || value == 0) => Ok(value),
+        _ => Err(invalid(out_of_range)),
     }
 }
 
 const OUT_OF_RANGE: &str = "token ids must be in [0, 4294967295] (SGLang hashes them as u32)";
+const OUT_OF_WIDE_RANGE: &str = "token ids must be in [0, 18446744073709551615]";
 
-fn parse_json(text: &str) -> Result<Vec<u32>, Error> {
+fn parse_json(text: &str, max: u64, out_of_range: &str) -> Result<Vec<u64>, Error> {
     let values: Vec<serde_json::Value> = serde_json::from_str(text)
         .map_err(|error| Error::InvalidTokenList { reason: format!("not a JSON array of integers: {error}") })?;
     values
@@ -57,8 +79,8 @@ fn parse_json(text: &str) -> Result<Vec<u32>, Error> {
             };
             match value {
                 serde_json::Value::Number(number) => match (number.as_u64(), number.as_i64()) {
-                    (Some(value), _) => u32::try_from(value).map_err(|_| invalid(OUT_OF_RANGE)),
-                    (None, Some(_)) => Err(invalid(OUT_OF_RANGE)),
+                    (Some(value), _) if value <= max => Ok(value),
+                    (Some(_), _) | (None, Some(_)) => Err(invalid(out_of_range)),
                     _ => Err(invalid("not an integer")),
                 },
                 _ => Err(invalid("not an integer")),
@@ -100,7 +122,27 @@ mod tests {
         assert!(parse_tokens(&huge).unwrap_err().to_string().contains("[0, 4294967295]"));
     }
 
+    #[test]
+    fn wide_ids_go_up_to_u64_max() {
+        let max = u64::MAX;
+        assert_eq!(parse_wide_tokens("0 4294967296 18446744073709551615").unwrap(), [0, 1 << 32, max]);
+        assert_eq!(parse_wide_tokens("[4294967296, 1]").unwrap(), [1 << 32, 1]);
+        let message = parse_wide_tokens("1 18446744073709551616").unwrap_err().to_string();
+        assert_eq!(message, "token 2 (\"18446744073709551616\"): token ids must be in [0, 18446744073709551615]");
+        assert!(parse_wide_tokens("[1, -1]").unwrap_err().to_string().starts_with("token 2"));
+    }
+
     proptest! {
+        #[test]
+        fn printed_wide_lists_parse_back(tokens in proptest::collection::vec(any::<u64>(), 0..100), json: bool) {
+            let text = if json {
+                serde_json::to_string(&tokens).unwrap()
+            } else {
+                tokens.iter().map(u64::to_string).collect::<Vec<_>>().join(" ")
+            };
+            prop_assert_eq!(parse_wide_tokens(&text).unwrap(), tokens);
+        }
+
         #[test]
         fn printed_lists_parse_back(tokens in proptest::collection::vec(any::<u32>(), 0..100), style in 0..3u8) {
             let text = match style {

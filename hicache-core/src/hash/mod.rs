@@ -5,6 +5,12 @@
 //! including its page. Nothing else goes into the hash; backends add their namespace to the key string
 //! ([`crate::namespace`]).
 //!
+//! SGLang 0.5.20 and later add two rules, both of which leave the keys of ordinary requests unchanged:
+//! * a request with an `extra_key` (e.g. a LoRA adapter's name) or a `cache_salt` starts its chain from a seed
+//!   ([`namespace_seed`]) instead of no prior, so such requests never share pages with others;
+//! * a page holding a token id of 2^32 or more hashes `prior || 0xff || each id as u64 little-endian`
+//!   ([`PageHasher::page_keys_wide`]); a page of smaller ids hashes as above.
+//!
 //! The hasher pads and compresses blocks itself through `sha2`'s block function, so a page costs one call into the
 //! SHA instructions and no per-token work beyond writing the little-endian bytes. One chain is bound by the latency
 //! of those instructions (each page waits for the previous key); [`PageHasher::page_keys_many`] hashes independent
@@ -297,6 +303,96 @@ impl PageHasher {
     }
 }
 
+impl PageHasher {
+    /// The chained keys of token ids of any width: a page whose ids all fit in 32 bits gets the key
+    /// [`page_keys`](Self::page_keys) gives it; a page with an id of 2^32 or more hashes `prior || 0xff || each id
+    /// as u64 little-endian` (SGLang 0.5.20 and later).
+    ///
+    /// # Errors
+    ///
+    /// As [`page_keys`](Self::page_keys).
+    pub fn page_keys_wide(
+        &mut self,
+        tokens: &[u64],
+        page_size: usize,
+        prior: Option<PageKey>,
+        partial: PartialPage,
+    ) -> Result<Vec<PageKey>, Error> {
+        let hashed = hashed_len(tokens.len(), page_size, partial)?;
+        let mut keys = Vec::with_capacity(hashed.div_ceil(page_size));
+        let mut last = prior;
+        let mut narrow = Vec::with_capacity(page_size);
+        for page in tokens[..hashed].chunks(page_size) {
+            narrow.clear();
+            narrow.extend(page.iter().map_while(|&token| u32::try_from(token).ok()));
+            let key = if narrow.len() == page.len() {
+                self.page_key(last.as_ref(), &narrow)
+            } else {
+                wide_page_key(last.as_ref(), page)
+            };
+            keys.push(key);
+            last = Some(key);
+        }
+        Ok(keys)
+    }
+}
+
+/// The key of a page holding an id of 2^32 or more: `SHA-256(prior || 0xff || each id as u64 little-endian)`.
+fn wide_page_key(prior: Option<&PageKey>, tokens: &[u64]) -> PageKey {
+    use sha2::Digest as _;
+    let mut hasher = sha2::Sha256::new();
+    if let Some(prior) = prior {
+        hasher.update(prior.as_bytes());
+    }
+    hasher.update([WIDE_PAGE_MARKER]);
+    for token in tokens {
+        hasher.update(token.to_le_bytes());
+    }
+    PageKey(hasher.finalize().into())
+}
+
+/// The byte that starts the ids of a page holding an id of 2^32 or more (after the prior key).
+const WIDE_PAGE_MARKER: u8 = 0xff;
+
+/// What [`namespace_seed`] hashes first: the rule's name and version.
+const NAMESPACE_SEED_TAG: &[u8] = b"sglang-cache-namespace-v1";
+
+/// The prior of the first page of a request with an `extra_key` and/or a `cache_salt` (SGLang 0.5.20 and later);
+/// `None` when it has neither, so such requests keep the keys they always had.
+///
+/// `SHA-256("sglang-cache-namespace-v1" || part(extra_key) || part(cache_salt))`, where an absent part is the byte
+/// 0x00 and a present one is 0x01, its UTF-8 length as u64 little-endian, then its UTF-8 bytes (so an absent part,
+/// an empty one, and two parts run together all differ).
+///
+/// ```
+/// use hicache_core::hash::namespace_seed;
+///
+/// assert_eq!(
+///     namespace_seed(Some("lora-A"), None).unwrap().to_string(),
+///     "19091e73108efe79001c7f32d5a406346de6d857c582ce3b77311ba43e5ab43a"
+/// );
+/// assert!(namespace_seed(None, None).is_none());
+/// ```
+pub fn namespace_seed(extra_key: Option<&str>, cache_salt: Option<&str>) -> Option<PageKey> {
+    use sha2::Digest as _;
+    if extra_key.is_none() && cache_salt.is_none() {
+        return None;
+    }
+    let mut hasher = sha2::Sha256::new();
+    hasher.update(NAMESPACE_SEED_TAG);
+    for part in [extra_key, cache_salt] {
+        match part {
+            None => hasher.update([0u8]),
+            Some(text) => {
+                hasher.update([1u8]);
+                hasher.update((text.len() as u64).to_le_bytes());
+                hasher.update(text.as_bytes());
+            }
+        }
+    }
+    Some(PageKey(hasher.finalize().into()))
+}
+
 /// A chain being hashed: its index, its tokens not yet hashed, and the state of its last page.
 struct Cursor<'a> {
     chain: usize,
@@ -306,13 +402,18 @@ struct Cursor<'a> {
 
 /// The tokens to hash under the partial-page policy.
 fn hashed_tokens(tokens: &[u32], page_size: usize, partial: PartialPage) -> Result<&[u32], Error> {
+    Ok(&tokens[..hashed_len(tokens.len(), page_size, partial)?])
+}
+
+/// How many of `tokens` tokens are hashed under the partial-page policy.
+fn hashed_len(tokens: usize, page_size: usize, partial: PartialPage) -> Result<usize, Error> {
     if page_size == 0 {
         return Err(Error::InvalidArgument { field: "page_size", reason: "must be at least 1".into() });
     }
-    let tail = tokens.len() % page_size;
+    let tail = tokens % page_size;
     match partial {
-        PartialPage::Reject if tail != 0 => Err(Error::PartialPage { tokens: tokens.len(), page_size }),
-        PartialPage::Drop => Ok(&tokens[..tokens.len() - tail]),
+        PartialPage::Reject if tail != 0 => Err(Error::PartialPage { tokens, page_size }),
+        PartialPage::Drop => Ok(tokens - tail),
         _ => Ok(tokens),
     }
 }
@@ -475,6 +576,32 @@ mod tests {
             let mut last = None;
             for (page, key) in tokens.chunks(page_size).zip(&keys) {
                 prop_assert_eq!(*key, reference_key(last.as_ref(), page));
+                last = Some(*key);
+            }
+            prop_assert_eq!(keys.len(), tokens.len().div_ceil(page_size));
+        }
+
+        #[test]
+        fn wide_pages_hash_a_marker_and_u64_ids_and_narrow_pages_as_before(
+            tokens in proptest::collection::vec(prop_oneof![any::<u32>().prop_map(u64::from), any::<u64>()], 0..120),
+            page_size in 1usize..12,
+        ) {
+            let keys = PageHasher::new().page_keys_wide(&tokens, page_size, None, PartialPage::Hash).unwrap();
+            let mut last: Option<PageKey> = None;
+            for (page, key) in tokens.chunks(page_size).zip(&keys) {
+                let expected = match page.iter().map(|&token| u32::try_from(token)).collect::<Result<Vec<u32>, _>>() {
+                    Ok(narrow) => reference_key(last.as_ref(), &narrow),
+                    Err(_) => {
+                        let mut hasher = Sha256::new();
+                        if let Some(last) = &last {
+                            hasher.update(last.as_bytes());
+                        }
+                        hasher.update([0xffu8]);
+                        page.iter().for_each(|token| hasher.update(token.to_le_bytes()));
+                        PageKey(hasher.finalize().into())
+                    }
+                };
+                prop_assert_eq!(*key, expected);
                 last = Some(*key);
             }
             prop_assert_eq!(keys.len(), tokens.len().div_ceil(page_size));
