@@ -1,9 +1,9 @@
 //! Collectives across tensor-parallel ranks: all-reduce of small fixed-shape integer vectors, and a barrier.
 //!
 //! Every TP rank must make the same cache decisions, so every value that can differ per rank is reduced before it
-//! changes shared state (spec §16 item 3). SGLang enters its collectives conditionally on local state and can hang
-//! (§17 item 16); hicache's controller enters the same collectives in the same order on every rank, and this module
-//! makes a violation visible: ranks that enter different collectives in one round all get
+//! changes shared state (docs/sglang.md#invariants, item 3). SGLang enters its collectives conditionally on local state
+//! and can hang (docs/sglang.md#fixed-16); hicache's controller enters the same collectives in the same order on every
+//! rank, and this module makes a violation visible: ranks that enter different collectives in one round all get
 //! [`Error::CollectiveMismatch`] instead of silently combining unrelated values, and a rank that never arrives makes
 //! the others fail with [`Error::Timeout`] at the deadline instead of hanging. After either, the group is broken and
 //! every later call fails at once.

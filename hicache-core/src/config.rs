@@ -1,5 +1,5 @@
 //! Configuration: every knob, with SGLang's names where SGLang has them, and the constants it hard-codes made
-//! configurable (spec §7.6, §12).
+//! configurable (docs/sglang.md#constants, #config).
 //!
 //! Read with [`HiCacheConfig::from_json`]: unknown fields are refused, every error names the field, and the
 //! storage backend's extra config must be valid JSON (SGLang logs a parse error and carries on without it).

@@ -1,4 +1,4 @@
-//! KV geometry: how many bytes one token of one layer takes, for MHA and MLA models (spec §3.1).
+//! KV geometry: how many bytes one token of one layer takes, for MHA and MLA models (docs/sglang.md#sizes).
 //!
 //! An *item* is one token × one layer × K or V (MHA) or one token × one layer of latent (MLA): the unit the transfer
 //! kernels move (SGLang's `token_stride_size`). Everything here is for the layers and KV heads held by this rank.

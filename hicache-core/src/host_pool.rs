@@ -1,10 +1,10 @@
 //! Host page allocator: page-granular, with every page's state checked on every call, handing out a request's
 //! pages as one contiguous run when the pool has one.
 //!
-//! SGLang's host pool hands out token indices FIFO with no locality, frees with an O(pool) `torch.cat`, accepts a
-//! page freed twice, and checks its state machine only when the logger is at DEBUG (spec §4, §17 items 1, 21). Here
-//! a page id names a whole page of one pool, a double free or a page of another pool is an error, and every
-//! transition is checked, always. A call that fails changes nothing.
+//! SGLang's host pool hands out token indices FIFO with no locality, frees with an O(pool) `torch.cat`, accepts a page
+//! freed twice, and checks its state machine only when the logger is at DEBUG (docs/sglang.md#host-pool, #fixed-1,
+//! #fixed-21). Here a page id names a whole page of one pool, a double free or a page of another pool is an error, and
+//! every transition is checked, always. A call that fails changes nothing.
 //!
 //! Contiguity: idle pages are a bitmap, and `alloc(n)` takes the first run of `n` idle pages from a roving cursor
 //! (next fit), looking at most [`SCAN_WORDS`] words of 64 pages; without such a run it takes idle pages in

@@ -1,7 +1,7 @@
 //! Host pool layouts: where each item of each page lives in the host buffer, and a page's bytes for storage I/O.
 //!
-//! Three layouts, as SGLang's host pool (spec §3.3), with `S` host token slots, `L` layers, `P` tokens per page and
-//! items of `I` bytes (MHA has parts K and V; MLA has one latent part):
+//! Three layouts, as SGLang's host pool (docs/sglang.md#host-layouts), with `S` host token slots, `L` layers, `P`
+//! tokens per page and items of `I` bytes (MHA has parts K and V; MLA has one latent part):
 //!
 //! | layout | dims (MHA; MLA drops the leading 2) | page part contiguous |
 //! |---|---|---|
@@ -11,9 +11,10 @@
 //!
 //! The **flat page** is what generic storage I/O stores under a key (SGLang's `get_flat_data_page`): `[2][L][P][I]` for
 //! `layer_first` and `page_first_direct`, `[2][P][L][I]` for `page_first`. The same key therefore holds different byte
-//! orders under different layouts, which is why the native key namespace includes the layout (§17 item 10). A page's
-//! [`segments`](HostLayoutMap::page_segments) are the ranges of the host buffer whose concatenation, in order, is the
-//! flat page: one range per part for the page-first layouts (zero-copy), one per part and layer for `layer_first`.
+//! orders under different layouts, which is why the native key namespace includes the layout (docs/sglang.md#fixed-10).
+//! A page's [`segments`](HostLayoutMap::page_segments) are the ranges of the host buffer whose concatenation, in order,
+//! is the flat page: one range per part for the page-first layouts (zero-copy), one per part and layer for
+//! `layer_first`.
 
 use serde::{Deserialize, Serialize};
 

@@ -1,9 +1,10 @@
 //! Storage key namespaces: SGLang's key strings for each backend, and hicache's native namespaced keys.
 //!
-//! SGLang's keys are the page hash plus a backend-specific suffix (spec §3.5, §10). They omit the KV dtype, the host
-//! layout (which decides the byte order of a generic flat page), the page size and the pipeline stage, so two
-//! deployments that differ in any of these read each other's bytes as their own (§17 item 10). The native form adds
-//! a digest of all of them to every key; [`StorageNamespace::descriptor`] is the readable text behind the digest.
+//! SGLang's keys are the page hash plus a backend-specific suffix (docs/sglang.md#zero-copy-meta, #backends). They omit
+//! the KV dtype, the host layout (which decides the byte order of a generic flat page), the page size and the pipeline
+//! stage, so two deployments that differ in any of these read each other's bytes as their own
+//! (docs/sglang.md#fixed-10). The native form adds a digest of all of them to every key;
+//! [`StorageNamespace::descriptor`] is the readable text behind the digest.
 
 use std::fmt::Write as _;
 

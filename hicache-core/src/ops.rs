@@ -1,4 +1,4 @@
-//! Cache and storage operations: what the controller queues, merges and tracks (spec §2.2).
+//! Cache and storage operations: what the controller queues, merges and tracks (docs/sglang.md#operations).
 //!
 //! A [`CacheOperation`] moves a run of pages between the device and host pools; queued operations are merged into
 //! one transfer. A prefetch from storage (in `controller/`) carries a [`Progress`] counter that the I/O thread

@@ -135,7 +135,8 @@ impl TokenBucket {
     }
 }
 
-/// How many tokens ongoing prefetches hold in the host pool, against a limit (spec §7.3: `prefetch_rate_limited`).
+/// How many tokens ongoing prefetches hold in the host pool, against a limit (docs/sglang.md#prefetch:
+/// `prefetch_rate_limited`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PrefetchCapacity {
     limit: u64,

@@ -149,8 +149,8 @@ fn eviction_checks_states() {
     assert!(controller.free_device(&slots).is_err(), "the slots were freed by the eviction");
 }
 
-/// Each rank's copies finish at different times; every check, each rank counts its finished writes and all take
-/// the MIN — entered unconditionally, every tick, whatever the local state (§17 item 16). The allocators end equal.
+/// Each rank's copies finish at different times; every check, each rank counts its finished writes and all take the MIN
+/// — entered unconditionally, every tick, whatever the local state (docs/sglang.md#fixed-16). The allocators end equal.
 #[test]
 fn tp_ranks_stay_in_step_through_one_min_per_check() {
     const RANKS: usize = 4;

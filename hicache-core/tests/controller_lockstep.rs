@@ -1,5 +1,5 @@
-//! TP lockstep of the whole controller under random storage faults (§17 items 2 and 16), and the prefetch, backup
-//! and release state machines under random scripts (proptest).
+//! TP lockstep of the whole controller under random storage faults (docs/sglang.md#fixed-2 and #fixed-16), and the
+//! prefetch, backup and release state machines under random scripts (proptest).
 //!
 //! Every rank runs the same scheduler script (same seed) against its own storage namespace, with its own random
 //! latencies and failures. Whatever each rank's I/O does, the ranks must decide the same: identical prefetch results,

@@ -71,8 +71,8 @@ fn controller(storage: Arc<dyn StorageBackend>, settings: StorageSettings, clock
 
 type Rig = CacheController<CpuEngine>;
 
-/// The flat pages (spec §3.4) of device slots, built from the device map and the layout's flat order, not through
-/// the engine's copies.
+/// The flat pages (docs/sglang.md#flat-pages) of device slots, built from the device map and the layout's flat order,
+/// not through the engine's copies.
 fn expected_flat_pages(rig: &Rig, slots: &[u32]) -> Vec<u8> {
     let device = rig.engine().device_map();
     let host = rig.engine().host_map();
@@ -175,7 +175,7 @@ fn a_stored_prefix_is_prefetched_byte_for_byte_into_a_fresh_host_pool() {
 
 #[test]
 fn host_pages_are_reserved_for_the_hit_only_and_a_small_hit_is_revoked() {
-    // §17 item 18: SGLang reserves the whole prompt before the hit is known
+    // docs/sglang.md#fixed-18: SGLang reserves the whole prompt before the hit is known
     let store = MemoryStore::new();
     let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
     let mut rig = controller(Arc::new(memory(&store, 0, 1)), settings(PrefetchPolicy::WaitComplete), clock);
@@ -321,7 +321,7 @@ fn seed_storage(store: &Arc<MemoryStore>, seed: u32, pages: usize) -> (Vec<u32>,
 
 #[test]
 fn best_effort_cuts_off_with_what_arrived_and_releases_the_tail_once_when_the_reader_is_done() {
-    // §17 item 1: SGLang releases the unfinished tail twice
+    // docs/sglang.md#fixed-1: SGLang releases the unfinished tail twice
     let store = MemoryStore::new();
     let (prompt, expected) = seed_storage(&store, 6, 6);
     let gated = Arc::new(Gated::new(memory(&store, 0, 1)));
@@ -386,7 +386,7 @@ fn wait_complete_waits_for_every_page_and_timeout_stops_at_its_limit() {
 
 #[test]
 fn a_failed_page_stops_the_fetch_at_that_page() {
-    // §17 item 6: SGLang's 3FS path counts a whole batch of failed pages as fetched
+    // docs/sglang.md#fixed-6: SGLang's 3FS path counts a whole batch of failed pages as fetched
     let store = MemoryStore::new();
     let (prompt, expected) = seed_storage(&store, 8, 6);
     // gets pass only the first page of each batch to the backend; the second fails as injected
@@ -410,7 +410,7 @@ fn a_failed_page_stops_the_fetch_at_that_page() {
 
 #[test]
 fn a_page_evicted_between_exists_and_get_does_not_shift_later_pages() {
-    // §17 item 7: SGLang's 3FS get slices destinations by found-key position
+    // docs/sglang.md#fixed-7: SGLang's 3FS get slices destinations by found-key position
     let store = MemoryStore::new();
     let (prompt, expected) = seed_storage(&store, 9, 6);
     let faulty = Arc::new(FaultyStorage::new(
@@ -429,7 +429,7 @@ fn a_page_evicted_between_exists_and_get_does_not_shift_later_pages() {
 
 #[test]
 fn every_write_policy_reaches_storage_including_write_back() {
-    // §17 item 3: SGLang's write_back never writes to storage
+    // docs/sglang.md#fixed-3: SGLang's write_back never writes to storage
     let store = MemoryStore::new();
     let mut rig =
         controller(Arc::new(memory(&store, 0, 1)), settings(PrefetchPolicy::BestEffort), Arc::new(SystemClock::new()));
@@ -455,7 +455,7 @@ fn every_write_policy_reaches_storage_including_write_back() {
 
 #[test]
 fn backups_record_each_page_and_go_on_past_a_failure() {
-    // §17 item 27: SGLang stops at the first failed batch and records nothing
+    // docs/sglang.md#fixed-27: SGLang stops at the first failed batch and records nothing
     let store = MemoryStore::new();
     let faulty = Arc::new(FaultyStorage::new(memory(&store, 0, 1), FaultPlan::default()));
     let mut rig = controller(faulty.clone(), settings(PrefetchPolicy::BestEffort), Arc::new(SystemClock::new()));
@@ -572,7 +572,7 @@ fn the_agreed_leading_hit_is_read_while_the_query_goes_on() {
 
 #[test]
 fn reset_waits_for_storage_io_and_leaves_nothing_behind() {
-    // §17 item 14: SGLang's reset neither joins its I/O thread nor clears its storage records
+    // docs/sglang.md#fixed-14: SGLang's reset neither joins its I/O thread nor clears its storage records
     let store = MemoryStore::new();
     let (prompt, _) = seed_storage(&store, 14, 6);
     let gated = Arc::new(Gated::new(memory(&store, 0, 1)));

@@ -22,7 +22,7 @@ fn device_item(device: &[u8], geometry: &KvGeometry, slots: usize, slot: usize, 
 }
 
 /// The flat page SGLang's generic storage path would store for these slots: `[part][layer][token][item]`, or
-/// `[part][token][layer][item]` for `page_first` (spec §3.4), built straight from the device items.
+/// `[part][token][layer][item]` for `page_first` (docs/sglang.md#flat-pages), built straight from the device items.
 fn expected_flat_page(device: &[u8], map: &HostLayoutMap, slots_total: usize, page_slots: &[DeviceSlot]) -> Vec<u8> {
     let geometry = map.geometry();
     let mut page = Vec::new();

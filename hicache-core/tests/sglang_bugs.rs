@@ -1,6 +1,6 @@
-//! One test per SGLang 0.5.2 bug that hicache fixes (spec §17), named after its item, each showing the situation
-//! that breaks SGLang and what hicache does instead. The wider behaviour of each fix is tested beside its code
-//! (`controller_l1_l2.rs`, `controller_storage.rs`, `controller_lockstep.rs`, `tree.rs`).
+//! One test per SGLang 0.5.2 bug that hicache fixes (docs/sglang.md, bugs fixed), named after its number there, each
+//! showing the situation that breaks SGLang and what hicache does instead. The wider behaviour of each fix is tested
+//! beside its code (`controller_l1_l2.rs`, `controller_storage.rs`, `controller_lockstep.rs`, `tree.rs`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

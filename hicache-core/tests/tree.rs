@@ -1,7 +1,7 @@
 //! The tiered prefix tree on the CPU engine with in-memory storage: matching and splitting at pages, the three write
-//! policies (write_back reaching storage, §17 items 3–4), device and host eviction, load-back, prefetch from storage,
-//! and the tree's invariants under random operation sequences (proptest). Every byte that comes back to the device
-//! is checked against bytes derived from the token prefix it belongs to.
+//! policies (write_back reaching storage, docs/sglang.md#fixed-3 and #fixed-4), device and host eviction, load-back,
+//! prefetch from storage, and the tree's invariants under random operation sequences (proptest). Every byte that comes
+//! back to the device is checked against bytes derived from the token prefix it belongs to.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -206,7 +206,7 @@ fn write_policies_back_up_when_they_say() {
 
 #[test]
 fn write_back_backs_up_at_eviction_and_reaches_storage() {
-    // §17 item 3: SGLang's write_back never reaches storage
+    // docs/sglang.md#fixed-3: SGLang's write_back never reaches storage
     let store = MemoryStore::new();
     let mut rig = rig(WritePolicy::WriteBack, 8, 16, Some(&store));
     let a = tokens(1, 3);
@@ -224,7 +224,7 @@ fn write_back_backs_up_at_eviction_and_reaches_storage() {
 
 #[test]
 fn write_back_eviction_without_host_room_drops_the_node_instead_of_crashing() {
-    // §17 item 4: SGLang appends the node anyway and asserts `backuped` later
+    // docs/sglang.md#fixed-4: SGLang appends the node anyway and asserts `backuped` later
     let mut rig = rig(WritePolicy::WriteBack, 8, 9, None);
     let a = tokens(1, 4);
     rig.request(&a);

@@ -1,7 +1,7 @@
 //! Sizing the pinned host pool from a config (SGLang's `hicache_ratio` or `hicache_size`), refused with a clear error
 //! when the machine lacks the memory rather than failing inside the driver or swapping.
 //!
-//! SGLang keeps 10 GiB of RAM free beside the host pool (spec §7.6); so does this, by default.
+//! SGLang keeps 10 GiB of RAM free beside the host pool (docs/sglang.md#constants); so does this, by default.
 
 use hicache_core::Error;
 use hicache_core::config::HiCacheConfig;

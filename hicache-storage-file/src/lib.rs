@@ -2,7 +2,7 @@
 //!
 //! * **SGLang layout** ([`FileFormat::Sglang`]): `{dir}/{hash}_{model}_{tp_rank}_{tp_size}.bin` (MHA) or
 //!   `{dir}/{hash}_{model}.bin` (MLA), `/` in the model replaced by `-`, raw flat page bytes: what SGLang 0.5.2's
-//!   `HiCacheFile` reads and writes (spec §10.1), so both can share a directory.
+//!   `HiCacheFile` reads and writes (docs/sglang.md#file-backend), so both can share a directory.
 //! * **Native layout** ([`FileFormat::Native`]): `{dir}/hicache-v1/{namespace digest}/{first two hex}/{hash}.page`,
 //!   the page bytes followed by a footer (magic, version, XXH3-64 of the page; 16 bytes, or a 4 KiB block for pages
 //!   of whole 4 KiB blocks, so that `O_DIRECT` can read and write the file). The namespace digest covers dtype,

@@ -11,7 +11,8 @@ use nixl_sys::{
     ThreadSync, XferDescList, XferOp, XferStatus,
 };
 
-/// SGLang's `auto` order of file plugins (spec §10.4); the OBJ plugin comes after them when a bucket is set.
+/// SGLang's `auto` order of file plugins (docs/sglang.md#nixl-backend); the OBJ plugin comes after them when a bucket
+/// is set.
 pub const AUTO_PLUGINS: [&str; 4] = ["3FS", "POSIX", "GDS_MT", "GDS"];
 
 /// Which plugin moves the bytes.

@@ -1,7 +1,7 @@
 //! Page files opened and registered with NIXL once, kept open up to a bound.
 //!
-//! SGLang opens and registers every file on every transfer and never closes or deregisters it (§17 item 5: one
-//! descriptor and one registration leaked per file per transfer). Here each page file is opened and registered on
+//! SGLang opens and registers every file on every transfer and never closes or deregisters it (docs/sglang.md#fixed-5:
+//! one descriptor and one registration leaked per file per transfer). Here each page file is opened and registered on
 //! first use and stays so while it is among the `capacity` most recently used; a file that falls out is deregistered
 //! and closed once no transfer holds it.
 //!

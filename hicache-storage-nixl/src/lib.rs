@@ -1,6 +1,6 @@
 //! The NIXL storage tier: page files moved to and from host memory by NIXL's file plugins (POSIX, GDS_MT, GDS, 3FS).
 //!
-//! Spec §10.4 (`HiCacheNixl`), with its bugs fixed (§17 item 5 and §17 item 22):
+//! SGLang's `HiCacheNixl` (docs/sglang.md#nixl-backend), with its bugs fixed (docs/sglang.md#fixed-5 and #fixed-22):
 //!
 //! * **Names.** `{dir}/{hash}_{model}_{tp_rank}_{tp_size}` (MHA) or `{dir}/{hash}_{model}` (MLA), `/` in the model
 //!   replaced by `-`, raw flat pages: what SGLang's NIXL backend writes since it took the namespace into its names
@@ -19,7 +19,7 @@
 //!   another one, or SGLang) never sees a partial page under its name; SGLang's manager creates the file empty
 //!   first. A file of the wrong size is no page: `exists` says so, `get` reports it corrupt and removes it.
 //! * `clear` removes this namespace's pages and temporary files only (SGLang's NIXL backend had no `clear`; its later
-//!   one removes every file under the directory, SGLang issue #32693). `list` names this namespace's pages.
+//!   one removes every file under the directory). `list` names this namespace's pages.
 //!
 //! The object plugin (OBJ, pages as objects in a bucket) is a different data path and is refused with
 //! [`Error::Unsupported`]. NIXL's library is loaded at run time ([`library`]).

@@ -1,13 +1,13 @@
 //! Host memory registered with NIXL, kept between calls.
 //!
 //! NIXL moves host memory only inside registered ranges, each transfer piece within one range. SGLang registers the
-//! buffers of every call again and never deregisters them (§17 item 5). Here a host pool the backend is told about
-//! ([`StorageBackend::register_host_memory`](hicache_core::storage::StorageBackend::register_host_memory): the
-//! controller's whole pool) is registered once and stays registered until it is unregistered; pieces inside it
+//! buffers of every call again and never deregisters them (docs/sglang.md#fixed-5). Here a host pool the backend is
+//! told about ([`StorageBackend::register_host_memory`](hicache_core::storage::StorageBackend::register_host_memory):
+//! the controller's whole pool) is registered once and stays registered until it is unregistered; pieces inside it
 //! register nothing. Memory outside every told region (a caller's own buffers) is registered by range, and a range
-//! stays registered while it is among the `capacity` most recently used, so a reused buffer is registered once. A
-//! range no longer used is deregistered when it falls out of the cache, or at the latest when the backend drops; a
-//! range in use by a transfer is never deregistered under it (the transfer holds it).
+//! stays registered while it is among the `capacity` most recently used, so a reused buffer is registered once. A range
+//! no longer used is deregistered when it falls out of the cache, or at the latest when the backend drops; a range in
+//! use by a transfer is never deregistered under it (the transfer holds it).
 //!
 //! Registering does not touch the memory (POSIX records the range; GDS pins it), and a transfer only reaches memory
 //! that its own pieces name, which the caller keeps alive for the call. So a range whose memory the caller has since

@@ -1,9 +1,9 @@
 //! `hicache store`: pages moved by hand between local files and a storage backend, and the backend inspected.
 //!
 //! The backend and namespace come from flags, else from a config file (`--config`: `storage_backend`, `model_name`,
-//! `page_size`, `mem_layout`), else from SGLang's environment (`SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR` for the
-//! file tier's directory), else defaults. Pages are raw bytes in the flat page format (spec §3.4): one page, or pages
-//! concatenated in key order.
+//! `page_size`, `mem_layout`), else from SGLang's environment (`SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR` for the file
+//! tier's directory), else defaults. Pages are raw bytes in the flat page format (docs/sglang.md#flat-pages): one page,
+//! or pages concatenated in key order.
 
 use std::io::Write as _;
 use std::path::PathBuf;

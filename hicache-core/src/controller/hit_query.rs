@@ -1,4 +1,4 @@
-//! The storage hit query of a prefetch: how many leading pages of a prompt storage holds (spec §7.3).
+//! The storage hit query of a prefetch: how many leading pages of a prompt storage holds (docs/sglang.md#prefetch).
 //!
 //! Keys are chained from the last page already on the host and asked for `batch_pages` at a time; the query stops
 //! at the first batch that is not a full hit, so a cold prompt costs one round trip and a long hit ⌈n / batch⌉.

@@ -1,5 +1,5 @@
 //! The cache controller: moves pages between the device pool (L1) and the host pool (L2) on a transfer engine,
-//! and keeps the acks the prefix tree collects (SGLang's `HiCacheController`, spec §5).
+//! and keeps the acks the prefix tree collects (SGLang's `HiCacheController`, docs/sglang.md#device-host).
 //!
 //! * [`write`](CacheController::write) backs device slots up to newly allocated host pages at once (all layers, one
 //!   transfer); the host pages are *protected* until the write is acked.
@@ -9,15 +9,15 @@
 //! * Acks are collected in submission order: [`completed_writes`](CacheController::completed_writes) counts the
 //!   leading finished ones without blocking (the number TP ranks reduce with MIN), and
 //!   [`take_write_acks`](CacheController::take_write_acks) takes that many. Host pages become *synced* when their
-//!   copy is acked, not when it is enqueued (SGLang marks them at enqueue: §17 item 15).
+//!   copy is acked, not when it is enqueued (SGLang marks them at enqueue: docs/sglang.md#fixed-15).
 //! * [`reset`](CacheController::reset) waits for every transfer in flight, then clears queues, acks, slots and both
-//!   allocators and restarts the ids: nothing stale survives it (§17 item 14).
+//!   allocators and restarts the ids: nothing stale survives it (docs/sglang.md#fixed-14).
 //!
 //!
 //! With a storage tier ([`with_storage`](CacheController::with_storage)), a write given page keys goes on to storage
-//! when it is acked, whatever the write policy (SGLang's `write_back` never reaches storage: §17 item 3); its host
-//! pages stay *pinned* (not evictable) until the backup is done. Prefetches and the per-tick TP reduction are in
-//! `prefetch.rs`, the I/O threads in `storage.rs`.
+//! when it is acked, whatever the write policy (SGLang's `write_back` never reaches storage: docs/sglang.md#fixed-3);
+//! its host pages stay *pinned* (not evictable) until the backup is done. Prefetches and the per-tick TP reduction are
+//! in `prefetch.rs`, the I/O threads in `storage.rs`.
 
 mod hit_query;
 mod prefetch;

@@ -1,11 +1,11 @@
 //! Prefetch from storage and the scheduler's tick: the one point where TP ranks agree on everything that can differ
-//! between them (spec §7.3–§7.5, §8; fixes §17 items 1, 2, 16 and 18).
+//! between them (docs/sglang.md#prefetch to #release, #tp; fixes #fixed-1, #fixed-2, #fixed-16 and #fixed-18).
 //!
 //! A prefetch goes through these steps, each decided at a tick from values reduced over the TP group, so every rank
 //! changes its allocator in the same way at the same tick:
 //!
 //! 1. [`prefetch`](CacheController::prefetch) queues a hit query. No host memory is reserved yet (SGLang reserves
-//!    the whole prompt before it knows the hit, and may evict L2 for it: §17 item 18).
+//!    the whole prompt before it knows the hit, and may evict L2 for it: docs/sglang.md#fixed-18).
 //! 2. While the queries run, each tick reserves host pages for the leading hit every rank has found so far (the TP
 //!    minimum of the pages found), once it reaches the threshold, from pages free now, and the fetch thread starts
 //!    reading them: a long hit is read while its later batches are still being asked for. When every rank's query
@@ -16,12 +16,14 @@
 //!    terminates the fetch at once; `wait_complete` waits until every rank's fetch is done; `timeout` waits until
 //!    done or until any rank's limit passed. When every rank's count is final, the TP minimum of the fetched tokens
 //!    is the result: those pages go to the caller, already in the backup state.
-//! 4. Pages past the minimum go back to the allocator when every rank's fetch thread is quiet (it will not touch
-//!    them again): released by (operation, page range), exactly once, on the scheduler's thread (§17 items 1–2).
+//! 4. Pages past the minimum go back to the allocator when every rank's fetch thread is quiet (it will not touch them
+//!    again): released by (operation, page range), exactly once, on the scheduler's thread (docs/sglang.md#fixed-1 and
+//!    #fixed-2).
 //!
 //! The tick's collective has a fixed shape whatever the local state: two counters (write acks, backup acks) and
 //! [`StorageSettings::tick_slots`] prefetch slots of six values, all reduced with one MIN (a MAX is a MIN of the
-//! negation). Every rank enters it once per tick, so no rank can skip a collective another enters (§17 item 16).
+//! negation). Every rank enters it once per tick, so no rank can skip a collective another enters
+//! (docs/sglang.md#fixed-16).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,10 +1,10 @@
 //! Host pages of storage operations go back to the allocator through explicit release messages, each page exactly
 //! once, on the scheduler's thread.
 //!
-//! SGLang's I/O thread queues "release these host indices" chunks and the scheduler frees however many chunks the
-//! TP MIN of the queue sizes says; the aux thread releases a partial prefetch's tail twice (§17 item 1) and empty or
-//! per-rank-sized chunks make the queues drift apart across ranks (item 2). Here a message names its operation and a
-//! page range of it; the ledger hands each page back once and refuses a second release of any page as an error (a
+//! SGLang's I/O thread queues "release these host indices" chunks and the scheduler frees however many chunks the TP
+//! MIN of the queue sizes says; the aux thread releases a partial prefetch's tail twice (docs/sglang.md#fixed-1) and
+//! empty or per-rank-sized chunks make the queues drift apart across ranks (item 2). Here a message names its operation
+//! and a page range of it; the ledger hands each page back once and refuses a second release of any page as an error (a
 //! bug to report, never a double free).
 
 use rustc_hash::FxHashMap as HashMap;
@@ -176,7 +176,8 @@ mod tests {
 
     #[test]
     fn the_partial_prefetch_tail_is_released_once() {
-        // SGLang 0.5.2 releases host[completed:] in _page_transfer and again in prefetch_io_aux_func (§17 item 1)
+        // SGLang 0.5.2 releases host[completed:] in _page_transfer and again in prefetch_io_aux_func
+        // (docs/sglang.md#fixed-1)
         let mut allocator = HostPageAllocator::new(8).unwrap();
         let mut ledger = ReleaseLedger::new();
         ledger.hold(OpId(1), allocator.alloc(6).unwrap()).unwrap();

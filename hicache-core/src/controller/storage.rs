@@ -1,4 +1,4 @@
-//! The storage half's settings, records and I/O threads (spec §7.2–§7.6).
+//! The storage half's settings, records and I/O threads (docs/sglang.md#backup to #constants).
 //!
 //! Three threads per controller, each taking jobs in order from a channel:
 //! * the **query** thread hashes a prefetch's tokens and asks storage which leading pages it holds
@@ -12,7 +12,7 @@
 //!   them;
 //! * the **backup** thread writes host pages to storage a batch at a time, straight from host memory, recording
 //!   every page's outcome and going on past a failed page (SGLang stops at the first failed batch and records
-//!   nothing: §17 item 27), under an optional bandwidth cap.
+//!   nothing: docs/sglang.md#fixed-27), under an optional bandwidth cap.
 //!
 //! Zero copy: a batch's host pages are lent to the backend in place ([`HostMemory`]'s leases), for writing during a
 //! fetch (the pages are *reserved*: nothing else reads or frees them until the prefetch is quiet) and for reading
@@ -394,7 +394,7 @@ impl Drop for Workers {
 }
 
 /// Runs `job`, turning a panic (a bug in a backend) into an error message, so the thread lives on (SGLang's
-/// prefetch thread dies on an uncaught `IOError` and no prefetch completes again: §17 item 11).
+/// prefetch thread dies on an uncaught `IOError` and no prefetch completes again: docs/sglang.md#fixed-11).
 fn guarded<T>(job: impl FnOnce() -> Result<T, Error>) -> Result<T, String> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)) {
         Ok(result) => result.map_err(|error| error.to_string()),

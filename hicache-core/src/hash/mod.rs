@@ -1,8 +1,8 @@
 //! Page keys: SGLang's chained SHA-256 over token ids, bit for bit.
 //!
 //! `H_i = SHA-256(raw 32 bytes of H_{i-1}, if any || each token id of page i as u32 little-endian)`, shown as 64
-//! lowercase hex digits (SGLang's `get_hash_str`, spec §7.1). A key therefore names the whole prefix up to and
-//! including its page. Nothing else goes into the hash; backends add their namespace to the key string
+//! lowercase hex digits (SGLang's `get_hash_str`, docs/sglang.md#keys). A key therefore names the whole prefix up to
+//! and including its page. Nothing else goes into the hash; backends add their namespace to the key string
 //! ([`crate::namespace`]).
 //!
 //! SGLang 0.5.20 and later add two rules, both of which leave the keys of ordinary requests unchanged:

@@ -6,8 +6,8 @@
 //! strings from the page keys.
 //!
 //! Outcomes are per page ([`GetOutcome`], [`SetOutcome`]); `Err` is for a failure of the whole call. SGLang's
-//! `batch_set` returns one bool for the batch and its `batch_get` a list or an int depending on the backend (§9);
-//! here every backend answers the same way.
+//! `batch_set` returns one bool for the batch and its `batch_get` a list or an int depending on the backend
+//! (docs/sglang.md#storage-interface); here every backend answers the same way.
 
 mod fault;
 mod memory;

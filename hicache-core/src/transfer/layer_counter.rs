@@ -1,10 +1,10 @@
 //! Per-layer load events in a ring of producer slots, so the model can start on layer *i* while later layers still
-//! load (SGLang's `LayerDoneCounter`, spec §2.2, §6.3).
+//! load (SGLang's `LayerDoneCounter`, docs/sglang.md#operations).
 //!
-//! Each merged load takes the next slot and records one event per layer there; a batch's forward pass is the
-//! consumer of one slot and waits for layer *i*'s event before using layer *i*. Three slots let the scheduler run
-//! one batch ahead. SGLang asserts when a slot is reused before its last load finished (§17 item 17); here the
-//! caller chooses to wait for it or to be told the slot is busy.
+//! Each merged load takes the next slot and records one event per layer there; a batch's forward pass is the consumer
+//! of one slot and waits for layer *i*'s event before using layer *i*. Three slots let the scheduler run one batch
+//! ahead. SGLang asserts when a slot is reused before its last load finished (docs/sglang.md#fixed-17); here the caller
+//! chooses to wait for it or to be told the slot is busy.
 
 use super::TransferEvent;
 

@@ -1,4 +1,4 @@
-//! Device and host eviction: least recently used leaves first (spec §5.6, §5.7).
+//! Device and host eviction: least recently used leaves first (docs/sglang.md#device-eviction, #host-eviction).
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -46,7 +46,8 @@ impl<E: TransferEngine> HiRadixTree<E> {
                 written.push(id);
                 pending.insert(id);
             } else if let Some(freed) = self.delete_unbacked(id)? {
-                // no host copy (or, under write_back, no room for one: SGLang would assert later, §17 item 4)
+                // no host copy (or, under write_back, no room for one: SGLang would assert later,
+                // docs/sglang.md#fixed-4)
                 evicted += freed;
             } else {
                 continue;

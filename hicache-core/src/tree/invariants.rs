@@ -1,4 +1,4 @@
-//! The tree's invariants (spec §16), checked in full: for tests, and for replays that want to be sure.
+//! The tree's invariants (docs/sglang.md#invariants), checked in full: for tests, and for replays that want to be sure.
 
 use std::collections::HashSet;
 

@@ -1,18 +1,18 @@
-//! The tiered prefix tree (SGLang's `HiRadixCache`, spec §2.1, §5.4–§5.9, §7): a radix tree over token ids whose
-//! nodes hold device slots (L1), host pages (L2) and page keys, driving a [`CacheController`].
+//! The tiered prefix tree (SGLang's `HiRadixCache`, docs/sglang.md#tree, #acks to #load-back, #prefetch): a radix tree
+//! over token ids whose nodes hold device slots (L1), host pages (L2) and page keys, driving a [`CacheController`].
 //!
 //! * Children are keyed by their first page of tokens; every node's key is a whole number of pages, and splits
 //!   happen at page boundaries, so page keys stay aligned with nodes.
 //! * A node is *device-resident* (`device` set) or *evicted*; it is *backed up* when it has host pages. Device
-//!   residency is prefix-closed: a resident node's parent is resident (spec §2.1). An evicted node is always backed
-//!   up: evicting a node without a host copy deletes it.
+//!   residency is prefix-closed: a resident node's parent is resident (docs/sglang.md#tree). An evicted node is always
+//!   backed up: evicting a node without a host copy deletes it.
 //! * `lock_ref` counts users along the path to the root (a request using a prefix, a copy in flight), and protects
 //!   from device eviction; `host_ref` protects host pages a prefetch will hang new nodes under.
 //! * Access order is a logical clock, not wall time, so TP ranks that make the same calls evict the same nodes.
 //!
-//! Departures from SGLang, each for a bug of §17: `write_back` backs up to storage as well (item 3), a failed
-//! `write_back` backup at eviction drops the node instead of crashing later (item 4), and everything that can differ
-//! between TP ranks goes through the controller's one reduction per tick (items 2, 16).
+//! Departures from SGLang, each for a bug listed in docs/sglang.md: `write_back` backs up to storage as well (item 3),
+//! a failed `write_back` backup at eviction drops the node instead of crashing later (item 4), and everything that can
+//! differ between TP ranks goes through the controller's one reduction per tick (items 2, 16).
 
 mod evict;
 mod invariants;

@@ -1,5 +1,5 @@
 //! The tree's side of transfers: load-back, the tick (acks, backups, prefetch results), and prefetch from storage
-//! (spec §5.4, §5.8, §7.3, §7.4).
+//! (docs/sglang.md#acks, #load-back, #prefetch, #stop-policies).
 
 use rustc_hash::FxHashMap as HashMap;
 
@@ -41,9 +41,9 @@ pub struct TickSummary {
 }
 
 impl<E: TransferEngine> HiRadixTree<E> {
-    /// Loads the evicted part of the match ending at `last_node` back to the device: all of it or nothing (spec
-    /// §5.8), when it is at least the load-back threshold, evicting device pages once if the pool is full. Returns
-    /// the device slots of the loaded tokens (empty when nothing was loaded); the load starts with
+    /// Loads the evicted part of the match ending at `last_node` back to the device: all of it or nothing
+    /// (docs/sglang.md#load-back), when it is at least the load-back threshold, evicting device pages once if the pool
+    /// is full. Returns the device slots of the loaded tokens (empty when nothing was loaded); the load starts with
     /// [`start_loading`](Self::start_loading). The loaded nodes stay locked until their load is acked.
     ///
     /// # Errors
@@ -95,7 +95,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
     }
 
     /// Starts every queued load (one event per layer) and returns the producer slot for the forward pass, `None`
-    /// when nothing was queued; waits when the slot's previous load is still in flight (§17 item 17).
+    /// when nothing was queued; waits when the slot's previous load is still in flight (docs/sglang.md#fixed-17).
     ///
     /// # Errors
     ///
