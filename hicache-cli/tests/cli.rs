@@ -242,6 +242,11 @@ fn replay_moves_storage_pages_in_place_under_every_write_policy() {
         let report =
             replay_json(&["--clients", "24", "--host-tokens", "20480", "--sync-storage", "--write-policy", policy]);
         assert_eq!(report["verified"], true, "{policy}: {report}");
+        // the result records what it was run with
+        let parameters = &report["parameters"];
+        assert_eq!((parameters["clients"].as_u64(), parameters["host_tokens"].as_u64()), (Some(24), Some(20480)));
+        assert_eq!((parameters["write_policy"].as_str(), parameters["backend"].as_str()), (Some(policy), Some("file")));
+        assert_eq!(parameters["page_bytes"].as_u64(), Some(32 * 8 * 2 * 2 * 64 * 2), "page 32, 8 layers, K+V, 2 heads");
         let storage = &report["storage"];
         assert!(storage["bytes_written"].as_u64().unwrap() > 0, "{policy}: nothing reached storage: {report}");
         // (the selective policy backs up only nodes hit often enough, too few here for a later prefetch to find)
@@ -541,6 +546,9 @@ fn bench_storage_reports_backend_and_raw_figures_as_json() {
         assert!(output.status.success(), "{}", stderr(&output));
         let figure: Value = serde_json::from_str(&stdout(&output)).expect("one JSON object");
         assert_eq!(figure["backend"], "file");
+        assert_eq!((figure["format"].as_str(), figure["direct"].as_bool()), (Some(format), Some(false)));
+        assert_eq!((figure["batch"].as_u64(), figure["round_count"].as_u64()), (Some(5), Some(1)));
+        assert_eq!(figure["dir"].as_str(), dir.path().to_str());
         assert_eq!((figure["pages"].as_u64(), figure["page_bytes"].as_u64()), (Some(16), Some(65536)));
         for field in ["set_gbps", "get_gbps", "raw_write_gbps", "raw_read_gbps"] {
             assert!(figure[field].as_f64().is_some_and(|value| value > 0.0), "{field} in {figure}");
@@ -759,4 +767,21 @@ fn bad_input_exits_2_with_one_line_naming_it() {
     let output = hicache(&["hash", "--page-size", "4"], "\n");
     assert_usage_error(&output, "no tokens in standard input");
     assert!(output.stdout.is_empty());
+}
+
+#[test]
+fn config_example_lists_every_field_at_its_default_and_checks_clean() {
+    let output = hicache(&["config", "example"], "");
+    assert!(output.status.success(), "{}", stderr(&output));
+    let example: Value = serde_json::from_str(&stdout(&output)).expect("JSON");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("example.json");
+    std::fs::write(&path, stdout(&output)).unwrap();
+    let checked = hicache(&["config", "check", "--json", path.to_str().unwrap()], "");
+    assert!(checked.status.success(), "{}", stderr(&checked));
+    let resolved: Value = serde_json::from_str(&stdout(&checked)).expect("JSON");
+    // every field the checker resolves is in the example, with the same (default) value
+    assert_eq!(example, resolved);
+    assert_eq!(example["page_size"], 1, "SGLang's default page size");
+    assert!(example.as_object().unwrap().len() >= 15, "{example}");
 }

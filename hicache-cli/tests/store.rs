@@ -141,7 +141,11 @@ fn bad_inputs_name_what_is_wrong() {
     let input = input.to_str().unwrap();
     failure(&store("exists", &storage, &["--key", "xyz"]), 2, "--key xyz");
     failure(&store("put", &storage, &["--tokens", &tokens, "--in", "/nonexistent/pages.bin"]), 2, "cannot read --in");
-    failure(&store("put", &storage, &["--key", &"ab".repeat(32), "--in", input]), 2, "256 bytes; 1 pages of 128");
+    failure(
+        &store("put", &storage, &["--key", &"ab".repeat(32), "--in", input]),
+        2,
+        "256 bytes; 1 page of 128 bytes are 128",
+    );
     failure(&store("put", &storage, &["--tokens", "/nonexistent/tokens", "--in", input]), 2, "cannot read token file");
     std::fs::write(work.path().join("bad.txt"), "1 2 3 4294967296").unwrap();
     let bad = work.path().join("bad.txt");

@@ -66,7 +66,8 @@ pub(crate) struct BenchStorageArgs {
     /// Print one JSON object: {backend, pages, page_bytes, set_gbps, get_gbps, raw_write_gbps, raw_read_gbps,
     /// set_ratio, get_ratio}, or with `--via controller` {backend, via, pages, page_bytes, set_gbps, direct_set_gbps,
     /// set_ratio, get_gbps, direct_get_gbps, get_ratio, staging_bytes, rounds} (rates of the best round, ratios the
-    /// median of each round's paired ratio, every round's rates in `rounds`).
+    /// median of each round's paired ratio, every round's rates in `rounds`); both with the settings {dir, format,
+    /// direct, io_threads, batch, round_count}.
     #[arg(long)]
     json: bool,
 }
@@ -94,6 +95,39 @@ struct StorageFigure {
     set_ratio: f64,
     /// get_gbps / raw_read_gbps.
     get_ratio: f64,
+}
+
+/// A figure with the settings it was measured with, so a saved result reads on its own.
+#[derive(Debug, Serialize)]
+struct Measured<'a, F: Serialize> {
+    #[serde(flatten)]
+    figure: &'a F,
+    /// The directory of the backend and the raw reference file.
+    dir: &'a Path,
+    /// The file backend's layout.
+    format: String,
+    direct: bool,
+    /// Threads per batch of the file backend (null: its default, two per core between 2 and 16).
+    io_threads: Option<usize>,
+    batch: usize,
+    /// `--rounds` (the controller figure lists each round's figures under `rounds`).
+    round_count: usize,
+}
+
+impl<'a, F: Serialize> Measured<'a, F> {
+    fn new(figure: &'a F, args: &BenchStorageArgs, dir: &'a Path) -> Self {
+        Self {
+            figure,
+            dir,
+            format: clap::ValueEnum::to_possible_value(&args.format)
+                .map(|value| value.get_name().to_owned())
+                .unwrap_or_default(),
+            direct: args.direct,
+            io_threads: args.io_threads,
+            batch: args.batch,
+            round_count: args.rounds,
+        }
+    }
 }
 
 fn gbps(bytes: usize, started: Instant) -> f64 {
@@ -209,7 +243,7 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
         get_ratio: get_gbps / raw_read_gbps,
     };
     if args.json {
-        println!("{}", serde_json::to_string(&figure)?);
+        println!("{}", serde_json::to_string(&Measured::new(&figure, args, &dir))?);
     } else {
         println!(
             "{} × {} B pages in {}{}: set {:.2} GB/s (raw sequential write {:.2} GB/s, ratio {:.2}); \
@@ -241,7 +275,7 @@ fn via_controller(
     let _ = backend.clear();
     let figure = result?;
     if args.json {
-        println!("{}", serde_json::to_string(&figure)?);
+        println!("{}", serde_json::to_string(&Measured::new(&figure, args, dir))?);
     } else {
         println!(
             "{} × {} B pages in {}{} through the controller: backup {:.2} GB/s (the backend called directly on the \

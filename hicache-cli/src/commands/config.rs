@@ -1,4 +1,5 @@
-//! `hicache config check FILE`: validates a config and prints every value as it will be used.
+//! `hicache config check FILE`: validates a config and prints every value as it will be used; `hicache config
+//! example`: a config file with every field at its default, to start from.
 
 use std::path::PathBuf;
 
@@ -12,6 +13,8 @@ use crate::exit::Usage;
 pub(crate) enum ConfigCommand {
     /// Validate a config file (JSON) and print the resolved values, defaults included.
     Check(CheckArgs),
+    /// Print a config file (JSON) with every field at its default (SGLang 0.5.2's values), to edit and check.
+    Example,
 }
 
 /// Arguments of `hicache config check`.
@@ -26,7 +29,13 @@ pub(crate) struct CheckArgs {
 }
 
 pub(crate) fn run(command: &ConfigCommand) -> anyhow::Result<()> {
-    let ConfigCommand::Check(args) = command;
+    let args = match command {
+        ConfigCommand::Check(args) => args,
+        ConfigCommand::Example => {
+            println!("{}", serde_json::to_string_pretty(&HiCacheConfig::default())?);
+            return Ok(());
+        }
+    };
     let text = std::fs::read_to_string(&args.file)
         .map_err(|error| Usage(format!("cannot read config file {}: {error}", args.file.display())))?;
     let config = HiCacheConfig::from_json(&text).map_err(|error| Usage(format!("{}: {error}", args.file.display())))?;

@@ -328,10 +328,10 @@ fn put(args: &PutArgs) -> anyhow::Result<()> {
         .map_err(|error| Usage(format!("cannot read --in {}: {error}", args.input.display())))?;
     if bytes.len() != keys.len() * opened.page_bytes {
         bail!(Usage(format!(
-            "--in {} has {} bytes; {} pages of {} bytes are {}",
+            "--in {} has {} bytes; {} of {} bytes are {}",
             args.input.display(),
             bytes.len(),
-            keys.len(),
+            plural(keys.len(), "page"),
             opened.page_bytes,
             keys.len() * opened.page_bytes
         )));
@@ -452,7 +452,7 @@ fn rm(args: &KeyedArgs) -> anyhow::Result<()> {
     if args.target.json {
         return print_json(&serde_json::json!({ "removed": removed, "keys": keys.len() }));
     }
-    println!("removed {removed} of {} pages", keys.len());
+    println!("removed {removed} of {}", plural(keys.len(), "page"));
     Ok(())
 }
 
@@ -462,7 +462,7 @@ fn clear(args: &TargetArgs) -> anyhow::Result<()> {
     if args.json {
         return print_json(&serde_json::json!({ "removed": removed }));
     }
-    println!("removed {removed} pages of namespace {}", opened.namespace.descriptor());
+    println!("removed {} of namespace {}", plural(removed as usize, "page"), opened.namespace.descriptor());
     Ok(())
 }
 
@@ -494,4 +494,9 @@ fn stat(args: &TargetArgs) -> anyhow::Result<()> {
     println!("page: {} bytes", stat.page_bytes);
     println!("pages: {} ({} bytes in storage)", stat.pages, stat.bytes);
     Ok(())
+}
+
+/// `count` and `noun`, plural unless the count is 1.
+fn plural(count: usize, noun: &str) -> String {
+    if count == 1 { format!("1 {noun}") } else { format!("{count} {noun}s") }
 }

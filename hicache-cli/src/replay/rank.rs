@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use hicache_core::collective::Collective;
-use hicache_core::controller::{PrefetchStart, PrefetchStop};
+use hicache_core::controller::{PrefetchExplanation, PrefetchStart, PrefetchStop};
 use hicache_core::hash::{PageHasher, PartialPage};
 use hicache_core::tree::{HiRadixTree, PrefetchCheck, TickSummary};
 
@@ -366,7 +366,7 @@ fn absorb(
         record_tick(metrics, summary, page, page_bytes);
     }
     for (explanation, new_tokens) in &summary.prefetches {
-        *outcome.stop_reasons.entry(stop_name(&explanation.stop).to_owned()).or_default() += 1;
+        *outcome.stop_reasons.entry(stop_name(explanation).to_owned()).or_default() += 1;
         outcome.pages_storage_to_host += (explanation.fetched_tokens / page) as u64;
         if let Some(request) = waiting.iter_mut().find(|request| request.id == explanation.request_id) {
             // a prefetch that brought pages is on the request's critical path; one revoked after its query overlaps
@@ -388,18 +388,15 @@ fn record_tick(metrics: &Metrics, summary: &TickSummary, page: usize, page_bytes
     for (explanation, _) in &summary.prefetches {
         let bytes = (explanation.fetched_tokens / page) as u64 * page_bytes;
         metrics.moved(DataPath::StorageToHost, bytes);
-        metrics.prefetch(
-            stop_name(&explanation.stop),
-            explanation.fetched_tokens,
-            bytes,
-            explanation.elapsed.as_secs_f64(),
-        );
+        metrics.prefetch(stop_name(explanation), explanation.fetched_tokens, bytes, explanation.elapsed.as_secs_f64());
     }
 }
 
-/// SGLang-style names of stop reasons, for reports.
-pub(crate) fn stop_name(stop: &PrefetchStop) -> &'static str {
-    match stop {
+/// SGLang-style names of stop reasons, for reports; a revoked prefetch whose query found nothing on any rank is
+/// `not_in_storage` (the prompt was never stored, the common case), one that found too little is `revoked`.
+pub(crate) fn stop_name(explanation: &PrefetchExplanation) -> &'static str {
+    match explanation.stop {
+        PrefetchStop::Revoked if explanation.tp_min_hit_tokens == 0 => "not_in_storage",
         PrefetchStop::NoStorage => "no_storage",
         PrefetchStop::BelowThreshold => "below_threshold",
         PrefetchStop::CapacityLimited => "capacity_limited",

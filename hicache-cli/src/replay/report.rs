@@ -38,8 +38,80 @@ struct CopySizes {
     host_to_device: f64,
 }
 
+/// The settings a replay ran with, so a saved result reads on its own.
+#[derive(Debug, Serialize)]
+struct Parameters {
+    clients: usize,
+    rounds: usize,
+    request_length: usize,
+    output_length: usize,
+    system_prompt: usize,
+    request_rate: f64,
+    max_parallel: usize,
+    seed: u64,
+    page_size: usize,
+    layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    /// Bytes of one page on one rank.
+    page_bytes: u64,
+    layout: String,
+    device_tokens: usize,
+    host_tokens: usize,
+    backend: String,
+    /// The file tier's directory (null: a temporary one, removed at the end).
+    dir: Option<std::path::PathBuf>,
+    format: String,
+    engine: String,
+    write_policy: String,
+    prefetch_policy: String,
+    prefetch_threshold: usize,
+    prefill_tokens_per_s: f64,
+    decode_ms_per_token: f64,
+    sync_storage: bool,
+    tp_size: usize,
+}
+
+/// The name a command-line value is given as.
+fn value_name(value: &impl clap::ValueEnum) -> String {
+    value.to_possible_value().map(|value| value.get_name().to_owned()).unwrap_or_default()
+}
+
+fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
+    Parameters {
+        clients: args.clients,
+        rounds: args.rounds,
+        request_length: args.request_length,
+        output_length: args.output_length,
+        system_prompt: args.system_prompt,
+        request_rate: args.request_rate,
+        max_parallel: args.max_parallel,
+        seed: args.seed,
+        page_size: args.page_size,
+        layers: args.layers,
+        kv_heads: args.kv_heads,
+        head_dim: args.head_dim,
+        page_bytes,
+        layout: value_name(&args.layout),
+        device_tokens: args.device_tokens,
+        host_tokens: args.host_tokens,
+        backend: value_name(&args.backend),
+        dir: args.dir.clone(),
+        format: value_name(&args.format),
+        engine: value_name(&args.engine),
+        write_policy: value_name(&args.write_policy),
+        prefetch_policy: value_name(&args.prefetch_policy),
+        prefetch_threshold: args.prefetch_threshold,
+        prefill_tokens_per_s: args.prefill_tokens_per_s,
+        decode_ms_per_token: args.decode_ms_per_token,
+        sync_storage: args.sync_storage,
+        tp_size: args.tp_size,
+    }
+}
+
 #[derive(Debug, Serialize)]
 struct Report {
+    parameters: Parameters,
     hit_rate: f64,
     tokens_from_l1: usize,
     tokens_from_l2: usize,
@@ -115,6 +187,7 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
     let total = round_report(None, &first.total);
     let mismatch = outcomes.iter().find_map(|outcome| outcome.mismatch.clone());
     let report = Report {
+        parameters: parameters(args, page_bytes),
         hit_rate: total.hit_rate,
         tokens_from_l1: total.tokens_from_l1,
         tokens_from_l2: total.tokens_from_l2,
@@ -220,13 +293,26 @@ fn print_text(description: &str, report: &Report) {
     let reasons: Vec<String> =
         report.prefetch_stop_reasons.iter().map(|(reason, count)| format!("{reason} {count}")).collect();
     println!("prefetches: {}", if reasons.is_empty() { "none".into() } else { reasons.join(", ") });
+    if report.prefetch_stop_reasons.contains_key("not_in_storage")
+        || report.prefetch_stop_reasons.contains_key("revoked")
+    {
+        println!(
+            "  (not_in_storage: storage held none of the prompt, as for every first turn; revoked: it held fewer \
+             tokens than the threshold)"
+        );
+    }
     println!(
-        "evicted: {} tokens device → host, {} from the host, {} dropped without a host copy ({} refused by a full host)",
-        report.tree.device_evicted_tokens,
-        report.tree.host_evicted_tokens,
-        report.tree.dropped_tokens,
-        report.tree.write_refused_tokens
+        "evicted: {} tokens device → host, {} from the host, {} dropped from the device without a host copy",
+        report.tree.device_evicted_tokens, report.tree.host_evicted_tokens, report.tree.dropped_tokens
     );
+    if report.tree.write_refused_tokens > 0 {
+        // one node can be refused at several attempts, so this may exceed the dropped tokens
+        println!(
+            "backups to the host refused by a full host pool: {} tokens, counted per attempt (a refused node stays on \
+             the device; it is dropped only if evicted before a later backup succeeds)",
+            report.tree.write_refused_tokens
+        );
+    }
     println!("page operations: {:.0} per second", report.page_ops_per_s);
     if report.tp_size > 1 {
         println!("TP ranks: {} in lockstep: {}", report.tp_size, if report.lockstep { "yes" } else { "NO" });
