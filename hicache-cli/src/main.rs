@@ -6,6 +6,7 @@ mod backends;
 mod commands;
 mod exit;
 mod metrics;
+mod progress;
 mod replay;
 
 use std::process::ExitCode;

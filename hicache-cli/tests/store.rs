@@ -196,6 +196,24 @@ fn commands_that_only_read_create_nothing_and_a_missing_directory_is_an_error() 
 }
 
 #[test]
+fn a_named_geometry_sets_the_page_size_in_bytes_and_the_model_only_names_the_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_str().unwrap();
+    let stat = |extra: &[&str]| -> Value {
+        let args = [&["store", "stat", "--dir", path, "--json"][..], extra].concat();
+        serde_json::from_str(&ok(hicache(&args, &[]))).unwrap()
+    };
+    // SGLang's sizes: 61 layers × (512 + 64) × 2 bytes × 64 tokens; 32 layers × 2 × 8 heads × 128 × 2 bytes × 64
+    assert_eq!(stat(&["--geometry", "deepseek-v3"])["page_bytes"], 4_497_408);
+    assert_eq!(stat(&["--geometry", "llama31-8b"])["page_bytes"], 8 << 20);
+    let named = stat(&["--geometry", "llama31-8b", "--model", "deepseek-ai/DeepSeek-V3"]);
+    assert_eq!(named["page_bytes"], 8 << 20, "the model name does not pick a geometry");
+    assert_ne!(named["digest"], stat(&["--geometry", "llama31-8b"])["digest"], "but it is part of the namespace");
+    let output = hicache(&["store", "stat", "--dir", path, "--geometry", "llama31-8b", "--layers", "4"], &[]);
+    assert_eq!(output.status.code(), Some(2));
+}
+
+#[test]
 fn help_describes_every_store_option() {
     let help = ok(hicache(&["store", "put", "--help"], &[]));
     for option in [

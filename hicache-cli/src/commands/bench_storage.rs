@@ -193,6 +193,7 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
     let target = &mut bytemuck::cast_slice_mut::<Block, u8>(&mut target_blocks)[..total];
     let raw_path = |round: usize| dir.join(format!(".hicache-bench-raw-{}-{round}.bin", std::process::id()));
     let mut best = [0f64; 4];
+    let progress = crate::progress::bar(4 * args.rounds as u64, "bench storage: phases", args.json)?;
     let result = (|| -> anyhow::Result<()> {
         for round in 0..args.rounds {
             // fresh keys and a fresh raw file each round: nothing is deleted between measurements, so no phase
@@ -204,31 +205,41 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
             // each phase starts with no dirty pages, so no phase pays for another's writeback (on two cores the
             // kernel's flusher otherwise takes one of them)
             rustix::fs::sync();
+            progress.set_message(format!("round {round}: raw write"));
             let started = Instant::now();
             raw_write(&raw_path, source, args.page_bytes, args.direct)?;
             best[0] = best[0].max(gbps(total, started));
             rustix::fs::sync();
+            progress.inc(1);
+            progress.set_message(format!("round {round}: {} set", backend.name()));
             let started = Instant::now();
             set_all(backend.as_ref(), &keys, source, args)?;
             best[1] = best[1].max(gbps(total, started));
             rustix::fs::sync();
+            progress.inc(1);
+            progress.set_message(format!("round {round}: raw read"));
             let started = Instant::now();
             raw_read(&raw_path, target, args.page_bytes, args.direct)?;
             best[2] = best[2].max(gbps(total, started));
             target.fill(0);
+            progress.inc(1);
+            progress.set_message(format!("round {round}: {} get", backend.name()));
             let started = Instant::now();
             get_all(backend.as_ref(), &keys, target, args)?;
             best[3] = best[3].max(gbps(total, started));
+            progress.inc(1);
             if *target != *source {
                 bail!("{} returned bytes that differ from those written", backend.name());
             }
         }
         Ok(())
     })();
+    progress.set_message("removing what the benchmark wrote");
     for round in 0..args.rounds {
         let _ = std::fs::remove_file(raw_path(round));
     }
     let _ = backend.clear();
+    progress.finish_and_clear();
     result?;
     let [raw_write_gbps, set_gbps, raw_read_gbps, get_gbps] = best;
     let figure = StorageFigure {
@@ -271,8 +282,11 @@ fn via_controller(
 ) -> anyhow::Result<()> {
     let bench =
         super::bench_storage_controller::ControllerBench { pages: args.pages, batch: args.batch, rounds: args.rounds };
-    let result = super::bench_storage_controller::run(&bench, backend.clone(), namespace);
+    let progress = crate::progress::bar(args.rounds as u64, "bench storage --via controller: rounds", args.json)?;
+    let result = super::bench_storage_controller::run(&bench, backend.clone(), namespace, &progress);
+    progress.set_message("removing what the benchmark wrote");
     let _ = backend.clear();
+    progress.finish_and_clear();
     let figure = result?;
     if args.json {
         println!("{}", serde_json::to_string(&Measured::new(&figure, args, dir))?);

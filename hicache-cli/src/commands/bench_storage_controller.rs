@@ -78,6 +78,7 @@ pub(super) fn run(
     bench: &ControllerBench,
     backend: Arc<dyn StorageBackend>,
     namespace: &StorageNamespace,
+    progress: &indicatif::ProgressBar,
 ) -> anyhow::Result<ControllerFigure> {
     let geometry = namespace.geometry;
     let page_bytes = geometry.bytes_per_page(1);
@@ -105,6 +106,7 @@ pub(super) fn run(
         settings,
         Arc::new(SystemClock::new()),
     )?;
+    progress.set_message("filling the host pool");
     let sources = fill_sources(&mut controller, bench.pages)?;
     let memory = controller.engine().host_memory();
     let source_indices: Vec<usize> = sources.iter().map(|page| page.index()).collect();
@@ -113,6 +115,7 @@ pub(super) fn run(
 
     let mut rounds = Vec::with_capacity(bench.rounds);
     for round in 0..bench.rounds {
+        progress.set_message(format!("round {round}: backups, then prefetches"));
         let direct_keys = keys(&tokens(round, 0, bench.pages))?;
         let controller_tokens = tokens(round, 1, bench.pages);
         let controller_keys = keys(&controller_tokens)?;
@@ -152,6 +155,7 @@ pub(super) fn run(
         backend.remove(&direct_keys)?;
         backend.remove(&controller_keys)?;
         rounds.push(figure);
+        progress.inc(1);
     }
     let best = |figure: fn(&RoundFigure) -> f64| rounds.iter().map(figure).fold(0.0, f64::max);
     let (set, direct_set) = (best(|round| round.set_gbps), best(|round| round.direct_set_gbps));

@@ -214,6 +214,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
         bail!(Usage(format!("--page-size {bad} must be at least 1 and divide --tokens {tokens}")));
     }
     let mut figures = Vec::new();
+    let progress = crate::progress::counter("bench transfer: cases", args.json)?;
     for &geometry_arg in &geometries {
         let (name, geometry) = match geometry_arg {
             GeometryArg::Llama31_8b => ("llama-3.1-8b", KvGeometry::llama31_8b()),
@@ -226,6 +227,8 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
         };
         for layout in layouts {
             for &page in &page_sizes {
+                progress.set_message(format!("{name} {} page {page}", layout.name()));
+                progress.inc(1);
                 match args.engine {
                     EngineName::Cpu => {
                         figures.extend(measure(name, geometry, layout, page, tokens, args.rounds, placement(args))?)
@@ -272,6 +275,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
             }
         }
     }
+    progress.finish_and_clear();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&figures)?);
         return Ok(());

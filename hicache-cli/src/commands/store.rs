@@ -18,6 +18,7 @@ use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, SetOutcom
 use hicache_core::tokens::parse_tokens;
 use serde::Serialize;
 
+use super::bench_transfer::GeometryArg;
 use super::hash::PartialArg;
 use crate::backends::{self, BackendName, BackendOptions, FileFormatArg};
 use crate::exit::Usage;
@@ -72,9 +73,14 @@ pub(crate) struct TargetArgs {
     /// File layout of the file backend.
     #[arg(long, value_enum, default_value_t = FileFormatArg::Native)]
     format: FileFormatArg,
-    /// Served model name, part of the namespace (default: the config's model_name, else empty).
+    /// Served model name: it only names the namespace (default: the config's model_name, else empty); the geometry
+    /// (--geometry, or the flags below) decides how many bytes a page holds.
     #[arg(long, value_name = "NAME")]
     model: Option<String>,
+    /// A known model's geometry instead of the flags below (a 64-token page of llama31-8b is 8 MiB, of deepseek-v3
+    /// 4.3 MiB; `store stat` shows the page's bytes).
+    #[arg(long, value_enum, conflicts_with_all = ["mla", "layers", "kv_heads", "head_dim", "kv_lora_rank", "rope_dim", "dtype"])]
+    geometry: Option<GeometryArg>,
     /// Attention TP rank.
     #[arg(long, default_value_t = 0, value_name = "R")]
     tp_rank: usize,
@@ -84,7 +90,7 @@ pub(crate) struct TargetArgs {
     /// An MLA model (keys shared by every rank): the geometry is --layers × (--kv-lora-rank + --rope-dim).
     #[arg(long)]
     mla: bool,
-    /// Layers on this rank.
+    /// Layers on this rank (the defaults of these flags are Llama-3.1-8B's).
     #[arg(long, default_value_t = 32, value_name = "N")]
     layers: usize,
     /// KV heads on this rank (MHA).
@@ -105,7 +111,8 @@ pub(crate) struct TargetArgs {
     /// Host layout (decides the flat page's byte order; default: the config's mem_layout, else layer_first).
     #[arg(long, value_enum)]
     layout: Option<LayoutArg>,
-    /// Tokens per page (default: the config's page_size, else 64).
+    /// Tokens per page (default: the config's page_size, else 64); a page's bytes are tokens × the geometry's bytes
+    /// per token.
     #[arg(long, value_name = "N")]
     page_size: Option<usize>,
     /// Bytes per page, checked against the geometry (a guard against the wrong geometry).
@@ -241,7 +248,12 @@ fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
         DtypeArg::Fp8E4m3 => KvDtype::Fp8E4m3,
         DtypeArg::Fp8E5m2 => KvDtype::Fp8E5m2,
     };
-    let geometry = if args.mla {
+    let geometry = if let Some(known) = args.geometry {
+        match known {
+            GeometryArg::Llama31_8b => KvGeometry::llama31_8b(),
+            GeometryArg::DeepseekV3 => KvGeometry::deepseek_v3(),
+        }
+    } else if args.mla {
         KvGeometry::mla(args.layers, args.kv_lora_rank, args.rope_dim, dtype)?
     } else {
         KvGeometry::mha(args.layers, args.kv_heads, args.head_dim, dtype)?

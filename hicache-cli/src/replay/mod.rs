@@ -12,7 +12,6 @@ mod rank;
 mod report;
 mod workload;
 
-use std::io::IsTerminal as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,7 +29,6 @@ use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::{MemoryStorage, MemoryStore, StorageBackend};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
 use hicache_core::tree::{HiRadixTree, TreeSettings};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::backends::{self, BackendName, BackendOptions, FileFormatArg};
 use crate::exit::Usage;
@@ -243,27 +241,29 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     };
     let metrics = metrics.as_deref();
     let requests = (args.clients * args.rounds) as u64;
-    let bar = if args.json || !std::io::stderr().is_terminal() {
-        ProgressBar::with_draw_target(Some(requests), ProgressDrawTarget::hidden())
-    } else {
-        let bar = ProgressBar::new(requests);
-        bar.set_style(ProgressStyle::with_template("replay {bar:40} {pos}/{len} requests {elapsed}")?);
-        bar
+    let bar = crate::progress::bar(requests, "replay: requests", args.json)?;
+    // until the first request is done, the ranks build their pools and the workload
+    bar.set_message("building the pools and the workload");
+    let progress = |done: u64| {
+        if bar.position() == 0 && done > 0 {
+            bar.set_message("");
+        }
+        bar.set_position(done);
     };
     let outcomes = if args.tp_size == 1 {
-        vec![run_one(args, 0, &storage, &mut SingleRank, &|done| bar.set_position(done), metrics)?]
+        vec![run_one(args, 0, &storage, &mut SingleRank, &progress, metrics)?]
     } else {
         let groups = InProcessGroup::new(args.tp_size, Duration::from_secs(60))?;
         std::thread::scope(|scope| {
             let handles: Vec<_> = groups
                 .into_iter()
                 .map(|mut group| {
-                    let (storage, bar) = (&storage, &bar);
+                    let (storage, progress) = (&storage, &progress);
                     scope.spawn(move || {
                         let rank = group.rank();
                         let progress = move |done| {
                             if rank == 0 {
-                                bar.set_position(done);
+                                progress(done);
                             }
                         };
                         run_one(args, rank, storage, &mut group, &progress, metrics.filter(|_| rank == 0))
