@@ -4,17 +4,23 @@
 //!   `{dir}/{hash}_{model}.bin` (MLA), `/` in the model replaced by `-`, raw flat page bytes: what SGLang 0.5.2's
 //!   `HiCacheFile` reads and writes (docs/sglang.md#file-backend), so both can share a directory.
 //! * **Native layout** ([`FileFormat::Native`]): `{dir}/hicache-v1/{namespace digest}/{first two hex}/{hash}.page`,
-//!   the page bytes followed by a footer (magic, version, XXH3-64 of the page; 16 bytes, or a 4 KiB block for pages
-//!   of whole 4 KiB blocks, so that `O_DIRECT` can read and write the file). The namespace digest covers dtype,
-//!   layout, page size and TP/PP geometry; the two-hex shard keeps directories small.
+//!   the page bytes followed by a footer (magic, version, XXH3-64 of the namespace digest, the key and the page; 16
+//!   bytes, or a 4 KiB block for pages of whole 4 KiB blocks, so that `O_DIRECT` can read and write the file). The
+//!   namespace digest covers dtype, layout, page size and TP/PP geometry; the two-hex shard keeps directories small.
 //!
 //! Both layouts write a temporary file in the same directory and rename it, so a reader never sees a partial page
-//! under its real name, and two writers of one key (in two processes) each rename a whole file. Reads check the
-//! length (and, natively, the checksum); a short, torn or corrupt file is reported as
-//! [`FailureKind::Corrupt`] and removed, never as an error of the batch. Batches run on
+//! under its real name, and two writers of one key (in two processes, containers or hosts) each rename a whole file.
+//! Reads check the length (and, natively, the checksum): a short, torn or damaged native page, or another key's, is
+//! reported as [`FailureKind::Corrupt`] and removed; an SGLang-layout file of another length is a
+//! [`FailureKind::SizeMismatch`] and stays (SGLang's names cannot tell namespaces of other dtypes or geometries
+//! apart, so it may be another deployment's page). Something other than a regular file at a page path is reported
+//! and left alone, never read (a FIFO would block). None of these is an error of the batch. A put that finds a page
+//! already there checks it: intact, it is present; a damaged native page is replaced. Batches run on
 //! [`FileConfig::io_threads`] threads started with the backend, reading straight into and writing straight from the
 //! caller's segments.
-//! `clear` removes this namespace's files only (SGLang's removes the whole directory).
+//! `clear` and `list` touch this namespace's files only (SGLang's `clear` removes the whole directory); in the
+//! SGLang layout only files directly in the directory whose names match the namespace exactly and whose length is
+//! this namespace's page, never below it.
 
 mod index;
 mod page_file;
@@ -104,6 +110,8 @@ pub struct FileStorage {
     sglang_suffix: String,
     /// Page and footer sizes, and whether to use direct I/O.
     shape: page_file::FileShape,
+    /// The namespace digest, bound into every native page's checksum with the page's key.
+    digest: String,
     /// With a capacity: the pages held and their recency.
     index: Option<Mutex<index::LruIndex>>,
     /// Pages read or written with `O_DIRECT`.
@@ -113,8 +121,6 @@ pub struct FileStorage {
     /// and backup threads share them).
     pool: rayon::ThreadPool,
 }
-
-static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 impl FileStorage {
     /// Opens (creating if needed, unless read-only) the directory for `namespace`.
@@ -135,9 +141,10 @@ impl FileStorage {
         } else {
             format!("{model}_{}_{}", namespace.tp_rank, namespace.tp_size)
         };
+        let digest = namespace.digest();
         let root = match config.format {
             FileFormat::Sglang => config.dir.clone(),
-            FileFormat::Native => config.dir.join("hicache-v1").join(namespace.digest()),
+            FileFormat::Native => config.dir.join("hicache-v1").join(&digest),
         };
         if config.read_only {
             if !config.dir.is_dir() {
@@ -173,6 +180,7 @@ impl FileStorage {
             root,
             sglang_suffix,
             shape,
+            digest,
             index: None,
             direct_pages: AtomicU64::new(0),
             stats: StatsRecorder::default(),
@@ -206,17 +214,19 @@ impl FileStorage {
             // a namespace nothing was written to yet (read-only opens do not create its folder)
             return Ok(());
         }
-        page_file::list_files(&self.root, &mut |path, bytes, modified| {
+        // the SGLang layout's directory is shared with whatever else lives there: its own files only, never below it
+        let recurse = self.config.format == FileFormat::Native;
+        page_file::list_files(&self.root, recurse, &mut |path, bytes, modified| {
             let Some(name) = path.file_name().and_then(|name| name.to_str()) else { return };
             let own = match self.config.format {
                 FileFormat::Native => name.len() == 69 && name.ends_with(".page"),
-                FileFormat::Sglang => self.is_own_sglang_file(name),
+                FileFormat::Sglang => self.is_own_sglang_file(name) && bytes == self.file_bytes(),
             };
             if let (true, Ok(key)) = (own, name[..64.min(name.len())].parse::<PageKey>()) {
                 visit(modified, key, bytes);
             }
         })
-        .map_err(|error| storage_error(format!("scanning {}: {error}", self.root.display())))
+        .map_err(|error| storage_error(format!("scanning this namespace's pages: {error}")))
     }
 
     fn lock_index(&self) -> Option<MutexGuard<'_, index::LruIndex>> {
@@ -257,16 +267,28 @@ impl FileStorage {
         if self.shape.use_direct(page) {
             self.direct_pages.fetch_add(1, Ordering::Relaxed);
         }
-        let outcome = match page_file::read(&path, page, self.shape) {
+        let outcome = match page_file::read(&path, page, self.shape, &self.binding(key)) {
             Ok(page_file::Read::Done) => GetOutcome::Hit,
             Ok(page_file::Read::Missing) => GetOutcome::Miss,
             Ok(page_file::Read::Corrupt(reason)) => {
-                // a torn or corrupt page is as good as absent; remove it so it is written again
+                // a torn or damaged page is as good as absent; remove it so it is written again
                 if !self.config.read_only {
                     let _ = std::fs::remove_file(&path);
                 }
                 GetOutcome::Failed(PageFailure::new(FailureKind::Corrupt, format!("{}: {reason}", path.display())))
             }
+            Ok(page_file::Read::SizeMismatch(found)) => GetOutcome::Failed(PageFailure::new(
+                FailureKind::SizeMismatch,
+                format!(
+                    "{}: {found} bytes, this namespace's pages are {} (another namespace's page? left in place)",
+                    path.display(),
+                    self.shape.file_bytes()
+                ),
+            )),
+            Ok(page_file::Read::NotAFile(what)) => GetOutcome::Failed(PageFailure::new(
+                FailureKind::Io,
+                format!("{}: {what}, not a page file (left in place)", path.display()),
+            )),
             Err(error) => GetOutcome::Failed(PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display()))),
         };
         if let Some(mut index) = self.lock_index() {
@@ -289,18 +311,43 @@ impl FileStorage {
             return SetOutcome::Failed(PageFailure::new(FailureKind::Rejected, self.read_only_message()));
         }
         let path = self.page_path(key);
-        if path.exists() {
-            if let Some(mut index) = self.lock_index() {
-                // present, perhaps written by another process: now held and recent
-                index.insert(*key, self.file_bytes());
+        let binding = self.binding(key);
+        match page_file::check(&path, self.shape, &binding) {
+            Ok(page_file::Read::Missing) => {}
+            Ok(page_file::Read::Done) => {
+                if let Some(mut index) = self.lock_index() {
+                    // present, perhaps written by another process: now held and recent
+                    index.insert(*key, self.file_bytes());
+                }
+                return SetOutcome::AlreadyPresent;
             }
-            return SetOutcome::AlreadyPresent;
+            // damaged, torn or another key's: replaced below (the rename swaps the whole file in)
+            Ok(page_file::Read::Corrupt(_)) => {}
+            Ok(page_file::Read::SizeMismatch(found)) => {
+                return SetOutcome::Failed(PageFailure::new(
+                    FailureKind::SizeMismatch,
+                    format!(
+                        "{}: {found} bytes are there, this namespace's pages are {} (another namespace's page? left \
+                         in place)",
+                        path.display(),
+                        self.shape.file_bytes()
+                    ),
+                ));
+            }
+            Ok(page_file::Read::NotAFile(what)) => {
+                return SetOutcome::Failed(PageFailure::new(
+                    FailureKind::Io,
+                    format!("{}: {what} is there, not a page file (left in place)", path.display()),
+                ));
+            }
+            Err(error) => {
+                return SetOutcome::Failed(PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display())));
+            }
         }
-        let unique = format!("{}-{}", std::process::id(), TEMP_COUNTER.fetch_add(1, Ordering::Relaxed));
         if self.shape.use_direct(page) {
             self.direct_pages.fetch_add(1, Ordering::Relaxed);
         }
-        if let Err(error) = page_file::write_atomic(&path, page, self.shape, &unique) {
+        if let Err(error) = page_file::write_atomic(&path, page, self.shape, &binding) {
             return SetOutcome::Failed(PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display())));
         }
         let victims = match (self.lock_index(), self.config.capacity_bytes) {
@@ -333,6 +380,14 @@ impl FileStorage {
         self.pool.install(|| keys.par_iter().zip(items.par_iter_mut()).map(|(key, item)| work(key, item)).collect())
     }
 
+    /// What a native page's checksum covers besides the page: the namespace digest and the key.
+    fn binding(&self, key: &PageKey) -> Vec<u8> {
+        let mut binding = Vec::with_capacity(self.digest.len() + 32);
+        binding.extend_from_slice(self.digest.as_bytes());
+        binding.extend_from_slice(key.as_bytes());
+        binding
+    }
+
     fn read_only_message(&self) -> String {
         format!("{} was opened read-only", self.config.dir.display())
     }
@@ -362,7 +417,18 @@ impl StorageBackend for FileStorage {
     fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {
         // one thread: a stat costs about a microsecond, less than handing slices of keys to the I/O threads (three
         // to four times slower over 4096 keys on two cores)
-        let hits = keys.iter().take_while(|key| self.page_path(key).exists()).count();
+        let mut hits = 0;
+        for key in keys {
+            let path = self.page_path(key);
+            match std::fs::metadata(&path) {
+                // a regular file of a page's length; anything else is no page of this namespace (a get would say why)
+                Ok(metadata) if metadata.is_file() && metadata.len() == self.file_bytes() => hits += 1,
+                Ok(_) => break,
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => break,
+                // the same answer a get would give: an error, not "absent"
+                Err(error) => return Err(storage_error(format!("checking {}: {error}", path.display()))),
+            }
+        }
         self.stats.record_exists(keys.len(), hits);
         Ok(hits)
     }
@@ -425,7 +491,7 @@ impl StorageBackend for FileStorage {
             return Err(storage_error(self.read_only_message()));
         }
         let removed = match self.config.format {
-            FileFormat::Native => page_file::remove_tree_files(&self.root, &|_| true).and_then(|removed| {
+            FileFormat::Native => page_file::remove_tree_files(&self.root, true, &|_, _| true).and_then(|removed| {
                 // the namespace's folders go too when empty (its shard folders, itself, `hicache-v1`)
                 page_file::remove_empty_dirs(&self.root)?;
                 if std::fs::remove_dir(&self.root).is_ok()
@@ -435,7 +501,14 @@ impl StorageBackend for FileStorage {
                 }
                 Ok(removed)
             }),
-            FileFormat::Sglang => page_file::remove_tree_files(&self.root, &|name| self.is_own_sglang_file(name)),
+            FileFormat::Sglang => {
+                // a file of another length is another namespace's page under the same name (SGLang's names do not
+                // say the dtype or the geometry)
+                let file_bytes = self.file_bytes();
+                page_file::remove_tree_files(&self.root, false, &|name, length| {
+                    self.is_own_sglang_file(name) && length.is_none_or(|length| length == file_bytes)
+                })
+            }
         }
         .map_err(|error| storage_error(format!("clearing {}: {error}", self.root.display())))?;
         if let Some(mut index) = self.lock_index() {

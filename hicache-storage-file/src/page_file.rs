@@ -1,11 +1,17 @@
 //! One page file: atomic write (temporary file, then rename), verified read, optional direct I/O, and
 //! namespace-scoped removal.
 //!
-//! A native page ends with a footer: `HCPG`, the format version (u32 LE) and the XXH3-64 of the page bytes (u64 LE),
-//! in 16 bytes, or at the start of a zero-filled 4 KiB block when the page is a whole number of 4 KiB blocks (so the
-//! whole file can be written and read with `O_DIRECT`). Writes are not fsynced: a page cache that survives the
-//! process (kill -9) keeps every renamed file whole, and after a power loss a torn native page fails its checksum
-//! and is removed on read.
+//! A native page ends with a footer: `HCPG`, the format version (u32 LE) and a checksum (u64 LE), in 16 bytes, or at
+//! the start of a zero-filled 4 KiB block when the page is a whole number of 4 KiB blocks (so the whole file can be
+//! written and read with `O_DIRECT`). The checksum is the XXH3-64 of the page's *binding* (its namespace digest and
+//! key) followed by the page bytes, so a page file copied or renamed onto another key's path, or another namespace's,
+//! fails its check. Writes are not fsynced: a page cache that survives the process (kill -9) keeps every renamed file
+//! whole, and after a power loss a torn native page fails its checksum and is removed on read.
+//!
+//! Temporary files are `.{page file name}.tmp-{16 random hex digits}`, created with `O_EXCL`: unique across
+//! processes, PID namespaces and hosts sharing a directory, and a writer only ever removes the one it created.
+//! Page files are opened with `O_NONBLOCK` and checked to be regular files before anything is read, so a FIFO or a
+//! device at a page path is refused instead of blocking.
 
 use std::fs::OpenOptions;
 use std::io::{self, Read as _, Write as _};
@@ -15,7 +21,8 @@ use std::path::Path;
 use xxhash_rust::xxh3::Xxh3;
 
 const MAGIC: [u8; 4] = *b"HCPG";
-const VERSION: u32 = 1;
+/// Version 2: the checksum covers the binding (namespace digest and key) before the page.
+const VERSION: u32 = 2;
 /// The footer's meaningful bytes.
 const FOOTER_BYTES: usize = 16;
 /// Alignment (of addresses, lengths and offsets) that `O_DIRECT` needs here.
@@ -90,24 +97,73 @@ pub(crate) enum Read {
     Done,
     /// No such file.
     Missing,
-    /// The file is not a whole, intact page; why.
+    /// A native page file that is not a whole, intact page of this key (torn, damaged, another key's): why.
     Corrupt(String),
+    /// A file without a footer (SGLang's layout) of another length: it may be another namespace's page, since
+    /// SGLang's names cannot tell those apart.
+    SizeMismatch(u64),
+    /// Something other than a regular file at the page path: what.
+    NotAFile(&'static str),
 }
 
-/// Reads the page at `path` into `page`, checking its length and the footer's checksum.
-pub(crate) fn read(path: &Path, page: &mut [&mut [u8]], shape: FileShape) -> io::Result<Read> {
-    let direct = shape.use_direct(page);
-    let mut file = match open_options(direct).read(true).open(path) {
+/// Opens `path` for reading without blocking on a FIFO or device, and checks that it is a regular file; `Ok(Err)`
+/// says what else is there.
+fn open_page(path: &Path, direct: bool) -> io::Result<Result<(std::fs::File, u64), Read>> {
+    let file = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | if direct { libc::O_DIRECT } else { 0 })
+        .open(path)
+    {
         Ok(file) => file,
-        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Read::Missing),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Err(Read::Missing)),
         Err(error) => return Err(error),
     };
-    let found = file.metadata()?.len();
-    if found != shape.file_bytes() as u64 {
-        return Ok(Read::Corrupt(format!("{found} bytes, expected {}", shape.file_bytes())));
+    let metadata = file.metadata()?;
+    if !metadata.is_file() {
+        return Ok(Err(Read::NotAFile(describe(&metadata.file_type()))));
+    }
+    Ok(Ok((file, metadata.len())))
+}
+
+/// What kind of file system object a non-regular file is.
+fn describe(kind: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt as _;
+    if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_block_device() || kind.is_char_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// The verdict on a file of `found` bytes where a page file of `shape` belongs: `None` when the length is right.
+fn length_verdict(found: u64, shape: FileShape) -> Option<Read> {
+    (found != shape.file_bytes() as u64).then(|| {
+        if shape.footer_bytes == 0 {
+            Read::SizeMismatch(found)
+        } else {
+            Read::Corrupt(format!("{found} bytes, expected {}", shape.file_bytes()))
+        }
+    })
+}
+
+/// Reads the page at `path` into `page`, checking its length and (native pages) the footer's checksum over
+/// `binding` and the page.
+pub(crate) fn read(path: &Path, page: &mut [&mut [u8]], shape: FileShape, binding: &[u8]) -> io::Result<Read> {
+    let (mut file, found) = match open_page(path, shape.use_direct(page))? {
+        Ok(opened) => opened,
+        Err(verdict) => return Ok(verdict),
+    };
+    if let Some(verdict) = length_verdict(found, shape) {
+        return Ok(verdict);
     }
     // read and checksum a chunk at a time, while the chunk is still in cache
-    let mut hasher = (shape.footer_bytes > 0).then(Xxh3::new);
+    let mut hasher = (shape.footer_bytes > 0).then(|| bound_hasher(binding));
     for segment in page.iter_mut() {
         for chunk in segment.chunks_mut(CHUNK_BYTES) {
             match file.read_exact(chunk) {
@@ -122,46 +178,98 @@ pub(crate) fn read(path: &Path, page: &mut [&mut [u8]], shape: FileShape) -> io:
             }
         }
     }
-    if let Some(hasher) = hasher {
-        let mut stored = Box::new(Block([0u8; DIRECT_ALIGN]));
-        if file.read_exact(&mut stored.0[..shape.footer_bytes]).is_err() {
-            return Ok(Read::Corrupt("footer missing".into()));
+    match hasher {
+        Some(hasher) => check_footer(&mut file, shape, &hasher),
+        None => Ok(Read::Done),
+    }
+}
+
+/// Whether the page file at `path` is an intact page of this binding, reading it through a small buffer (a writer
+/// that finds a page already there checks it before calling it present).
+pub(crate) fn check(path: &Path, shape: FileShape, binding: &[u8]) -> io::Result<Read> {
+    let (mut file, found) = match open_page(path, false)? {
+        Ok(opened) => opened,
+        Err(verdict) => return Ok(verdict),
+    };
+    if let Some(verdict) = length_verdict(found, shape) {
+        return Ok(verdict);
+    }
+    if shape.footer_bytes == 0 {
+        // SGLang's layout has no checksum: a regular file of the right length is all that can be known
+        return Ok(Read::Done);
+    }
+    let mut hasher = bound_hasher(binding);
+    let mut buffer = vec![0u8; CHUNK_BYTES.min(shape.page_bytes.max(1))];
+    let mut left = shape.page_bytes;
+    while left > 0 {
+        let chunk = &mut buffer[..left.min(CHUNK_BYTES)];
+        match file.read_exact(chunk) {
+            Ok(()) => {}
+            Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => {
+                return Ok(Read::Corrupt("shorter than its length when read".into()));
+            }
+            Err(error) => return Err(error),
         }
-        let computed = footer_block(hasher.digest());
-        if stored.0[..8] != computed.0[..8] {
-            return Ok(Read::Corrupt("not a hicache page file (bad magic or version)".into()));
-        }
-        if stored.0[8..FOOTER_BYTES] != computed.0[8..FOOTER_BYTES] {
-            return Ok(Read::Corrupt("checksum mismatch".into()));
-        }
+        hasher.update(chunk);
+        left -= chunk.len();
+    }
+    check_footer(&mut file, shape, &hasher)
+}
+
+/// A checksum that starts with the page's binding.
+fn bound_hasher(binding: &[u8]) -> Xxh3 {
+    let mut hasher = Xxh3::new();
+    hasher.update(binding);
+    hasher
+}
+
+/// Reads the footer after the page and compares it with the checksum of what was read.
+fn check_footer(file: &mut std::fs::File, shape: FileShape, hasher: &Xxh3) -> io::Result<Read> {
+    let mut stored = Box::new(Block([0u8; DIRECT_ALIGN]));
+    if file.read_exact(&mut stored.0[..shape.footer_bytes]).is_err() {
+        return Ok(Read::Corrupt("footer missing".into()));
+    }
+    let computed = footer_block(hasher.digest());
+    if stored.0[..4] != MAGIC {
+        return Ok(Read::Corrupt("not a hicache page file (bad magic)".into()));
+    }
+    if stored.0[4..8] != computed.0[4..8] {
+        let version = u32::from_le_bytes(stored.0[4..8].try_into().expect("4 bytes"));
+        return Ok(Read::Corrupt(format!("footer version {version}, this hicache writes {VERSION}")));
+    }
+    if stored.0[8..FOOTER_BYTES] != computed.0[8..FOOTER_BYTES] {
+        return Ok(Read::Corrupt("checksum mismatch (damaged, or another key's page)".into()));
     }
     Ok(Read::Done)
 }
 
-/// Writes `page` and its footer to a temporary file beside `path`, then renames it to `path`. `unique` makes the
-/// temporary name unique among concurrent writers.
-pub(crate) fn write_atomic(path: &Path, page: &[&[u8]], shape: FileShape, unique: &str) -> io::Result<()> {
+/// A random name suffix for a temporary file: unique without relying on PIDs, which repeat across containers and
+/// hosts sharing a directory.
+fn unique_suffix() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+/// Writes `page` and its footer (checksum over `binding` and the page) to a new temporary file beside `path`, then
+/// renames it to `path`, replacing what was there. Only the temporary file this call created is ever removed.
+pub(crate) fn write_atomic(path: &Path, page: &[&[u8]], shape: FileShape, binding: &[u8]) -> io::Result<()> {
     let dir = path.parent().ok_or_else(|| io::Error::other("a page path has a parent directory"))?;
     let name = path.file_name().and_then(|name| name.to_str()).ok_or_else(|| io::Error::other("page file name"))?;
-    let temp = dir.join(format!(".{name}.tmp-{unique}"));
     let direct = shape.use_direct(page);
-    let create = || open_options(direct).write(true).create_new(true).open(&temp);
+    let mut attempts = 0;
+    let (mut file, temp) = loop {
+        let temp = dir.join(format!(".{name}.tmp-{}", unique_suffix()));
+        match open_options(direct).write(true).create_new(true).open(&temp) {
+            Ok(file) => break (file, temp),
+            // the shard folder is new, or a `clear` removed it as empty just now: make it and try again
+            Err(error) if error.kind() == io::ErrorKind::NotFound && attempts < 3 => std::fs::create_dir_all(dir)?,
+            // another writer's name: draw another
+            Err(error) if error.kind() == io::ErrorKind::AlreadyExists && attempts < 3 => {}
+            Err(error) => return Err(error),
+        }
+        attempts += 1;
+    };
     let result = (|| {
-        let mut file = match create() {
-            Err(error) if error.kind() == io::ErrorKind::NotFound => {
-                // the shard folder is new, or a `clear` removed it as empty just now: make it and try again
-                let mut attempts = 0;
-                loop {
-                    std::fs::create_dir_all(dir)?;
-                    match create() {
-                        Err(error) if error.kind() == io::ErrorKind::NotFound && attempts < 3 => attempts += 1,
-                        other => break other?,
-                    }
-                }
-            }
-            other => other?,
-        };
-        let mut hasher = (shape.footer_bytes > 0).then(Xxh3::new);
+        let mut hasher = (shape.footer_bytes > 0).then(|| bound_hasher(binding));
         for chunk in page.iter().flat_map(|segment| segment.chunks(CHUNK_BYTES)) {
             file.write_all(chunk)?;
             if let Some(hasher) = &mut hasher {
@@ -171,6 +279,7 @@ pub(crate) fn write_atomic(path: &Path, page: &[&[u8]], shape: FileShape, unique
         if let Some(hasher) = hasher {
             file.write_all(&footer_block(hasher.digest()).0[..shape.footer_bytes])?;
         }
+        drop(file);
         std::fs::rename(&temp, path)
     })();
     if result.is_err() {
@@ -192,8 +301,6 @@ pub(crate) fn probe_direct(dir: &Path) -> io::Result<()> {
     result
 }
 
-/// Removes every file below `root` whose name `own` accepts (and temporary files of such names); returns how many
-/// page files went.
 /// Removes the empty folders below `root`, deepest first (not `root` itself); a folder another writer has just put
 /// a file into stays.
 pub(crate) fn remove_empty_dirs(root: &Path) -> io::Result<()> {
@@ -214,7 +321,14 @@ pub(crate) fn remove_empty_dirs(root: &Path) -> io::Result<()> {
     Ok(())
 }
 
-pub(crate) fn remove_tree_files(root: &Path, own: &dyn Fn(&str) -> bool) -> io::Result<u64> {
+/// Removes every regular file in `root` (and below it when `recurse`) that `own(name, length)` accepts, and
+/// temporary files of such names (whatever their length); returns how many page files went. Files that vanish
+/// meanwhile are not an error.
+pub(crate) fn remove_tree_files(
+    root: &Path,
+    recurse: bool,
+    own: &dyn Fn(&str, Option<u64>) -> bool,
+) -> io::Result<u64> {
     let mut removed = 0;
     let entries = match std::fs::read_dir(root) {
         Ok(entries) => entries,
@@ -224,16 +338,31 @@ pub(crate) fn remove_tree_files(root: &Path, own: &dyn Fn(&str) -> bool) -> io::
     for entry in entries {
         let entry = entry?;
         let path = entry.path();
-        if entry.file_type()?.is_dir() {
-            removed += remove_tree_files(&path, own)?;
+        let kind = match entry.file_type() {
+            Ok(kind) => kind,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
+            Err(error) => return Err(with_path(error, &path)),
+        };
+        if kind.is_dir() {
+            if recurse {
+                removed += remove_tree_files(&path, recurse, own)?;
+            }
+            continue;
+        }
+        if !kind.is_file() {
             continue;
         }
         let Some(name) = path.file_name().and_then(|name| name.to_str()) else { continue };
         // a temporary file is `.{page file name}.tmp-{unique}`
         let temporary = name.strip_prefix('.').and_then(|rest| rest.rsplit_once(".tmp-")).map(|(page, _)| page);
         let counts = match temporary {
-            Some(page) if own(page) => false,
-            None if own(name) => true,
+            Some(page) if own(page, None) => false,
+            None => match entry.metadata() {
+                Ok(metadata) if own(name, Some(metadata.len())) => true,
+                Ok(_) => continue,
+                Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
+                Err(error) => return Err(with_path(error, &path)),
+            },
             _ => continue,
         };
         match std::fs::remove_file(&path) {
@@ -245,20 +374,46 @@ pub(crate) fn remove_tree_files(root: &Path, own: &dyn Fn(&str) -> bool) -> io::
     Ok(removed)
 }
 
-/// Calls `found(path, bytes, modified)` for every file below `root`, temporary files excepted.
-pub(crate) fn list_files(root: &Path, found: &mut dyn FnMut(&Path, u64, std::time::SystemTime)) -> io::Result<()> {
-    for entry in std::fs::read_dir(root)? {
-        let entry = entry?;
+/// Calls `found(path, bytes, modified)` for every regular file in `root` (and below it when `recurse`), temporary
+/// files excepted. A file or folder that vanishes meanwhile (a concurrent `clear` or eviction) is skipped; other
+/// errors name the path they happened at.
+pub(crate) fn list_files(
+    root: &Path,
+    recurse: bool,
+    found: &mut dyn FnMut(&Path, u64, std::time::SystemTime),
+) -> io::Result<()> {
+    let entries = match std::fs::read_dir(root) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(error) => return Err(with_path(error, root)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(|error| with_path(error, root))?;
         let path = entry.path();
-        let kind = entry.file_type()?;
+        let kind = match entry.file_type() {
+            Ok(kind) => kind,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
+            Err(error) => return Err(with_path(error, &path)),
+        };
         if kind.is_dir() {
-            list_files(&path, found)?;
+            if recurse {
+                list_files(&path, recurse, found)?;
+            }
         } else if kind.is_file() && !entry.file_name().to_string_lossy().starts_with('.') {
-            let metadata = entry.metadata()?;
-            found(&path, metadata.len(), metadata.modified()?);
+            let metadata = match entry.metadata() {
+                Ok(metadata) => metadata,
+                Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
+                Err(error) => return Err(with_path(error, &path)),
+            };
+            found(&path, metadata.len(), metadata.modified().map_err(|error| with_path(error, &path))?);
         }
     }
     Ok(())
+}
+
+/// `error`, saying which path it happened at.
+fn with_path(error: io::Error, path: &Path) -> io::Error {
+    io::Error::new(error.kind(), format!("{}: {error}", path.display()))
 }
 
 #[cfg(test)]

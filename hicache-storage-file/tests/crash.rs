@@ -13,7 +13,7 @@ use hicache_core::hash::{PageKey, page_key};
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::conformance::{fetch, put};
-use hicache_core::storage::{FailureKind, GetOutcome, StorageBackend};
+use hicache_core::storage::{FailureKind, GetOutcome, SetOutcome, StorageBackend};
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 
 const DIR_ENV: &str = "HICACHE_CRASH_WRITER_DIR";
@@ -73,13 +73,39 @@ fn write_forever(dir: &Path, format: FileFormat) -> ! {
     loop {
         let keys: Vec<PageKey> = (next..next + BATCH).map(key).collect();
         let pages: Vec<Vec<u8>> = (next..next + BATCH).map(content).collect();
-        put(&storage, &keys, &pages);
+        // another writer of the same keys must never make a write fail (the parent sees this writer exit)
+        if let Some(failed) =
+            put(&storage, &keys, &pages).iter().find(|outcome| matches!(outcome, SetOutcome::Failed(_)))
+        {
+            eprintln!("writer: {failed:?}");
+            std::process::exit(3);
+        }
         next += BATCH;
     }
 }
 
-fn spawn_writer(dir: &Path, format: FileFormat) -> Child {
-    Command::new(std::env::current_exe().expect("test binary"))
+/// How a writer process is started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isolation {
+    /// A plain child process.
+    Process,
+    /// A child in a PID namespace of its own (`unshare --pid`), where it is PID 1 like every other such writer: as
+    /// containers sharing a directory are.
+    PidNamespace,
+}
+
+fn spawn_writer(dir: &Path, format: FileFormat, isolation: Isolation) -> Child {
+    let test_binary = std::env::current_exe().expect("test binary");
+    let mut command = match isolation {
+        Isolation::Process => Command::new(test_binary),
+        Isolation::PidNamespace => {
+            // --kill-child: the writer dies with its `unshare` parent, which is what the test kills
+            let mut command = Command::new("unshare");
+            command.args(["--pid", "--fork", "--kill-child", "--"]).arg(test_binary);
+            command
+        }
+    };
+    command
         .args(["--exact", TEST_NAME, "--nocapture", "--test-threads=1"])
         .env(DIR_ENV, dir)
         .env(FORMAT_ENV, format_name(format))
@@ -103,14 +129,27 @@ fn page_files(dir: &Path) -> usize {
     count
 }
 
+/// Writer processes, killed when dropped: a failing check must not leave writers filling the disk.
+struct Writers(Vec<Child>);
+
+impl Drop for Writers {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// Runs `writers` child processes on one directory, kills them with SIGKILL once `pages` pages exist plus a
 /// little, and checks every page that could have been written.
-fn kill_and_verify(format: FileFormat, writers: usize, pages: usize) {
+fn kill_and_verify(format: FileFormat, writers: usize, pages: usize, isolation: Isolation) {
     let dir = tempfile::tempdir().expect("temporary directory");
-    let mut children: Vec<Child> = (0..writers).map(|_| spawn_writer(dir.path(), format)).collect();
+    let mut guard = Writers((0..writers).map(|_| spawn_writer(dir.path(), format, isolation)).collect());
+    let children = &mut guard.0;
     let started = Instant::now();
     while page_files(dir.path()) < pages && started.elapsed() < Duration::from_secs(60) {
-        for child in &mut children {
+        for child in children.iter_mut() {
             if let Some(status) = child.try_wait().expect("child status") {
                 panic!("{format:?}: a writer exited by itself ({status})");
             }
@@ -119,9 +158,21 @@ fn kill_and_verify(format: FileFormat, writers: usize, pages: usize) {
     }
     // land the kill at an arbitrary point of a batch
     std::thread::sleep(Duration::from_micros(u64::from(rand_below(20_000))));
-    for child in &mut children {
+    for child in children.iter_mut() {
         child.kill().expect("SIGKILL");
         child.wait().expect("reaped");
+    }
+    if isolation == Isolation::PidNamespace {
+        // the writers inside die with their parents, asynchronously: wait until nothing grows any more
+        let mut last = page_files(dir.path());
+        loop {
+            std::thread::sleep(Duration::from_millis(50));
+            let now = page_files(dir.path());
+            if now == last {
+                break;
+            }
+            last = now;
+        }
     }
     let written = page_files(dir.path());
     assert!(written >= pages, "{format:?}: the writers wrote only {written} pages in 60 s");
@@ -162,14 +213,40 @@ fn writers_killed_mid_write_leave_only_whole_pages() {
     }
     for format in [FileFormat::Native, FileFormat::Sglang] {
         for round in 0..3 {
-            kill_and_verify(format, 1, 48 + 40 * round);
+            kill_and_verify(format, 1, 48 + 40 * round, Isolation::Process);
         }
     }
 }
 
 #[test]
-fn two_processes_writing_the_same_keys_never_tear_a_page() {
+fn three_processes_writing_the_same_keys_never_tear_a_page() {
     for format in [FileFormat::Native, FileFormat::Sglang] {
-        kill_and_verify(format, 2, 96);
+        kill_and_verify(format, 3, 96, Isolation::Process);
+    }
+}
+
+/// Whether this machine can start a process in a PID namespace of its own (root, and `unshare` from util-linux).
+fn pid_namespaces_available() -> bool {
+    Command::new("unshare")
+        .args(["--pid", "--fork", "--kill-child", "true"])
+        .status()
+        .is_ok_and(|status| status.success())
+}
+
+#[test]
+fn writers_in_separate_pid_namespaces_never_tear_a_page() {
+    if !pid_namespaces_available() {
+        // every writer is PID 1 in its own namespace: the case a PID-based temporary name got wrong
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI must run this test: `unshare --pid --fork` does not work here (root and util-linux are needed)"
+        );
+        eprintln!("skipped: `unshare --pid --fork` does not work here (root and util-linux are needed)");
+        return;
+    }
+    for format in [FileFormat::Native, FileFormat::Sglang] {
+        for _ in 0..2 {
+            kill_and_verify(format, 3, 96, Isolation::PidNamespace);
+        }
     }
 }
