@@ -5,6 +5,7 @@
 mod backends;
 mod commands;
 mod exit;
+mod memory;
 mod metrics;
 mod progress;
 mod replay;

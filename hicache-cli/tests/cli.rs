@@ -785,3 +785,65 @@ fn config_example_lists_every_field_at_its_default_and_checks_clean() {
     assert_eq!(example["page_size"], 1, "SGLang's default page size");
     assert!(example.as_object().unwrap().len() >= 15, "{example}");
 }
+
+#[test]
+fn hostile_sizes_are_refused_naming_the_flags_before_anything_is_allocated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_str().unwrap();
+    let key = "ab".repeat(32);
+    let out = dir.path().join("out.bin");
+    let out = out.to_str().unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["store", "put", "--page-size", "140737488355328", "--key", &key, "--in", "/dev/zero", "--dir", path],
+            "page_size",
+        ),
+        (
+            vec![
+                "store",
+                "put",
+                "--layers",
+                "9223372036854775808",
+                "--dtype",
+                "fp8-e4m3",
+                "--key",
+                &key,
+                "--in",
+                "/dev/zero",
+                "--dir",
+                path,
+            ],
+            "bytes per token overflow",
+        ),
+        (
+            vec!["bench", "storage", "--page-bytes", "9223372036854775808", "--dir", path],
+            "--pages, --page-bytes: the sizes overflow",
+        ),
+        (
+            vec!["bench", "storage", "--pages", "4611686018427387904", "--page-bytes", "8", "--dir", path],
+            "--pages, --page-bytes",
+        ),
+        (vec!["bench", "storage", "--pages", "1000000", "--dir", path], "--pages, --page-bytes: this needs about"),
+        (
+            vec!["store", "get", "--page-size", "1073741824", "--key", &key, "--out", out, "--dir", path],
+            "this needs about",
+        ),
+        (vec!["replay", "--clients", "4294967296", "--rounds", "1"], "--clients"),
+        (vec!["replay", "--layers", "100000000"], "--layers"),
+        (vec!["replay", "--request-length", "1000000000"], "--request-length"),
+        (vec!["replay", "--tp-size", "1000", "--kv-heads", "1000"], "--tp-size"),
+    ];
+    for (args, needle) in cases {
+        assert_usage_error(&hicache(&args, ""), needle);
+    }
+    // an input that never ends is read only up to one byte past the pages it should hold
+    let output = hicache(
+        &["store", "put", "--layers", "1", "--kv-heads", "1", "--head-dim", "64", "--page-size", "4", "--key", &key]
+            .into_iter()
+            .chain(["--in", "/dev/zero", "--dir", path])
+            .collect::<Vec<_>>(),
+        "",
+    );
+    assert_usage_error(&output, "has more than 1024 bytes; 1 page of 1024 bytes are 1024");
+    assert!(everything(dir.path()).is_empty(), "nothing was written: {:?}", everything(dir.path()));
+}

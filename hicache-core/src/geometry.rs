@@ -148,9 +148,23 @@ impl KvGeometry {
         };
         elements
             .and_then(|elements| elements.checked_mul(self.dtype.bytes()))
-            .and_then(|item| item.checked_mul(self.layers * 2))
-            .ok_or(Error::InvalidArgument { field: "geometry", reason: "bytes per token overflow".into() })?;
+            .and_then(|item| item.checked_mul(self.layers))
+            .and_then(|layer_bytes| layer_bytes.checked_mul(self.parts().len()))
+            .filter(|&bytes| bytes <= isize::MAX as usize)
+            .ok_or(Error::InvalidArgument {
+                field: "geometry",
+                reason: "bytes per token overflow (layers × heads × head_dim × dtype bytes is too large)".into(),
+            })?;
         Ok(self)
+    }
+
+    /// Bytes of one page of `page_size` tokens, or `None` when that does not fit in memory arithmetic (more than
+    /// `isize::MAX` bytes).
+    pub const fn checked_bytes_per_page(&self, page_size: usize) -> Option<usize> {
+        match self.bytes_per_token().checked_mul(page_size) {
+            Some(bytes) if bytes <= isize::MAX as usize => Some(bytes),
+            _ => None,
+        }
     }
 
     /// Whether this is an MLA geometry.
@@ -216,5 +230,17 @@ mod tests {
         assert!(error.starts_with("kv_heads: must be at least 1"), "{error}");
         assert!(KvGeometry::mla(0, 512, 64, KvDtype::Bf16).unwrap_err().to_string().starts_with("layers"));
         assert!(KvGeometry::mha(usize::MAX / 2, 1 << 20, 1 << 20, KvDtype::F32).is_err());
+    }
+
+    #[test]
+    fn sizes_that_overflow_are_refused_not_wrapped() {
+        // 2^63 layers of one-byte items: layers × 2 parts wraps to 0 in unchecked arithmetic
+        let error = KvGeometry::mha(1 << 63, 1, 1, KvDtype::Fp8E4m3).unwrap_err().to_string();
+        assert!(error.starts_with("geometry: bytes per token overflow"), "{error}");
+        assert!(KvGeometry::mla(1 << 62, 1, 0, KvDtype::Bf16).is_err(), "2^62 layers × 2 bytes passes isize::MAX");
+        let llama = KvGeometry::llama31_8b();
+        assert_eq!(llama.checked_bytes_per_page(64), Some(8 << 20));
+        assert_eq!(llama.checked_bytes_per_page(1 << 47), None, "2^17 bytes × 2^47 tokens");
+        assert_eq!(llama.checked_bytes_per_page((isize::MAX as usize) / 131_072 + 1), None, "past isize::MAX");
     }
 }

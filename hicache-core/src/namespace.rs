@@ -70,6 +70,12 @@ impl StorageNamespace {
             return bad("pp_rank", format!("{} is not below pp_size {}", self.pp_rank, self.pp_size));
         }
         self.geometry.validated()?;
+        if self.geometry.checked_bytes_per_page(self.page_size).is_none() {
+            return bad(
+                "page_size",
+                format!("{} tokens of {} bytes overflow a page", self.page_size, self.geometry.bytes_per_token()),
+            );
+        }
         Ok(self)
     }
 

@@ -123,13 +123,13 @@ pub struct FileStorage {
 }
 
 impl FileStorage {
-    /// Opens (creating if needed, unless read-only) the directory for `namespace`.
+    /// Opens the directory for `namespace`; its folders are made by the first write (or here, to probe `O_DIRECT`).
     ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for an invalid namespace or a model name that cannot be a file name, and (field
     /// `dir`) for a read-only open of a directory that does not exist; [`Error::Storage`] when the directory cannot
-    /// be created.
+    /// be created for the `O_DIRECT` probe.
     pub fn open(config: FileConfig, namespace: &StorageNamespace) -> Result<Self, Error> {
         let namespace = namespace.clone().validated()?;
         let model = namespace.file_name_model()?;
@@ -153,7 +153,9 @@ impl FileStorage {
                     reason: format!("{} does not exist or is not a directory", config.dir.display()),
                 });
             }
-        } else {
+        } else if config.direct_io {
+            // the probe below writes a file there; otherwise the first write makes the folders it needs, so an open
+            // that never writes leaves nothing behind
             std::fs::create_dir_all(&root)
                 .map_err(|error| storage_error(format!("creating {}: {error}", root.display())))?;
         }

@@ -159,6 +159,11 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
     if args.direct && !args.page_bytes.is_multiple_of(BLOCK) {
         return Err(Usage(format!("--direct needs --page-bytes in whole {BLOCK}-byte blocks")).into());
     }
+    // the source and target buffers (through the controller: a host pool of twice the pages, and a device pool)
+    crate::memory::require(
+        crate::memory::product(&[3, args.pages as u64, args.page_bytes as u64]),
+        "--pages, --page-bytes",
+    )?;
     let options = BackendOptions {
         dir: args.dir.clone(),
         format: args.format,

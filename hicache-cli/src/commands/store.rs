@@ -336,13 +336,28 @@ fn put(args: &PutArgs) -> anyhow::Result<()> {
         ));
     }
     let keys = keys(&args.keys, opened.namespace.page_size)?;
-    let bytes = std::fs::read(&args.input)
-        .map_err(|error| Usage(format!("cannot read --in {}: {error}", args.input.display())))?;
-    if bytes.len() != keys.len() * opened.page_bytes {
+    let expected = crate::memory::product(&[keys.len() as u64, opened.page_bytes as u64]);
+    crate::memory::require(expected, "the pages given × --page-size (and the geometry)")?;
+    let expected = expected.expect("required above");
+    let cannot_read = |error: std::io::Error| Usage(format!("cannot read --in {}: {error}", args.input.display()));
+    let file = std::fs::File::open(&args.input).map_err(cannot_read)?;
+    // a regular file's length is known before reading it; a device or a pipe is read to at most one byte more than
+    // the pages take, so one that never ends (/dev/zero) stops there
+    let length = match file.metadata().map_err(cannot_read)? {
+        metadata if metadata.is_file() => Some(metadata.len()),
+        _ => None,
+    };
+    let mut bytes = Vec::new();
+    if length.is_none_or(|length| length == expected) {
+        std::io::Read::read_to_end(&mut std::io::Read::take(file, expected + 1), &mut bytes).map_err(cannot_read)?;
+    }
+    let found = length.unwrap_or(bytes.len() as u64);
+    if found != expected || bytes.len() as u64 != expected {
+        let shown =
+            if found > expected && length.is_none() { format!("more than {expected}") } else { found.to_string() };
         bail!(Usage(format!(
-            "--in {} has {} bytes; {} of {} bytes are {}",
+            "--in {} has {shown} bytes; {} of {} bytes are {}",
             args.input.display(),
-            bytes.len(),
             plural(keys.len(), "page"),
             opened.page_bytes,
             keys.len() * opened.page_bytes
@@ -386,6 +401,10 @@ fn report_pages(target: &TargetArgs, reports: &[PageReport]) -> anyhow::Result<(
 fn get(args: &GetArgs) -> anyhow::Result<()> {
     let opened = open(&args.target, Mode::Inspect)?;
     let keys = keys(&args.keys, opened.namespace.page_size)?;
+    crate::memory::require(
+        crate::memory::product(&[keys.len() as u64, opened.page_bytes as u64]),
+        "the pages asked for × --page-size (and the geometry)",
+    )?;
     let mut bytes = vec![0u8; keys.len() * opened.page_bytes];
     let mut pages: Vec<PageSegmentsMut<'_>> = bytes.chunks_mut(opened.page_bytes).map(|page| vec![page]).collect();
     let outcomes = opened.backend.batch_get(&keys, &mut pages)?;

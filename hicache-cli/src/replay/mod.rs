@@ -323,6 +323,22 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
     if args.kv_heads > args.tp_size && !args.kv_heads.is_multiple_of(args.tp_size) {
         return usage(format!("--kv-heads {} cannot be split over --tp-size {}", args.kv_heads, args.tp_size));
     }
+    let geometry = geometry(args).map_err(|error| Usage(format!("--layers, --kv-heads, --head-dim: {error}")))?;
+    // each rank holds its pools and its copy of the workload (every conversation's tokens, as u32)
+    let pools = crate::memory::product(&[(args.device_tokens as u64).saturating_add(args.host_tokens as u64), {
+        geometry.bytes_per_token() as u64
+    }]);
+    let conversation = (args.request_length as u64)
+        .checked_add(args.output_length as u64)
+        .and_then(|round| round.checked_mul(args.rounds as u64))
+        .and_then(|rounds| rounds.checked_add(args.system_prompt as u64));
+    let workload = conversation.and_then(|tokens| crate::memory::product(&[tokens, args.clients as u64, 4]));
+    let per_rank = pools.zip(workload).and_then(|(pools, workload)| pools.checked_add(workload));
+    crate::memory::require(
+        per_rank.and_then(|bytes| bytes.checked_mul(args.tp_size as u64)),
+        "--clients, --rounds, --request-length, --output-length, --system-prompt, --device-tokens, --host-tokens, \
+         --layers, --kv-heads, --head-dim, --tp-size",
+    )?;
     Ok(())
 }
 
