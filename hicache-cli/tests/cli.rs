@@ -847,3 +847,36 @@ fn hostile_sizes_are_refused_naming_the_flags_before_anything_is_allocated() {
     assert_usage_error(&output, "has more than 1024 bytes; 1 page of 1024 bytes are 1024");
     assert!(everything(dir.path()).is_empty(), "nothing was written: {:?}", everything(dir.path()));
 }
+
+#[test]
+fn replay_verifies_every_byte_under_injected_storage_faults_and_counts_them() {
+    let report = replay_json(&[
+        "--tp-size",
+        "2",
+        "--host-tokens",
+        "20480",
+        "--sync-storage",
+        "--fault-fail-rate",
+        "0.05",
+        "--fault-corrupt-rate",
+        "0.05",
+        "--fault-latency-us",
+        "50",
+    ]);
+    assert_eq!(report["verified"], true, "{report}");
+    assert_eq!(report["lockstep"], true, "the ranks saw different faults and still decided the same: {report}");
+    let faults = &report["faults_injected"];
+    assert!(faults["failed_pages"].as_u64().unwrap() > 0 && faults["corrupt_pages"].as_u64().unwrap() > 0, "{report}");
+    let failures = &report["storage_failures"];
+    assert!(failures["backup_pages_failed"].as_u64().unwrap() > 0, "{report}");
+    assert!(failures["prefetch_errors"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(report["parameters"]["fault_fail_rate"], 0.05);
+    // without faults, nothing is injected and the report has no such field
+    let clean = replay_json(&["--clients", "8", "--rounds", "2"]);
+    assert!(clean.get("faults_injected").is_none(), "{clean}");
+    assert_eq!(clean["storage_failures"]["backup_pages_failed"], 0);
+    assert_usage_error(
+        &hicache(&["replay", "--fault-fail-rate", "1.5"], ""),
+        "--fault-fail-rate 1.5 must be a probability",
+    );
+}

@@ -26,7 +26,7 @@ use hicache_core::host_memory::{HostAllocation, HostMemory};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::rate_limit::SystemClock;
-use hicache_core::storage::{MemoryStorage, MemoryStore, StorageBackend};
+use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore, StorageBackend};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
 use hicache_core::tree::{HiRadixTree, TreeSettings};
 
@@ -147,6 +147,19 @@ pub(crate) struct ReplayArgs {
     /// storage threads get CPU time (for comparisons; it slows the replay down).
     #[arg(long)]
     sync_storage: bool,
+    /// Fault injection: the probability that each page a storage get or set handles fails (each rank draws its own).
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    fault_fail_rate: f64,
+    /// Fault injection: the probability that each page a storage get finds is reported corrupt instead (as a
+    /// checksumming backend reports a damaged page).
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    fault_corrupt_rate: f64,
+    /// Fault injection: microseconds added to every storage call.
+    #[arg(long, default_value_t = 0, value_name = "US")]
+    fault_latency_us: u64,
+    /// Fault injection: seed of the random faults (rank r uses seed + r).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    fault_seed: u64,
     /// Tensor-parallel ranks, run as threads in this process; the report says whether they stayed in lockstep.
     #[arg(long, default_value_t = 1, value_name = "N")]
     tp_size: usize,
@@ -305,6 +318,12 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
             return usage(format!("{name} must be at least 1"));
         }
     }
+    for (name, rate) in [("--fault-fail-rate", args.fault_fail_rate), ("--fault-corrupt-rate", args.fault_corrupt_rate)]
+    {
+        if !(0.0..=1.0).contains(&rate) {
+            return usage(format!("{name} {rate} must be a probability between 0 and 1"));
+        }
+    }
     if !(args.request_rate > 0.0 && args.request_rate.is_finite()) {
         return usage(format!("--request-rate {} must be a positive number", args.request_rate));
     }
@@ -416,11 +435,20 @@ fn run_on<E: device::ReplayEngine>(
     let mut namespace = StorageNamespace::single_rank("hicache-replay", geometry, layout(args), page);
     namespace.tp_rank = rank;
     namespace.tp_size = args.tp_size;
-    let backend: Option<Arc<dyn StorageBackend>> = match storage {
+    let opened: Option<Box<dyn StorageBackend>> = match storage {
         SharedStorage::None => None,
-        SharedStorage::Memory(store) => Some(Arc::new(MemoryStorage::shared(store.clone(), &namespace))),
-        SharedStorage::Backend { name, options, .. } => Some(Arc::from(backends::open(*name, &namespace, options)?)),
+        SharedStorage::Memory(store) => Some(Box::new(MemoryStorage::shared(store.clone(), &namespace))),
+        SharedStorage::Backend { name, options, .. } => Some(backends::open(*name, &namespace, options)?),
     };
+    // with fault injection, every storage call of this rank goes through the fault wrapper
+    let (backend, faults): (Option<Arc<dyn StorageBackend>>, Option<Arc<Faulty>>) =
+        match (opened, fault_plan(args, rank)) {
+            (Some(opened), Some(plan)) => {
+                let wrapped = Arc::new(FaultyStorage::new(opened, plan));
+                (Some(wrapped.clone()), Some(wrapped))
+            }
+            (opened, _) => (opened.map(Arc::from), None),
+        };
     let config = HiCacheConfig {
         page_size: page,
         write_policy: write_policy(args),
@@ -466,7 +494,24 @@ fn run_on<E: device::ReplayEngine>(
     };
     let mut outcome = rank::run_rank(&mut tree, &mut workload, &spec, collective, progress, metrics)?;
     outcome.storage = backend.map(|backend| backend.stats());
+    outcome.injected = faults.map(|faults| faults.injected());
     Ok(outcome)
+}
+
+/// A rank's backend behind the fault injection.
+type Faulty = FaultyStorage<Box<dyn StorageBackend>>;
+
+/// The fault plan of rank `rank`, when any `--fault-*` flag asks for faults.
+fn fault_plan(args: &ReplayArgs, rank: usize) -> Option<FaultPlan> {
+    let ppm = |rate: f64| (rate * 1e6).round() as u32;
+    let plan = FaultPlan {
+        latency: (args.fault_latency_us > 0).then(|| Duration::from_micros(args.fault_latency_us)),
+        page_failure_ppm: ppm(args.fault_fail_rate),
+        corruption_ppm: ppm(args.fault_corrupt_rate),
+        seed: args.fault_seed.wrapping_add(rank as u64),
+        ..FaultPlan::default()
+    };
+    (plan != FaultPlan { seed: plan.seed, ..FaultPlan::default() }).then_some(plan)
 }
 
 fn write_policy(args: &ReplayArgs) -> WritePolicy {

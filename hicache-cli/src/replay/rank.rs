@@ -67,6 +67,12 @@ pub(crate) struct RankOutcome {
     pub(crate) copies: Option<hicache_core::transfer::CopyStats>,
     /// The storage backend's counters at the end, with a storage tier.
     pub(crate) storage: Option<hicache_core::storage::StorageStats>,
+    /// Pages whose backup to storage failed.
+    pub(crate) pages_backup_failed: u64,
+    /// Prefetches that ended with a storage error on this rank (their hit query or a read failed).
+    pub(crate) prefetch_errors: u64,
+    /// What the fault injection did, when asked for.
+    pub(crate) injected: Option<hicache_core::storage::FaultCounts>,
 }
 
 /// The replay's knobs that the loop needs.
@@ -362,11 +368,13 @@ fn absorb(
 ) {
     outcome.pages_device_to_host += summary.pages_written as u64;
     outcome.pages_host_to_storage += summary.pages_backed_up as u64;
+    outcome.pages_backup_failed += summary.pages_backup_failed as u64;
     if let Some(metrics) = metrics {
         record_tick(metrics, summary, page, page_bytes);
     }
     for (explanation, new_tokens) in &summary.prefetches {
         *outcome.stop_reasons.entry(stop_name(explanation).to_owned()).or_default() += 1;
+        outcome.prefetch_errors += u64::from(explanation.error.is_some());
         outcome.pages_storage_to_host += (explanation.fetched_tokens / page) as u64;
         if let Some(request) = waiting.iter_mut().find(|request| request.id == explanation.request_id) {
             // a prefetch that brought pages is on the request's critical path; one revoked after its query overlaps

@@ -38,6 +38,13 @@ struct CopySizes {
     host_to_device: f64,
 }
 
+/// Storage failures over all ranks.
+#[derive(Debug, Serialize)]
+struct StorageFailures {
+    backup_pages_failed: u64,
+    prefetch_errors: u64,
+}
+
 /// The settings a replay ran with, so a saved result reads on its own.
 #[derive(Debug, Serialize)]
 struct Parameters {
@@ -70,6 +77,10 @@ struct Parameters {
     decode_ms_per_token: f64,
     sync_storage: bool,
     tp_size: usize,
+    fault_fail_rate: f64,
+    fault_corrupt_rate: f64,
+    fault_latency_us: u64,
+    fault_seed: u64,
 }
 
 /// The name a command-line value is given as.
@@ -106,6 +117,10 @@ fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
         decode_ms_per_token: args.decode_ms_per_token,
         sync_storage: args.sync_storage,
         tp_size: args.tp_size,
+        fault_fail_rate: args.fault_fail_rate,
+        fault_corrupt_rate: args.fault_corrupt_rate,
+        fault_latency_us: args.fault_latency_us,
+        fault_seed: args.fault_seed,
     }
 }
 
@@ -130,6 +145,12 @@ struct Report {
     /// Bytes the storage backends of all ranks copied through an intermediate buffer (0: every byte moved straight
     /// between the host pool and storage).
     staging_bytes: u64,
+    /// What went wrong with storage, all ranks: pages whose backup failed, prefetches that ended with a storage
+    /// error.
+    storage_failures: StorageFailures,
+    /// With `--fault-*`: what the injection did, all ranks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    faults_injected: Option<hicache_core::storage::FaultCounts>,
     /// Rank 0's storage backend counters, with a storage tier.
     #[serde(skip_serializing_if = "Option::is_none")]
     storage: Option<hicache_core::storage::StorageStats>,
@@ -204,6 +225,17 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
         gbps,
         prefetch_stop_reasons: first.stop_reasons.clone(),
         staging_bytes: outcomes.iter().filter_map(|outcome| outcome.storage).map(|stats| stats.staging_bytes).sum(),
+        storage_failures: StorageFailures {
+            backup_pages_failed: outcomes.iter().map(|outcome| outcome.pages_backup_failed).sum(),
+            prefetch_errors: outcomes.iter().map(|outcome| outcome.prefetch_errors).sum(),
+        },
+        faults_injected: outcomes.iter().filter_map(|outcome| outcome.injected).reduce(|total, rank| {
+            hicache_core::storage::FaultCounts {
+                failed_calls: total.failed_calls + rank.failed_calls,
+                failed_pages: total.failed_pages + rank.failed_pages,
+                corrupt_pages: total.corrupt_pages + rank.corrupt_pages,
+            }
+        }),
         storage: first.storage,
         tree: first.tree.clone(),
         bytes_per_copy: {
@@ -282,6 +314,16 @@ fn print_text(description: &str, report: &Report) {
     );
     if report.storage.is_some() {
         println!("staged through intermediate buffers (all ranks): {} bytes", report.staging_bytes);
+        println!(
+            "storage failures (all ranks): {} pages not backed up, {} prefetches ended by a storage error",
+            report.storage_failures.backup_pages_failed, report.storage_failures.prefetch_errors
+        );
+    }
+    if let Some(faults) = &report.faults_injected {
+        println!(
+            "faults injected (all ranks): {} calls failed, {} pages failed, {} pages reported corrupt",
+            faults.failed_calls, faults.failed_pages, faults.corrupt_pages
+        );
     }
     if let Some(sizes) = &report.bytes_per_copy {
         println!(

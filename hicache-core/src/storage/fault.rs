@@ -1,5 +1,6 @@
 //! Fault injection around any backend: latency, a failing call, partial batches, corrupted bytes, a key evicted
-//! between `batch_exists` and `batch_get`, and a hang until a deadline.
+//! between `batch_exists` and `batch_get`, a hang until a deadline, and random per-page failures and detected
+//! corruptions at given rates (seeded, for runs such as `hicache replay --fault-*`).
 //!
 //! The plan can be changed while the backend is in use ([`FaultyStorage::set_plan`]), and a hang can be released
 //! early ([`FaultyStorage::release_hangs`]), so tests of the controller can script failures at exact points.
@@ -29,6 +30,24 @@ pub struct FaultPlan {
     pub evict_after_exists: bool,
     /// Every call blocks until this instant (or until released), then fails with [`Error::Timeout`].
     pub hang_until: Option<Instant>,
+    /// Each page of a get or a set fails (as injected) with this probability, in parts per million.
+    pub page_failure_ppm: u32,
+    /// Each page a get found is reported [`FailureKind::Corrupt`] instead (as a backend that checksums its pages
+    /// reports a damaged one) with this probability, in parts per million; its bytes are not handed over as a hit.
+    pub corruption_ppm: u32,
+    /// Seed of the random draws of the two rates above.
+    pub seed: u64,
+}
+
+/// What a [`FaultyStorage`] injected so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct FaultCounts {
+    /// Calls that failed or timed out as a whole.
+    pub failed_calls: u64,
+    /// Pages failed by [`FaultPlan::partial_batch`] or [`FaultPlan::page_failure_ppm`].
+    pub failed_pages: u64,
+    /// Pages reported corrupt by [`FaultPlan::corruption_ppm`].
+    pub corrupt_pages: u64,
 }
 
 /// A backend wrapped with a [`FaultPlan`].
@@ -39,6 +58,11 @@ pub struct FaultyStorage<S> {
     released: Condvar,
     calls: AtomicU64,
     hits: AtomicU64,
+    /// Random draws made so far (the draw's index feeds the generator, so draws are reproducible per seed).
+    draws: AtomicU64,
+    failed_calls: AtomicU64,
+    failed_pages: AtomicU64,
+    corrupt_pages: AtomicU64,
 }
 
 impl<S: StorageBackend> FaultyStorage<S> {
@@ -50,7 +74,34 @@ impl<S: StorageBackend> FaultyStorage<S> {
             released: Condvar::new(),
             calls: AtomicU64::new(0),
             hits: AtomicU64::new(0),
+            draws: AtomicU64::new(0),
+            failed_calls: AtomicU64::new(0),
+            failed_pages: AtomicU64::new(0),
+            corrupt_pages: AtomicU64::new(0),
         }
+    }
+
+    /// What was injected so far.
+    pub fn injected(&self) -> FaultCounts {
+        FaultCounts {
+            failed_calls: self.failed_calls.load(Ordering::Relaxed),
+            failed_pages: self.failed_pages.load(Ordering::Relaxed),
+            corrupt_pages: self.corrupt_pages.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether the next random draw falls below `ppm` parts per million (SplitMix64 of the seed and the draw's
+    /// index).
+    fn draw(&self, seed: u64, ppm: u32) -> bool {
+        if ppm == 0 {
+            return false;
+        }
+        let index = self.draws.fetch_add(1, Ordering::Relaxed);
+        let mut z = seed.wrapping_add(index.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        z % 1_000_000 < u64::from(ppm)
     }
 
     /// The wrapped backend.
@@ -81,6 +132,14 @@ impl<S: StorageBackend> FaultyStorage<S> {
 
     /// Applies the per-call faults: counts the call, sleeps, hangs, fails the n-th call. Returns the plan in force.
     fn enter(&self, operation: &'static str) -> Result<FaultPlan, Error> {
+        let entered = self.enter_counted(operation);
+        if entered.is_err() {
+            self.failed_calls.fetch_add(1, Ordering::Relaxed);
+        }
+        entered
+    }
+
+    fn enter_counted(&self, operation: &'static str) -> Result<FaultPlan, Error> {
         // the plan is read before the call is counted, so a test that waits for the count and then changes the
         // plan knows which plan the call took
         let plan = self.lock_plan().clone();
@@ -141,8 +200,19 @@ impl<S: StorageBackend> StorageBackend for FaultyStorage<S> {
         let plan = self.enter("batch_get")?;
         let passed = plan.partial_batch.unwrap_or(keys.len()).min(keys.len());
         let mut outcomes = self.inner.batch_get(&keys[..passed], &mut pages[..passed])?;
+        self.failed_pages.fetch_add((keys.len() - passed) as u64, Ordering::Relaxed);
         outcomes.resize(keys.len(), GetOutcome::Failed(injected("partial batch: page not attempted")));
-        for (outcome, page) in outcomes.iter().zip(pages.iter_mut()) {
+        for (outcome, page) in outcomes.iter_mut().zip(pages.iter_mut()) {
+            if *outcome == GetOutcome::Hit && self.draw(plan.seed, plan.page_failure_ppm) {
+                self.failed_pages.fetch_add(1, Ordering::Relaxed);
+                *outcome = GetOutcome::Failed(injected("random page failure"));
+            } else if *outcome == GetOutcome::Hit && self.draw(plan.seed, plan.corruption_ppm) {
+                self.corrupt_pages.fetch_add(1, Ordering::Relaxed);
+                *outcome = GetOutcome::Failed(PageFailure::new(
+                    FailureKind::Corrupt,
+                    "injected: checksum mismatch".to_owned(),
+                ));
+            }
             if *outcome == GetOutcome::Hit {
                 let hit = self.hits.fetch_add(1, Ordering::SeqCst) + 1;
                 if plan.corrupt_hit == Some(hit)
@@ -159,8 +229,23 @@ impl<S: StorageBackend> StorageBackend for FaultyStorage<S> {
         super::check_batch(keys.len(), pages.len())?;
         let plan = self.enter("batch_set")?;
         let passed = plan.partial_batch.unwrap_or(keys.len()).min(keys.len());
-        let mut outcomes = self.inner.batch_set(&keys[..passed], &pages[..passed])?;
-        outcomes.resize(keys.len(), SetOutcome::Failed(injected("partial batch: page not attempted")));
+        // a page that fails at random is not written
+        let mut written: Vec<usize> = Vec::with_capacity(passed);
+        let mut outcomes = vec![SetOutcome::Failed(injected("partial batch: page not attempted")); keys.len()];
+        for (index, outcome) in outcomes.iter_mut().enumerate().take(passed) {
+            if self.draw(plan.seed, plan.page_failure_ppm) {
+                *outcome = SetOutcome::Failed(injected("random page failure"));
+            } else {
+                written.push(index);
+            }
+        }
+        self.failed_pages.fetch_add((keys.len() - written.len()) as u64, Ordering::Relaxed);
+        let chosen_keys: Vec<PageKey> = written.iter().map(|&index| keys[index]).collect();
+        let chosen_pages: Vec<PageSegments<'_>> = written.iter().map(|&index| pages[index].clone()).collect();
+        let results = self.inner.batch_set(&chosen_keys, &chosen_pages)?;
+        for (&index, result) in written.iter().zip(results) {
+            outcomes[index] = result;
+        }
         Ok(outcomes)
     }
 
@@ -233,6 +318,40 @@ mod tests {
         let outcomes = storage.batch_get(keys, &mut pages).unwrap();
         drop(pages);
         (outcomes, buffers)
+    }
+
+    #[test]
+    fn random_page_failures_and_corruptions_follow_their_rates_and_are_counted() {
+        let plan = FaultPlan { page_failure_ppm: 300_000, corruption_ppm: 200_000, seed: 7, ..FaultPlan::default() };
+        let (storage, keys) = filled(plan.clone(), 2000);
+        let (outcomes, _) = read_all(&storage, &keys);
+        let failed = outcomes
+            .iter()
+            .filter(|outcome| matches!(outcome, GetOutcome::Failed(failure) if failure.kind == FailureKind::Injected))
+            .count();
+        let corrupt = outcomes
+            .iter()
+            .filter(|outcome| matches!(outcome, GetOutcome::Failed(failure) if failure.kind == FailureKind::Corrupt))
+            .count();
+        // 30% fail; of the rest, 20% are reported corrupt (binomial, far inside these bounds)
+        assert!((480..720).contains(&failed), "{failed} of 2000 failed");
+        assert!((200..360).contains(&corrupt), "{corrupt} of 2000 corrupt");
+        let counts = storage.injected();
+        assert_eq!((counts.failed_pages, counts.corrupt_pages), (failed as u64, corrupt as u64));
+        // the same seed draws the same faults
+        let (again, _) = filled(plan, 2000);
+        assert_eq!(read_all(&again, &keys).0, outcomes);
+
+        // a set's randomly failed pages are not written
+        let fresh = fresh_keys(2100)[2000..].to_vec();
+        let pages: Vec<[u8; PAGE]> = fresh.iter().map(|_| [9u8; PAGE]).collect();
+        let sources: Vec<PageSegments<'_>> = pages.iter().map(|page| vec![&page[..]]).collect();
+        storage.set_plan(FaultPlan { page_failure_ppm: 500_000, seed: 3, ..FaultPlan::default() });
+        let outcomes = storage.batch_set(&fresh, &sources).unwrap();
+        for (key, outcome) in fresh.iter().zip(&outcomes) {
+            assert_eq!(storage.inner().exists(key).unwrap(), outcome.is_stored(), "{outcome:?}");
+        }
+        assert!(outcomes.iter().any(SetOutcome::is_stored) && !outcomes.iter().all(SetOutcome::is_stored));
     }
 
     #[test]

@@ -20,7 +20,7 @@ pub mod rig;
 
 use std::fmt;
 
-pub use fault::{FaultPlan, FaultyStorage};
+pub use fault::{FaultCounts, FaultPlan, FaultyStorage};
 pub use memory::{MemoryStorage, MemoryStore};
 pub use stats::{StatsRecorder, StorageStats};
 
@@ -204,6 +204,49 @@ pub trait StorageBackend: Send + Sync {
     /// As [`batch_set`](Self::batch_set).
     fn set(&self, key: &PageKey, page: PageSegments<'_>) -> Result<SetOutcome, Error> {
         single(self.name(), self.batch_set(std::slice::from_ref(key), &[page])?)
+    }
+}
+
+/// A boxed backend is a backend (so wrappers such as [`FaultyStorage`] take one chosen at run time).
+impl<T: StorageBackend + ?Sized> StorageBackend for Box<T> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+
+    fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {
+        (**self).batch_exists(keys)
+    }
+
+    fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
+        (**self).batch_get(keys, pages)
+    }
+
+    fn batch_set(&self, keys: &[PageKey], pages: &[PageSegments<'_>]) -> Result<Vec<SetOutcome>, Error> {
+        (**self).batch_set(keys, pages)
+    }
+
+    fn remove(&self, keys: &[PageKey]) -> Result<usize, Error> {
+        (**self).remove(keys)
+    }
+
+    fn clear(&self) -> Result<u64, Error> {
+        (**self).clear()
+    }
+
+    fn stats(&self) -> StorageStats {
+        (**self).stats()
+    }
+
+    fn register_host_memory(&self, region: &MemoryRegion) -> Result<(), Error> {
+        (**self).register_host_memory(region)
+    }
+
+    fn unregister_host_memory(&self, region: &MemoryRegion) {
+        (**self).unregister_host_memory(region);
+    }
+
+    fn list(&self) -> Result<Vec<(PageKey, u64)>, Error> {
+        (**self).list()
     }
 }
 
