@@ -3,6 +3,7 @@
 //! Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error. Errors are one line on stderr.
 
 mod backends;
+mod cleanup;
 mod commands;
 mod exit;
 mod memory;

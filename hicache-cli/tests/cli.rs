@@ -880,3 +880,29 @@ fn replay_verifies_every_byte_under_injected_storage_faults_and_counts_them() {
         "--fault-fail-rate 1.5 must be a probability",
     );
 }
+
+#[test]
+fn a_replay_stopped_by_a_signal_removes_its_temporary_directory() {
+    let temp = tempfile::tempdir().unwrap();
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_hicache"))
+            .args(["replay", "--clients", "400", "--rounds", "6"])
+            .env("TMPDIR", temp.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        // the file tier's pages are being written into the replay's own folder
+        while everything(temp.path()).len() < 3 {
+            assert!(std::time::Instant::now() < deadline, "no temporary directory appeared");
+            assert!(child.try_wait().unwrap().is_none(), "the replay ended before the signal");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        // SAFETY: kill(2) on our own child's pid
+        assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), Some(128 + signal), "exit status as a shell reports the signal");
+        assert!(everything(temp.path()).is_empty(), "left behind: {:?}", everything(temp.path()));
+    }
+}

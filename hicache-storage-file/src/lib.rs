@@ -123,7 +123,8 @@ pub struct FileStorage {
 }
 
 impl FileStorage {
-    /// Opens the directory for `namespace`; its folders are made by the first write (or here, to probe `O_DIRECT`).
+    /// Opens the directory for `namespace`, making the directory itself (not when read-only); the folders below it are
+    /// made by the first write that needs them (or here, to probe `O_DIRECT`).
     ///
     /// # Errors
     ///
@@ -153,11 +154,16 @@ impl FileStorage {
                     reason: format!("{} does not exist or is not a directory", config.dir.display()),
                 });
             }
-        } else if config.direct_io {
-            // the probe below writes a file there; otherwise the first write makes the folders it needs, so an open
-            // that never writes leaves nothing behind
-            std::fs::create_dir_all(&root)
-                .map_err(|error| storage_error(format!("creating {}: {error}", root.display())))?;
+        } else {
+            // the directory itself; the folders below it are made by the first write that needs them (so an open
+            // that never writes leaves nothing behind, and a directory removed under a running writer stays removed)
+            std::fs::create_dir_all(&config.dir)
+                .map_err(|error| storage_error(format!("creating {}: {error}", config.dir.display())))?;
+            if config.direct_io {
+                // the probe below writes a file there
+                std::fs::create_dir_all(&root)
+                    .map_err(|error| storage_error(format!("creating {}: {error}", root.display())))?;
+            }
         }
         let page_bytes = namespace.geometry.bytes_per_page(namespace.page_size);
         let shape = page_file::FileShape::new(page_bytes, config.format == FileFormat::Native, config.direct_io);
@@ -349,7 +355,7 @@ impl FileStorage {
         if self.shape.use_direct(page) {
             self.direct_pages.fetch_add(1, Ordering::Relaxed);
         }
-        if let Err(error) = page_file::write_atomic(&path, page, self.shape, &binding) {
+        if let Err(error) = page_file::write_atomic(&path, page, self.shape, &binding, &self.config.dir) {
             return SetOutcome::Failed(PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display())));
         }
         let victims = match (self.lock_index(), self.config.capacity_bytes) {

@@ -249,9 +249,31 @@ fn unique_suffix() -> String {
     format!("{:016x}", rand::random::<u64>())
 }
 
+/// Makes the folders from `base` (exclusive, which must exist) down to `dir`, one level at a time: a `base` that was
+/// removed (a `clear`, or a process cleaning up its temporary directory) is never made again.
+fn make_dirs_below(base: &Path, dir: &Path) -> io::Result<()> {
+    let below = dir.strip_prefix(base).map_err(|_| io::Error::other("a page path lies below the storage directory"))?;
+    let mut path = base.to_path_buf();
+    for part in below {
+        path.push(part);
+        match std::fs::create_dir(&path) {
+            Err(error) if error.kind() != io::ErrorKind::AlreadyExists => return Err(error),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// Writes `page` and its footer (checksum over `binding` and the page) to a new temporary file beside `path`, then
-/// renames it to `path`, replacing what was there. Only the temporary file this call created is ever removed.
-pub(crate) fn write_atomic(path: &Path, page: &[&[u8]], shape: FileShape, binding: &[u8]) -> io::Result<()> {
+/// renames it to `path`, replacing what was there; the folders below `base` that the path needs are made. Only the
+/// temporary file this call created is ever removed.
+pub(crate) fn write_atomic(
+    path: &Path,
+    page: &[&[u8]],
+    shape: FileShape,
+    binding: &[u8],
+    base: &Path,
+) -> io::Result<()> {
     let dir = path.parent().ok_or_else(|| io::Error::other("a page path has a parent directory"))?;
     let name = path.file_name().and_then(|name| name.to_str()).ok_or_else(|| io::Error::other("page file name"))?;
     let direct = shape.use_direct(page);
@@ -261,7 +283,7 @@ pub(crate) fn write_atomic(path: &Path, page: &[&[u8]], shape: FileShape, bindin
         match open_options(direct).write(true).create_new(true).open(&temp) {
             Ok(file) => break (file, temp),
             // the shard folder is new, or a `clear` removed it as empty just now: make it and try again
-            Err(error) if error.kind() == io::ErrorKind::NotFound && attempts < 3 => std::fs::create_dir_all(dir)?,
+            Err(error) if error.kind() == io::ErrorKind::NotFound && attempts < 3 => make_dirs_below(base, dir)?,
             // another writer's name: draw another
             Err(error) if error.kind() == io::ErrorKind::AlreadyExists && attempts < 3 => {}
             Err(error) => return Err(error),

@@ -187,3 +187,22 @@ fn writers_name_their_temporary_files_at_random_and_remove_only_their_own() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
+
+#[test]
+fn a_directory_removed_under_a_writer_is_not_made_again() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("cache");
+    let ns = namespace("m", KvDtype::Bf16, 4);
+    for format in [FileFormat::Native, FileFormat::Sglang] {
+        let storage = open(&dir, format, &ns);
+        let page = ns.geometry.bytes_per_page(4);
+        let keys = random_keys(2);
+        let pages = random_pages(2, page);
+        assert_eq!(put(&storage, &keys[..1], &pages[..1]), [SetOutcome::Stored]);
+        // a `clear` of everything, or a process removing its temporary directory while its I/O threads still write
+        std::fs::remove_dir_all(&dir).unwrap();
+        let outcomes = put(&storage, &keys[1..], &pages[1..]);
+        assert!(matches!(&outcomes[0], SetOutcome::Failed(failure) if failure.kind == FailureKind::Io), "{outcomes:?}");
+        assert!(!dir.exists(), "{format:?}: the write made the removed directory again");
+    }
+}

@@ -181,8 +181,13 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
             .collect::<Result<_, _>>()?,
         read_only: false,
     };
+    let mut options = options;
     let dir = backends::dir_of(args.backend, &options);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    // the benchmark's pages and raw files stay in a folder of their own inside the directory (the same disk), out of
+    // a cache other processes share, and go when it ends, on an error or a signal
+    let private = crate::cleanup::TempFolder::new_in(&dir, ".hicache-bench-")?;
+    options.dir = Some(private.path().to_owned());
     let namespace = namespace(args.page_bytes)?;
     let backend = backends::open(args.backend, &namespace, &options)?;
     if args.via == Via::Controller {
@@ -196,7 +201,7 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
     let source = &*source;
     let mut target_blocks = vec![Block([0; BLOCK]); total.div_ceil(BLOCK)];
     let target = &mut bytemuck::cast_slice_mut::<Block, u8>(&mut target_blocks)[..total];
-    let raw_path = |round: usize| dir.join(format!(".hicache-bench-raw-{}-{round}.bin", std::process::id()));
+    let raw_path = |round: usize| private.path().join(format!("raw-{round}.bin"));
     let mut best = [0f64; 4];
     let progress = crate::progress::bar(4 * args.rounds as u64, "bench storage: phases", args.json)?;
     let result = (|| -> anyhow::Result<()> {

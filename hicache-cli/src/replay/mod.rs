@@ -210,7 +210,7 @@ pub(crate) enum PrefetchPolicyArg {
 enum SharedStorage {
     None,
     Memory(Arc<MemoryStore>),
-    Backend { name: BackendName, options: BackendOptions, _temp: Option<tempfile::TempDir> },
+    Backend { name: BackendName, options: BackendOptions, _temp: Option<crate::cleanup::TempFolder> },
 }
 
 pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
@@ -227,7 +227,8 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
             };
             let temp = match (&args.dir, name) {
                 (None, BackendName::File | BackendName::Nixl) => {
-                    Some(tempfile::Builder::new().prefix("hicache-replay-").tempdir()?)
+                    // removed at the end, on an error, and on SIGINT/SIGTERM/SIGHUP
+                    Some(crate::cleanup::TempFolder::new("hicache-replay-")?)
                 }
                 _ => None,
             };
