@@ -100,6 +100,10 @@ impl FileConfig {
     }
 }
 
+/// Age past which a temporary page file is a killed writer's leftover (a live writer's is seconds old): removed
+/// when a backend opens.
+pub const STALE_TEMPORARY_AGE: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// A file backend for one namespace.
 #[derive(Debug)]
 pub struct FileStorage {
@@ -198,10 +202,25 @@ impl FileStorage {
                 .build()
                 .map_err(|error| storage_error(format!("starting {config_threads} I/O threads: {error}")))?,
         };
+        if !storage.config.read_only {
+            storage.remove_stale_temporaries()?;
+        }
         if storage.config.capacity_bytes.is_some() {
             storage.index = Some(Mutex::new(storage.scan()?));
         }
         Ok(storage)
+    }
+
+    /// Removes this namespace's temporary files older than [`STALE_TEMPORARY_AGE`]: what writers killed mid-write
+    /// left behind.
+    fn remove_stale_temporaries(&self) -> Result<u64, Error> {
+        let own = |name: &str| match self.config.format {
+            FileFormat::Native => name.len() == 69 && name.ends_with(".page"),
+            FileFormat::Sglang => self.is_own_sglang_file(name),
+        };
+        let recurse = self.config.format == FileFormat::Native;
+        page_file::remove_stale_temporaries(&self.root, recurse, &own, STALE_TEMPORARY_AGE)
+            .map_err(|error| storage_error(format!("removing stale temporary files: {error}")))
     }
 
     /// Rebuilds the capacity account from the directory: this namespace's page files, oldest first.

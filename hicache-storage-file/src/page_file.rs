@@ -396,6 +396,59 @@ pub(crate) fn remove_tree_files(
     Ok(removed)
 }
 
+/// Removes the temporary files in `root` (and below it when `recurse`) of page names `own` accepts that were last
+/// modified more than `age` ago: what writers killed mid-write left (a live writer's file is seconds old). Returns
+/// how many went.
+pub(crate) fn remove_stale_temporaries(
+    root: &Path,
+    recurse: bool,
+    own: &dyn Fn(&str) -> bool,
+    age: std::time::Duration,
+) -> io::Result<u64> {
+    let now = std::time::SystemTime::now();
+    let mut stale = Vec::new();
+    let mut visit = |dir: &Path, recurse_into: &mut Vec<std::path::PathBuf>| -> io::Result<()> {
+        let entries = match std::fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(error) => return Err(with_path(error, dir)),
+        };
+        for entry in entries {
+            let entry = entry.map_err(|error| with_path(error, dir))?;
+            let Ok(kind) = entry.file_type() else { continue };
+            if kind.is_dir() {
+                recurse_into.push(entry.path());
+                continue;
+            }
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let page = name.strip_prefix('.').and_then(|rest| rest.rsplit_once(".tmp-")).map(|(page, _)| page);
+            if page.is_some_and(own)
+                && let Ok(modified) = entry.metadata().and_then(|metadata| metadata.modified())
+                && now.duration_since(modified).is_ok_and(|elapsed| elapsed > age)
+            {
+                stale.push(entry.path());
+            }
+        }
+        Ok(())
+    };
+    let mut folders = vec![root.to_path_buf()];
+    while let Some(folder) = folders.pop() {
+        let mut below = Vec::new();
+        visit(&folder, &mut below)?;
+        if recurse {
+            folders.extend(below);
+        }
+    }
+    let mut removed = 0;
+    for path in stale {
+        if std::fs::remove_file(&path).is_ok() {
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
 /// Calls `found(path, bytes, modified)` for every regular file in `root` (and below it when `recurse`), temporary
 /// files excepted. A file or folder that vanishes meanwhile (a concurrent `clear` or eviction) is skipped; other
 /// errors name the path they happened at.

@@ -206,3 +206,44 @@ fn a_directory_removed_under_a_writer_is_not_made_again() {
         assert!(!dir.exists(), "{format:?}: the write made the removed directory again");
     }
 }
+
+#[test]
+fn a_killed_writers_old_temporary_files_are_removed_at_open_and_fresh_ones_stay() {
+    for format in [FileFormat::Native, FileFormat::Sglang] {
+        let dir = tempfile::tempdir().unwrap();
+        let ns = namespace("m", KvDtype::Bf16, 4);
+        let keys = random_keys(2);
+        let storage = open(dir.path(), format, &ns);
+        let temporary = |key| {
+            let path = storage.page_path(key);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            path.with_file_name(format!(".{}.tmp-00000000000000ff", path.file_name().unwrap().to_str().unwrap()))
+        };
+        let (old, fresh) = (temporary(&keys[0]), temporary(&keys[1]));
+        std::fs::write(&old, b"half").unwrap();
+        std::fs::write(&fresh, b"half").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&old)
+            .unwrap()
+            .set_modified(std::time::SystemTime::now() - hicache_storage_file::STALE_TEMPORARY_AGE * 2)
+            .unwrap();
+        // another namespace's old temporary file in the same directory is not ours to remove
+        let other = open(dir.path(), format, &namespace("other", KvDtype::Bf16, 4));
+        let foreign = {
+            let path = other.page_path(&keys[0]);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            path.with_file_name(format!(".{}.tmp-00000000000000ff", path.file_name().unwrap().to_str().unwrap()))
+        };
+        std::fs::write(&foreign, b"half").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&foreign)
+            .unwrap()
+            .set_modified(std::time::SystemTime::now() - hicache_storage_file::STALE_TEMPORARY_AGE * 2)
+            .unwrap();
+        drop(open(dir.path(), format, &ns));
+        assert!(!old.exists(), "{format:?}: the stale temporary file stays");
+        assert!(fresh.exists() && foreign.exists(), "{format:?}: a live writer's or another namespace's went");
+    }
+}
