@@ -571,6 +571,51 @@ fn the_agreed_leading_hit_is_read_while_the_query_goes_on() {
 }
 
 #[test]
+fn a_hit_query_that_hangs_does_not_hold_up_best_effort_or_timeout() {
+    let store = MemoryStore::new();
+    let (prompt, expected) = seed_storage(&store, 18, 6);
+    let page_bytes =
+        controller(Arc::new(memory(&store, 0, 1)), settings(PrefetchPolicy::BestEffort), Arc::new(SystemClock::new()))
+            .engine()
+            .host_map()
+            .page_bytes();
+    for (policy, answered) in [
+        (PrefetchPolicy::BestEffort, 0),
+        (PrefetchPolicy::BestEffort, 1),
+        (PrefetchPolicy::Timeout, 0),
+        (PrefetchPolicy::Timeout, 1),
+    ] {
+        // the storage answers `answered` query batches of two pages, then hangs (a stuck mount)
+        let gated = Arc::new(Gated::with_query_gate(memory(&store, 0, 1)));
+        gated.open(100);
+        let clock = Arc::new(ManualClock::new());
+        let mut rig = controller(gated.clone(), settings(policy), clock.clone());
+        rig.prefetch("r", &prompt, None).unwrap();
+        gated.open_queries(answered);
+        if answered > 0 {
+            tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(2 * PAGE));
+        }
+        rig.finish_prefetch("r");
+        if policy == PrefetchPolicy::Timeout {
+            for _ in 0..10 {
+                assert!(rig.tick(&mut SingleRank).unwrap().prefetches.is_empty(), "{policy}: before its limit");
+            }
+            clock.advance(Duration::from_secs(4));
+        }
+        let done = prefetch_result(&mut rig, "r");
+        let stop = if policy == PrefetchPolicy::BestEffort { PrefetchStop::CutOff } else { PrefetchStop::TimedOut };
+        assert_eq!((done.explanation.stop, done.host_pages.len()), (stop, 2 * answered), "{policy}, {answered}");
+        assert_eq!(host_bytes(&rig, &done.host_pages), expected[..2 * answered * page_bytes]);
+        tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
+        rig.evict_host(&done.host_pages).unwrap();
+        assert_eq!(rig.host().available(), HOST_PAGES);
+        assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
+        // the storage recovers: the query thread ends (and the controller can be dropped, joining it)
+        gated.open_queries(100);
+    }
+}
+
+#[test]
 fn reset_waits_for_storage_io_and_leaves_nothing_behind() {
     // docs/sglang.md#fixed-14: SGLang's reset neither joins its I/O thread nor clears its storage records
     let store = MemoryStore::new();

@@ -13,7 +13,7 @@
 //!    then); otherwise host pages are reserved for the rest of the hit (evicting through the caller's callback when
 //!    the pool is short; when even that leaves too few, the hit is cut to what fits) and the fetch thread reads them.
 //! 3. The scheduler asks for the result with [`finish_prefetch`](CacheController::finish_prefetch). `best_effort`
-//!    terminates the fetch at once; `wait_complete` waits until every rank's fetch is done; `timeout` waits until
+//!    terminates the fetch at once (and stops waiting for a hit query still running: its storage may hang); `wait_complete` waits until every rank's fetch is done; `timeout` waits until
 //!    done or until any rank's limit passed. When every rank's count is final, the TP minimum of the fetched tokens
 //!    is the result: those pages go to the caller, already in the backup state.
 //! 4. Pages past the minimum go back to the allocator when every rank's fetch thread is quiet (it will not touch them
@@ -104,6 +104,9 @@ pub(super) struct PrefetchEntry {
     admitted: u64,
     /// The host pool could not hold the whole hit: fewer pages were reserved.
     capped: bool,
+    /// The scheduler stopped waiting for the hit query (its policy, or an abort): why; only the part agreed before
+    /// is fetched.
+    query_cut: Option<PrefetchStop>,
     explanation: PrefetchExplanation,
 }
 
@@ -230,6 +233,7 @@ impl<E: TransferEngine> CacheController<E> {
                 timed_out: false,
                 admitted: whole as u64,
                 capped: false,
+                query_cut: None,
                 explanation,
             },
         );
@@ -341,11 +345,17 @@ impl<E: TransferEngine> CacheController<E> {
         for (index, op) in ops.into_iter().enumerate() {
             let slot = Slot::read(&values[HEADER + index * SLOT_VALUES..][..SLOT_VALUES]);
             let storage = self.storage.as_mut().expect("slots only with storage");
+            let policy = storage.settings.policy;
             let mut entry = storage.prefetches.remove(&op).expect("slots name live prefetches");
+            // a query the scheduler no longer waits for (its storage may hang): best_effort stops when the request
+            // is taken, timeout at its limit on any rank, an abort at once
+            let stop_waiting =
+                entry.aborted || (entry.wanted && (policy == PrefetchPolicy::BestEffort || !slot.in_time));
             let done = match entry.stage {
                 Stage::Querying { .. } if slot.hit_ready => {
                     self.reserve(op, &mut entry, slot.hit_pages as usize, evict_host)?
                 }
+                Stage::Querying { .. } if stop_waiting => self.stop_querying(&mut entry, slot.hit_pages as usize)?,
                 Stage::Querying { .. } => {
                     self.reserve_agreed(op, &mut entry, slot.hit_pages as usize)?;
                     None
@@ -398,6 +408,38 @@ impl<E: TransferEngine> CacheController<E> {
         keys.extend(more_keys);
         entry.explanation.reserved_tokens = pages.len() * self.page_size;
         Ok(())
+    }
+
+    /// The scheduler stops waiting for the hit query: what every rank agreed on so far (`agreed_pages`) is all the
+    /// prefetch gets; reads of it already queued end with a last job and are resolved when they stop.
+    fn stop_querying(&mut self, entry: &mut PrefetchEntry, agreed_pages: usize) -> Result<Option<PrefetchDone>, Error> {
+        let storage = self.storage.as_mut().expect("storage");
+        let stop = if entry.aborted {
+            PrefetchStop::Aborted
+        } else if storage.settings.policy == PrefetchPolicy::BestEffort {
+            PrefetchStop::CutOff
+        } else {
+            PrefetchStop::TimedOut
+        };
+        entry.shared.progress.terminate();
+        entry.explanation.local_hit_tokens = entry.shared.found_pages() * self.page_size;
+        entry.explanation.tp_min_hit_tokens = agreed_pages * self.page_size;
+        let Stage::Querying { pages, keys } =
+            std::mem::replace(&mut entry.stage, Stage::Querying { pages: Vec::new(), keys: Vec::new() })
+        else {
+            unreachable!("stop_querying is called on querying prefetches")
+        };
+        if pages.is_empty() {
+            entry.explanation.stop = stop;
+            return Ok(Some(self.finish_entry(entry, Vec::new(), Vec::new())));
+        }
+        storage.workers.fetch(entry.shared.clone(), Vec::new(), Vec::new(), true);
+        let reserved = (pages.len() * self.page_size) as u64;
+        storage.capacity.release(entry.admitted - reserved)?;
+        entry.admitted = reserved;
+        entry.query_cut = Some(stop);
+        entry.stage = Stage::Fetching { pages, keys };
+        Ok(None)
     }
 
     /// The hit is known on every rank: revoke, or reserve host pages for the rest of it (as many as the pool can
@@ -486,6 +528,8 @@ impl<E: TransferEngine> CacheController<E> {
         entry.explanation.fetched_tokens = kept * self.page_size;
         entry.explanation.stop = if entry.aborted {
             PrefetchStop::Aborted
+        } else if let Some(stop) = entry.query_cut.clone().filter(|_| kept == pages.len()) {
+            stop
         } else if kept == pages.len() && entry.capped {
             PrefetchStop::HostPoolFull
         } else if kept == pages.len() {
