@@ -13,9 +13,11 @@
 //!    then); otherwise host pages are reserved for the rest of the hit (evicting through the caller's callback when
 //!    the pool is short; when even that leaves too few, the hit is cut to what fits) and the fetch thread reads them.
 //! 3. The scheduler asks for the result with [`finish_prefetch`](CacheController::finish_prefetch). `best_effort`
-//!    terminates the fetch at once (and stops waiting for a hit query still running: its storage may hang); `wait_complete` waits until every rank's fetch is done; `timeout` waits until
-//!    done or until any rank's limit passed. When every rank's count is final, the TP minimum of the fetched tokens
-//!    is the result: those pages go to the caller, already in the backup state.
+//!    terminates the fetch at once; `wait_complete` waits until every rank's fetch is done; `timeout` waits until
+//!    done or until any rank's limit passed. `best_effort` and `timeout` (at its limit) do not wait for a hit query
+//!    still running either (its storage may hang): the part agreed so far is all the prefetch gets. When every
+//!    rank's count is final, the TP minimum of the fetched tokens is the result: those pages go to the caller,
+//!    already in the backup state.
 //! 4. Pages past the minimum go back to the allocator when every rank's fetch thread is quiet (it will not touch them
 //!    again): released by (operation, page range), exactly once, on the scheduler's thread (docs/sglang.md#fixed-1 and
 //!    #fixed-2).
