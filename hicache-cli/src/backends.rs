@@ -53,6 +53,9 @@ pub(crate) struct BackendOptions {
     /// NIXL plugin parameters over the plugin's defaults.
     #[cfg_attr(not(feature = "nixl"), expect(dead_code, reason = "read only by the NIXL backend"))]
     pub(crate) nixl_params: Vec<(String, String)>,
+    /// Bytes of page files the namespace may hold in the directory, across processes (the file backend).
+    #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
+    pub(crate) capacity_bytes: Option<u64>,
     /// Open for inspection: create, change and remove nothing (the file backend).
     #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
     pub(crate) read_only: bool,
@@ -84,6 +87,7 @@ fn open_file(namespace: &StorageNamespace, options: &BackendOptions) -> anyhow::
     config.io_threads = options.io_threads.unwrap_or(config.io_threads);
     config.direct_io = options.direct_io;
     config.read_only = options.read_only;
+    config.capacity_bytes = options.capacity_bytes;
     Ok(Box::new(FileStorage::open(config, namespace)?))
 }
 

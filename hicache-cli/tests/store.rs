@@ -214,6 +214,38 @@ fn a_named_geometry_sets_the_page_size_in_bytes_and_the_model_only_names_the_nam
 }
 
 #[test]
+fn a_capacity_holds_across_store_processes_and_comes_from_the_flag_or_the_config() {
+    let work = tempfile::tempdir().unwrap();
+    let storage = work.path().join("storage");
+    let (_, bytes) = fixture(work.path(), 3);
+    let page = work.path().join("page.bin");
+    // three processes, one page each, a capacity of two native page files (128 bytes and a 16-byte footer)
+    let keys: Vec<String> = (1..=3).map(|index| format!("{index:02x}").repeat(32)).collect();
+    for (index, key) in keys.iter().enumerate() {
+        std::fs::write(&page, &bytes[index * PAGE_BYTES..(index + 1) * PAGE_BYTES]).unwrap();
+        ok(store("put", &storage, &["--key", key, "--in", page.to_str().unwrap(), "--capacity-bytes", "288"]));
+    }
+    let listed = ok(store("ls", &storage, &[]));
+    assert_eq!(listed.lines().count(), 2, "{listed}");
+    assert!(!listed.contains(&keys[0]), "the least recently used page went: {listed}");
+    // the same from a config file
+    let config = work.path().join("hicache.json");
+    std::fs::write(&config, r#"{"storage_capacity_bytes": 144}"#).unwrap();
+    std::fs::write(&page, &bytes[..PAGE_BYTES]).unwrap();
+    ok(store(
+        "put",
+        &storage,
+        &["--key", &keys[0], "--in", page.to_str().unwrap(), "--config", config.to_str().unwrap()],
+    ));
+    assert_eq!(ok(store("ls", &storage, &[])).lines().count(), 1);
+    failure(
+        &store("put", &storage, &["--key", &keys[0], "--in", page.to_str().unwrap(), "--capacity-bytes", "10"]),
+        2,
+        "capacity_bytes",
+    );
+}
+
+#[test]
 fn help_describes_every_store_option() {
     let help = ok(hicache(&["store", "put", "--help"], &[]));
     for option in [

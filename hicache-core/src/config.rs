@@ -125,6 +125,9 @@ pub struct HiCacheConfig {
     pub write_through_selective_threshold: u32,
     /// L3 bandwidth cap in bytes per second for backups; 0 for none.
     pub storage_write_bytes_per_s: u64,
+    /// The file tier's capacity: bytes of page files one namespace may hold in its directory, across every process
+    /// sharing it (least recently used pages go first; SGLang's file backend `max_size`); 0 for none.
+    pub storage_capacity_bytes: u64,
 }
 
 impl Default for HiCacheConfig {
@@ -149,6 +152,7 @@ impl Default for HiCacheConfig {
             load_back_threshold: 10,
             write_through_selective_threshold: 2,
             storage_write_bytes_per_s: 0,
+            storage_capacity_bytes: 0,
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The capacity account of a file backend: bytes held per page and least-recently-used order, for eviction.
 //!
-//! Rebuilt at open from the directory (file sizes, and modification times as the recency of a previous run); kept
-//! exact in memory while the backend runs: a hit or a write makes a page the most recent.
+//! Built from the directory (file sizes, and modification times as recency, which every process's reads touch) at
+//! open, before an eviction, and whenever another process changed the shared account (`account.rs`); in between it
+//! is kept in memory: a hit or a write makes a page the most recent.
 
 use std::collections::{BTreeMap, HashMap};
 

@@ -22,6 +22,7 @@
 //! SGLang layout only files directly in the directory whose names match the namespace exactly and whose length is
 //! this namespace's page, never below it.
 
+mod account;
 mod index;
 mod page_file;
 
@@ -63,8 +64,9 @@ pub struct FileConfig {
     pub format: FileFormat,
     /// Most threads one batch uses.
     pub io_threads: usize,
-    /// Bytes of page files this namespace may hold; least recently used pages are removed beyond it. `None`: no
-    /// limit (SGLang's behaviour).
+    /// Bytes of page files this namespace may hold, across every process sharing the directory; least recently
+    /// used pages are removed beyond it (down to 90% when that frees whole pages, so a crowded directory is not
+    /// counted at every write). `None`: no limit (SGLang's behaviour).
     pub capacity_bytes: Option<u64>,
     /// Read and write with `O_DIRECT`, bypassing the page cache, for pages whose segments are whole 4 KiB blocks at
     /// 4 KiB-aligned addresses (other pages go through the page cache). For stores larger than memory: the host
@@ -118,6 +120,8 @@ pub struct FileStorage {
     digest: String,
     /// With a capacity: the pages held and their recency.
     index: Option<Mutex<index::LruIndex>>,
+    /// With a capacity (and writes): the account every process sharing the directory keeps.
+    account: Option<account::SharedAccount>,
     /// Pages read or written with `O_DIRECT`.
     direct_pages: AtomicU64,
     stats: StatsRecorder,
@@ -194,6 +198,7 @@ impl FileStorage {
             shape,
             digest,
             index: None,
+            account: None,
             direct_pages: AtomicU64::new(0),
             stats: StatsRecorder::default(),
             pool: rayon::ThreadPoolBuilder::new()
@@ -206,9 +211,50 @@ impl FileStorage {
             storage.remove_stale_temporaries()?;
         }
         if storage.config.capacity_bytes.is_some() {
-            storage.index = Some(Mutex::new(storage.scan()?));
+            let index = storage.scan()?;
+            if !storage.config.read_only {
+                let path = storage.account_path();
+                let account_error = |error: std::io::Error| storage_error(format!("{}: {error}", path.display()));
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent).map_err(account_error)?;
+                }
+                let account = account::SharedAccount::open(&path).map_err(account_error)?;
+                // the directory as it is now, counted under the lock, is the account every process starts from
+                account.lock().and_then(|locked| locked.set(index.total())).map_err(account_error)?;
+                storage.account = Some(account);
+            }
+            storage.index = Some(Mutex::new(index));
         }
         Ok(storage)
+    }
+
+    /// The capacity account's file: beside the namespace's pages, outside the folders `clear` removes.
+    fn account_path(&self) -> PathBuf {
+        match self.config.format {
+            FileFormat::Native => self.config.dir.join("hicache-v1").join(format!(".capacity-{}", self.digest)),
+            FileFormat::Sglang => self.config.dir.join(format!(".hicache-capacity-{}", self.sglang_suffix)),
+        }
+    }
+
+    /// Runs `change(index, recounted)` on the capacity index under the shared account's lock, then records the
+    /// index's total there. When the account does not hold what this process last recorded, another process changed
+    /// the directory: the index is counted from the directory again first (`recounted`). Without a capacity, does
+    /// nothing; read-only, changes the index alone.
+    fn with_account(&self, change: impl FnOnce(&mut index::LruIndex, bool)) -> Result<(), Error> {
+        let (Some(mut index), Some(account)) = (self.lock_index(), &self.account) else {
+            if let Some(mut index) = self.lock_index() {
+                change(&mut index, false);
+            }
+            return Ok(());
+        };
+        let error = |error: std::io::Error| storage_error(format!("the capacity account: {error}"));
+        let locked = account.lock().map_err(error)?;
+        let recounted = locked.bytes().map_err(error)? != Some(index.total());
+        if recounted {
+            *index = self.scan()?;
+        }
+        change(&mut index, recounted);
+        locked.set(index.total()).map_err(error)
     }
 
     /// Removes this namespace's temporary files older than [`STALE_TEMPORARY_AGE`]: what writers killed mid-write
@@ -294,7 +340,9 @@ impl FileStorage {
         if self.shape.use_direct(page) {
             self.direct_pages.fetch_add(1, Ordering::Relaxed);
         }
-        let outcome = match page_file::read(&path, page, self.shape, &self.binding(key)) {
+        // with a capacity, a hit makes the page recent for every process: its modification time is the recency
+        let touch = self.index.is_some() && !self.config.read_only;
+        let outcome = match page_file::read(&path, page, self.shape, &self.binding(key), touch) {
             Ok(page_file::Read::Done) => GetOutcome::Hit,
             Ok(page_file::Read::Missing) => GetOutcome::Miss,
             Ok(page_file::Read::Corrupt(reason)) => {
@@ -318,14 +366,19 @@ impl FileStorage {
             )),
             Err(error) => GetOutcome::Failed(PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display()))),
         };
-        if let Some(mut index) = self.lock_index() {
-            match outcome {
-                GetOutcome::Hit => index.touch(key),
-                GetOutcome::Miss | GetOutcome::Failed(PageFailure { kind: FailureKind::Corrupt, .. }) => {
-                    index.remove(key);
+        match outcome {
+            GetOutcome::Hit => {
+                if let Some(mut index) = self.lock_index() {
+                    index.touch(key);
                 }
-                GetOutcome::Failed(_) => {}
             }
+            // gone (another process removed it), or removed here as damaged: out of the account
+            GetOutcome::Miss | GetOutcome::Failed(PageFailure { kind: FailureKind::Corrupt, .. }) => {
+                let _ = self.with_account(|index, _| {
+                    index.remove(key);
+                });
+            }
+            GetOutcome::Failed(_) => {}
         }
         outcome
     }
@@ -377,18 +430,37 @@ impl FileStorage {
         if let Err(error) = page_file::write_atomic(&path, page, self.shape, &binding, &self.config.dir) {
             return SetOutcome::Failed(PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display())));
         }
-        let victims = match (self.lock_index(), self.config.capacity_bytes) {
-            (Some(mut index), Some(capacity)) => {
-                index.insert(*key, self.file_bytes());
-                index.evict_to(capacity, key)
+        if let Some(capacity) = self.config.capacity_bytes {
+            // down to 90% of the capacity when that frees whole pages, so a full directory is not counted per write
+            let file_bytes = self.file_bytes();
+            let low = capacity - capacity / 10 / file_bytes * file_bytes;
+            let mut victims = Vec::new();
+            let counted = self.with_account(|index, recounted| {
+                if !recounted {
+                    index.insert(*key, file_bytes);
+                }
+                if index.total() > capacity {
+                    // recency is every process's: pages' modification times, which reads touch; count them now
+                    if !recounted && let Ok(counted) = self.scan() {
+                        *index = counted;
+                    }
+                    victims = index.evict_to(low, key);
+                    // under the account's lock, so no other process counts a page removed here; a reader that has
+                    // the file open keeps reading it
+                    for victim in &victims {
+                        let _ = std::fs::remove_file(self.page_path(victim));
+                    }
+                }
+            });
+            self.stats.record_removed(victims.len() as u64);
+            if let Err(error) = counted {
+                // the page is stored; only the account failed (it is counted again at the next write)
+                return SetOutcome::Failed(PageFailure::new(
+                    FailureKind::Io,
+                    format!("{}: stored, but {error}", path.display()),
+                ));
             }
-            _ => Vec::new(),
-        };
-        // files are removed outside the lock; a reader that raced the removal sees a miss
-        for victim in &victims {
-            let _ = std::fs::remove_file(self.page_path(victim));
         }
-        self.stats.record_removed(victims.len() as u64);
         SetOutcome::Stored
     }
 
@@ -498,19 +570,28 @@ impl StorageBackend for FileStorage {
             return Err(storage_error(self.read_only_message()));
         }
         let mut removed = 0;
+        let mut failure = None;
         for key in keys {
             let path = self.page_path(key);
-            if let Some(mut index) = self.lock_index() {
-                index.remove(key);
-            }
             match std::fs::remove_file(&path) {
                 Ok(()) => removed += 1,
                 Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-                Err(error) => return Err(storage_error(format!("removing {}: {error}", path.display()))),
+                Err(error) => {
+                    failure = Some(storage_error(format!("removing {}: {error}", path.display())));
+                    break;
+                }
             }
         }
         self.stats.record_removed(removed as u64);
-        Ok(removed)
+        self.with_account(|index, _| {
+            for key in keys {
+                index.remove(key);
+            }
+        })?;
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(removed),
+        }
     }
 
     fn clear(&self) -> Result<u64, Error> {
@@ -538,9 +619,8 @@ impl StorageBackend for FileStorage {
             }
         }
         .map_err(|error| storage_error(format!("clearing {}: {error}", self.root.display())))?;
-        if let Some(mut index) = self.lock_index() {
-            *index = index::LruIndex::default();
-        }
+        // recorded as what the directory holds now (another process may have written meanwhile)
+        self.with_account(|index, _| *index = self.scan().unwrap_or_default())?;
         self.stats.record_removed(removed);
         Ok(removed)
     }

@@ -153,8 +153,15 @@ fn length_verdict(found: u64, shape: FileShape) -> Option<Read> {
 }
 
 /// Reads the page at `path` into `page`, checking its length and (native pages) the footer's checksum over
-/// `binding` and the page.
-pub(crate) fn read(path: &Path, page: &mut [&mut [u8]], shape: FileShape, binding: &[u8]) -> io::Result<Read> {
+/// `binding` and the page; with `touch`, an intact page's modification time becomes now (its recency, shared by
+/// every process that evicts by it).
+pub(crate) fn read(
+    path: &Path,
+    page: &mut [&mut [u8]],
+    shape: FileShape,
+    binding: &[u8],
+    touch: bool,
+) -> io::Result<Read> {
     let (mut file, found) = match open_page(path, shape.use_direct(page))? {
         Ok(opened) => opened,
         Err(verdict) => return Ok(verdict),
@@ -178,10 +185,15 @@ pub(crate) fn read(path: &Path, page: &mut [&mut [u8]], shape: FileShape, bindin
             }
         }
     }
-    match hasher {
-        Some(hasher) => check_footer(&mut file, shape, &hasher),
-        None => Ok(Read::Done),
+    let verdict = match hasher {
+        Some(hasher) => check_footer(&mut file, shape, &hasher)?,
+        None => Read::Done,
+    };
+    if touch && matches!(verdict, Read::Done) {
+        // only the file's owner may set it; a page another user wrote keeps its time
+        let _ = file.set_modified(std::time::SystemTime::now());
     }
+    Ok(verdict)
 }
 
 /// Whether the page file at `path` is an intact page of this binding, reading it through a small buffer (a writer

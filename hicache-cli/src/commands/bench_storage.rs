@@ -180,6 +180,7 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
             })
             .collect::<Result<_, _>>()?,
         read_only: false,
+        capacity_bytes: None,
     };
     let mut options = options;
     let dir = backends::dir_of(args.backend, &options);

@@ -115,6 +115,10 @@ pub(crate) struct TargetArgs {
     /// per token.
     #[arg(long, value_name = "N")]
     page_size: Option<usize>,
+    /// Bytes of page files the namespace may hold in the directory, across processes (a put evicts least recently
+    /// used pages beyond it; default: the config's storage_capacity_bytes, else no limit).
+    #[arg(long, value_name = "BYTES")]
+    capacity_bytes: Option<u64>,
     /// Bytes per page, checked against the geometry (a guard against the wrong geometry).
     #[arg(long, value_name = "B")]
     page_bytes: Option<usize>,
@@ -280,6 +284,10 @@ fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
         nixl_plugin: None,
         nixl_params: Vec::new(),
         read_only: mode == Mode::Inspect,
+        capacity_bytes: args
+            .capacity_bytes
+            .or(config.as_ref().map(|config| config.storage_capacity_bytes))
+            .filter(|&bytes| bytes > 0),
     };
     if matches!(backend, BackendName::File | BackendName::Nixl) && mode != Mode::Write {
         let dir = backends::dir_of(backend, &options);

@@ -123,6 +123,10 @@ pub(crate) struct ReplayArgs {
     /// File layout of the file tier.
     #[arg(long, value_enum, default_value_t = FileFormatArg::Native)]
     format: FileFormatArg,
+    /// Bytes of page files the file tier may hold (per rank's namespace, across processes sharing the directory);
+    /// least recently used pages go first. Default: no limit.
+    #[arg(long, value_name = "BYTES")]
+    capacity_bytes: Option<u64>,
     /// Transfer engine.
     #[arg(long, value_enum, default_value_t = EngineName::Cpu)]
     engine: EngineName,
@@ -241,6 +245,7 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
                 nixl_plugin: None,
                 nixl_params: Vec::new(),
                 read_only: false,
+                capacity_bytes: args.capacity_bytes,
             };
             SharedStorage::Backend { name, options, _temp: temp }
         }

@@ -69,6 +69,8 @@ struct Parameters {
     /// The file tier's directory (null: a temporary one, removed at the end).
     dir: Option<std::path::PathBuf>,
     format: String,
+    /// The file tier's capacity in bytes (null: none).
+    capacity_bytes: Option<u64>,
     engine: String,
     write_policy: String,
     prefetch_policy: String,
@@ -109,6 +111,7 @@ fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
         backend: value_name(&args.backend),
         dir: args.dir.clone(),
         format: value_name(&args.format),
+        capacity_bytes: args.capacity_bytes,
         engine: value_name(&args.engine),
         write_policy: value_name(&args.write_policy),
         prefetch_policy: value_name(&args.prefetch_policy),
