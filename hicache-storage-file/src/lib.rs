@@ -576,9 +576,9 @@ impl StorageBackend for FileStorage {
             match std::fs::remove_file(&path) {
                 Ok(()) => removed += 1,
                 Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                // reported after the others are removed: one page that cannot go does not keep the rest
                 Err(error) => {
-                    failure = Some(storage_error(format!("removing {}: {error}", path.display())));
-                    break;
+                    failure.get_or_insert_with(|| storage_error(format!("removing {}: {error}", path.display())));
                 }
             }
         }

@@ -146,6 +146,10 @@ fn a_directory_or_a_fifo_at_a_page_path_is_reported_never_read_and_never_stops_a
         assert_eq!(storage.batch_exists(&keys).unwrap(), 0, "not pages");
         assert!(started.elapsed() < Duration::from_secs(5), "{format:?}: something blocked");
         assert!(directory.is_dir() && fifo.exists(), "{format:?}: left in place");
+        // removing all three: the directory cannot go as a page, and does not stop the others
+        let error = storage.remove(&[keys[0], keys[2]]).unwrap_err().to_string();
+        assert!(error.contains("removing"), "{error}");
+        assert_eq!(storage.batch_exists(&keys[2..]).unwrap(), 0, "{format:?}: the page after it was removed");
     }
 }
 
