@@ -879,6 +879,23 @@ fn replay_verifies_every_byte_under_injected_storage_faults_and_counts_them() {
         &hicache(&["replay", "--fault-fail-rate", "1.5"], ""),
         "--fault-fail-rate 1.5 must be a probability",
     );
+    // storage calls that hang a while and then time out: every policy carries on, and the bytes are still right
+    for policy in ["timeout", "best-effort"] {
+        let hung = replay_json(&[
+            "--clients",
+            "16",
+            "--rounds",
+            "3",
+            "--prefetch-policy",
+            policy,
+            "--fault-hang-rate",
+            "0.05",
+            "--fault-hang-ms",
+            "20",
+        ]);
+        assert_eq!(hung["verified"], true, "{policy}: {hung}");
+        assert!(hung["faults_injected"]["failed_calls"].as_u64().unwrap() > 0, "{policy}: {hung}");
+    }
 }
 
 #[test]

@@ -161,6 +161,12 @@ pub(crate) struct ReplayArgs {
     /// Fault injection: microseconds added to every storage call.
     #[arg(long, default_value_t = 0, value_name = "US")]
     fault_latency_us: u64,
+    /// Fault injection: the probability that a storage call hangs for --fault-hang-ms and then fails as timed out.
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    fault_hang_rate: f64,
+    /// Fault injection: how long a hanging storage call hangs, in milliseconds.
+    #[arg(long, default_value_t = 100, value_name = "MS")]
+    fault_hang_ms: u64,
     /// Fault injection: seed of the random faults (rank r uses seed + r).
     #[arg(long, default_value_t = 1, value_name = "N")]
     fault_seed: u64,
@@ -324,8 +330,11 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
             return usage(format!("{name} must be at least 1"));
         }
     }
-    for (name, rate) in [("--fault-fail-rate", args.fault_fail_rate), ("--fault-corrupt-rate", args.fault_corrupt_rate)]
-    {
+    for (name, rate) in [
+        ("--fault-fail-rate", args.fault_fail_rate),
+        ("--fault-corrupt-rate", args.fault_corrupt_rate),
+        ("--fault-hang-rate", args.fault_hang_rate),
+    ] {
         if !(0.0..=1.0).contains(&rate) {
             return usage(format!("{name} {rate} must be a probability between 0 and 1"));
         }
@@ -514,10 +523,12 @@ fn fault_plan(args: &ReplayArgs, rank: usize) -> Option<FaultPlan> {
         latency: (args.fault_latency_us > 0).then(|| Duration::from_micros(args.fault_latency_us)),
         page_failure_ppm: ppm(args.fault_fail_rate),
         corruption_ppm: ppm(args.fault_corrupt_rate),
+        hang_ppm: ppm(args.fault_hang_rate),
+        hang_for: Duration::from_millis(args.fault_hang_ms),
         seed: args.fault_seed.wrapping_add(rank as u64),
         ..FaultPlan::default()
     };
-    (plan != FaultPlan { seed: plan.seed, ..FaultPlan::default() }).then_some(plan)
+    (plan != FaultPlan { seed: plan.seed, hang_for: plan.hang_for, ..FaultPlan::default() }).then_some(plan)
 }
 
 fn write_policy(args: &ReplayArgs) -> WritePolicy {

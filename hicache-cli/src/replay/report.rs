@@ -82,6 +82,8 @@ struct Parameters {
     fault_fail_rate: f64,
     fault_corrupt_rate: f64,
     fault_latency_us: u64,
+    fault_hang_rate: f64,
+    fault_hang_ms: u64,
     fault_seed: u64,
 }
 
@@ -123,6 +125,8 @@ fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
         fault_fail_rate: args.fault_fail_rate,
         fault_corrupt_rate: args.fault_corrupt_rate,
         fault_latency_us: args.fault_latency_us,
+        fault_hang_rate: args.fault_hang_rate,
+        fault_hang_ms: args.fault_hang_ms,
         fault_seed: args.fault_seed,
     }
 }

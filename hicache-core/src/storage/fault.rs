@@ -35,7 +35,12 @@ pub struct FaultPlan {
     /// Each page a get found is reported [`FailureKind::Corrupt`] instead (as a backend that checksums its pages
     /// reports a damaged one) with this probability, in parts per million; its bytes are not handed over as a hit.
     pub corruption_ppm: u32,
-    /// Seed of the random draws of the two rates above.
+    /// Each call hangs for [`hang_for`](Self::hang_for) and then fails with [`Error::Timeout`] with this probability,
+    /// in parts per million (a mount that stops answering for a while).
+    pub hang_ppm: u32,
+    /// How long a call drawn by [`hang_ppm`](Self::hang_ppm) hangs.
+    pub hang_for: Duration,
+    /// Seed of the random draws of the rates above.
     pub seed: u64,
 }
 
@@ -165,6 +170,14 @@ impl<S: StorageBackend> FaultyStorage<S> {
                 backend: self.inner.name().to_owned(),
                 operation,
                 waited_ms: started.elapsed().as_millis() as u64,
+            });
+        }
+        if plan.hang_ppm > 0 && self.draw(plan.seed, plan.hang_ppm) {
+            std::thread::sleep(plan.hang_for);
+            return Err(Error::Timeout {
+                backend: self.inner.name().to_owned(),
+                operation,
+                waited_ms: plan.hang_for.as_millis() as u64,
             });
         }
         if plan.fail_call == Some(call) {
@@ -352,6 +365,19 @@ mod tests {
             assert_eq!(storage.inner().exists(key).unwrap(), outcome.is_stored(), "{outcome:?}");
         }
         assert!(outcomes.iter().any(SetOutcome::is_stored) && !outcomes.iter().all(SetOutcome::is_stored));
+    }
+
+    #[test]
+    fn random_hangs_last_their_time_then_time_out() {
+        let plan = FaultPlan { hang_ppm: 1_000_000, hang_for: Duration::from_millis(40), ..FaultPlan::default() };
+        let (storage, keys) = filled(plan, 2);
+        let started = Instant::now();
+        let error = storage.batch_exists(&keys).unwrap_err();
+        assert!(matches!(error, Error::Timeout { operation: "batch_exists", .. }), "{error}");
+        assert!(started.elapsed() >= Duration::from_millis(40));
+        assert_eq!(storage.injected().failed_calls, 1);
+        storage.set_plan(FaultPlan::default());
+        assert_eq!(storage.batch_exists(&keys).unwrap(), 2);
     }
 
     #[test]
