@@ -251,3 +251,42 @@ fn a_killed_writers_old_temporary_files_are_removed_at_open_and_fresh_ones_stay(
         assert!(fresh.exists() && foreign.exists(), "{format:?}: a live writer's or another namespace's went");
     }
 }
+
+#[test]
+fn listing_while_pages_come_and_go_never_fails() {
+    for format in [FileFormat::Native, FileFormat::Sglang] {
+        let dir = tempfile::tempdir().unwrap();
+        let ns = namespace("m", KvDtype::Bf16, 4);
+        let storage = open(dir.path(), format, &ns);
+        let page = ns.geometry.bytes_per_page(4);
+        let keys = random_keys(64);
+        let pages = random_pages(64, page);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let mut failure = None;
+        std::thread::scope(|scope| {
+            // another writer puts and removes pages (and so files and shard folders appear and vanish) meanwhile
+            scope.spawn(|| {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    put(&storage, &keys, &pages);
+                    let _ = storage.remove(&keys);
+                }
+            });
+            let started = Instant::now();
+            let mut listings = 0;
+            // a failure is kept, not raised here: the writer must be stopped first
+            while failure.is_none() && (listings < 300 || started.elapsed() < Duration::from_millis(500)) {
+                match storage.list() {
+                    Ok(listed) if listed.len() <= keys.len() => {}
+                    Ok(listed) => failure = Some(format!("{} pages listed", listed.len())),
+                    Err(error) => failure = Some(error.to_string()),
+                }
+                listings += 1;
+                if started.elapsed() > Duration::from_secs(5) {
+                    break;
+                }
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        assert_eq!(failure, None, "{format:?}: listing while pages come and go");
+    }
+}
