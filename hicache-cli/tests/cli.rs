@@ -889,9 +889,9 @@ fn replay_verifies_every_byte_under_injected_storage_faults_and_counts_them() {
             "--prefetch-policy",
             policy,
             "--fault-hang-rate",
-            "0.05",
+            "0.3",
             "--fault-hang-ms",
-            "20",
+            "5",
         ]);
         assert_eq!(hung["verified"], true, "{policy}: {hung}");
         assert!(hung["faults_injected"]["failed_calls"].as_u64().unwrap() > 0, "{policy}: {hung}");
