@@ -113,7 +113,7 @@ fn open_nixl(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box<dyn
 }
 
 fn not_compiled(name: BackendName) -> anyhow::Error {
-    let feature = name.to_possible_value().map(|value| value.get_name().to_owned()).unwrap_or_default();
+    let feature = crate::value_name(&name);
     match name {
         BackendName::Mooncake | BackendName::ThreeFs => Usage(format!(
             "the {feature} backend is not available in hicache yet (no build of it exists); the storage backends \

@@ -15,6 +15,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// The name a command-line value is given as (`layer-first`, `3fs`), for messages and JSON results.
+pub(crate) fn value_name(value: &impl clap::ValueEnum) -> String {
+    value.to_possible_value().map(|value| value.get_name().to_owned()).unwrap_or_default()
+}
+
 /// hicache: a hierarchical KV cache for LLM inference (device → pinned host → storage).
 #[derive(Debug, Parser)]
 #[command(name = "hicache", version, about, long_about = None)]

@@ -119,9 +119,7 @@ impl<'a, F: Serialize> Measured<'a, F> {
         Self {
             figure,
             dir,
-            format: clap::ValueEnum::to_possible_value(&args.format)
-                .map(|value| value.get_name().to_owned())
-                .unwrap_or_default(),
+            format: crate::value_name(&args.format),
             direct: args.direct,
             io_threads: args.io_threads,
             batch: args.batch,

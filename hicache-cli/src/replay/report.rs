@@ -87,11 +87,6 @@ struct Parameters {
     fault_seed: u64,
 }
 
-/// The name a command-line value is given as.
-fn value_name(value: &impl clap::ValueEnum) -> String {
-    value.to_possible_value().map(|value| value.get_name().to_owned()).unwrap_or_default()
-}
-
 fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
     Parameters {
         clients: args.clients,
@@ -107,16 +102,16 @@ fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
         kv_heads: args.kv_heads,
         head_dim: args.head_dim,
         page_bytes,
-        layout: value_name(&args.layout),
+        layout: crate::value_name(&args.layout),
         device_tokens: args.device_tokens,
         host_tokens: args.host_tokens,
-        backend: value_name(&args.backend),
+        backend: crate::value_name(&args.backend),
         dir: args.dir.clone(),
-        format: value_name(&args.format),
+        format: crate::value_name(&args.format),
         capacity_bytes: args.capacity_bytes,
-        engine: value_name(&args.engine),
-        write_policy: value_name(&args.write_policy),
-        prefetch_policy: value_name(&args.prefetch_policy),
+        engine: crate::value_name(&args.engine),
+        write_policy: crate::value_name(&args.write_policy),
+        prefetch_policy: crate::value_name(&args.prefetch_policy),
         prefetch_threshold: args.prefetch_threshold,
         prefill_tokens_per_s: args.prefill_tokens_per_s,
         decode_ms_per_token: args.decode_ms_per_token,
