@@ -37,6 +37,11 @@ impl LruIndex {
         self.total += bytes;
     }
 
+    /// How recent a held page is (larger is more recent), within this index.
+    pub(crate) fn recency(&self, key: &PageKey) -> Option<u64> {
+        self.entries.get(key).map(|&(_, tick)| tick)
+    }
+
     /// Makes a page the most recent, if held.
     pub(crate) fn touch(&mut self, key: &PageKey) {
         if let Some(&(bytes, _)) = self.entries.get(key) {

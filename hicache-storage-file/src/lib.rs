@@ -211,7 +211,7 @@ impl FileStorage {
             storage.remove_stale_temporaries()?;
         }
         if storage.config.capacity_bytes.is_some() {
-            let index = storage.scan()?;
+            let index = storage.scan(None)?;
             if !storage.config.read_only {
                 let path = storage.account_path();
                 let account_error = |error: std::io::Error| storage_error(format!("{}: {error}", path.display()));
@@ -241,17 +241,16 @@ impl FileStorage {
     /// the directory: the index is counted from the directory again first (`recounted`). Without a capacity, does
     /// nothing; read-only, changes the index alone.
     fn with_account(&self, change: impl FnOnce(&mut index::LruIndex, bool)) -> Result<(), Error> {
-        let (Some(mut index), Some(account)) = (self.lock_index(), &self.account) else {
-            if let Some(mut index) = self.lock_index() {
-                change(&mut index, false);
-            }
+        let Some(mut index) = self.lock_index() else { return Ok(()) };
+        let Some(account) = &self.account else {
+            change(&mut index, false);
             return Ok(());
         };
         let error = |error: std::io::Error| storage_error(format!("the capacity account: {error}"));
         let locked = account.lock().map_err(error)?;
         let recounted = locked.bytes().map_err(error)? != Some(index.total());
         if recounted {
-            *index = self.scan()?;
+            *index = self.scan(Some(&index))?;
         }
         change(&mut index, recounted);
         locked.set(index.total()).map_err(error)
@@ -260,22 +259,23 @@ impl FileStorage {
     /// Removes this namespace's temporary files older than [`STALE_TEMPORARY_AGE`]: what writers killed mid-write
     /// left behind.
     fn remove_stale_temporaries(&self) -> Result<u64, Error> {
-        let own = |name: &str| match self.config.format {
-            FileFormat::Native => name.len() == 69 && name.ends_with(".page"),
-            FileFormat::Sglang => self.is_own_sglang_file(name),
-        };
         let recurse = self.config.format == FileFormat::Native;
-        page_file::remove_stale_temporaries(&self.root, recurse, &own, STALE_TEMPORARY_AGE)
+        page_file::remove_stale_temporaries(&self.root, recurse, &|name| self.is_page_name(name), STALE_TEMPORARY_AGE)
             .map_err(|error| storage_error(format!("removing stale temporary files: {error}")))
     }
 
-    /// Rebuilds the capacity account from the directory: this namespace's page files, oldest first.
-    fn scan(&self) -> Result<index::LruIndex, Error> {
+    /// Rebuilds the capacity account from the directory: this namespace's page files, oldest first. File times come
+    /// from a coarse clock (pages written within a few milliseconds tie), so ties go by `known`'s order, this
+    /// process's exact record of the pages it wrote and read.
+    fn scan(&self, known: Option<&index::LruIndex>) -> Result<index::LruIndex, Error> {
         let mut found = Vec::new();
-        self.visit_own_files(&mut |modified, key, bytes| found.push((modified, key, bytes)))?;
+        self.visit_own_files(&mut |modified, key, bytes| {
+            let recency = known.and_then(|known| known.recency(&key)).unwrap_or(0);
+            found.push((modified, recency, key, bytes));
+        })?;
         found.sort_unstable();
         let mut index = index::LruIndex::default();
-        for (_, key, bytes) in found {
+        for (_, _, key, bytes) in found {
             index.insert(key, bytes);
         }
         Ok(index)
@@ -291,10 +291,9 @@ impl FileStorage {
         let recurse = self.config.format == FileFormat::Native;
         page_file::list_files(&self.root, recurse, &mut |path, bytes, modified| {
             let Some(name) = path.file_name().and_then(|name| name.to_str()) else { return };
-            let own = match self.config.format {
-                FileFormat::Native => name.len() == 69 && name.ends_with(".page"),
-                FileFormat::Sglang => self.is_own_sglang_file(name) && bytes == self.file_bytes(),
-            };
+            // in SGLang's layout a file of another length is another namespace's page under the same name
+            let own =
+                self.is_page_name(name) && (self.config.format == FileFormat::Native || bytes == self.file_bytes());
             if let (true, Ok(key)) = (own, name[..64.min(name.len())].parse::<PageKey>()) {
                 visit(modified, key, bytes);
             }
@@ -441,7 +440,7 @@ impl FileStorage {
                 }
                 if index.total() > capacity {
                     // recency is every process's: pages' modification times, which reads touch; count them now
-                    if !recounted && let Ok(counted) = self.scan() {
+                    if !recounted && let Ok(counted) = self.scan(Some(index)) {
                         *index = counted;
                     }
                     victims = index.evict_to(low, key);
@@ -489,6 +488,15 @@ impl FileStorage {
 
     fn read_only_message(&self) -> String {
         format!("{} was opened read-only", self.config.dir.display())
+    }
+
+    /// Whether `name` is a page file name of this namespace's layout (in its folder): `{64 hex}.page` natively,
+    /// SGLang's exact name otherwise.
+    fn is_page_name(&self, name: &str) -> bool {
+        match self.config.format {
+            FileFormat::Native => name.len() == 69 && name.ends_with(".page"),
+            FileFormat::Sglang => self.is_own_sglang_file(name),
+        }
     }
 
     /// Whether a file name in the SGLang directory belongs to this namespace: `{64 hex}_{suffix}.bin`, exactly.
@@ -620,7 +628,11 @@ impl StorageBackend for FileStorage {
         }
         .map_err(|error| storage_error(format!("clearing {}: {error}", self.root.display())))?;
         // recorded as what the directory holds now (another process may have written meanwhile)
-        self.with_account(|index, _| *index = self.scan().unwrap_or_default())?;
+        self.with_account(|index, recounted| {
+            if !recounted && let Ok(counted) = self.scan(Some(index)) {
+                *index = counted;
+            }
+        })?;
         self.stats.record_removed(removed);
         Ok(removed)
     }

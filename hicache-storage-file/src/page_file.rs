@@ -335,24 +335,49 @@ pub(crate) fn probe_direct(dir: &Path) -> io::Result<()> {
     result
 }
 
+/// Calls `visit` with each entry of `dir`; a missing `dir` has none. Errors name the folder.
+fn for_each_entry(dir: &Path, visit: &mut dyn FnMut(std::fs::DirEntry) -> io::Result<()>) -> io::Result<()> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(error) => return Err(with_path(error, dir)),
+    };
+    for entry in entries {
+        visit(entry.map_err(|error| with_path(error, dir))?)?;
+    }
+    Ok(())
+}
+
+/// `look(entry)`, or `None` when the entry vanished since its folder was read (a concurrent `clear` or eviction);
+/// other errors name the entry.
+fn if_present<T>(
+    entry: &std::fs::DirEntry,
+    look: impl Fn(&std::fs::DirEntry) -> io::Result<T>,
+) -> io::Result<Option<T>> {
+    match look(entry) {
+        Ok(found) => Ok(Some(found)),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(error) => Err(with_path(error, &entry.path())),
+    }
+}
+
+/// The page file name a temporary file (`.{page file name}.tmp-{unique}`, as [`write_atomic`] names it) is for.
+fn temporary_page_name(name: &str) -> Option<&str> {
+    name.strip_prefix('.').and_then(|rest| rest.rsplit_once(".tmp-")).map(|(page, _)| page)
+}
+
 /// Removes the empty folders below `root`, deepest first (not `root` itself); a folder another writer has just put
 /// a file into stays.
 pub(crate) fn remove_empty_dirs(root: &Path) -> io::Result<()> {
-    let entries = match std::fs::read_dir(root) {
-        Ok(entries) => entries,
-        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(error) => return Err(error),
-    };
-    for entry in entries {
-        let entry = entry?;
+    for_each_entry(root, &mut |entry| {
         if entry.file_type()?.is_dir() {
             let path = entry.path();
             remove_empty_dirs(&path)?;
             // not empty (a file arrived) or gone already: either way nothing to do
             let _ = std::fs::remove_dir(&path);
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Removes every regular file in `root` (and below it when `recurse`) that `own(name, length)` accepts, and
@@ -364,47 +389,33 @@ pub(crate) fn remove_tree_files(
     own: &dyn Fn(&str, Option<u64>) -> bool,
 ) -> io::Result<u64> {
     let mut removed = 0;
-    let entries = match std::fs::read_dir(root) {
-        Ok(entries) => entries,
-        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(0),
-        Err(error) => return Err(error),
-    };
-    for entry in entries {
-        let entry = entry?;
+    for_each_entry(root, &mut |entry| {
         let path = entry.path();
-        let kind = match entry.file_type() {
-            Ok(kind) => kind,
-            Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
-            Err(error) => return Err(with_path(error, &path)),
-        };
+        let Some(kind) = if_present(&entry, std::fs::DirEntry::file_type)? else { return Ok(()) };
         if kind.is_dir() {
             if recurse {
                 removed += remove_tree_files(&path, recurse, own)?;
             }
-            continue;
+            return Ok(());
         }
-        if !kind.is_file() {
-            continue;
-        }
-        let Some(name) = path.file_name().and_then(|name| name.to_str()) else { continue };
-        // a temporary file is `.{page file name}.tmp-{unique}`
-        let temporary = name.strip_prefix('.').and_then(|rest| rest.rsplit_once(".tmp-")).map(|(page, _)| page);
-        let counts = match temporary {
+        let Some(name) = path.file_name().and_then(|name| name.to_str()).filter(|_| kind.is_file()) else {
+            return Ok(());
+        };
+        let counts = match temporary_page_name(name) {
             Some(page) if own(page, None) => false,
-            None => match entry.metadata() {
-                Ok(metadata) if own(name, Some(metadata.len())) => true,
-                Ok(_) => continue,
-                Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
-                Err(error) => return Err(with_path(error, &path)),
+            Some(_) => return Ok(()),
+            None => match if_present(&entry, std::fs::DirEntry::metadata)? {
+                Some(metadata) if own(name, Some(metadata.len())) => true,
+                _ => return Ok(()),
             },
-            _ => continue,
         };
         match std::fs::remove_file(&path) {
             Ok(()) => removed += u64::from(counts),
             Err(error) if error.kind() == io::ErrorKind::NotFound => {}
             Err(error) => return Err(error),
         }
-    }
+        Ok(())
+    })?;
     Ok(removed)
 }
 
@@ -418,46 +429,25 @@ pub(crate) fn remove_stale_temporaries(
     age: std::time::Duration,
 ) -> io::Result<u64> {
     let now = std::time::SystemTime::now();
-    let mut stale = Vec::new();
-    let mut visit = |dir: &Path, recurse_into: &mut Vec<std::path::PathBuf>| -> io::Result<()> {
-        let entries = match std::fs::read_dir(dir) {
-            Ok(entries) => entries,
-            Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(error) => return Err(with_path(error, dir)),
-        };
-        for entry in entries {
-            let entry = entry.map_err(|error| with_path(error, dir))?;
-            let Ok(kind) = entry.file_type() else { continue };
-            if kind.is_dir() {
-                recurse_into.push(entry.path());
-                continue;
-            }
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            let page = name.strip_prefix('.').and_then(|rest| rest.rsplit_once(".tmp-")).map(|(page, _)| page);
-            if page.is_some_and(own)
-                && let Ok(modified) = entry.metadata().and_then(|metadata| metadata.modified())
-                && now.duration_since(modified).is_ok_and(|elapsed| elapsed > age)
-            {
-                stale.push(entry.path());
-            }
-        }
-        Ok(())
-    };
-    let mut folders = vec![root.to_path_buf()];
-    while let Some(folder) = folders.pop() {
-        let mut below = Vec::new();
-        visit(&folder, &mut below)?;
-        if recurse {
-            folders.extend(below);
-        }
-    }
     let mut removed = 0;
-    for path in stale {
-        if std::fs::remove_file(&path).is_ok() {
+    for_each_entry(root, &mut |entry| {
+        let Ok(kind) = entry.file_type() else { return Ok(()) };
+        if kind.is_dir() {
+            if recurse {
+                removed += remove_stale_temporaries(&entry.path(), recurse, own, age)?;
+            }
+            return Ok(());
+        }
+        let name = entry.file_name();
+        if name.to_str().and_then(temporary_page_name).is_some_and(own)
+            && let Ok(modified) = entry.metadata().and_then(|metadata| metadata.modified())
+            && now.duration_since(modified).is_ok_and(|elapsed| elapsed > age)
+            && std::fs::remove_file(entry.path()).is_ok()
+        {
             removed += 1;
         }
-    }
+        Ok(())
+    })?;
     Ok(removed)
 }
 
@@ -469,33 +459,21 @@ pub(crate) fn list_files(
     recurse: bool,
     found: &mut dyn FnMut(&Path, u64, std::time::SystemTime),
 ) -> io::Result<()> {
-    let entries = match std::fs::read_dir(root) {
-        Ok(entries) => entries,
-        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(error) => return Err(with_path(error, root)),
-    };
-    for entry in entries {
-        let entry = entry.map_err(|error| with_path(error, root))?;
+    for_each_entry(root, &mut |entry| {
         let path = entry.path();
-        let kind = match entry.file_type() {
-            Ok(kind) => kind,
-            Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
-            Err(error) => return Err(with_path(error, &path)),
-        };
+        let Some(kind) = if_present(&entry, std::fs::DirEntry::file_type)? else { return Ok(()) };
         if kind.is_dir() {
             if recurse {
                 list_files(&path, recurse, found)?;
             }
-        } else if kind.is_file() && !entry.file_name().to_string_lossy().starts_with('.') {
-            let metadata = match entry.metadata() {
-                Ok(metadata) => metadata,
-                Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
-                Err(error) => return Err(with_path(error, &path)),
-            };
+        } else if kind.is_file()
+            && !entry.file_name().to_string_lossy().starts_with('.')
+            && let Some(metadata) = if_present(&entry, std::fs::DirEntry::metadata)?
+        {
             found(&path, metadata.len(), metadata.modified().map_err(|error| with_path(error, &path))?);
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// `error`, saying which path it happened at.

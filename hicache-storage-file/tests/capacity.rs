@@ -105,6 +105,16 @@ fn a_page_read_recently_outlives_one_nobody_read() {
         for key in &keys {
             put(&writer, &[*key], &[vec![1u8; PAGE]]);
         }
+        // file times come from a coarse clock, so pages written within a few milliseconds tie: space them a second
+        // apart, oldest first, as pages written over a minute would be
+        for (age, key) in (1..=keys.len() as u64).rev().zip(&keys) {
+            std::fs::File::options()
+                .write(true)
+                .open(writer.page_path(key))
+                .unwrap()
+                .set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(age))
+                .unwrap();
+        }
         // another process (another backend here) reads the oldest page: its time is now the newest
         let reader = open(dir.path(), format);
         assert_eq!(fetch(&reader, &keys[..1], PAGE, 0).0, [GetOutcome::Hit]);
