@@ -131,12 +131,40 @@ impl PrefetchEntry {
         }
     }
 
+    /// Holds only `tokens` (those of the reserved pages) against the prefetch capacity from now on, not the whole
+    /// request's.
+    fn hold_only(&mut self, capacity: &mut crate::rate_limit::PrefetchCapacity, tokens: u64) -> Result<(), Error> {
+        capacity.release(self.admitted - tokens)?;
+        self.admitted = tokens;
+        Ok(())
+    }
+
     fn in_collective(&self) -> bool {
         match self.stage {
             Stage::Querying { .. } | Stage::Draining { .. } => true,
             Stage::Fetching { .. } => self.wanted || self.aborted,
         }
     }
+}
+
+/// Queues the reads of `more` host pages, for the next keys the query found (positions after `pages`), held by
+/// operation `op` in the release ledger; `last` when no more reads of this prefetch follow (then `more` may be
+/// empty: the job only marks the prefetch quiet once the earlier ones are done).
+fn queue_reads(
+    storage: &mut super::StorageHalf,
+    op: OpId,
+    shared: &Arc<PrefetchShared>,
+    pages: &mut Vec<HostPageId>,
+    keys: &mut Vec<PageKey>,
+    more: Vec<HostPageId>,
+    last: bool,
+) -> Result<(), Error> {
+    let more_keys = shared.found_keys(pages.len()..pages.len() + more.len());
+    storage.ledger.extend(op, more.clone())?;
+    storage.workers.fetch(shared.clone(), more.clone(), more_keys.clone(), last);
+    pages.extend(more);
+    keys.extend(more_keys);
+    Ok(())
 }
 
 /// One prefetch's values in the tick's collective, before and after the MIN.
@@ -403,11 +431,7 @@ impl<E: TransferEngine> CacheController<E> {
             return Ok(());
         }
         let more = self.host.alloc(count).expect("no more than available");
-        let more_keys = entry.shared.found_keys(pages.len()..pages.len() + count);
-        storage.ledger.extend(op, more.clone())?;
-        storage.workers.fetch(entry.shared.clone(), more.clone(), more_keys.clone(), false);
-        pages.extend(more);
-        keys.extend(more_keys);
+        queue_reads(storage, op, &entry.shared, pages, keys, more, false)?;
         entry.explanation.reserved_tokens = pages.len() * self.page_size;
         Ok(())
     }
@@ -426,7 +450,7 @@ impl<E: TransferEngine> CacheController<E> {
         entry.shared.progress.terminate();
         entry.explanation.local_hit_tokens = entry.shared.found_pages() * self.page_size;
         entry.explanation.tp_min_hit_tokens = agreed_pages * self.page_size;
-        let Stage::Querying { pages, keys } =
+        let Stage::Querying { mut pages, mut keys } =
             std::mem::replace(&mut entry.stage, Stage::Querying { pages: Vec::new(), keys: Vec::new() })
         else {
             unreachable!("stop_querying is called on querying prefetches")
@@ -435,10 +459,8 @@ impl<E: TransferEngine> CacheController<E> {
             entry.explanation.stop = stop;
             return Ok(Some(self.finish_entry(entry, Vec::new(), Vec::new())));
         }
-        storage.workers.fetch(entry.shared.clone(), Vec::new(), Vec::new(), true);
-        let reserved = (pages.len() * self.page_size) as u64;
-        storage.capacity.release(entry.admitted - reserved)?;
-        entry.admitted = reserved;
+        queue_reads(storage, entry.explanation.op, &entry.shared, &mut pages, &mut keys, Vec::new(), true)?;
+        entry.hold_only(&mut storage.capacity, (pages.len() * self.page_size) as u64)?;
         entry.query_cut = Some(stop);
         entry.stage = Stage::Fetching { pages, keys };
         Ok(None)
@@ -498,15 +520,8 @@ impl<E: TransferEngine> CacheController<E> {
             }
         };
         let storage = self.storage.as_mut().expect("storage");
-        let more_keys = entry.shared.found_keys(pages.len()..pages.len() + more.len());
-        storage.ledger.extend(op, more.clone())?;
-        storage.workers.fetch(entry.shared.clone(), more.clone(), more_keys.clone(), true);
-        pages.extend(more);
-        keys.extend(more_keys);
-        // hold the reserved tokens against the capacity from now on, not the whole request's
-        let reserved = (pages.len() * self.page_size) as u64;
-        storage.capacity.release(entry.admitted - reserved)?;
-        entry.admitted = reserved;
+        queue_reads(storage, op, &entry.shared, &mut pages, &mut keys, more, true)?;
+        entry.hold_only(&mut storage.capacity, (pages.len() * self.page_size) as u64)?;
         entry.explanation.reserved_tokens = pages.len() * self.page_size;
         entry.stage = Stage::Fetching { pages, keys };
         Ok(None)
