@@ -52,17 +52,36 @@ fn install_handler() {
         let spawned = std::thread::Builder::new().name("hicache-signals".into()).spawn(move || {
             if let Some(signal) = signals.forever().next() {
                 for folder in lock().drain(..) {
-                    // I/O threads may still be adding files (a removal then finds a folder not empty); they make
-                    // folders only below the one removed here, so once it is gone it stays gone
-                    for _ in 0..100 {
-                        if std::fs::remove_dir_all(&folder).is_ok() || !folder.exists() {
-                            break;
-                        }
-                    }
+                    remove_while_written(&folder);
                 }
                 std::process::exit(128 + signal);
             }
         });
         drop(spawned);
     });
+}
+
+/// Removes `folder` while I/O threads may still be writing below it. Storage threads make missing folders below the
+/// one they were given, so a removal in place can lose the race against them for as long as they run. The folder is
+/// first renamed to a unique name beside it (atomic; every path they hold then names nothing, and nothing is ever made
+/// below the new name), and the renamed folder is removed. Where the rename fails, it is removed in place.
+fn remove_while_written(folder: &Path) {
+    let mut target = folder.to_path_buf();
+    if let (Some(parent), Some(name)) = (folder.parent(), folder.file_name())
+        && let Ok(empty) = tempfile::Builder::new()
+            .prefix(&format!(".{}.removing-", name.to_string_lossy()))
+            .tempdir_in(parent)
+            .map(tempfile::TempDir::keep)
+    {
+        // renaming a folder over an empty one replaces it
+        match std::fs::rename(folder, &empty) {
+            Ok(()) => target = empty,
+            Err(_) => drop(std::fs::remove_dir(&empty)),
+        }
+    }
+    for _ in 0..100 {
+        if std::fs::remove_dir_all(&target).is_ok() || !target.exists() {
+            break;
+        }
+    }
 }
