@@ -3,6 +3,7 @@
 //! Commands are run with argument arrays, never through a shell. Under `CI=true` a step that cannot run fails.
 
 mod fuzz;
+mod mooncake;
 mod nixl;
 mod nvrtc;
 #[cfg(test)]
@@ -15,7 +16,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
-const USAGE: &str = "usage: cargo xtask ci [--no-fuzz] | cargo xtask fuzz [--seconds N] [TARGET...] | cargo xtask nixl | cargo xtask nvrtc";
+const USAGE: &str = "usage: cargo xtask ci [--no-fuzz] | cargo xtask fuzz [--seconds N] [TARGET...] | cargo xtask mooncake [--port N] | cargo xtask nixl | cargo xtask nvrtc";
 
 fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -24,7 +25,7 @@ fn main() -> std::process::ExitCode {
             println!("{USAGE}");
             return std::process::ExitCode::SUCCESS;
         }
-        Some("ci" | "fuzz" | "nixl" | "nvrtc") => {}
+        Some("ci" | "fuzz" | "mooncake" | "nixl" | "nvrtc") => {}
         _ => {
             eprintln!("{USAGE}");
             return std::process::ExitCode::from(2);
@@ -45,6 +46,7 @@ fn run(args: &[String]) -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("ci") => ci(&args[1..]),
         Some("fuzz") => fuzz::run(&args[1..]),
+        Some("mooncake") => mooncake::run(&args[1..]),
         Some("nixl") => {
             let dir = nixl::prepare()?;
             println!("{}", dir.display());
@@ -124,11 +126,25 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
         Ok(path) if !path.is_empty() => format!("{}:{path}", nvrtc_dir.display()),
         _ => nvrtc_dir.display().to_string(),
     };
+    // Mooncake: a real master and the real store library (each test starts its own master on loopback ports)
+    let mooncake = mooncake::prepare()?;
+    let library_path = match &mooncake.shim_dir {
+        Some(shim) => format!("{library_path}:{}", shim.display()),
+        None => library_path,
+    };
+    let mooncake_library = mooncake.library.to_str().context("the Mooncake library path is not UTF-8")?;
+    let mooncake_master = mooncake.master.to_str().context("the mooncake_master path is not UTF-8")?;
     // unit, integration, property and doc tests, and the tidy test (xtask's own tests)
     run_program(
         "cargo",
         &["test", "--workspace", "--all-features", "--locked", "--exclude", "hicache-storage-nixl"],
-        &[nixl_env[0], ("LD_LIBRARY_PATH", &library_path), ("HICACHE_REQUIRE_NVRTC", "1")],
+        &[
+            nixl_env[0],
+            ("LD_LIBRARY_PATH", &library_path),
+            ("HICACHE_REQUIRE_NVRTC", "1"),
+            ("MOONCAKE_STORE_LIBRARY", mooncake_library),
+            ("HICACHE_MOONCAKE_MASTER_BIN", mooncake_master),
+        ],
     )?;
     // NIXL's own advice: one test at a time (each test still runs concurrent calls into one backend)
     run_program("cargo", &["test", "-p", "hicache-storage-nixl", "--locked", "--", "--test-threads=1"], &nixl_env)?;

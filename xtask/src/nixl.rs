@@ -34,8 +34,8 @@ pub(crate) fn prepare() -> anyhow::Result<PathBuf> {
         python: "3.11",
         platforms: &["manylinux_2_28_x86_64"],
         // only the native libraries (about half the wheel)
-        keep: ".libs/",
-        skip: None,
+        keep: &[".libs/"],
+        skip: &[],
     };
     let unpacked = fetch(&wheel, dir)?;
     let found = find_file(&unpacked, LIBRARY, 3).with_context(|| format!("no {LIBRARY} in {WHEEL}"))?;

@@ -27,8 +27,8 @@ pub(crate) fn prepare() -> anyhow::Result<PathBuf> {
         python: "3.11",
         platforms: &platforms,
         // the compiler and its built-ins, not the alternative builds beside them
-        keep: "/lib/",
-        skip: Some(".alt."),
+        keep: &["/lib/"],
+        skip: &[".alt."],
     };
     let unpacked = fetch(&wheel, dir)?;
     let found = find_file(&unpacked, LIBRARY, 4).with_context(|| format!("no {LIBRARY} in {}", wheel.spec))?;

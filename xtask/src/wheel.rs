@@ -15,10 +15,10 @@ pub(crate) struct Wheel<'a> {
     pub(crate) python: &'a str,
     /// Platform tags pip may take (it matches them exactly).
     pub(crate) platforms: &'a [&'a str],
-    /// Members whose path contains this are unpacked...
-    pub(crate) keep: &'a str,
-    /// ...unless their path contains this.
-    pub(crate) skip: Option<&'a str>,
+    /// Members whose path contains one of these are unpacked...
+    pub(crate) keep: &'a [&'a str],
+    /// ...unless their path contains one of these.
+    pub(crate) skip: &'a [&'a str],
 }
 
 /// Downloads `wheel` and unpacks its kept members under `dir/lib` (keeping their permission bits); the wheel itself
@@ -50,11 +50,12 @@ pub(crate) fn fetch(wheel: &Wheel<'_>, dir: &Path) -> anyhow::Result<PathBuf> {
         .with_context(|| format!("pip left no wheel in {}", wheels.display()))?;
     let unpacked = dir.join("lib");
     let unzip = "import os, sys, zipfile\n\
-        wheel, out, keep, skip = sys.argv[1:5]\n\
+        wheel, out, keep, skip = sys.argv[1], sys.argv[2], sys.argv[3].split('|'), sys.argv[4].split('|')\n\
         with zipfile.ZipFile(wheel) as archive:\n\
         \x20   for member in archive.infolist():\n\
         \x20       name = member.filename\n\
-        \x20       if keep in name and not (skip and skip in name) and not member.is_dir():\n\
+        \x20       wanted = any(part in name for part in keep) and not any(part and part in name for part in skip)\n\
+        \x20       if wanted and not member.is_dir():\n\
         \x20           path = archive.extract(member, out)\n\
         \x20           os.chmod(path, (member.external_attr >> 16) or 0o644)\n";
     run_program(
@@ -64,8 +65,8 @@ pub(crate) fn fetch(wheel: &Wheel<'_>, dir: &Path) -> anyhow::Result<PathBuf> {
             unzip,
             file.to_str().context("the wheel's path is not UTF-8")?,
             unpacked.to_str().context("the unpack folder is not UTF-8")?,
-            wheel.keep,
-            wheel.skip.unwrap_or(""),
+            &wheel.keep.join("|"),
+            &wheel.skip.join("|"),
         ],
         &[],
     )?;

@@ -1,0 +1,366 @@
+//! Settings of a Mooncake backend, from code, from SGLang's environment variables, or from a JSON object (SGLang's
+//! `--hicache-storage-backend-extra-config`, or the file named by `MOONCAKE_CONFIG_PATH`).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use hicache_core::Error;
+use serde::Deserialize;
+
+use crate::keys::{KeyScheme, SglangRelease};
+
+/// SGLang's default segment each client contributes to the cluster: 4 GiB.
+pub const DEFAULT_GLOBAL_SEGMENT_SIZE: u64 = 4 << 30;
+/// SGLang's default client buffer: 16 MiB.
+pub const DEFAULT_LOCAL_BUFFER_SIZE: u64 = 16 << 20;
+
+/// Settings of a Mooncake backend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MooncakeConfig {
+    /// The master's `host:port` (SGLang's `MOONCAKE_MASTER`).
+    pub master: String,
+    /// The transfer engine's metadata server: `P2PHANDSHAKE` (no server), or an etcd or HTTP address.
+    pub metadata_server: String,
+    /// This host's name as the other clients reach it (SGLang's `LOCAL_HOSTNAME`, default `localhost`).
+    pub local_hostname: String,
+    /// `tcp` or `rdma`.
+    pub protocol: String,
+    /// The RDMA device(s), e.g. `mlx5_0`; empty lets Mooncake choose (SGLang's `auto`).
+    pub device: String,
+    /// Bytes of this process's memory that it lends to the cluster as a segment.
+    pub global_segment_size: u64,
+    /// Bytes of the client's own transfer buffer.
+    pub local_buffer_size: u64,
+    /// Replicas of each object.
+    pub replicas: usize,
+    /// How object keys are written.
+    pub scheme: KeyScheme,
+    /// `libmooncake_store.so`; `None`: `$MOONCAKE_STORE_LIBRARY`, else the loader's search path.
+    pub library: Option<PathBuf>,
+    /// How long opening waits for the master to accept a connection before saying it does not answer (Mooncake's
+    /// own setup retries for about 90 s).
+    pub connect_timeout: Duration,
+    /// How long a removal waits for readers' leases on an object to run out (Mooncake's default lease is 10 s).
+    pub lease_wait: Duration,
+}
+
+impl MooncakeConfig {
+    /// SGLang's defaults for a master at `master`: no metadata server (`P2PHANDSHAKE`), host `localhost`, TCP,
+    /// a 4 GiB segment and a 16 MiB buffer, one replica, native keys.
+    pub fn new(master: impl Into<String>) -> Self {
+        Self {
+            master: master.into(),
+            metadata_server: "P2PHANDSHAKE".into(),
+            local_hostname: "localhost".into(),
+            protocol: "tcp".into(),
+            device: String::new(),
+            global_segment_size: DEFAULT_GLOBAL_SEGMENT_SIZE,
+            local_buffer_size: DEFAULT_LOCAL_BUFFER_SIZE,
+            replicas: 1,
+            scheme: KeyScheme::Native,
+            library: None,
+            connect_timeout: Duration::from_secs(3),
+            lease_wait: Duration::from_secs(11),
+        }
+    }
+
+    /// From SGLang's environment variables: `MOONCAKE_MASTER` (required), `MOONCAKE_TE_META_DATA_SERVER`,
+    /// `LOCAL_HOSTNAME`, `MOONCAKE_PROTOCOL`, `MOONCAKE_DEVICE`, `MOONCAKE_GLOBAL_SEGMENT_SIZE`,
+    /// `MOONCAKE_LOCAL_BUFFER_SIZE`; or, when `MOONCAKE_CONFIG_PATH` names a JSON file, from that file
+    /// ([`from_json`](Self::from_json)).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the variable (or the file and its field).
+    pub fn from_env() -> Result<Self, Error> {
+        Self::from_vars(|name| std::env::var(name).ok().filter(|value| !value.is_empty()))
+    }
+
+    /// [`from_env`](Self::from_env) over any source of variables.
+    ///
+    /// # Errors
+    ///
+    /// As [`from_env`](Self::from_env).
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
+        if let Some(path) = var("MOONCAKE_CONFIG_PATH") {
+            let text = std::fs::read_to_string(&path).map_err(|error| Error::InvalidConfig {
+                field: "MOONCAKE_CONFIG_PATH".into(),
+                reason: format!("reading {path}: {error}"),
+            })?;
+            let value: serde_json::Value = serde_json::from_str(&text).map_err(|error| Error::InvalidConfig {
+                field: "MOONCAKE_CONFIG_PATH".into(),
+                reason: format!("{path} is not JSON: {error}"),
+            })?;
+            return Self::from_json(&value).map_err(|error| match error {
+                Error::InvalidConfig { field, reason } => {
+                    Error::InvalidConfig { field: format!("{path}: {field}"), reason }
+                }
+                other => other,
+            });
+        }
+        let master = var("MOONCAKE_MASTER").ok_or_else(|| Error::InvalidConfig {
+            field: "MOONCAKE_MASTER".into(),
+            reason: "the Mooncake master's host:port is required (or MOONCAKE_CONFIG_PATH, or \
+                     master_server_address in the extra config)"
+                .into(),
+        })?;
+        let mut config = Self::new(master);
+        let size = |name: &str, default: u64| -> Result<u64, Error> {
+            var(name).map_or(Ok(default), |text| {
+                parse_size(&text).map_err(|reason| Error::InvalidConfig { field: name.into(), reason })
+            })
+        };
+        config.global_segment_size = size("MOONCAKE_GLOBAL_SEGMENT_SIZE", config.global_segment_size)?;
+        config.local_buffer_size = size("MOONCAKE_LOCAL_BUFFER_SIZE", config.local_buffer_size)?;
+        if let Some(server) = var("MOONCAKE_TE_META_DATA_SERVER") {
+            config.metadata_server = server;
+        }
+        if let Some(host) = var("LOCAL_HOSTNAME") {
+            config.local_hostname = host;
+        }
+        if let Some(protocol) = var("MOONCAKE_PROTOCOL") {
+            config.protocol = protocol;
+        }
+        if let Some(device) = var("MOONCAKE_DEVICE") {
+            config.device = device;
+        }
+        config.validated().map_err(|error| rename_field(error, "MOONCAKE_PROTOCOL"))
+    }
+
+    /// From a JSON object with SGLang's names (`master_server_address` required; `local_hostname`,
+    /// `metadata_server`, `global_segment_size`, `local_buffer_size`, `protocol`, `device_name`; sizes as bytes or
+    /// text such as `"4gb"`) and hicache's (`replica_num`, `key_scheme`: `native` or `sglang`, `sglang_release`:
+    /// `0.5.2` or `0.5.23` (default), `extra_backend_tag`, `library`, `connect_timeout_ms`, `lease_wait_ms`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the field, including unknown ones.
+    pub fn from_json(value: &serde_json::Value) -> Result<Self, Error> {
+        let fields: JsonConfig = serde_json::from_value(value.clone())
+            .map_err(|error| Error::InvalidConfig { field: "mooncake".into(), reason: error.to_string() })?;
+        let invalid = |field: &str, reason: String| Error::InvalidConfig { field: field.into(), reason };
+        let master = fields
+            .master_server_address
+            .ok_or_else(|| invalid("master_server_address", "the Mooncake master's host:port is required".into()))?;
+        let mut config = Self::new(master);
+        if let Some(size) = fields.global_segment_size {
+            config.global_segment_size = size.bytes().map_err(|reason| invalid("global_segment_size", reason))?;
+        }
+        if let Some(size) = fields.local_buffer_size {
+            config.local_buffer_size = size.bytes().map_err(|reason| invalid("local_buffer_size", reason))?;
+        }
+        config.metadata_server = fields.metadata_server.unwrap_or(config.metadata_server);
+        config.local_hostname = fields.local_hostname.unwrap_or(config.local_hostname);
+        config.protocol = fields.protocol.unwrap_or(config.protocol);
+        config.device =
+            fields.device_name.map(|device| if device == "auto" { String::new() } else { device }).unwrap_or_default();
+        config.replicas = fields.replica_num.unwrap_or(config.replicas);
+        config.library = fields.library;
+        if let Some(ms) = fields.connect_timeout_ms {
+            config.connect_timeout = Duration::from_millis(ms);
+        }
+        if let Some(ms) = fields.lease_wait_ms {
+            config.lease_wait = Duration::from_millis(ms);
+        }
+        config.scheme = match fields.key_scheme.as_deref() {
+            None | Some("native") => {
+                if fields.sglang_release.is_some() || fields.extra_backend_tag.is_some() {
+                    return Err(invalid(
+                        "key_scheme",
+                        "sglang_release and extra_backend_tag apply to the sglang key scheme only".into(),
+                    ));
+                }
+                KeyScheme::Native
+            }
+            Some("sglang") => KeyScheme::Sglang {
+                release: match fields.sglang_release.as_deref() {
+                    None => SglangRelease::V0_5_23,
+                    Some(text) => {
+                        SglangRelease::parse(text).map_err(|error| invalid("sglang_release", error.to_string()))?
+                    }
+                },
+                tag: fields.extra_backend_tag,
+            },
+            Some(other) => return Err(invalid("key_scheme", format!("{other:?}; expected native or sglang"))),
+        };
+        config.validated()
+    }
+
+    /// Checks the fields.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the field.
+    pub fn validated(self) -> Result<Self, Error> {
+        let invalid = |field: &str, reason: String| Err(Error::InvalidConfig { field: field.into(), reason });
+        if !matches!(self.protocol.as_str(), "tcp" | "rdma") {
+            return invalid("protocol", format!("{:?}; expected tcp or rdma", self.protocol));
+        }
+        if self.master.rsplit_once(':').is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err()) {
+            return invalid("master_server_address", format!("{:?} is not host:port", self.master));
+        }
+        if self.replicas == 0 {
+            return invalid("replica_num", "must be at least 1".into());
+        }
+        if self.local_buffer_size == 0 {
+            return invalid("local_buffer_size", "must be above 0".into());
+        }
+        Ok(self)
+    }
+}
+
+fn rename_field(error: Error, protocol_var: &str) -> Error {
+    match error {
+        Error::InvalidConfig { field, reason } => {
+            let field = match field.as_str() {
+                "protocol" => protocol_var.to_owned(),
+                "master_server_address" => "MOONCAKE_MASTER".to_owned(),
+                _ => field,
+            };
+            Error::InvalidConfig { field, reason }
+        }
+        other => other,
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JsonConfig {
+    master_server_address: Option<String>,
+    local_hostname: Option<String>,
+    metadata_server: Option<String>,
+    global_segment_size: Option<Size>,
+    local_buffer_size: Option<Size>,
+    protocol: Option<String>,
+    device_name: Option<String>,
+    replica_num: Option<usize>,
+    key_scheme: Option<String>,
+    sglang_release: Option<String>,
+    extra_backend_tag: Option<String>,
+    library: Option<PathBuf>,
+    connect_timeout_ms: Option<u64>,
+    lease_wait_ms: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Size {
+    Bytes(u64),
+    Text(String),
+}
+
+impl Size {
+    fn bytes(self) -> Result<u64, String> {
+        match self {
+            Self::Bytes(bytes) => Ok(bytes),
+            Self::Text(text) => parse_size(&text),
+        }
+    }
+}
+
+/// Bytes from `4294967296`, `4gb`, `4 GiB`, `512MB`, `16mib`, `64k`: units are powers of 1024, as Mooncake's own
+/// parser reads them.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let split = trimmed.find(|c: char| !c.is_ascii_digit()).unwrap_or(trimmed.len());
+    let (digits, unit) = trimmed.split_at(split);
+    let number: u64 = digits.parse().map_err(|_| format!("{text:?} is not a size (bytes, or e.g. 4gb, 512mb)"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        other => return Err(format!("{text:?}: unknown unit {other:?} (b, kb, mb, gb, tb)")),
+    };
+    number.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} overflows 64 bits"))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4294967296"), Ok(4 << 30));
+        assert_eq!(parse_size("4gb"), Ok(4 << 30));
+        assert_eq!(parse_size(" 16 MiB "), Ok(16 << 20));
+        assert!(parse_size("4 parsecs").unwrap_err().contains("unknown unit"));
+        assert!(parse_size("gb").is_err());
+        assert!(parse_size("99999999999tb").unwrap_err().contains("overflows"));
+    }
+
+    #[test]
+    fn from_sglang_variables() {
+        let vars: HashMap<&str, &str> = [
+            ("MOONCAKE_MASTER", "10.0.0.1:50051"),
+            ("MOONCAKE_PROTOCOL", "rdma"),
+            ("MOONCAKE_DEVICE", "mlx5_0"),
+            ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "8gb"),
+            ("LOCAL_HOSTNAME", "10.0.0.2"),
+        ]
+        .into();
+        let config = MooncakeConfig::from_vars(|name| vars.get(name).map(|value| (*value).to_owned())).unwrap();
+        assert_eq!(config.master, "10.0.0.1:50051");
+        assert_eq!((config.protocol.as_str(), config.device.as_str()), ("rdma", "mlx5_0"));
+        assert_eq!(config.global_segment_size, 8 << 30);
+        assert_eq!(config.local_buffer_size, DEFAULT_LOCAL_BUFFER_SIZE);
+        assert_eq!(config.local_hostname, "10.0.0.2");
+        let missing = MooncakeConfig::from_vars(|_| None).unwrap_err();
+        assert!(missing.to_string().contains("MOONCAKE_MASTER"), "{missing}");
+        let bad = MooncakeConfig::from_vars(|name| match name {
+            "MOONCAKE_MASTER" => Some("h:1".into()),
+            "MOONCAKE_PROTOCOL" => Some("udp".into()),
+            _ => None,
+        })
+        .unwrap_err();
+        assert!(bad.to_string().contains("MOONCAKE_PROTOCOL"), "{bad}");
+    }
+
+    #[test]
+    fn from_extra_config() {
+        let value = serde_json::json!({
+            "master_server_address": "127.0.0.1:50051",
+            "global_segment_size": "1gb",
+            "device_name": "auto",
+            "key_scheme": "sglang",
+            "extra_backend_tag": "blue",
+        });
+        let config = MooncakeConfig::from_json(&value).unwrap();
+        assert_eq!(config.global_segment_size, 1 << 30);
+        assert_eq!(config.device, "");
+        assert_eq!(config.scheme, KeyScheme::Sglang { release: SglangRelease::V0_5_23, tag: Some("blue".into()) });
+        for (bad, field) in [
+            (serde_json::json!({"master_server_address": "h:1", "replicas": 2}), "replicas"),
+            (serde_json::json!({"global_segment_size": 1}), "master_server_address"),
+            (serde_json::json!({"master_server_address": "nohost"}), "master_server_address"),
+            (
+                serde_json::json!({"master_server_address": "h:1", "key_scheme": "sglang", "sglang_release": "0.4"}),
+                "0.4",
+            ),
+            (serde_json::json!({"master_server_address": "h:1", "sglang_release": "0.5.2"}), "key_scheme"),
+            (serde_json::json!({"master_server_address": "h:1", "local_buffer_size": "lots"}), "local_buffer_size"),
+        ] {
+            let error = MooncakeConfig::from_json(&bad).unwrap_err().to_string();
+            assert!(error.contains(field), "{bad}: {error}");
+        }
+    }
+
+    #[test]
+    fn from_config_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mooncake.json");
+        std::fs::write(&path, r#"{"master_server_address": "127.0.0.1:7", "protocol": "tcp"}"#).unwrap();
+        let path_text = path.to_str().unwrap().to_owned();
+        let config =
+            MooncakeConfig::from_vars(|name| (name == "MOONCAKE_CONFIG_PATH").then(|| path_text.clone())).unwrap();
+        assert_eq!(config.master, "127.0.0.1:7");
+        std::fs::write(&path, r#"{"master_server_address": "127.0.0.1:7", "protocl": "tcp"}"#).unwrap();
+        let error = MooncakeConfig::from_vars(|name| (name == "MOONCAKE_CONFIG_PATH").then(|| path_text.clone()))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("protocl") && error.contains("mooncake.json"), "{error}");
+    }
+}

@@ -1,0 +1,262 @@
+//! Object keys: a page is one object per part (K and V for MHA, the latent for MLA), each part the contiguous half
+//! (or the whole) of the flat page, so page-first host pools move each object straight from and into the pool.
+//!
+//! Two schemes:
+//!
+//! * **native** (default): `{hash}_{digest}_k` and `_v` (MHA), `{hash}_{digest}` (MLA), where the digest names the
+//!   whole namespace (model, geometry, dtype, layout, page size, ranks), so deployments that differ in any of them
+//!   never read each other's bytes;
+//! * **sglang**: the keys SGLang's own Mooncake backend writes, so an SGLang deployment and hicache share one store.
+//!   They changed between releases, so the release is named:
+//!   * `0.5.2`: MHA `{hash}_{tp_rank}_k` / `_v`, MLA `{hash}_k` (no model, no pipeline stage);
+//!   * `0.5.23`: a prefix of the optional backend tag and the model name (`/` → `-`) joined by `_`, then `_{hash}`;
+//!     MHA `{prefix}_{hash}_{tp_rank}_k` / `_v` (`_{tp_rank}_{pp_rank}_k` with pipeline stages), MLA
+//!     `{prefix}_{hash}__k` (an empty rank between the underscores; `_{pp_rank}_k` with stages). Without a tag and a
+//!     model there is no prefix.
+
+use hicache_core::Error;
+use hicache_core::hash::PageKey;
+use hicache_core::namespace::{ObjectPart, StorageNamespace, native_key_with_digest};
+
+/// The SGLang release whose Mooncake keys are used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SglangRelease {
+    /// 0.5.2 (and the releases before the model-name prefix).
+    V0_5_2,
+    /// 0.5.23 (model-name prefix, backend tag, pipeline-stage suffixes).
+    V0_5_23,
+}
+
+impl SglangRelease {
+    /// The release as written in configs.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::V0_5_2 => "0.5.2",
+            Self::V0_5_23 => "0.5.23",
+        }
+    }
+
+    /// Parses a release name.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming `sglang_release` and the releases known.
+    pub fn parse(text: &str) -> Result<Self, Error> {
+        match text {
+            "0.5.2" => Ok(Self::V0_5_2),
+            "0.5.23" => Ok(Self::V0_5_23),
+            other => Err(Error::InvalidArgument {
+                field: "sglang_release",
+                reason: format!("{other:?} is not a known SGLang key scheme; known: 0.5.2, 0.5.23"),
+            }),
+        }
+    }
+}
+
+/// How object keys are written.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum KeyScheme {
+    /// hicache's namespaced keys.
+    #[default]
+    Native,
+    /// SGLang's keys, as its given release writes them.
+    Sglang {
+        /// The release.
+        release: SglangRelease,
+        /// SGLang's `extra_backend_tag` (0.5.23 prefixes it to every key).
+        tag: Option<String>,
+    },
+}
+
+/// The keys of one namespace under one scheme.
+#[derive(Clone, Debug)]
+pub(crate) struct KeyRenderer {
+    /// Text before the hash (with its separator), e.g. `model_`.
+    before: String,
+    /// One suffix per object of a page, e.g. `_{digest}_k`.
+    suffixes: Vec<String>,
+    /// The regular expression that matches exactly this namespace's keys (for `clear`).
+    pattern: String,
+}
+
+impl KeyRenderer {
+    /// The renderer for `namespace` under `scheme`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the scheme cannot name this namespace's pages apart from another's
+    /// (SGLang 0.5.2's keys have no pipeline stage).
+    pub(crate) fn new(scheme: &KeyScheme, namespace: &StorageNamespace) -> Result<Self, Error> {
+        let mla = namespace.geometry.is_mla();
+        let (before, suffixes) = match scheme {
+            KeyScheme::Native => {
+                let digest = namespace.digest();
+                let parts: &[ObjectPart] = if mla { &[ObjectPart::Page] } else { &[ObjectPart::K, ObjectPart::V] };
+                // the suffix is what follows the hash in the native key
+                let hash_len = PageKey::from_bytes([0; 32]).to_string().len();
+                let suffixes = parts
+                    .iter()
+                    .map(|&part| {
+                        native_key_with_digest(&PageKey::from_bytes([0; 32]), &digest, part)[hash_len..].into()
+                    })
+                    .collect();
+                (String::new(), suffixes)
+            }
+            KeyScheme::Sglang { release: SglangRelease::V0_5_2, .. } => {
+                if namespace.pp_size > 1 {
+                    return Err(Error::InvalidArgument {
+                        field: "sglang_release",
+                        reason: format!(
+                            "SGLang 0.5.2's Mooncake keys have no pipeline stage, so the {} stages would overwrite \
+                             each other's pages; use the 0.5.23 scheme or the native one",
+                            namespace.pp_size
+                        ),
+                    });
+                }
+                let suffixes = if mla {
+                    vec!["_k".into()]
+                } else {
+                    vec![format!("_{}_k", namespace.tp_rank), format!("_{}_v", namespace.tp_rank)]
+                };
+                (String::new(), suffixes)
+            }
+            KeyScheme::Sglang { release: SglangRelease::V0_5_23, tag } => {
+                let model = namespace.sglang_model();
+                let prefix: Vec<&str> =
+                    tag.iter().map(String::as_str).chain((!model.is_empty()).then_some(model.as_str())).collect();
+                let before = if prefix.is_empty() { String::new() } else { format!("{}_", prefix.join("_")) };
+                let staged = namespace.pp_size > 1;
+                let suffixes = if mla {
+                    let rank = if staged { namespace.pp_rank.to_string() } else { String::new() };
+                    vec![format!("_{rank}_k")]
+                } else {
+                    let rank = if staged {
+                        format!("{}_{}", namespace.tp_rank, namespace.pp_rank)
+                    } else {
+                        namespace.tp_rank.to_string()
+                    };
+                    vec![format!("_{rank}_k"), format!("_{rank}_v")]
+                };
+                (before, suffixes)
+            }
+        };
+        let alternatives: Vec<String> = suffixes.iter().map(|suffix| escape_regex(suffix)).collect();
+        let pattern = format!("^{}[0-9a-f]{{64}}({})$", escape_regex(&before), alternatives.join("|"));
+        Ok(Self { before, suffixes, pattern })
+    }
+
+    /// Objects per page.
+    pub(crate) fn parts(&self) -> usize {
+        self.suffixes.len()
+    }
+
+    /// The key of object `part` of page `key`.
+    pub(crate) fn object_key(&self, key: &PageKey, part: usize) -> String {
+        format!("{}{key}{}", self.before, self.suffixes[part])
+    }
+
+    /// A regular expression (ECMAScript, as Mooncake's `remove_by_regex` takes) matching exactly this namespace's
+    /// object keys.
+    pub(crate) fn pattern(&self) -> &str {
+        &self.pattern
+    }
+}
+
+/// `text` with every ECMAScript regular-expression metacharacter escaped.
+fn escape_regex(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for character in text.chars() {
+        if "\\^$.|?*+()[]{}".contains(character) {
+            escaped.push('\\');
+        }
+        escaped.push(character);
+    }
+    escaped
+}
+
+#[cfg(test)]
+mod tests {
+    use hicache_core::geometry::{KvDtype, KvGeometry};
+    use hicache_core::hash::page_key;
+    use hicache_core::layout::HostLayout;
+
+    use super::*;
+
+    fn namespace(mla: bool, tp_rank: usize, pp: (usize, usize)) -> StorageNamespace {
+        let geometry = if mla {
+            KvGeometry::mla(2, 16, 8, KvDtype::Bf16).unwrap()
+        } else {
+            KvGeometry::mha(2, 2, 8, KvDtype::Bf16).unwrap()
+        };
+        StorageNamespace {
+            tp_rank,
+            tp_size: 4,
+            pp_rank: pp.0,
+            pp_size: pp.1,
+            ..StorageNamespace::single_rank("org/Model-7B", geometry, HostLayout::PageFirst, 16)
+        }
+    }
+
+    fn keys(scheme: &KeyScheme, namespace: &StorageNamespace, key: &PageKey) -> Vec<String> {
+        let renderer = KeyRenderer::new(scheme, namespace).unwrap();
+        (0..renderer.parts()).map(|part| renderer.object_key(key, part)).collect()
+    }
+
+    #[test]
+    fn sglang_keys_by_release() {
+        let key = page_key(None, &[1, 2, 3]);
+        let hash = key.to_string();
+        let old = KeyScheme::Sglang { release: SglangRelease::V0_5_2, tag: None };
+        assert_eq!(keys(&old, &namespace(false, 3, (0, 1)), &key), [format!("{hash}_3_k"), format!("{hash}_3_v")]);
+        assert_eq!(keys(&old, &namespace(true, 3, (0, 1)), &key), [format!("{hash}_k")]);
+        // the core's own rendering of 0.5.2's keys agrees
+        assert_eq!(
+            keys(&old, &namespace(false, 3, (0, 1)), &key),
+            namespace(false, 3, (0, 1)).sglang_mooncake_keys(&key)
+        );
+        let new = KeyScheme::Sglang { release: SglangRelease::V0_5_23, tag: None };
+        assert_eq!(
+            keys(&new, &namespace(false, 3, (0, 1)), &key),
+            [format!("org-Model-7B_{hash}_3_k"), format!("org-Model-7B_{hash}_3_v")]
+        );
+        assert_eq!(keys(&new, &namespace(true, 3, (0, 1)), &key), [format!("org-Model-7B_{hash}__k")]);
+        assert_eq!(
+            keys(&new, &namespace(false, 3, (1, 2)), &key),
+            [format!("org-Model-7B_{hash}_3_1_k"), format!("org-Model-7B_{hash}_3_1_v")]
+        );
+        assert_eq!(keys(&new, &namespace(true, 3, (1, 2)), &key), [format!("org-Model-7B_{hash}_1_k")]);
+        let tagged = KeyScheme::Sglang { release: SglangRelease::V0_5_23, tag: Some("blue".into()) };
+        assert_eq!(keys(&tagged, &namespace(true, 0, (0, 1)), &key), [format!("blue_org-Model-7B_{hash}__k")]);
+        let mut anonymous = namespace(false, 0, (0, 1));
+        anonymous.model.clear();
+        assert_eq!(keys(&new, &anonymous, &key), [format!("{hash}_0_k"), format!("{hash}_0_v")]);
+    }
+
+    #[test]
+    fn native_keys_are_the_cores() {
+        let key = page_key(None, &[9]);
+        for mla in [false, true] {
+            let ns = namespace(mla, 1, (0, 1));
+            let expected: Vec<String> = if mla {
+                vec![ns.native_key(&key, ObjectPart::Page)]
+            } else {
+                vec![ns.native_key(&key, ObjectPart::K), ns.native_key(&key, ObjectPart::V)]
+            };
+            assert_eq!(keys(&KeyScheme::Native, &ns, &key), expected);
+        }
+    }
+
+    #[test]
+    fn sglang_0_5_2_refuses_pipeline_stages() {
+        let old = KeyScheme::Sglang { release: SglangRelease::V0_5_2, tag: None };
+        let error = KeyRenderer::new(&old, &namespace(false, 0, (1, 2))).unwrap_err();
+        assert!(error.to_string().contains("sglang_release"), "{error}");
+    }
+
+    #[test]
+    fn patterns_escape_the_prefix() {
+        let scheme = KeyScheme::Sglang { release: SglangRelease::V0_5_23, tag: Some("a.b".into()) };
+        let renderer = KeyRenderer::new(&scheme, &namespace(false, 2, (0, 1))).unwrap();
+        assert_eq!(renderer.pattern(), r"^a\.b_org-Model-7B_[0-9a-f]{64}(_2_k|_2_v)$");
+    }
+}

@@ -1,0 +1,634 @@
+//! The Mooncake Store tier: pages as objects in a Mooncake cluster (docs/sglang.md#backends), moved straight from
+//! and into the host pool.
+//!
+//! * **Objects.** One object per page part ([`keys`]): K and V for MHA, the latent for MLA, each the contiguous half
+//!   (or the whole) of the flat page, so a page-first host pool is read and written in place. Where a part is not one
+//!   contiguous range of the caller's memory (a `layer_first` pool), it goes through a staging buffer, counted in
+//!   `staging_bytes`.
+//! * **Host memory.** The host pool is registered with Mooncake once
+//!   ([`register_host_memory`](StorageBackend::register_host_memory)). Over TCP, memory that was not registered is
+//!   moved in place too (the TCP transport reads and writes local memory by address); over RDMA it is staged through
+//!   a buffer registered for the call.
+//! * **Writes.** `batch_is_exist` first, then `batch_put_from` of the objects that are missing: an object already
+//!   stored is never put again (keys name content). A page whose every object was present is `AlreadyPresent`.
+//! * **Reads.** `batch_get_into`; per object the bytes read. A page is a hit when every part arrived whole; a miss
+//!   when none was found (an object evicted after `batch_is_exist` is a miss, never wrong bytes); a part found and
+//!   another not is a failed page (`Corrupt`: incomplete); fewer bytes than the part is `Corrupt` (short read); an
+//!   object larger than the part is `SizeMismatch`.
+//! * **Failures the store cannot vouch for.** Mooncake settles most failures before or after the transfer (no space,
+//!   not found, the master did not answer); any other failure of a read or write may leave a transfer in flight that
+//!   still touches the caller's memory. After one, the backend refuses every later call (the host pool pages it
+//!   used may be written to late), and says why: reopen it to go on.
+//! * **Removal.** `remove` deletes an object unless a reader holds its lease (Mooncake's 10 s read lease, `-706`),
+//!   in which case it waits for the lease up to [`MooncakeConfig::lease_wait`]. `clear` removes exactly this
+//!   namespace's objects by a regular expression over their keys, leases or not (an operator's wipe; a reader in
+//!   flight at that moment may fail). SGLang's `clear` removed every object in the cluster. `list` is not offered:
+//!   the C API cannot enumerate keys.
+//! * **The master.** Opening checks that the master accepts connections within
+//!   [`MooncakeConfig::connect_timeout`] (Mooncake's own setup retries for ~90 s); a master that goes away makes
+//!   calls fail fast (per page, naming its address) and the client reconnects when it is back.
+//!
+//! The library is Mooncake's C API, loaded at run time ([`sys`]).
+
+mod client;
+mod config;
+mod keys;
+pub mod sys;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+use std::ffi::CString;
+use std::sync::{Mutex, RwLock};
+use std::time::Instant;
+
+use hicache_core::Error;
+use hicache_core::hash::PageKey;
+use hicache_core::host_memory::MemoryRegion;
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::{
+    FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, StatsRecorder, StorageBackend,
+    StorageStats, check_batch, segments_len,
+};
+
+use crate::client::{Client, Setup};
+pub use crate::config::{DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LOCAL_BUFFER_SIZE, MooncakeConfig, parse_size};
+use crate::keys::KeyRenderer;
+pub use crate::keys::{KeyScheme, SglangRelease};
+use crate::sys::code;
+
+/// How long a read waits for an object whose replica another writer is still putting.
+const NOT_READY_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A Mooncake Store backend for one namespace.
+pub struct MooncakeStorage {
+    client: Client,
+    keys: KeyRenderer,
+    page_bytes: usize,
+    part_bytes: usize,
+    config: MooncakeConfig,
+    regions: RwLock<Vec<MemoryRegion>>,
+    /// Why the backend refuses calls, once a transfer may have been left in flight.
+    poisoned: Mutex<Option<String>>,
+    stats: StatsRecorder,
+}
+
+/// Where the bytes of one object are: in place in the caller's memory, or in the call's staging buffer.
+#[derive(Clone, Copy)]
+enum Place {
+    /// The address of the part in the caller's segments.
+    Direct(usize),
+    /// The offset of the part in the staging buffer.
+    Staged(usize),
+}
+
+impl MooncakeStorage {
+    /// Connects to the master and mounts this client's segment.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] / [`Error::InvalidArgument`] naming the field; [`Error::Storage`] when the library
+    /// cannot be loaded (naming `MOONCAKE_STORE_LIBRARY`) or the master does not answer (naming its address).
+    pub fn open(config: MooncakeConfig, namespace: &StorageNamespace) -> Result<Self, Error> {
+        let config = config.validated()?;
+        let namespace = namespace.clone().validated()?;
+        let keys = KeyRenderer::new(&config.scheme, &namespace)?;
+        let page_bytes = namespace.geometry.bytes_per_page(namespace.page_size);
+        let part_bytes = page_bytes / keys.parts();
+        let api = sys::load(&sys::resolve_library(config.library.as_deref())).map_err(error)?;
+        let client = Client::connect(
+            api,
+            &Setup {
+                local_hostname: &config.local_hostname,
+                metadata_server: &config.metadata_server,
+                global_segment_size: config.global_segment_size,
+                local_buffer_size: config.local_buffer_size,
+                protocol: &config.protocol,
+                device: &config.device,
+                master: &config.master,
+                connect_timeout: config.connect_timeout,
+            },
+        )
+        .map_err(error)?;
+        Ok(Self {
+            client,
+            keys,
+            page_bytes,
+            part_bytes,
+            config,
+            regions: RwLock::new(Vec::new()),
+            poisoned: Mutex::new(None),
+            stats: StatsRecorder::default(),
+        })
+    }
+
+    /// The settings it was opened with.
+    pub fn config(&self) -> &MooncakeConfig {
+        &self.config
+    }
+
+    /// Whether the client and its master are well.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Storage`] naming the master and Mooncake's code.
+    pub fn health_check(&self) -> Result<(), Error> {
+        self.client.health_check().map_err(error)
+    }
+
+    /// The object keys of a page, as stored in Mooncake.
+    pub fn object_keys(&self, key: &PageKey) -> Vec<String> {
+        (0..self.keys.parts()).map(|part| self.keys.object_key(key, part)).collect()
+    }
+
+    fn c_keys(&self, keys: &[PageKey]) -> Vec<CString> {
+        keys.iter()
+            .flat_map(|key| (0..self.keys.parts()).map(move |part| (key, part)))
+            .map(|(key, part)| {
+                CString::new(self.keys.object_key(key, part)).expect("keys are hex digits and the prefix")
+            })
+            .collect()
+    }
+
+    fn check_usable(&self) -> Result<(), Error> {
+        match &*self.poisoned.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) {
+            Some(why) => Err(error(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn poison(&self, call: &str, status: i64) {
+        let why = format!(
+            "refusing calls: a {call} failed with {}, after which Mooncake may still move bytes of that call; reopen \
+             the backend",
+            sys::code_name(status)
+        );
+        tracing::error!(master = self.client.master(), "{why}");
+        self.poisoned.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert(why);
+    }
+
+    /// Where object `part` of a page given as `segments` (lengths `lens`, starting at `starts`) lies: in place when
+    /// the part is inside one segment and the transport may use that memory, else staged.
+    fn place(&self, starts: &[usize], lens: &[usize], part: usize, staged: &mut usize) -> Place {
+        let mut offset = part * self.part_bytes;
+        for (&start, &len) in starts.iter().zip(lens) {
+            if offset < len {
+                if offset + self.part_bytes <= len && self.may_use(start + offset) {
+                    return Place::Direct(start + offset);
+                }
+                break;
+            }
+            offset -= len;
+        }
+        let at = *staged;
+        *staged += self.part_bytes;
+        Place::Staged(at)
+    }
+
+    fn may_use(&self, address: usize) -> bool {
+        self.config.protocol == "tcp"
+            || self
+                .regions
+                .read()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .iter()
+                .any(|region| region.contains(address, self.part_bytes))
+    }
+
+    /// Reads object `i` into `part_bytes` at `addresses[i]`; per object the bytes read or an error code. A key
+    /// named twice is read once per call (Mooncake serves one destination per key in a batch), so repeats go in
+    /// later rounds; an object whose replica is still being written (another writer's put in flight) is read again
+    /// for up to [`NOT_READY_WAIT`].
+    ///
+    /// # Safety
+    ///
+    /// Each `[addresses[i], addresses[i] + part_bytes)` is writable, and neither read nor written by anyone else
+    /// until the call returns. After a failure that may leave a transfer in flight the backend is poisoned and
+    /// `Err` returned: the memory must then be given up.
+    unsafe fn read_objects(&self, keys: &[CString], addresses: &[usize]) -> Result<Vec<i64>, Error> {
+        let mut results = vec![code::OBJECT_NOT_FOUND; keys.len()];
+        let mut pending: Vec<usize> = (0..keys.len()).collect();
+        let deadline = Instant::now() + NOT_READY_WAIT;
+        while !pending.is_empty() {
+            let mut seen = std::collections::HashSet::new();
+            let (round, later): (Vec<usize>, Vec<usize>) =
+                pending.iter().partition(|&&object| seen.insert(&keys[object]));
+            let round_keys: Vec<CString> = round.iter().map(|&object| keys[object].clone()).collect();
+            let round_addresses: Vec<usize> = round.iter().map(|&object| addresses[object]).collect();
+            let sizes = vec![self.part_bytes; round.len()];
+            // SAFETY: the caller vouches for every address and length.
+            let answers =
+                unsafe { self.client.batch_get_into(&round_keys, &round_addresses, &sizes) }.map_err(error)?;
+            if let Some(&status) = answers.iter().find(|&&status| status < 0 && !sys::is_settled_failure(status)) {
+                self.poison("batch_get_into", status);
+                return Err(self.check_usable().expect_err("just poisoned"));
+            }
+            pending = later;
+            let mut not_ready = false;
+            for (&object, &status) in round.iter().zip(&answers) {
+                results[object] = status;
+                if status == code::REPLICA_IS_NOT_READY && Instant::now() < deadline {
+                    pending.push(object);
+                    not_ready = true;
+                }
+            }
+            if not_ready {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        }
+        Ok(results)
+    }
+
+    fn size_mismatch(&self, given: usize) -> PageFailure {
+        PageFailure::new(
+            FailureKind::SizeMismatch,
+            format!("the buffer holds {given} bytes; a page of this namespace is {} bytes", self.page_bytes),
+        )
+    }
+}
+
+/// A staging buffer for the objects of one call that cannot move in place; registered for the call when the
+/// transport needs it.
+struct Staging<'a> {
+    bytes: Vec<u8>,
+    registered: Option<&'a Client>,
+}
+
+impl<'a> Staging<'a> {
+    fn new(len: usize, storage: &'a MooncakeStorage) -> Result<Self, Error> {
+        let bytes = vec![0u8; len];
+        let registered = if len > 0 && storage.config.protocol != "tcp" {
+            // SAFETY: the buffer is owned by this value and stays allocated until `Drop` unregisters it (or is
+            // leaked, with its registration, when a transfer may still use it).
+            unsafe { storage.client.register(bytes.as_ptr() as usize, len) }.map_err(error)?;
+            Some(&storage.client)
+        } else {
+            None
+        };
+        Ok(Self { bytes, registered })
+    }
+
+    fn address(&self, offset: usize) -> usize {
+        self.bytes.as_ptr() as usize + offset
+    }
+
+    /// Keeps the buffer (and its registration) for the rest of the process: a transfer may still use it.
+    fn abandon(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Staging<'_> {
+    fn drop(&mut self) {
+        if let Some(client) = self.registered {
+            client.unregister(self.bytes.as_ptr() as usize);
+        }
+    }
+}
+
+/// Copies `len` bytes from the concatenation of `segments`, starting at `offset`, into `out`.
+fn gather_range(segments: &[&[u8]], mut offset: usize, out: &mut [u8]) {
+    let mut written = 0;
+    for segment in segments {
+        if offset >= segment.len() {
+            offset -= segment.len();
+            continue;
+        }
+        let take = (segment.len() - offset).min(out.len() - written);
+        out[written..written + take].copy_from_slice(&segment[offset..offset + take]);
+        written += take;
+        offset = 0;
+        if written == out.len() {
+            break;
+        }
+    }
+}
+
+/// Copies `bytes` into the concatenation of `segments`, starting at `offset`.
+fn scatter_range(bytes: &[u8], segments: &mut [&mut [u8]], mut offset: usize) {
+    let mut read = 0;
+    for segment in segments.iter_mut() {
+        if offset >= segment.len() {
+            offset -= segment.len();
+            continue;
+        }
+        let take = (segment.len() - offset).min(bytes.len() - read);
+        segment[offset..offset + take].copy_from_slice(&bytes[read..read + take]);
+        read += take;
+        offset = 0;
+        if read == bytes.len() {
+            break;
+        }
+    }
+}
+
+fn error(message: String) -> Error {
+    Error::Storage { backend: "mooncake".into(), message }
+}
+
+/// The failure of one object with a settled error code.
+fn object_failure(status: i64, master: &str, part_bytes: usize) -> PageFailure {
+    match status {
+        code::RPC_FAIL | code::RPC_TIMEOUT => PageFailure::new(
+            FailureKind::Io,
+            format!("the master at {master} did not answer: {}", sys::code_name(status)),
+        ),
+        code::NO_AVAILABLE_HANDLE | code::TENANT_QUOTA_EXCEEDED => {
+            PageFailure::new(FailureKind::Rejected, format!("refused by the store: {}", sys::code_name(status)))
+        }
+        code::INVALID_PARAMS => PageFailure::new(
+            FailureKind::SizeMismatch,
+            format!("the stored object is larger than a part of this namespace ({part_bytes} bytes)"),
+        ),
+        _ => PageFailure::new(FailureKind::Io, sys::code_name(status)),
+    }
+}
+
+impl StorageBackend for MooncakeStorage {
+    fn name(&self) -> &str {
+        "mooncake"
+    }
+
+    fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {
+        self.check_usable()?;
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let results = self.client.batch_is_exist(&self.c_keys(keys)).map_err(error)?;
+        let parts = self.keys.parts();
+        let mut found = 0;
+        for page in results.chunks(parts) {
+            if let Some(&status) = page.iter().find(|&&status| status < 0)
+                && found == 0
+            {
+                return Err(error(format!(
+                    "batch_is_exist at the master {} failed: {}",
+                    self.client.master(),
+                    sys::code_name(status)
+                )));
+            }
+            if !page.iter().all(|&status| status == 1) {
+                break;
+            }
+            found += 1;
+        }
+        self.stats.record_exists(keys.len(), found);
+        Ok(found)
+    }
+
+    fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
+        check_batch(keys.len(), pages.len())?;
+        self.check_usable()?;
+        let parts = self.keys.parts();
+        let mut outcomes: Vec<Option<GetOutcome>> = vec![None; keys.len()];
+        let (mut object_keys, mut places, mut owners) = (Vec::new(), Vec::new(), Vec::new());
+        let mut staged = 0;
+        let all_keys = self.c_keys(keys);
+        for (index, segments) in pages.iter().enumerate() {
+            let len = segments_len(segments);
+            if len != self.page_bytes {
+                outcomes[index] = Some(GetOutcome::Failed(self.size_mismatch(len)));
+                continue;
+            }
+            let starts: Vec<usize> = segments.iter().map(|segment| segment.as_ptr() as usize).collect();
+            let lens: Vec<usize> = segments.iter().map(|segment| segment.len()).collect();
+            for part in 0..parts {
+                object_keys.push(all_keys[index * parts + part].clone());
+                places.push(self.place(&starts, &lens, part, &mut staged));
+                owners.push((index, part));
+            }
+        }
+        let staging = Staging::new(staged, self)?;
+        let addresses: Vec<usize> = places
+            .iter()
+            .map(|place| match *place {
+                Place::Direct(address) => address,
+                Place::Staged(offset) => staging.address(offset),
+            })
+            .collect();
+        // SAFETY: every address is either inside one segment of `pages` (`place` found the whole part in it), which
+        // this call borrows mutably, or inside `staging`, which outlives the call; each range is `part_bytes` long
+        // and no two overlap (distinct parts of distinct pages, each page's segments distinct by the borrow).
+        let results = match unsafe { self.read_objects(&object_keys, &addresses) } {
+            Ok(results) => results,
+            Err(failure) => {
+                // a transfer may still write the staging buffer
+                staging.abandon();
+                return Err(failure);
+            }
+        };
+        let mut by_page: Vec<Vec<(usize, i64, Place)>> = vec![Vec::new(); keys.len()];
+        for ((&(index, part), &status), &place) in owners.iter().zip(&results).zip(&places) {
+            by_page[index].push((part, status, place));
+        }
+        let master = self.client.master();
+        for (index, objects) in by_page.into_iter().enumerate() {
+            if outcomes[index].is_some() {
+                continue;
+            }
+            let whole = self.part_bytes as i64;
+            let outcome = if objects.iter().all(|&(_, status, _)| status == whole) {
+                for &(part, _, place) in &objects {
+                    if let Place::Staged(offset) = place {
+                        let bytes = &staging.bytes[offset..offset + self.part_bytes];
+                        scatter_range(bytes, &mut pages[index], part * self.part_bytes);
+                        self.stats.record_staging(self.part_bytes);
+                    }
+                }
+                GetOutcome::Hit
+            } else if objects.iter().all(|&(_, status, _)| status == code::OBJECT_NOT_FOUND) {
+                GetOutcome::Miss
+            } else if let Some(&(_, status, _)) =
+                objects.iter().find(|&&(_, status, _)| status < 0 && status != code::OBJECT_NOT_FOUND)
+            {
+                GetOutcome::Failed(object_failure(status, master, self.part_bytes))
+            } else if let Some(&(part, status, _)) =
+                objects.iter().find(|&&(_, status, _)| (0..whole).contains(&status))
+            {
+                GetOutcome::Failed(PageFailure::new(
+                    FailureKind::Corrupt,
+                    format!("short read of part {part}: {status} of {} bytes", self.part_bytes),
+                ))
+            } else {
+                let missing: Vec<usize> = objects
+                    .iter()
+                    .filter(|&&(_, status, _)| status == code::OBJECT_NOT_FOUND)
+                    .map(|&(part, _, _)| part)
+                    .collect();
+                GetOutcome::Failed(PageFailure::new(
+                    FailureKind::Corrupt,
+                    format!("incomplete page: part(s) {missing:?} of {parts} are gone (evicted or removed)"),
+                ))
+            };
+            outcomes[index] = Some(outcome);
+        }
+        let outcomes: Vec<GetOutcome> =
+            outcomes.into_iter().map(|outcome| outcome.unwrap_or(GetOutcome::Miss)).collect();
+        self.stats.record_get(&outcomes, |_| self.page_bytes);
+        Ok(outcomes)
+    }
+
+    fn batch_set(&self, keys: &[PageKey], pages: &[PageSegments<'_>]) -> Result<Vec<SetOutcome>, Error> {
+        check_batch(keys.len(), pages.len())?;
+        self.check_usable()?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let parts = self.keys.parts();
+        let all_keys = self.c_keys(keys);
+        let present = self.client.batch_is_exist(&all_keys).map_err(error)?;
+        let mut outcomes: Vec<Option<SetOutcome>> = vec![None; keys.len()];
+        // per object: Ok(true) stored now, Ok(false) present before, Err(status) failed
+        let mut object_results: Vec<Result<bool, i64>> = vec![Ok(false); all_keys.len()];
+        let (mut put_keys, mut put_places, mut put_objects) = (Vec::new(), Vec::new(), Vec::new());
+        let mut first_put: std::collections::HashMap<&CString, usize> = std::collections::HashMap::new();
+        let mut duplicates = Vec::new();
+        let mut staged = 0;
+        for (index, segments) in pages.iter().enumerate() {
+            let len = segments_len(segments);
+            if len != self.page_bytes {
+                outcomes[index] = Some(SetOutcome::Failed(self.size_mismatch(len)));
+                continue;
+            }
+            let starts: Vec<usize> = segments.iter().map(|segment| segment.as_ptr() as usize).collect();
+            let lens: Vec<usize> = segments.iter().map(|segment| segment.len()).collect();
+            for part in 0..parts {
+                let object = index * parts + part;
+                if present[object] == 1 {
+                    continue;
+                }
+                if let Some(&first) = first_put.get(&all_keys[object]) {
+                    // the same key twice in one batch: put once, both share the outcome
+                    duplicates.push((object, first));
+                    continue;
+                }
+                first_put.insert(&all_keys[object], object);
+                put_keys.push(all_keys[object].clone());
+                put_places.push((self.place(&starts, &lens, part, &mut staged), index, part));
+                put_objects.push(object);
+            }
+        }
+        let mut staging = Staging::new(staged, self)?;
+        let mut addresses = Vec::with_capacity(put_places.len());
+        for &(place, index, part) in &put_places {
+            addresses.push(match place {
+                Place::Direct(address) => address,
+                Place::Staged(offset) => {
+                    let out = &mut staging.bytes[offset..offset + self.part_bytes];
+                    gather_range(&pages[index], part * self.part_bytes, out);
+                    self.stats.record_staging(self.part_bytes);
+                    staging.address(offset)
+                }
+            });
+        }
+        let sizes = vec![self.part_bytes; addresses.len()];
+        let results = if put_keys.is_empty() {
+            Vec::new()
+        } else {
+            // SAFETY: every address is inside one segment of `pages` (borrowed for this call, so nobody writes
+            // them) or inside `staging`, which outlives the call; each range is `part_bytes` long. After an
+            // unsettled failure the backend is poisoned and the staging buffer leaked.
+            unsafe { self.client.batch_put_from(&put_keys, &addresses, &sizes, self.config.replicas) }.map_err(error)?
+        };
+        if let Some(&status) = results.iter().find(|&&status| status < 0 && !sys::is_settled_failure(status)) {
+            self.poison("batch_put_from", status);
+            staging.abandon();
+            return Err(self.check_usable().expect_err("just poisoned"));
+        }
+        for (&object, &status) in put_objects.iter().zip(&results) {
+            object_results[object] = match status {
+                0 => Ok(true),
+                code::OBJECT_ALREADY_EXISTS => Ok(false),
+                failed => Err(failed),
+            };
+        }
+        for (object, first) in duplicates {
+            object_results[object] = object_results[first].map(|_| false);
+        }
+        let master = self.client.master();
+        for (index, outcome) in outcomes.iter_mut().enumerate() {
+            if outcome.is_some() {
+                continue;
+            }
+            let objects = &object_results[index * parts..(index + 1) * parts];
+            *outcome = Some(if let Some(&Err(status)) = objects.iter().find(|result| result.is_err()) {
+                SetOutcome::Failed(object_failure(status, master, self.part_bytes))
+            } else if objects.contains(&Ok(true)) {
+                SetOutcome::Stored
+            } else {
+                SetOutcome::AlreadyPresent
+            });
+        }
+        let outcomes: Vec<SetOutcome> =
+            outcomes.into_iter().map(|outcome| outcome.expect("every page decided")).collect();
+        self.stats.record_set(&outcomes, |_| self.page_bytes);
+        Ok(outcomes)
+    }
+
+    fn remove(&self, keys: &[PageKey]) -> Result<usize, Error> {
+        self.check_usable()?;
+        let parts = self.keys.parts();
+        let object_keys = self.c_keys(keys);
+        let mut removed_pages = 0;
+        for page in object_keys.chunks(parts) {
+            let mut any = false;
+            for key in page {
+                let deadline = Instant::now() + self.config.lease_wait;
+                loop {
+                    match self.client.remove(key) {
+                        0 => any = true,
+                        code::OBJECT_NOT_FOUND => {}
+                        code::OBJECT_HAS_LEASE if Instant::now() < deadline => {
+                            std::thread::sleep(std::time::Duration::from_millis(50));
+                            continue;
+                        }
+                        status => {
+                            return Err(error(format!(
+                                "removing {} at the master {}: {}{}",
+                                key.to_string_lossy(),
+                                self.client.master(),
+                                sys::code_name(status),
+                                if status == code::OBJECT_HAS_LEASE {
+                                    format!(" (still read after {} ms; lease_wait)", self.config.lease_wait.as_millis())
+                                } else {
+                                    String::new()
+                                }
+                            )));
+                        }
+                    }
+                    break;
+                }
+            }
+            removed_pages += usize::from(any);
+        }
+        self.stats.record_removed(removed_pages as u64);
+        Ok(removed_pages)
+    }
+
+    fn clear(&self) -> Result<u64, Error> {
+        self.check_usable()?;
+        let objects = self.client.remove_by_regex(self.keys.pattern(), true).map_err(error)?;
+        let pages = objects.div_ceil(self.keys.parts() as u64);
+        self.stats.record_removed(pages);
+        Ok(pages)
+    }
+
+    fn stats(&self) -> StorageStats {
+        self.stats.snapshot()
+    }
+
+    fn register_host_memory(&self, region: &MemoryRegion) -> Result<(), Error> {
+        // SAFETY: the caller keeps the region mapped until `unregister_host_memory` with the same region (the
+        // trait's contract), which unregisters it here.
+        unsafe { self.client.register(region.address(), region.len()) }.map_err(error)?;
+        self.regions.write().unwrap_or_else(|poisoned| poisoned.into_inner()).push(region.clone());
+        Ok(())
+    }
+
+    fn unregister_host_memory(&self, region: &MemoryRegion) {
+        let mut regions = self.regions.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(at) = regions.iter().position(|known| known == region) {
+            regions.remove(at);
+            self.client.unregister(region.address());
+        }
+    }
+}
