@@ -126,6 +126,11 @@ impl MooncakeStorage {
         &self.config
     }
 
+    /// Host memory regions registered now (told with `register_host_memory`).
+    pub fn registered_regions(&self) -> usize {
+        self.regions.read().unwrap_or_else(|poisoned| poisoned.into_inner()).len()
+    }
+
     /// Whether the client and its master are well.
     ///
     /// # Errors

@@ -199,6 +199,7 @@ pub struct Cluster {
     // dropped before the master
     holder: Option<MooncakeStorage>,
     master: Master,
+    segment_bytes: u64,
 }
 
 impl Cluster {
@@ -211,19 +212,28 @@ impl Cluster {
     ///
     /// When either does not come up.
     pub fn start() -> Self {
-        let master = Master::start();
-        let holder = Self::holder(&master);
-        Self { holder: Some(holder), master }
+        Self::start_with_segment(Self::SEGMENT_BYTES)
     }
 
-    fn holder(master: &Master) -> MooncakeStorage {
+    /// A master and a holder lending `segment_bytes`.
+    ///
+    /// # Panics
+    ///
+    /// As [`start`](Self::start).
+    pub fn start_with_segment(segment_bytes: u64) -> Self {
+        let master = Master::start();
+        let holder = Self::holder(&master, segment_bytes);
+        Self { holder: Some(holder), master, segment_bytes }
+    }
+
+    fn holder(master: &Master, segment_bytes: u64) -> MooncakeStorage {
         let namespace = StorageNamespace::single_rank(
             "segment-holder",
             KvGeometry::mha(1, 1, 8, KvDtype::Bf16).expect("valid geometry"),
             HostLayout::PageFirst,
             1,
         );
-        let config = MooncakeConfig { global_segment_size: Self::SEGMENT_BYTES, ..config(master) };
+        let config = MooncakeConfig { global_segment_size: segment_bytes, ..config(master) };
         MooncakeStorage::open(config, &namespace).expect("the segment holder connects to the test master")
     }
 
@@ -248,6 +258,6 @@ impl Cluster {
     ///
     /// When it cannot connect.
     pub fn start_holder(&mut self) {
-        self.holder = Some(Self::holder(&self.master));
+        self.holder = Some(Self::holder(&self.master, self.segment_bytes));
     }
 }

@@ -1,0 +1,162 @@
+//! Faults of the real thing: a master that does not answer at open, a master killed mid-run and restarted, objects
+//! evicted between `batch_exists` and `batch_get_into`.
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use hicache_core::Error;
+use hicache_core::geometry::{KvDtype, KvGeometry};
+use hicache_core::layout::HostLayout;
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::conformance::{fetch, put, random_keys, random_pages};
+use hicache_core::storage::{GetOutcome, SetOutcome, StorageBackend};
+use hicache_storage_mooncake::testing::{Cluster, store_library};
+use hicache_storage_mooncake::{MooncakeConfig, MooncakeStorage};
+
+/// Every call against a master that went away returns within this (Mooncake's client gives up on its own).
+const CALL_DEADLINE: Duration = Duration::from_secs(30);
+
+fn namespace(page_size: usize) -> StorageNamespace {
+    StorageNamespace::single_rank(
+        format!("faults-{:08x}", rand::random::<u32>()),
+        KvGeometry::mha(2, 2, 64, KvDtype::Bf16).unwrap(),
+        HostLayout::PageFirst,
+        page_size,
+    )
+}
+
+#[test]
+fn a_master_that_does_not_answer_is_a_one_line_error() {
+    // a loopback port nobody listens on
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let config = MooncakeConfig {
+        library: Some(store_library()),
+        local_hostname: "127.0.0.1".into(),
+        global_segment_size: 0,
+        ..MooncakeConfig::new(format!("127.0.0.1:{port}"))
+    };
+    let started = Instant::now();
+    let Err(error) = MooncakeStorage::open(config, &namespace(4)) else { panic!("opened without a master") };
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    let message = error.to_string();
+    assert!(!message.contains('\n'), "one line: {message}");
+    assert!(message.contains(&format!("127.0.0.1:{port}")) && message.contains("does not answer"), "{message}");
+}
+
+#[test]
+fn a_missing_library_names_the_variable() {
+    let config = MooncakeConfig {
+        library: Some("/nonexistent/libmooncake_store.so".into()),
+        ..MooncakeConfig::new("127.0.0.1:1")
+    };
+    let Err(error) = MooncakeStorage::open(config, &namespace(4)) else { panic!("opened without a library") };
+    let message = error.to_string();
+    assert!(message.contains("MOONCAKE_STORE_LIBRARY") && message.contains("/nonexistent"), "{message}");
+}
+
+/// Runs `call`, failing the test when it takes longer than [`CALL_DEADLINE`].
+fn timed<T>(what: &str, call: impl FnOnce() -> T) -> T {
+    let started = Instant::now();
+    let result = call();
+    assert!(started.elapsed() < CALL_DEADLINE, "{what} took {:?}", started.elapsed());
+    result
+}
+
+#[test]
+fn a_master_killed_mid_run_fails_calls_fast_and_the_backend_recovers_when_it_is_back() {
+    let mut cluster = Cluster::start();
+    let namespace = namespace(4);
+    let bytes = namespace.geometry.bytes_per_page(namespace.page_size);
+    let backend = MooncakeStorage::open(cluster.config(), &namespace).unwrap();
+    let address = cluster.master().address();
+    let (keys, pages) = (random_keys(8), random_pages(8, bytes));
+    assert_eq!(put(&backend, &keys, &pages), vec![SetOutcome::Stored; 8]);
+
+    cluster.master().kill();
+    let (more_keys, more_pages) = (random_keys(4), random_pages(4, bytes));
+    let names_master = |error: &Error| error.to_string().contains(&address);
+    match timed("batch_set", || {
+        backend.batch_set(&more_keys, &more_pages.iter().map(|page| vec![page.as_slice()]).collect::<Vec<_>>())
+    }) {
+        Ok(outcomes) => {
+            for outcome in outcomes {
+                let SetOutcome::Failed(failure) = outcome else { panic!("stored without a master: {outcome:?}") };
+                assert!(failure.message.contains(&address), "{failure}");
+            }
+        }
+        Err(error) => assert!(names_master(&error), "{error}"),
+    }
+    match timed("batch_exists", || backend.batch_exists(&keys)) {
+        Ok(found) => assert_eq!(found, 0, "found pages without a master"),
+        Err(error) => assert!(names_master(&error), "{error}"),
+    }
+    let mut buffers = vec![vec![0xA5u8; bytes]; keys.len()];
+    let mut targets: Vec<Vec<&mut [u8]>> = buffers.iter_mut().map(|buffer| vec![buffer.as_mut_slice()]).collect();
+    match timed("batch_get", || backend.batch_get(&keys, &mut targets)) {
+        Ok(outcomes) => assert!(outcomes.iter().all(|outcome| *outcome != GetOutcome::Hit), "{outcomes:?}"),
+        Err(error) => assert!(names_master(&error), "{error}"),
+    }
+
+    cluster.master().restart();
+    // the clients mount their segments again on their next contact with the new master
+    let deadline = Instant::now() + CALL_DEADLINE;
+    let (new_keys, new_pages) = (random_keys(4), random_pages(4, bytes));
+    loop {
+        let outcomes = timed("batch_set after the restart", || put(&backend, &new_keys, &new_pages));
+        if outcomes.iter().all(SetOutcome::is_stored) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the backend did not recover within {CALL_DEADLINE:?}: {outcomes:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (outcomes, buffers) = fetch(&backend, &new_keys, bytes, 0);
+    assert_eq!(outcomes, vec![GetOutcome::Hit; 4]);
+    assert_eq!(buffers, new_pages);
+    // the old master's objects are gone with it: misses, never wrong bytes
+    let (outcomes, buffers) = fetch(&backend, &keys, bytes, 0);
+    for ((outcome, buffer), page) in outcomes.iter().zip(&buffers).zip(&pages) {
+        match outcome {
+            GetOutcome::Hit => assert_eq!(buffer, page),
+            GetOutcome::Miss => assert!(buffer.iter().all(|&byte| byte == 0), "a miss wrote the buffer"),
+            GetOutcome::Failed(failure) => panic!("{failure}"),
+        }
+    }
+}
+
+#[test]
+fn objects_evicted_after_exists_are_misses_never_wrong_bytes() {
+    // a 16 MiB cluster and 64 KiB pages: 600 pages overflow it many times, so the master evicts
+    let cluster = Cluster::start_with_segment(16 << 20);
+    let namespace = namespace(64);
+    let bytes = namespace.geometry.bytes_per_page(namespace.page_size);
+    assert_eq!(bytes, 64 << 10);
+    let backend = MooncakeStorage::open(cluster.config(), &namespace).unwrap();
+    let (first_keys, first_pages) = (random_keys(32), random_pages(32, bytes));
+    assert_eq!(put(&backend, &first_keys, &first_pages), vec![SetOutcome::Stored; 32]);
+    assert_eq!(backend.batch_exists(&first_keys).unwrap(), 32);
+    let mut refused = 0;
+    for _ in 0..18 {
+        let (keys, pages) = (random_keys(32), random_pages(32, bytes));
+        let outcomes = put(&backend, &keys, &pages);
+        refused += outcomes.iter().filter(|outcome| !outcome.is_stored()).count();
+        // the master evicts in the background once the cluster is nearly full
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (outcomes, buffers) = fetch(&backend, &first_keys, bytes, 0x5A);
+    let mut misses = 0;
+    for ((outcome, buffer), page) in outcomes.iter().zip(&buffers).zip(&first_pages) {
+        match outcome {
+            GetOutcome::Hit => assert_eq!(buffer, page, "a hit with wrong bytes"),
+            GetOutcome::Miss => {
+                misses += 1;
+                assert!(buffer.iter().all(|&byte| byte == 0x5A), "a miss wrote the buffer");
+            }
+            GetOutcome::Failed(failure) => {
+                // one part evicted and the other not: never a hit
+                assert!(failure.message.contains("incomplete"), "{failure}");
+                misses += 1;
+            }
+        }
+    }
+    assert!(misses > 0, "nothing was evicted (refused puts: {refused}); the test did not test eviction");
+}
