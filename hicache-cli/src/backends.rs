@@ -17,7 +17,7 @@ pub(crate) enum BackendName {
     File,
     /// NIXL (cargo feature `nixl`).
     Nixl,
-    /// Mooncake Store (not available yet).
+    /// Mooncake Store (cargo feature `mooncake`).
     Mooncake,
     /// DeepSeek 3FS (not available yet).
     #[value(name = "3fs", alias = "hf3fs")]
@@ -59,6 +59,56 @@ pub(crate) struct BackendOptions {
     /// Open for inspection: create, change and remove nothing (the file backend).
     #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
     pub(crate) read_only: bool,
+    /// Settings of the networked backends.
+    #[cfg_attr(not(feature = "mooncake"), expect(dead_code, reason = "read only by the Mooncake backend"))]
+    pub(crate) network: NetworkArgs,
+    /// The config file's `storage_backend_extra_config`, used where `--extra-config` is not given.
+    #[cfg_attr(not(feature = "mooncake"), expect(dead_code, reason = "read only by the Mooncake backend"))]
+    pub(crate) config_extra: Option<serde_json::Value>,
+}
+
+/// Settings of the networked backends (Mooncake), as SGLang takes them.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub(crate) struct NetworkArgs {
+    /// The backend's settings as a JSON object, SGLang's --hicache-storage-backend-extra-config. Mooncake:
+    /// master_server_address, protocol, device_name, global_segment_size, local_buffer_size, metadata_server,
+    /// local_hostname, replica_num, key_scheme, sglang_release, extra_backend_tag. Default: the config file's,
+    /// else SGLang's variables (MOONCAKE_MASTER, MOONCAKE_PROTOCOL, ... or MOONCAKE_CONFIG_PATH).
+    #[arg(long, value_name = "JSON")]
+    pub(crate) extra_config: Option<String>,
+    /// Object keys: hicache's namespaced ones, or SGLang's (to share one store with SGLang).
+    #[arg(long, value_enum)]
+    pub(crate) key_scheme: Option<KeySchemeArg>,
+    /// The SGLang release whose keys `--key-scheme sglang` uses: 0.5.2 or 0.5.23 (default).
+    #[arg(long, value_name = "RELEASE")]
+    pub(crate) sglang_release: Option<String>,
+}
+
+/// Key schemes by name (`--key-scheme`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum KeySchemeArg {
+    /// hicache's keys: a digest of the whole namespace in every key.
+    Native,
+    /// SGLang's keys, as the release named by --sglang-release writes them.
+    Sglang,
+}
+
+#[cfg(feature = "mooncake")]
+impl NetworkArgs {
+    /// The extra config as JSON: `--extra-config`, else the config file's.
+    fn extra(&self, from_config: Option<&serde_json::Value>) -> anyhow::Result<Option<serde_json::Value>> {
+        match &self.extra_config {
+            Some(text) => {
+                let value: serde_json::Value = serde_json::from_str(text)
+                    .map_err(|error| Usage(format!("--extra-config is not JSON: {error}")))?;
+                if !value.is_object() {
+                    return Err(Usage("--extra-config must be a JSON object".into()).into());
+                }
+                Ok(Some(value))
+            }
+            None => Ok(from_config.cloned()),
+        }
+    }
 }
 
 /// Opens `name` for `namespace`.
@@ -71,6 +121,7 @@ pub(crate) fn open(
         BackendName::Memory => Ok(Box::new(MemoryStorage::new(namespace))),
         BackendName::File => open_file(namespace, options),
         BackendName::Nixl => open_nixl(namespace, options),
+        BackendName::Mooncake => open_mooncake(namespace, options),
         other => Err(not_compiled(other)),
     }
 }
@@ -112,12 +163,59 @@ fn open_nixl(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box<dyn
     Err(not_compiled(BackendName::Nixl))
 }
 
+#[cfg(feature = "mooncake")]
+fn open_mooncake(namespace: &StorageNamespace, options: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
+    use hicache_storage_mooncake::{KeyScheme, MooncakeConfig, MooncakeStorage, SglangRelease};
+    let network = &options.network;
+    let mut config = match network.extra(options.config_extra.as_ref())? {
+        Some(mut extra) => {
+            // as SGLang: the master from the extra config, else from MOONCAKE_MASTER
+            if extra.get("master_server_address").is_none()
+                && let (Some(fields), Ok(master)) = (extra.as_object_mut(), std::env::var("MOONCAKE_MASTER"))
+            {
+                fields.insert("master_server_address".into(), master.into());
+            }
+            MooncakeConfig::from_json(&extra).map_err(|error| Usage(format!("--extra-config: {error}")))?
+        }
+        None => MooncakeConfig::from_env().map_err(|error| Usage(error.to_string()))?,
+    };
+    let release = match &network.sglang_release {
+        Some(text) => Some(SglangRelease::parse(text).map_err(|error| Usage(format!("--sglang-release: {error}")))?),
+        None => None,
+    };
+    match (network.key_scheme, &mut config.scheme) {
+        (Some(KeySchemeArg::Native), _) => {
+            if release.is_some() {
+                return Err(Usage("--sglang-release applies to --key-scheme sglang only".into()).into());
+            }
+            config.scheme = KeyScheme::Native;
+        }
+        (Some(KeySchemeArg::Sglang), KeyScheme::Sglang { release: current, .. }) => {
+            *current = release.unwrap_or(*current);
+        }
+        (Some(KeySchemeArg::Sglang), scheme) => {
+            *scheme = KeyScheme::Sglang { release: release.unwrap_or(SglangRelease::V0_5_23), tag: None };
+        }
+        (None, KeyScheme::Sglang { release: current, .. }) => *current = release.unwrap_or(*current),
+        (None, KeyScheme::Native) if release.is_some() => {
+            return Err(Usage("--sglang-release needs --key-scheme sglang".into()).into());
+        }
+        (None, KeyScheme::Native) => {}
+    }
+    Ok(Box::new(MooncakeStorage::open(config, namespace)?))
+}
+
+#[cfg(not(feature = "mooncake"))]
+fn open_mooncake(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
+    Err(not_compiled(BackendName::Mooncake))
+}
+
 fn not_compiled(name: BackendName) -> anyhow::Error {
     let feature = crate::value_name(&name);
     match name {
-        BackendName::Mooncake | BackendName::ThreeFs => Usage(format!(
+        BackendName::ThreeFs => Usage(format!(
             "the {feature} backend is not available in hicache yet (no build of it exists); the storage backends \
-             are memory, file and nixl"
+             are memory, file, nixl and mooncake"
         )),
         _ => Usage(format!(
             "the {feature} backend is not compiled into this hicache; rebuild with `cargo build --release -p \

@@ -45,6 +45,8 @@ pub(crate) struct BenchStorageArgs {
     /// kernel_queue_size, ios_pool_size).
     #[arg(long, value_name = "KEY=VALUE")]
     nixl_param: Vec<String>,
+    #[command(flatten)]
+    network: crate::backends::NetworkArgs,
     /// Pages written and read.
     #[arg(long, default_value_t = 128, value_name = "N")]
     pages: usize,
@@ -179,6 +181,8 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
             .collect::<Result<_, _>>()?,
         read_only: false,
         capacity_bytes: None,
+        network: args.network.clone(),
+        config_extra: None,
     };
     let mut options = options;
     let dir = backends::dir_of(args.backend, &options);

@@ -73,6 +73,8 @@ pub(crate) struct TargetArgs {
     /// File layout of the file backend.
     #[arg(long, value_enum, default_value_t = FileFormatArg::Native)]
     format: FileFormatArg,
+    #[command(flatten)]
+    network: crate::backends::NetworkArgs,
     /// Served model name: it only names the namespace (default: the config's model_name, else empty); the geometry
     /// (--geometry, or the flags below) decides how many bytes a page holds.
     #[arg(long, value_name = "NAME")]
@@ -284,6 +286,8 @@ fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
         nixl_plugin: None,
         nixl_params: Vec::new(),
         read_only: mode == Mode::Inspect,
+        network: args.network.clone(),
+        config_extra: config.as_ref().and_then(|config| config.storage_backend_extra_config.clone()),
         capacity_bytes: args
             .capacity_bytes
             .or(config.as_ref().map(|config| config.storage_capacity_bytes))

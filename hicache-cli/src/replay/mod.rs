@@ -45,7 +45,7 @@ pub(crate) enum ReplayBackend {
     File,
     /// NIXL (cargo feature `nixl`).
     Nixl,
-    /// Mooncake Store (not available yet).
+    /// Mooncake Store (cargo feature `mooncake`).
     Mooncake,
     /// DeepSeek 3FS (not available yet).
     #[value(name = "3fs")]
@@ -100,9 +100,10 @@ pub(crate) struct ReplayArgs {
     /// Head dimension (bf16).
     #[arg(long, default_value_t = 64, value_name = "N")]
     head_dim: usize,
-    /// Host pool layout.
-    #[arg(long, value_enum, default_value_t = LayoutArg::LayerFirst)]
-    layout: LayoutArg,
+    /// Host pool layout (default: layer-first; page-first with `--backend mooncake`, as SGLang forces, so each page
+    /// part moves to and from the store in place).
+    #[arg(long, value_enum)]
+    layout: Option<LayoutArg>,
     /// Device pool size in tokens.
     #[arg(long, default_value_t = 16_384, value_name = "N")]
     device_tokens: usize,
@@ -127,6 +128,8 @@ pub(crate) struct ReplayArgs {
     /// least recently used pages go first. Default: no limit.
     #[arg(long, value_name = "BYTES")]
     capacity_bytes: Option<u64>,
+    #[command(flatten)]
+    network: crate::backends::NetworkArgs,
     /// Transfer engine.
     #[arg(long, value_enum, default_value_t = EngineName::Cpu)]
     engine: EngineName,
@@ -220,7 +223,7 @@ pub(crate) enum PrefetchPolicyArg {
 enum SharedStorage {
     None,
     Memory(Arc<MemoryStore>),
-    Backend { name: BackendName, options: BackendOptions, _temp: Option<crate::cleanup::TempFolder> },
+    Backend { name: BackendName, options: Box<BackendOptions>, _temp: Option<crate::cleanup::TempFolder> },
 }
 
 pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
@@ -252,8 +255,10 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
                 nixl_params: Vec::new(),
                 read_only: false,
                 capacity_bytes: args.capacity_bytes,
+                network: args.network.clone(),
+                config_extra: None,
             };
-            SharedStorage::Backend { name, options, _temp: temp }
+            SharedStorage::Backend { name, options: Box::new(options), _temp: temp }
         }
     };
     let metrics = match &args.metrics_addr {
@@ -382,7 +387,11 @@ fn geometry(args: &ReplayArgs) -> anyhow::Result<KvGeometry> {
 }
 
 fn layout(args: &ReplayArgs) -> HostLayout {
-    host_layout(args.layout)
+    match (args.layout, args.backend) {
+        (Some(layout), _) => host_layout(layout),
+        (None, ReplayBackend::Mooncake) => HostLayout::PageFirst,
+        (None, _) => HostLayout::LayerFirst,
+    }
 }
 
 /// The layout a `--layout` value names.

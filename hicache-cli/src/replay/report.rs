@@ -102,7 +102,7 @@ fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
         kv_heads: args.kv_heads,
         head_dim: args.head_dim,
         page_bytes,
-        layout: crate::value_name(&args.layout),
+        layout: super::layout(args).name().to_owned(),
         device_tokens: args.device_tokens,
         host_tokens: args.host_tokens,
         backend: crate::value_name(&args.backend),

@@ -1,0 +1,153 @@
+//! The CLI on Mooncake Store, against a real `mooncake_master`: pages SGLang wrote (through Mooncake's official
+//! Python client, under SGLang's key scheme and page-first values, both releases, MHA and MLA) read back with
+//! `hicache store get --key-scheme sglang`; and a replay that verifies.
+#![cfg(feature = "mooncake")]
+
+use std::io::{BufRead as _, BufReader};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use hicache_storage_mooncake::testing::{Master, python_path, store_library, unpack_dir};
+
+/// The environment a `hicache` process needs for the test library: the library, and on a machine without the CUDA
+/// driver the no-device stand-in first on the loader's path.
+fn hicache(args: &[&str]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_hicache"));
+    command.args(args).env("MOONCAKE_STORE_LIBRARY", store_library()).env_remove("MOONCAKE_MASTER");
+    let shim = unpack_dir().join("no-device-cuda-shim");
+    if shim.is_dir() {
+        let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        command.env("LD_LIBRARY_PATH", format!("{}:{path}", shim.display()));
+    }
+    command.output().expect("runs hicache")
+}
+
+fn extra_config(master: &Master) -> String {
+    serde_json::json!({
+        "master_server_address": master.address(),
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": 0,
+    })
+    .to_string()
+}
+
+/// Starts the official client writing like SGLang; returns it (alive while its objects are needed) and the pages.
+fn write_like_sglang(spec: &serde_json::Value, out: &Path) -> std::process::Child {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/write_like_sglang_mooncake.py");
+    let mut child = Command::new("python3")
+        .arg(&script)
+        .arg(spec.to_string())
+        .env("PYTHONPATH", python_path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("python3 runs");
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "ready", "the SGLang-like writer failed ({spec})");
+    assert!(out.is_file());
+    child
+}
+
+#[test]
+fn pages_sglang_wrote_are_read_back_byte_for_byte() {
+    let master = Master::start();
+    let work = tempfile::tempdir().unwrap();
+    let extra = extra_config(&master);
+    for release in ["0.5.2", "0.5.23"] {
+        for mla in [false, true] {
+            let hashes: Vec<String> =
+                (0..3).map(|_| (0..4).map(|_| format!("{:016x}", rand::random::<u64>())).collect()).collect();
+            let model = "org/Model-7B";
+            // 2 layers, page of 16 tokens, bf16: MHA 2 heads x 64 (8 KiB per part), MLA 64 + 32 (6 KiB)
+            let part_bytes = if mla { 16 * 2 * (64 + 32) * 2 } else { 16 * 2 * 2 * 64 * 2 };
+            let expected = work.path().join(format!("expected-{release}-{mla}.bin"));
+            let spec = serde_json::json!({
+                "master": master.address(), "release": release, "model": model, "tag": null, "tp_rank": 1,
+                "mla": mla, "part_bytes": part_bytes, "hashes": hashes, "out": expected,
+            });
+            let mut writer = write_like_sglang(&spec, &expected);
+            let got = work.path().join(format!("got-{release}-{mla}.bin"));
+            let mut args = vec![
+                "store",
+                "get",
+                "--backend",
+                "mooncake",
+                "--extra-config",
+                &extra,
+                "--key-scheme",
+                "sglang",
+                "--sglang-release",
+                release,
+                "--model",
+                model,
+                "--tp-rank",
+                "1",
+                "--tp-size",
+                "2",
+                "--layout",
+                "page-first",
+                "--layers",
+                "2",
+                "--page-size",
+                "16",
+                "--dtype",
+                "bf16",
+                "--out",
+                got.to_str().unwrap(),
+            ];
+            if mla {
+                args.extend(["--mla", "--kv-lora-rank", "64", "--rope-dim", "32"]);
+            } else {
+                args.extend(["--kv-heads", "2", "--head-dim", "64"]);
+            }
+            for hash in &hashes {
+                args.extend(["--key", hash]);
+            }
+            let output = hicache(&args);
+            assert!(output.status.success(), "{release} mla={mla}: {}", String::from_utf8_lossy(&output.stderr));
+            assert!(
+                std::fs::read(&got).unwrap() == std::fs::read(&expected).unwrap(),
+                "{release} mla={mla}: the pages read differ from what SGLang's scheme wrote"
+            );
+            // the native scheme does not see SGLang's objects
+            let native: Vec<&str> = args
+                .iter()
+                .copied()
+                .filter(|arg| !["--key-scheme", "sglang", "--sglang-release", release].contains(arg))
+                .collect();
+            let output = hicache(&native);
+            assert!(!output.status.success(), "{release} mla={mla}: native keys found SGLang's pages");
+            drop(writer.stdin.take());
+            writer.wait().unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_replay_verifies_against_the_master() {
+    let master = Master::start();
+    let extra = extra_config(&master);
+    // the replay's own client lends the memory: objects live in its segment
+    let extra = extra.replace("\"global_segment_size\":0", "\"global_segment_size\":268435456");
+    let output = hicache(&["replay", "--backend", "mooncake", "--extra-config", &extra, "--clients", "40", "--json"]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(report["verified"], true, "{report}");
+    assert!(report["tokens_from_l3"].as_u64().unwrap() > 0, "nothing came back from Mooncake: {report}");
+    assert_eq!(report["staging_bytes"], 0, "page-first parts move in place: {report}");
+}
+
+#[test]
+fn a_master_that_does_not_answer_is_a_usage_error_naming_it() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let extra = format!("{{\"master_server_address\": \"127.0.0.1:{port}\"}}");
+    let output = hicache(&["replay", "--backend", "mooncake", "--extra-config", &extra]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(&format!("127.0.0.1:{port}")) && stderr.contains("does not answer"), "{stderr}");
+    let output = hicache(&["replay", "--backend", "mooncake"]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("MOONCAKE_MASTER"));
+}
