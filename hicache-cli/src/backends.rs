@@ -165,7 +165,15 @@ fn open_nixl(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box<dyn
 
 #[cfg(feature = "mooncake")]
 fn open_mooncake(namespace: &StorageNamespace, options: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
-    use hicache_storage_mooncake::{KeyScheme, MooncakeConfig, MooncakeStorage, SglangRelease};
+    let config = mooncake_config(options)?;
+    Ok(Box::new(hicache_storage_mooncake::MooncakeStorage::open(config, namespace)?))
+}
+
+/// The Mooncake settings: `--extra-config` (else the config file's extra config) with the master from
+/// `MOONCAKE_MASTER` where it names none, else SGLang's variables; then `--key-scheme` and `--sglang-release`.
+#[cfg(feature = "mooncake")]
+pub(crate) fn mooncake_config(options: &BackendOptions) -> anyhow::Result<hicache_storage_mooncake::MooncakeConfig> {
+    use hicache_storage_mooncake::{KeyScheme, MooncakeConfig, SglangRelease};
     let network = &options.network;
     let mut config = match network.extra(options.config_extra.as_ref())? {
         Some(mut extra) => {
@@ -202,7 +210,7 @@ fn open_mooncake(namespace: &StorageNamespace, options: &BackendOptions) -> anyh
         }
         (None, KeyScheme::Native) => {}
     }
-    Ok(Box::new(MooncakeStorage::open(config, namespace)?))
+    Ok(config)
 }
 
 #[cfg(not(feature = "mooncake"))]

@@ -151,3 +151,49 @@ fn a_master_that_does_not_answer_is_a_usage_error_naming_it() {
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("MOONCAKE_MASTER"));
 }
+
+#[test]
+fn the_benchmark_measures_hicache_next_to_the_official_client() {
+    let master = Master::start();
+    let extra = extra_config(&master).replace("\"global_segment_size\":0", "\"global_segment_size\":67108864");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_hicache"));
+    command
+        .args(["bench", "storage", "--backend", "mooncake", "--extra-config", &extra])
+        .args(["--pages", "16", "--page-bytes", "131072", "--batch", "8", "--rounds", "2", "--json"])
+        .env("MOONCAKE_STORE_LIBRARY", store_library())
+        .env("PYTHONPATH", python_path());
+    let shim = unpack_dir().join("no-device-cuda-shim");
+    if shim.is_dir() {
+        command.env("LD_LIBRARY_PATH", shim);
+    }
+    let output = command.output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let figure: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    for field in ["set_gbps", "get_gbps", "reference_set_gbps", "reference_get_gbps", "reference_exists_then_put_gbps"]
+    {
+        assert!(figure[field].as_f64().unwrap() > 0.0, "{field}: {figure}");
+    }
+    assert_eq!(figure["round_rates"].as_array().unwrap().len(), 2, "{figure}");
+    // without the official client the reference fails with instructions
+    let output = Command::new(env!("CARGO_BIN_EXE_hicache"))
+        .args([
+            "bench",
+            "storage",
+            "--backend",
+            "mooncake",
+            "--extra-config",
+            &extra,
+            "--pages",
+            "2",
+            "--page-bytes",
+            "1024",
+        ])
+        .env("MOONCAKE_STORE_LIBRARY", store_library())
+        .env("PYTHONPATH", "/nonexistent")
+        .env("LD_LIBRARY_PATH", unpack_dir().join("no-device-cuda-shim"))
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("official Python client") && stderr.contains("pip install"), "{stderr}");
+}

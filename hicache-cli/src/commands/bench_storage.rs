@@ -49,17 +49,17 @@ pub(crate) struct BenchStorageArgs {
     network: crate::backends::NetworkArgs,
     /// Pages written and read.
     #[arg(long, default_value_t = 128, value_name = "N")]
-    pages: usize,
+    pub(super) pages: usize,
     /// Bytes per page (even; 8 MiB is a Llama-3.1-8B page of 64 tokens).
     #[arg(long, default_value_t = 8 << 20, value_name = "B")]
-    page_bytes: usize,
+    pub(super) page_bytes: usize,
     /// Pages per batch call (SGLang's storage batch is 128).
     #[arg(long, default_value_t = 128, value_name = "N")]
-    batch: usize,
+    pub(super) batch: usize,
     /// Rounds; each rate is the best round's (with `--via controller` each ratio is the median of the rounds' paired
     /// ratios).
     #[arg(long, default_value_t = 3, value_name = "N")]
-    rounds: usize,
+    pub(super) rounds: usize,
     /// What the backend is measured against: `direct` calls it from host memory next to raw sequential I/O of the
     /// same bytes; `controller` has the controller's backup thread write pages of a host pool and its query and fetch
     /// threads read them back (in place), next to the backend called directly on the same pool pages.
@@ -71,7 +71,7 @@ pub(crate) struct BenchStorageArgs {
     /// median of each round's paired ratio, every round's rates in `rounds`); both with the settings {dir, format,
     /// direct, io_threads, batch, round_count}.
     #[arg(long)]
-    json: bool,
+    pub(super) json: bool,
 }
 
 /// What `bench storage` compares the backend with.
@@ -130,7 +130,7 @@ impl<'a, F: Serialize> Measured<'a, F> {
     }
 }
 
-fn gbps(bytes: usize, started: Instant) -> f64 {
+pub(super) fn gbps(bytes: usize, started: Instant) -> f64 {
     bytes as f64 / started.elapsed().as_secs_f64().max(1e-9) / 1e9
 }
 
@@ -184,6 +184,11 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
         network: args.network.clone(),
         config_extra: None,
     };
+    #[cfg(feature = "mooncake")]
+    if args.backend == BackendName::Mooncake {
+        let config = backends::mooncake_config(&options)?;
+        return super::bench_mooncake::run(args, config, &namespace(args.page_bytes)?);
+    }
     let mut options = options;
     let dir = backends::dir_of(args.backend, &options);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -374,7 +379,12 @@ fn raw_read(path: &Path, data: &mut [u8], chunk: usize, direct: bool) -> anyhow:
     Ok(())
 }
 
-fn set_all(backend: &dyn StorageBackend, keys: &[PageKey], data: &[u8], args: &BenchStorageArgs) -> anyhow::Result<()> {
+pub(super) fn set_all(
+    backend: &dyn StorageBackend,
+    keys: &[PageKey],
+    data: &[u8],
+    args: &BenchStorageArgs,
+) -> anyhow::Result<()> {
     for (keys, bytes) in keys.chunks(args.batch).zip(data.chunks(args.batch * args.page_bytes)) {
         let pages: Vec<PageSegments<'_>> = bytes.chunks(args.page_bytes).map(|page| vec![page]).collect();
         let outcomes = backend.batch_set(keys, &pages)?;
@@ -385,7 +395,7 @@ fn set_all(backend: &dyn StorageBackend, keys: &[PageKey], data: &[u8], args: &B
     Ok(())
 }
 
-fn get_all(
+pub(super) fn get_all(
     backend: &dyn StorageBackend,
     keys: &[PageKey],
     data: &mut [u8],

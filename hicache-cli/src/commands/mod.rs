@@ -2,6 +2,8 @@
 
 pub(crate) mod bench;
 pub(crate) mod bench_controller;
+#[cfg(feature = "mooncake")]
+mod bench_mooncake;
 pub(crate) mod bench_storage;
 mod bench_storage_controller;
 pub(crate) mod bench_transfer;
