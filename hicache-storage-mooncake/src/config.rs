@@ -122,7 +122,7 @@ impl MooncakeConfig {
             config.protocol = protocol;
         }
         if let Some(device) = var("MOONCAKE_DEVICE") {
-            config.device = device;
+            config.device = if device == "auto" { String::new() } else { device };
         }
         config.validated().map_err(|error| rename_field(error, "MOONCAKE_PROTOCOL"))
     }

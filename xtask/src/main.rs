@@ -126,12 +126,9 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
         Ok(path) if !path.is_empty() => format!("{}:{path}", nvrtc_dir.display()),
         _ => nvrtc_dir.display().to_string(),
     };
-    // Mooncake: a real master and the real store library (each test starts its own master on loopback ports)
+    // Mooncake: a real master and the real store library (each test starts its own master on loopback ports; on a
+    // machine without the CUDA driver the tests load the no-device stand-in themselves, so no other test sees it)
     let mooncake = mooncake::prepare()?;
-    let library_path = match &mooncake.shim_dir {
-        Some(shim) => format!("{library_path}:{}", shim.display()),
-        None => library_path,
-    };
     let mooncake_library = mooncake.library.to_str().context("the Mooncake library path is not UTF-8")?;
     let mooncake_master = mooncake.master.to_str().context("the mooncake_master path is not UTF-8")?;
     // unit, integration, property and doc tests, and the tidy test (xtask's own tests)
