@@ -47,7 +47,8 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    metrics::init_tracing();
+    // the store commands inspect storage an operator looks after: what they skip (an unreadable folder) is said
+    metrics::init_tracing(if matches!(cli.command, Command::Store(_)) { "warn" } else { "off" });
     let result = match cli.command {
         Command::Hash(args) => commands::hash::run(&args),
         Command::Bench(command) => commands::bench::run(&command),

@@ -1,5 +1,5 @@
 //! Prometheus metrics of long-running commands, served at `--metrics-addr` (`GET /metrics`), and the `tracing`
-//! subscriber (`RUST_LOG` filters it; silent by default).
+//! subscriber (`RUST_LOG` filters it; silent by default, warnings only for the store commands).
 //!
 //! The endpoint answers in the format the scraper asks for: OpenMetrics 1.0 (`application/openmetrics-text`) when its
 //! `Accept` header names it, as Prometheus's does, else the Prometheus text format 0.0.4 (`text/plain`), which has
@@ -201,10 +201,11 @@ fn text_format(openmetrics: &str) -> String {
     text
 }
 
-/// Installs the `tracing` subscriber: events to stderr, filtered by `RUST_LOG` (nothing when it is unset).
-pub(crate) fn init_tracing() {
+/// Installs the `tracing` subscriber: events to stderr, filtered by `RUST_LOG`, else by `default` (`off`, or `warn`
+/// for commands whose warnings an operator must see).
+pub(crate) fn init_tracing(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("off"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init();
 }

@@ -898,6 +898,27 @@ fn replay_verifies_every_byte_under_injected_storage_faults_and_counts_them() {
         assert_eq!(hung["verified"], true, "{policy}: {hung}");
         assert!(hung["faults_injected"]["failed_calls"].as_u64().unwrap() > 0, "{policy}: {hung}");
     }
+    // wait_complete would wait out every hang; calls that hang longer than the read deadline stop their prefetches
+    let stalled = replay_json(&[
+        "--clients",
+        "16",
+        "--rounds",
+        "3",
+        "--prefetch-policy",
+        "wait-complete",
+        "--fault-hang-rate",
+        "0.3",
+        "--fault-hang-ms",
+        "400",
+        "--storage-read-deadline",
+        "0.05",
+    ]);
+    assert_eq!(stalled["verified"], true, "{stalled}");
+    assert!(stalled["prefetch_stop_reasons"]["stalled"].as_u64().unwrap_or(0) > 0, "{stalled}");
+    assert_usage_error(
+        &hicache(&["replay", "--storage-read-deadline", "0"], ""),
+        "--storage-read-deadline 0 must be a number of seconds above 0",
+    );
 }
 
 #[test]

@@ -270,3 +270,48 @@ fn help_describes_every_store_option() {
         assert!(help.contains(command), "store --help lacks {command}");
     }
 }
+
+#[test]
+fn an_unreadable_shard_folder_is_skipped_and_named_not_fatal() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let work = tempfile::tempdir().unwrap();
+    let storage = work.path().join("storage");
+    let (tokens, bytes) = fixture(work.path(), 24);
+    let input = work.path().join("pages.bin");
+    std::fs::write(&input, &bytes).unwrap();
+    ok(store("put", &storage, &["--tokens", &tokens, "--in", input.to_str().unwrap()]));
+    let all = ok(store("ls", &storage, &[])).lines().count();
+    assert_eq!(all, 24);
+    // one shard folder (the pages whose keys start with its two hex digits) becomes unreadable
+    // {dir}/hicache-v1/{digest}/{shard}/{page}
+    let versioned = storage.join("hicache-v1");
+    let namespace_dir = std::fs::read_dir(&versioned).unwrap().flatten().next().unwrap().path();
+    let shard =
+        std::fs::read_dir(&namespace_dir).unwrap().flatten().find(|entry| entry.path().is_dir()).unwrap().path();
+    let hidden = std::fs::read_dir(&shard).unwrap().count();
+    for dir in [work.path(), &storage] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    std::fs::set_permissions(&shard, std::fs::Permissions::from_mode(0o000)).unwrap();
+    // root reads any folder: look as another user then
+    // SAFETY: geteuid has no preconditions and only reads the process credentials.
+    let is_root = unsafe { libc::geteuid() } == 0;
+    let dir = storage.to_str().unwrap();
+    let mut args = vec!["store", "ls", "--dir", dir, "--model", "m"];
+    args.extend(GEOMETRY);
+    let output = if is_root {
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", env!("CARGO_BIN_EXE_hicache")])
+            .args(&args)
+            .env_remove("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
+            .output()
+            .expect("setpriv runs (util-linux)")
+    } else {
+        hicache(&args, &[])
+    };
+    std::fs::set_permissions(&shard, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    let listed = ok(output).lines().count();
+    assert_eq!(listed, all - hidden, "the other shards' pages are all listed");
+    assert!(stderr.contains(&shard.display().to_string()) && stderr.contains("cannot be read"), "{stderr}");
+}

@@ -115,6 +115,9 @@ pub struct HiCacheConfig {
     pub prefetch_timeout_per_ki_token_s: f64,
     /// Prefetch timeout: upper bound in seconds.
     pub prefetch_timeout_max_s: f64,
+    /// Seconds a prefetch may go without progress (its storage reads or hit query stuck, as on a hung mount) before
+    /// it stops with what arrived, under every policy (SGLang has none: `wait_complete` waits forever).
+    pub storage_read_deadline_s: f64,
     /// Pages per storage batch, for hit queries and I/O (SGLang: 128).
     pub storage_batch_pages: usize,
     /// Share of (host − device) tokens that ongoing prefetches may hold (SGLang: 0.8).
@@ -147,6 +150,7 @@ impl Default for HiCacheConfig {
             prefetch_timeout_base_s: 3.0,
             prefetch_timeout_per_ki_token_s: 0.0,
             prefetch_timeout_max_s: 3.0,
+            storage_read_deadline_s: 30.0,
             storage_batch_pages: 128,
             prefetch_capacity_fraction: 0.8,
             load_back_threshold: 10,
@@ -211,6 +215,12 @@ impl HiCacheConfig {
             if !(value >= 0.0 && value.is_finite()) {
                 return bad(field, format!("{value} must be a finite number of seconds ≥ 0"));
             }
+        }
+        if !(self.storage_read_deadline_s > 0.0 && self.storage_read_deadline_s.is_finite()) {
+            return bad(
+                "storage_read_deadline_s",
+                format!("{} must be a finite number of seconds above 0", self.storage_read_deadline_s),
+            );
         }
         if self.prefetch_timeout_max_s < self.prefetch_timeout_base_s {
             return bad(

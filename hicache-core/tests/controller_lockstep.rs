@@ -70,6 +70,7 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
         timeout_base: Duration::from_millis(2),
         timeout_per_ki_token: Duration::from_millis(1),
         timeout_max: Duration::from_millis(5),
+        read_deadline: Duration::from_secs(30),
         capacity_tokens: (16 * PAGE) as u64,
         backup_skip: false,
         write_bytes_per_s: 0,

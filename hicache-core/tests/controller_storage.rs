@@ -51,6 +51,7 @@ fn settings(policy: PrefetchPolicy) -> StorageSettings {
         timeout_base: Duration::from_secs(3),
         timeout_per_ki_token: Duration::ZERO,
         timeout_max: Duration::from_secs(3),
+        read_deadline: Duration::from_secs(30),
         capacity_tokens: ((HOST_PAGES - DEVICE_PAGES) * PAGE) as u64,
         backup_skip: false,
         write_bytes_per_s: 0,
@@ -612,6 +613,93 @@ fn a_hit_query_that_hangs_does_not_hold_up_best_effort_or_timeout() {
         assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
         // the storage recovers: the query thread ends (and the controller can be dropped, joining it)
         gated.open_queries(100);
+    }
+}
+
+/// Opens a gated storage's gates when dropped, so a failing test does not hang joining I/O threads held at a gate.
+struct OpenGates(Arc<Gated>);
+
+impl Drop for OpenGates {
+    fn drop(&mut self) {
+        self.0.open(1000);
+        if self.0.queries.is_some() {
+            self.0.open_queries(1000);
+        }
+    }
+}
+
+#[test]
+fn a_stuck_read_or_query_costs_the_read_deadline_under_every_policy() {
+    let store = MemoryStore::new();
+    let (prompt, expected) = seed_storage(&store, 19, 6);
+    let page_bytes =
+        controller(Arc::new(memory(&store, 0, 1)), settings(PrefetchPolicy::BestEffort), Arc::new(SystemClock::new()))
+            .engine()
+            .host_map()
+            .page_bytes();
+    // wait_complete would wait for ever on a stuck mount; the read deadline stops it. The others stop a stuck
+    // read by their own rule once the scheduler asks; a stuck hit query is watched from the start.
+    for (policy, stuck, stop) in [
+        (PrefetchPolicy::WaitComplete, "read", PrefetchStop::Stalled),
+        (PrefetchPolicy::WaitComplete, "query", PrefetchStop::Stalled),
+        (PrefetchPolicy::Timeout, "read", PrefetchStop::TimedOut),
+        (PrefetchPolicy::Timeout, "query", PrefetchStop::Stalled),
+        (PrefetchPolicy::BestEffort, "read", PrefetchStop::CutOff),
+        (PrefetchPolicy::BestEffort, "query", PrefetchStop::Stalled),
+    ] {
+        let what = format!("{policy}, stuck {stuck}");
+        // the storage answers one read batch (two pages) or one query batch, then hangs (a stuck mount)
+        let gated = Arc::new(if stuck == "query" {
+            Gated::with_query_gate(memory(&store, 0, 1))
+        } else {
+            Gated::new(memory(&store, 0, 1))
+        });
+        if stuck == "query" {
+            gated.open(100);
+            gated.open_queries(1);
+        } else {
+            gated.open(1);
+        }
+        let clock = Arc::new(ManualClock::new());
+        let mut rig = controller(gated.clone(), settings(policy), clock.clone());
+        let _open = OpenGates(gated.clone());
+        rig.prefetch("r", &prompt, None).unwrap();
+        tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(2 * PAGE));
+        // progress is seen at ticks: the deadline counts from the tick that saw the last change
+        for _ in 0..3 {
+            assert!(rig.tick(&mut SingleRank).unwrap().prefetches.is_empty(), "{what}");
+        }
+        if policy == PrefetchPolicy::WaitComplete {
+            rig.finish_prefetch("r");
+            clock.advance(Duration::from_secs(29));
+            for _ in 0..10 {
+                assert!(rig.tick(&mut SingleRank).unwrap().prefetches.is_empty(), "{what}: before the deadline");
+            }
+        }
+        clock.advance(Duration::from_secs(31));
+        let mut early: Vec<PrefetchDone> = Vec::new();
+        for _ in 0..3 {
+            early.extend(rig.tick(&mut SingleRank).unwrap().prefetches);
+        }
+        rig.finish_prefetch("r");
+        let done = early.pop().unwrap_or_else(|| prefetch_result(&mut rig, "r"));
+        assert_eq!((done.explanation.stop, done.host_pages.len()), (stop, 2), "{what}");
+        assert_eq!(host_bytes(&rig, &done.host_pages), expected[..2 * page_bytes], "{what}");
+        rig.evict_host(&done.host_pages).unwrap();
+        if stuck == "read" {
+            // the stuck read still holds its pages: they come back only when it returns
+            for _ in 0..5 {
+                rig.tick(&mut SingleRank).unwrap();
+            }
+            assert!(rig.host().available() < HOST_PAGES, "{what}: pages freed under a read in flight");
+            gated.open(100);
+        } else {
+            gated.open_queries(100);
+        }
+        tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
+        assert_eq!(rig.host().available(), HOST_PAGES, "{what}");
+        assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0, "{what}");
+        rig.host().check_invariants().unwrap();
     }
 }
 

@@ -160,6 +160,7 @@ fn settings() -> StorageSettings {
         timeout_base: Duration::from_secs(3),
         timeout_per_ki_token: Duration::ZERO,
         timeout_max: Duration::from_secs(3),
+        read_deadline: Duration::from_secs(30),
         capacity_tokens: ((HOST_PAGES - DEVICE_PAGES) * PAGE) as u64,
         backup_skip: false,
         write_bytes_per_s: 0,

@@ -47,6 +47,7 @@ fn rig(policy: WritePolicy, device_pages: usize, host_pages: usize, store: Optio
             timeout_base: Duration::from_secs(3),
             timeout_per_ki_token: Duration::ZERO,
             timeout_max: Duration::from_secs(3),
+            read_deadline: Duration::from_secs(30),
             capacity_tokens: ((host_pages - device_pages) * PAGE) as u64,
             backup_skip: false,
             write_bytes_per_s: 0,

@@ -289,15 +289,27 @@ impl FileStorage {
         }
         // the SGLang layout's directory is shared with whatever else lives there: its own files only, never below it
         let recurse = self.config.format == FileFormat::Native;
-        page_file::list_files(&self.root, recurse, &mut |path, bytes, modified| {
-            let Some(name) = path.file_name().and_then(|name| name.to_str()) else { return };
-            // in SGLang's layout a file of another length is another namespace's page under the same name
-            let own =
-                self.is_page_name(name) && (self.config.format == FileFormat::Native || bytes == self.file_bytes());
-            if let (true, Ok(key)) = (own, name[..64.min(name.len())].parse::<PageKey>()) {
-                visit(modified, key, bytes);
-            }
-        })
+        page_file::list_files(
+            &self.root,
+            recurse,
+            &mut |path, bytes, modified| {
+                let Some(name) = path.file_name().and_then(|name| name.to_str()) else { return };
+                // in SGLang's layout a file of another length is another namespace's page under the same name
+                let own =
+                    self.is_page_name(name) && (self.config.format == FileFormat::Native || bytes == self.file_bytes());
+                if let (true, Ok(key)) = (own, name[..64.min(name.len())].parse::<PageKey>()) {
+                    visit(modified, key, bytes);
+                }
+            },
+            &mut |folder, error| {
+                tracing::warn!(
+                    folder = %folder.display(),
+                    %error,
+                    "skipping a folder of this namespace that cannot be read: its pages are neither listed nor \
+                     counted against the capacity"
+                );
+            },
+        )
         .map_err(|error| storage_error(format!("scanning this namespace's pages: {error}")))
     }
 

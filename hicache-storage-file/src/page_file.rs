@@ -452,19 +452,24 @@ pub(crate) fn remove_stale_temporaries(
 }
 
 /// Calls `found(path, bytes, modified)` for every regular file in `root` (and below it when `recurse`), temporary
-/// files excepted. A file or folder that vanishes meanwhile (a concurrent `clear` or eviction) is skipped; other
-/// errors name the path they happened at.
+/// files excepted. A file or folder that vanishes meanwhile (a concurrent `clear` or eviction) is skipped; a folder
+/// below `root` that cannot be read (permissions, a broken mount) is skipped and told to `unreadable`, so one bad
+/// shard does not hide the others; other errors name the path they happened at.
 pub(crate) fn list_files(
     root: &Path,
     recurse: bool,
     found: &mut dyn FnMut(&Path, u64, std::time::SystemTime),
+    unreadable: &mut dyn FnMut(&Path, &io::Error),
 ) -> io::Result<()> {
     for_each_entry(root, &mut |entry| {
         let path = entry.path();
         let Some(kind) = if_present(&entry, std::fs::DirEntry::file_type)? else { return Ok(()) };
         if kind.is_dir() {
             if recurse {
-                list_files(&path, recurse, found)?;
+                match std::fs::read_dir(&path) {
+                    Err(error) if error.kind() != io::ErrorKind::NotFound => unreadable(&path, &error),
+                    _ => list_files(&path, recurse, found, unreadable)?,
+                }
             }
         } else if kind.is_file()
             && !entry.file_name().to_string_lossy().starts_with('.')

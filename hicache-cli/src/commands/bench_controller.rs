@@ -78,6 +78,7 @@ pub(crate) fn run(args: &BenchControllerArgs) -> anyhow::Result<()> {
         timeout_base: std::time::Duration::from_secs(3),
         timeout_per_ki_token: std::time::Duration::ZERO,
         timeout_max: std::time::Duration::from_secs(3),
+        read_deadline: std::time::Duration::from_secs(30),
         capacity_tokens: ((HOST_PAGES - DEVICE_PAGES) * page) as u64,
         backup_skip: false,
         write_bytes_per_s: 0,

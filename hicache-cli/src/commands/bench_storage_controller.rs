@@ -96,6 +96,7 @@ pub(super) fn run(
         timeout_base: Duration::from_secs(3600),
         timeout_per_ki_token: Duration::ZERO,
         timeout_max: Duration::from_secs(3600),
+        read_deadline: Duration::from_secs(30),
         capacity_tokens: host_pages as u64,
         backup_skip: false,
         write_bytes_per_s: 0,

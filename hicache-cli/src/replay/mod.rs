@@ -143,6 +143,10 @@ pub(crate) struct ReplayArgs {
     /// Fewest tokens worth prefetching (SGLang: 256).
     #[arg(long, default_value_t = 256, value_name = "N")]
     prefetch_threshold: usize,
+    /// Seconds a prefetch may go without progress (its storage stuck) before it stops with what arrived, under
+    /// every policy; `stalled` in the stop reasons.
+    #[arg(long, default_value_t = 30.0, value_name = "S")]
+    storage_read_deadline: f64,
     /// Compute model: prefill throughput in tokens per second. The default, 25 000, is an 8B-parameter model on
     /// one H100: 2 × 8e9 FLOP per token at about 40% of the 989 TFLOP/s bf16 peak.
     #[arg(long, default_value_t = 25_000.0, value_name = "R")]
@@ -313,6 +317,12 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
 
 fn check(args: &ReplayArgs) -> anyhow::Result<()> {
     let usage = |message: String| -> anyhow::Result<()> { Err(Usage(message).into()) };
+    if !(args.storage_read_deadline > 0.0 && args.storage_read_deadline.is_finite()) {
+        return usage(format!(
+            "--storage-read-deadline {} must be a number of seconds above 0",
+            args.storage_read_deadline
+        ));
+    }
     if args.engine == EngineName::Cuda && !cfg!(feature = "cuda") {
         return usage(
             "the cuda engine is not compiled into this hicache; rebuild with `cargo build --release -p hicache-cli \
@@ -482,6 +492,7 @@ fn run_on<E: device::ReplayEngine>(
             PrefetchPolicyArg::Timeout => PrefetchPolicy::Timeout,
         },
         prefetch_threshold: args.prefetch_threshold,
+        storage_read_deadline_s: args.storage_read_deadline,
         ..HiCacheConfig::default()
     };
     if let Some(backend) = &backend {

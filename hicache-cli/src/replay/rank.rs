@@ -413,6 +413,7 @@ pub(crate) fn stop_name(explanation: &PrefetchExplanation) -> &'static str {
         PrefetchStop::Complete => "complete",
         PrefetchStop::CutOff => "cut_off",
         PrefetchStop::TimedOut => "timed_out",
+        PrefetchStop::Stalled => "stalled",
         PrefetchStop::Failed => "failed",
         PrefetchStop::TpMinimum => "tp_minimum",
         PrefetchStop::Aborted => "aborted",

@@ -102,6 +102,10 @@ pub(super) struct PrefetchEntry {
     aborted: bool,
     /// Some rank's `timeout` limit had passed at the last tick.
     timed_out: bool,
+    /// Some rank's prefetch had made no progress within the read deadline at the last tick.
+    stalled: bool,
+    /// This rank's progress (pages found plus tokens fetched) and when it last changed.
+    progress_mark: (u64, Duration),
     /// Tokens counted against the prefetch capacity.
     admitted: u64,
     /// The host pool could not hold the whole hit: fewer pages were reserved.
@@ -178,6 +182,8 @@ struct Slot {
     quiet: bool,
     /// The `timeout` limit has not passed here (reduced: on no rank).
     in_time: bool,
+    /// The prefetch made no progress within the read deadline here (reduced: on some rank).
+    stalled: bool,
 }
 
 impl Slot {
@@ -188,7 +194,14 @@ impl Slot {
             i64::from(self.last),
             self.fetched_tokens,
             i64::from(self.quiet),
-            i64::from(self.in_time),
+            // one value for both deadlines, reduced with MIN: 2 in time, 1 stalled, 0 past the `timeout` limit
+            if !self.in_time {
+                0
+            } else if self.stalled {
+                1
+            } else {
+                2
+            },
         ]);
     }
 
@@ -199,7 +212,8 @@ impl Slot {
             last: values[2] == 1,
             fetched_tokens: values[3],
             quiet: values[4] == 1,
-            in_time: values[5] == 1,
+            in_time: values[5] >= 1,
+            stalled: values[5] == 1,
         }
     }
 }
@@ -261,6 +275,8 @@ impl<E: TransferEngine> CacheController<E> {
                 wanted: false,
                 aborted: false,
                 timed_out: false,
+                stalled: false,
+                progress_mark: (0, started_at),
                 admitted: whole as u64,
                 capped: false,
                 query_cut: None,
@@ -350,6 +366,17 @@ impl<E: TransferEngine> CacheController<E> {
                 let limit = storage.settings.timeout(entry.tokens);
                 let quiet = entry.shared.quiet.is_set();
                 let terminated = entry.shared.progress.is_terminated();
+                // a prefetch whose storage I/O goes on without progress for the read deadline is stuck (a hung
+                // mount): it stops under every policy, wait_complete included
+                let progress = entry.shared.found_pages() as u64 + entry.shared.progress.completed();
+                if progress != entry.progress_mark.0 {
+                    entry.progress_mark = (progress, now);
+                }
+                let waiting_on_storage = matches!(entry.stage, Stage::Querying { .. } | Stage::Fetching { .. });
+                let stalled = waiting_on_storage
+                    && !quiet
+                    && !terminated
+                    && now.saturating_sub(entry.progress_mark.1) > storage.settings.read_deadline;
                 // before the query ends, the pages found so far (a lower bound of the hit: they only grow)
                 let hit = entry.shared.hit.get();
                 let slot = Slot {
@@ -361,6 +388,7 @@ impl<E: TransferEngine> CacheController<E> {
                     in_time: !(storage.settings.policy == PrefetchPolicy::Timeout
                         && entry.wanted
                         && now.saturating_sub(entry.started_at) > limit),
+                    stalled,
                 };
                 slot.write(&mut values[HEADER + ops.len() * SLOT_VALUES..][..SLOT_VALUES]);
                 ops.push(*op);
@@ -379,8 +407,10 @@ impl<E: TransferEngine> CacheController<E> {
             let mut entry = storage.prefetches.remove(&op).expect("slots name live prefetches");
             // a query the scheduler no longer waits for (its storage may hang): best_effort stops when the request
             // is taken, timeout at its limit on any rank, an abort at once
-            let stop_waiting =
-                entry.aborted || (entry.wanted && (policy == PrefetchPolicy::BestEffort || !slot.in_time));
+            entry.stalled |= slot.stalled;
+            let stop_waiting = entry.aborted
+                || entry.stalled
+                || (entry.wanted && (policy == PrefetchPolicy::BestEffort || !slot.in_time));
             let done = match entry.stage {
                 Stage::Querying { .. } if slot.hit_ready => {
                     self.reserve(op, &mut entry, slot.hit_pages as usize, evict_host)?
@@ -392,6 +422,11 @@ impl<E: TransferEngine> CacheController<E> {
                 }
                 Stage::Fetching { .. } => {
                     entry.timed_out = !slot.in_time;
+                    if entry.stalled {
+                        // reads already queued end with their last job; the ones stuck hold their pages until
+                        // they return (the tail is freed only when the fetch thread is quiet)
+                        entry.shared.progress.terminate();
+                    }
                     if slot.last { self.resolve(&mut entry, slot)? } else { None }
                 }
                 Stage::Draining { .. } if slot.quiet => {
@@ -442,6 +477,8 @@ impl<E: TransferEngine> CacheController<E> {
         let storage = self.storage.as_mut().expect("storage");
         let stop = if entry.aborted {
             PrefetchStop::Aborted
+        } else if entry.stalled {
+            PrefetchStop::Stalled
         } else if storage.settings.policy == PrefetchPolicy::BestEffort {
             PrefetchStop::CutOff
         } else {
@@ -555,6 +592,8 @@ impl<E: TransferEngine> CacheController<E> {
             PrefetchStop::Failed
         } else if local > kept * self.page_size {
             PrefetchStop::TpMinimum
+        } else if entry.stalled {
+            PrefetchStop::Stalled
         } else if policy == PrefetchPolicy::Timeout {
             PrefetchStop::TimedOut
         } else {

@@ -55,6 +55,8 @@ pub struct StorageSettings {
     pub timeout_per_ki_token: Duration,
     /// `timeout` policy: upper bound.
     pub timeout_max: Duration,
+    /// How long a prefetch may go without progress before it stops with what arrived, under every policy.
+    pub read_deadline: Duration,
     /// Tokens ongoing prefetches may hold in the host pool.
     pub capacity_tokens: u64,
     /// This rank does not write to storage (MLA ranks other than 0: the latent KV is the same on every rank).
@@ -94,6 +96,7 @@ impl StorageSettings {
             timeout_base: Duration::from_secs_f64(config.prefetch_timeout_base_s),
             timeout_per_ki_token: Duration::from_secs_f64(config.prefetch_timeout_per_ki_token_s),
             timeout_max: Duration::from_secs_f64(config.prefetch_timeout_max_s),
+            read_deadline: Duration::from_secs_f64(config.storage_read_deadline_s),
             capacity_tokens: capacity.limit(),
             backup_skip: mla && tp_rank != 0,
             write_bytes_per_s: config.storage_write_bytes_per_s,
@@ -130,6 +133,9 @@ pub enum PrefetchStop {
     CutOff,
     /// `timeout`: the limit passed on some rank before every page arrived.
     TimedOut,
+    /// The prefetch made no progress within the read deadline on some rank (its storage stuck): it stopped with what
+    /// had arrived; pages a stuck read holds return to the pool when the read ends.
+    Stalled,
     /// A read failed on this rank.
     Failed,
     /// Another rank fetched fewer pages (a failure or a cut-off there): the TP minimum is used.

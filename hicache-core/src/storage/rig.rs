@@ -48,6 +48,7 @@ pub fn controller_over(
         timeout_base: Duration::from_secs(20),
         timeout_per_ki_token: Duration::ZERO,
         timeout_max: Duration::from_secs(20),
+        read_deadline: Duration::from_secs(30),
         capacity_tokens: ((host_pages - device_pages) * page) as u64,
         backup_skip: false,
         write_bytes_per_s: 0,
