@@ -119,6 +119,21 @@ fn pages_sglang_wrote_are_read_back_byte_for_byte() {
                 .collect();
             let output = hicache(&native);
             assert!(!output.status.success(), "{release} mla={mla}: native keys found SGLang's pages");
+            // the namespace is shown, though Mooncake cannot count its pages
+            let out = args.iter().position(|arg| *arg == "--out").unwrap();
+            let mut stat: Vec<&str> = args
+                .iter()
+                .copied()
+                .enumerate()
+                .filter(|&(index, _)| index != out && index != out + 1)
+                .map(|(_, arg)| arg)
+                .collect();
+            stat.retain(|arg| arg.len() != 64);
+            stat.retain(|arg| *arg != "--key");
+            stat[1] = "stat";
+            let output = hicache(&stat);
+            let text = String::from_utf8_lossy(&output.stdout);
+            assert!(output.status.success() && text.contains("pages: not countable"), "{text}");
             drop(writer.stdin.take());
             writer.wait().unwrap();
         }

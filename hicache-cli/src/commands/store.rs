@@ -516,18 +516,24 @@ fn stat(args: &TargetArgs) -> anyhow::Result<()> {
         namespace: String,
         digest: String,
         page_bytes: usize,
-        pages: usize,
-        bytes: u64,
+        /// Null where the backend cannot enumerate its pages (Mooncake).
+        pages: Option<usize>,
+        bytes: Option<u64>,
     }
     let opened = open(args, Mode::Inspect)?;
-    let pages = opened.backend.list()?;
+    // a backend that cannot enumerate its pages still has a namespace and a page size worth showing
+    let pages = match opened.backend.list() {
+        Ok(pages) => Some(pages),
+        Err(hicache_core::Error::Unsupported { .. }) => None,
+        Err(error) => return Err(error.into()),
+    };
     let stat = Stat {
         backend: opened.description.clone(),
         namespace: opened.namespace.descriptor(),
         digest: opened.namespace.digest(),
         page_bytes: opened.page_bytes,
-        pages: pages.len(),
-        bytes: pages.iter().map(|(_, bytes)| bytes).sum(),
+        pages: pages.as_ref().map(Vec::len),
+        bytes: pages.as_ref().map(|pages| pages.iter().map(|(_, bytes)| bytes).sum()),
     };
     if args.json {
         return print_json(&stat);
@@ -535,7 +541,10 @@ fn stat(args: &TargetArgs) -> anyhow::Result<()> {
     println!("backend: {}", stat.backend);
     println!("namespace: {} (digest {})", stat.namespace, stat.digest);
     println!("page: {} bytes", stat.page_bytes);
-    println!("pages: {} ({} bytes in storage)", stat.pages, stat.bytes);
+    match (stat.pages, stat.bytes) {
+        (Some(pages), Some(bytes)) => println!("pages: {pages} ({bytes} bytes in storage)"),
+        _ => println!("pages: not countable (the {} backend cannot enumerate its pages)", opened.backend.name()),
+    }
     Ok(())
 }
 
