@@ -160,3 +160,35 @@ fn objects_evicted_after_exists_are_misses_never_wrong_bytes() {
     }
     assert!(misses > 0, "nothing was evicted (refused puts: {refused}); the test did not test eviction");
 }
+
+#[test]
+fn objects_of_another_size_are_corrupt_or_a_size_mismatch_never_a_hit() {
+    use hicache_storage_mooncake::{KeyScheme, SglangRelease};
+    // SGLang 0.5.2's keys do not name the geometry: a deployment with other page sizes finds these objects
+    let cluster = Cluster::start();
+    let scheme = KeyScheme::Sglang { release: SglangRelease::V0_5_2, tag: None };
+    let config = || MooncakeConfig { scheme: scheme.clone(), ..cluster.config() };
+    let (small, large) = (namespace(4), namespace(8));
+    let small_bytes = small.geometry.bytes_per_page(small.page_size);
+    let large_bytes = large.geometry.bytes_per_page(large.page_size);
+    let writer = MooncakeStorage::open(config(), &small).unwrap();
+    let (keys, pages) = (random_keys(2), random_pages(2, small_bytes));
+    assert_eq!(put(&writer, &keys, &pages), vec![SetOutcome::Stored; 2]);
+    // a larger part than stored: fewer bytes arrive (a short read)
+    let reader = MooncakeStorage::open(config(), &large).unwrap();
+    let (outcomes, _) = fetch(&reader, &keys, large_bytes, 0);
+    for outcome in &outcomes {
+        let GetOutcome::Failed(failure) = outcome else { panic!("{outcome:?}") };
+        assert_eq!(failure.kind, hicache_core::storage::FailureKind::Corrupt, "{failure}");
+        assert!(failure.message.contains("short read"), "{failure}");
+    }
+    // and the other way round: the stored object does not fit the part
+    let (large_keys, large_pages) = (random_keys(2), random_pages(2, large_bytes));
+    assert_eq!(put(&reader, &large_keys, &large_pages), vec![SetOutcome::Stored; 2]);
+    let (outcomes, _) = fetch(&writer, &large_keys, small_bytes, 0);
+    for outcome in &outcomes {
+        let GetOutcome::Failed(failure) = outcome else { panic!("{outcome:?}") };
+        assert_eq!(failure.kind, hicache_core::storage::FailureKind::SizeMismatch, "{failure}");
+    }
+    assert_eq!(reader.stats().get_failures, 2);
+}
