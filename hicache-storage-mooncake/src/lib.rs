@@ -38,6 +38,7 @@ pub mod sys;
 pub mod testing;
 
 use std::ffi::CString;
+use std::ops::Range;
 use std::sync::{Mutex, RwLock};
 use std::time::Instant;
 
@@ -290,39 +291,40 @@ impl Drop for Staging<'_> {
     }
 }
 
-/// Copies `len` bytes from the concatenation of `segments`, starting at `offset`, into `out`.
-fn gather_range(segments: &[&[u8]], mut offset: usize, out: &mut [u8]) {
-    let mut written = 0;
-    for segment in segments {
-        if offset >= segment.len() {
-            offset -= segment.len();
-            continue;
-        }
-        let take = (segment.len() - offset).min(out.len() - written);
-        out[written..written + take].copy_from_slice(&segment[offset..offset + take]);
-        written += take;
-        offset = 0;
-        if written == out.len() {
+/// The pieces of `len` bytes from `offset` of the concatenation of segments of lengths `lens`: per piece, the
+/// segment, the range in it and the range in the `len` bytes.
+fn range_pieces(lens: &[usize], mut offset: usize, len: usize) -> Vec<(usize, Range<usize>, Range<usize>)> {
+    let mut pieces = Vec::new();
+    let mut done = 0;
+    for (index, &segment_len) in lens.iter().enumerate() {
+        if done == len {
             break;
         }
+        if offset >= segment_len {
+            offset -= segment_len;
+            continue;
+        }
+        let take = (segment_len - offset).min(len - done);
+        pieces.push((index, offset..offset + take, done..done + take));
+        done += take;
+        offset = 0;
+    }
+    pieces
+}
+
+/// Copies `out.len()` bytes from the concatenation of `segments`, starting at `offset`, into `out`.
+fn gather_range(segments: &[&[u8]], offset: usize, out: &mut [u8]) {
+    let lens: Vec<usize> = segments.iter().map(|segment| segment.len()).collect();
+    for (index, from, to) in range_pieces(&lens, offset, out.len()) {
+        out[to].copy_from_slice(&segments[index][from]);
     }
 }
 
 /// Copies `bytes` into the concatenation of `segments`, starting at `offset`.
-fn scatter_range(bytes: &[u8], segments: &mut [&mut [u8]], mut offset: usize) {
-    let mut read = 0;
-    for segment in segments.iter_mut() {
-        if offset >= segment.len() {
-            offset -= segment.len();
-            continue;
-        }
-        let take = (segment.len() - offset).min(bytes.len() - read);
-        segment[offset..offset + take].copy_from_slice(&bytes[read..read + take]);
-        read += take;
-        offset = 0;
-        if read == bytes.len() {
-            break;
-        }
+fn scatter_range(bytes: &[u8], segments: &mut [&mut [u8]], offset: usize) {
+    let lens: Vec<usize> = segments.iter().map(|segment| segment.len()).collect();
+    for (index, to, from) in range_pieces(&lens, offset, bytes.len()) {
+        segments[index][to].copy_from_slice(&bytes[from]);
     }
 }
 
@@ -634,6 +636,41 @@ impl StorageBackend for MooncakeStorage {
         if let Some(at) = regions.iter().position(|known| known == region) {
             regions.remove(at);
             self.client.unregister(region.address());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gather_and_scatter_agree_with_the_flat_page_for_any_cuts() {
+        for _ in 0..200 {
+            let total = 1 + rand::random::<u32>() as usize % 300;
+            let mut cuts: Vec<usize> =
+                (0..rand::random::<u32>() % 6).map(|_| rand::random::<u32>() as usize % total).collect();
+            cuts.extend([0, total]);
+            cuts.sort_unstable();
+            let flat: Vec<u8> = (0..total).map(|_| rand::random()).collect();
+            let segments: Vec<&[u8]> = cuts.windows(2).map(|pair| &flat[pair[0]..pair[1]]).collect();
+            let offset = rand::random::<u32>() as usize % total;
+            let len = rand::random::<u32>() as usize % (total - offset + 1);
+            let mut out = vec![0u8; len];
+            gather_range(&segments, offset, &mut out);
+            assert_eq!(out, flat[offset..offset + len], "cuts {cuts:?}, offset {offset}, len {len}");
+            let mut copy = vec![0u8; total];
+            let mut targets: Vec<&mut [u8]> = Vec::new();
+            let mut rest: &mut [u8] = &mut copy;
+            for pair in cuts.windows(2) {
+                let (head, tail) = rest.split_at_mut(pair[1] - pair[0]);
+                targets.push(head);
+                rest = tail;
+            }
+            scatter_range(&out, &mut targets, offset);
+            let mut expected = vec![0u8; total];
+            expected[offset..offset + len].copy_from_slice(&flat[offset..offset + len]);
+            assert_eq!(copy, expected, "cuts {cuts:?}, offset {offset}, len {len}");
         }
     }
 }

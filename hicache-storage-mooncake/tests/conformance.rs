@@ -41,22 +41,7 @@ mod sglang_0_5_2 {
         Store::new(KeyScheme::Sglang { release: SglangRelease::V0_5_2, tag: None })
     }
 
-    hicache_core::__storage_conformance_tests!(store();
-        empty_backend_misses,
-        set_then_get_round_trips,
-        exists_counts_the_leading_run,
-        existing_pages_are_not_rewritten,
-        mixed_batches_report_each_page,
-        wrong_sizes_fail_the_page_only,
-        batch_length_mismatch_is_an_error,
-        mla_ranks_share_pages,
-        remove_deletes_only_named_pages,
-        list_names_exactly_this_namespaces_pages,
-        stats_count_operations,
-        empty_batches_are_fine,
-        concurrent_writers_and_readers_agree,
-        duplicate_keys_in_one_batch
-    );
+    hicache_core::storage_conformance_tests_without_isolation!(store());
 
     #[test]
     fn models_share_pages_under_0_5_2_keys() {
