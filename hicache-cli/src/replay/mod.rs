@@ -396,12 +396,17 @@ fn geometry(args: &ReplayArgs) -> anyhow::Result<KvGeometry> {
     Ok(KvGeometry::mha(args.layers, heads, args.head_dim, KvDtype::Bf16)?)
 }
 
-fn layout(args: &ReplayArgs) -> HostLayout {
+/// The `--layout` the replay runs with: as given, else page-first for Mooncake (as SGLang forces), else layer-first.
+fn layout_arg(args: &ReplayArgs) -> LayoutArg {
     match (args.layout, args.backend) {
-        (Some(layout), _) => host_layout(layout),
-        (None, ReplayBackend::Mooncake) => HostLayout::PageFirst,
-        (None, _) => HostLayout::LayerFirst,
+        (Some(layout), _) => layout,
+        (None, ReplayBackend::Mooncake) => LayoutArg::PageFirst,
+        (None, _) => LayoutArg::LayerFirst,
     }
+}
+
+fn layout(args: &ReplayArgs) -> HostLayout {
+    host_layout(layout_arg(args))
 }
 
 /// The layout a `--layout` value names.
