@@ -172,18 +172,13 @@ impl MooncakeStorage {
         self.poisoned.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert(why);
     }
 
-    /// Where object `part` of a page given as `segments` (lengths `lens`, starting at `starts`) lies: in place when
+    /// Where object `part` of a page given as segments (lengths `lens`, starting at `starts`) lies: in place when
     /// the part is inside one segment and the transport may use that memory, else staged.
     fn place(&self, starts: &[usize], lens: &[usize], part: usize, staged: &mut usize) -> Place {
-        let mut offset = part * self.part_bytes;
-        for (&start, &len) in starts.iter().zip(lens) {
-            if offset < len {
-                if offset + self.part_bytes <= len && self.may_use(start + offset) {
-                    return Place::Direct(start + offset);
-                }
-                break;
-            }
-            offset -= len;
+        if let [(index, within, _)] = range_pieces(lens, part * self.part_bytes, self.part_bytes).as_slice()
+            && self.may_use(starts[*index] + within.start)
+        {
+            return Place::Direct(starts[*index] + within.start);
         }
         let at = *staged;
         *staged += self.part_bytes;
