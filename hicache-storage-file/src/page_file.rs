@@ -337,11 +337,19 @@ pub(crate) fn probe_direct(dir: &Path) -> io::Result<()> {
 
 /// Calls `visit` with each entry of `dir`; a missing `dir` has none. Errors name the folder.
 fn for_each_entry(dir: &Path, visit: &mut dyn FnMut(std::fs::DirEntry) -> io::Result<()>) -> io::Result<()> {
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(error) => return Err(with_path(error, dir)),
-    };
+    match std::fs::read_dir(dir) {
+        Ok(entries) => each_entry(dir, entries, visit),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(error) => Err(with_path(error, dir)),
+    }
+}
+
+/// Calls `visit` with each of `entries`, the entries of `dir`. Errors name the folder.
+fn each_entry(
+    dir: &Path,
+    entries: std::fs::ReadDir,
+    visit: &mut dyn FnMut(std::fs::DirEntry) -> io::Result<()>,
+) -> io::Result<()> {
     for entry in entries {
         visit(entry.map_err(|error| with_path(error, dir))?)?;
     }
@@ -461,14 +469,30 @@ pub(crate) fn list_files(
     found: &mut dyn FnMut(&Path, u64, std::time::SystemTime),
     unreadable: &mut dyn FnMut(&Path, &io::Error),
 ) -> io::Result<()> {
-    for_each_entry(root, &mut |entry| {
+    match std::fs::read_dir(root) {
+        Ok(entries) => list_entries(root, entries, recurse, found, unreadable),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(error) => Err(with_path(error, root)),
+    }
+}
+
+/// [`list_files`] over `entries`, those of `dir`.
+fn list_entries(
+    dir: &Path,
+    entries: std::fs::ReadDir,
+    recurse: bool,
+    found: &mut dyn FnMut(&Path, u64, std::time::SystemTime),
+    unreadable: &mut dyn FnMut(&Path, &io::Error),
+) -> io::Result<()> {
+    each_entry(dir, entries, &mut |entry| {
         let path = entry.path();
         let Some(kind) = if_present(&entry, std::fs::DirEntry::file_type)? else { return Ok(()) };
         if kind.is_dir() {
             if recurse {
                 match std::fs::read_dir(&path) {
-                    Err(error) if error.kind() != io::ErrorKind::NotFound => unreadable(&path, &error),
-                    _ => list_files(&path, recurse, found, unreadable)?,
+                    Ok(below) => list_entries(&path, below, recurse, found, unreadable)?,
+                    Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+                    Err(error) => unreadable(&path, &error),
                 }
             }
         } else if kind.is_file()
