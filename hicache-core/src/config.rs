@@ -302,6 +302,24 @@ impl HiCacheConfig {
     }
 }
 
+/// Bytes from `4294967296`, `4gb`, `4 GiB`, `512MB`, `16mib`, `64k`: units are powers of 1024, as Mooncake's own
+/// parser reads them.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let split = trimmed.find(|c: char| !c.is_ascii_digit()).unwrap_or(trimmed.len());
+    let (digits, unit) = trimmed.split_at(split);
+    let number: u64 = digits.parse().map_err(|_| format!("{text:?} is not a size (bytes, or e.g. 4gb, 512mb)"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        other => return Err(format!("{text:?}: unknown unit {other:?} (b, kb, mb, gb, tb)")),
+    };
+    number.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} overflows 64 bits"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -382,5 +400,15 @@ mod tests {
         // 1e9 / 131072 = 7629.39 → 7629 → 7616 whole pages
         assert_eq!(sized.host_pool_tokens(1000, 131_072).unwrap(), 7616);
         assert!(sized.host_pool_tokens(8000, 131_072).unwrap_err().to_string().contains("hicache_size"));
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4294967296"), Ok(4 << 30));
+        assert_eq!(parse_size("4gb"), Ok(4 << 30));
+        assert_eq!(parse_size(" 16 MiB "), Ok(16 << 20));
+        assert!(parse_size("4 parsecs").unwrap_err().contains("unknown unit"));
+        assert!(parse_size("gb").is_err());
+        assert!(parse_size("99999999999tb").unwrap_err().contains("overflows"));
     }
 }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use hicache_core::Error;
+use hicache_core::config::parse_size;
 use serde::Deserialize;
 
 use crate::keys::{KeyScheme, SglangRelease};
@@ -258,39 +259,11 @@ impl Size {
     }
 }
 
-/// Bytes from `4294967296`, `4gb`, `4 GiB`, `512MB`, `16mib`, `64k`: units are powers of 1024, as Mooncake's own
-/// parser reads them.
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let trimmed = text.trim();
-    let split = trimmed.find(|c: char| !c.is_ascii_digit()).unwrap_or(trimmed.len());
-    let (digits, unit) = trimmed.split_at(split);
-    let number: u64 = digits.parse().map_err(|_| format!("{text:?} is not a size (bytes, or e.g. 4gb, 512mb)"))?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        other => return Err(format!("{text:?}: unknown unit {other:?} (b, kb, mb, gb, tb)")),
-    };
-    number.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} overflows 64 bits"))
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
 
     use super::*;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("4294967296"), Ok(4 << 30));
-        assert_eq!(parse_size("4gb"), Ok(4 << 30));
-        assert_eq!(parse_size(" 16 MiB "), Ok(16 << 20));
-        assert!(parse_size("4 parsecs").unwrap_err().contains("unknown unit"));
-        assert!(parse_size("gb").is_err());
-        assert!(parse_size("99999999999tb").unwrap_err().contains("overflows"));
-    }
 
     #[test]
     fn from_sglang_variables() {

@@ -52,7 +52,7 @@ use hicache_core::storage::{
 };
 
 use crate::client::{Client, Setup};
-pub use crate::config::{DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LOCAL_BUFFER_SIZE, MooncakeConfig, parse_size};
+pub use crate::config::{DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LOCAL_BUFFER_SIZE, MooncakeConfig};
 use crate::keys::KeyRenderer;
 pub use crate::keys::{KeyScheme, SglangRelease};
 use crate::sys::code;

@@ -1,4 +1,5 @@
-//! Project automation: `cargo xtask ci` (every check CI runs) and `cargo xtask fuzz` (bounded fuzzing).
+//! Project automation: `cargo xtask ci` (every check CI runs), `cargo xtask fuzz` (bounded fuzzing), `cargo xtask
+//! wheel` (the Python package) and `cargo xtask sglang` (its tests with SGLang's own code).
 //!
 //! Commands are run with argument arrays, never through a shell. Under `CI=true` a step that cannot run fails.
 
@@ -6,6 +7,7 @@ mod fuzz;
 mod mooncake;
 mod nixl;
 mod nvrtc;
+mod python;
 #[cfg(test)]
 mod tidy;
 mod wheel;
@@ -16,7 +18,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
-const USAGE: &str = "usage: cargo xtask ci [--no-fuzz] | cargo xtask fuzz [--seconds N] [TARGET...] | cargo xtask mooncake [--port N] | cargo xtask nixl | cargo xtask nvrtc";
+const USAGE: &str = "usage: cargo xtask ci [--no-fuzz] | cargo xtask fuzz [--seconds N] [TARGET...] | cargo xtask mooncake [--port N] | cargo xtask nixl | cargo xtask nvrtc | cargo xtask wheel | cargo xtask sglang [UNITTEST ARGS]";
 
 fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -25,7 +27,7 @@ fn main() -> std::process::ExitCode {
             println!("{USAGE}");
             return std::process::ExitCode::SUCCESS;
         }
-        Some("ci" | "fuzz" | "mooncake" | "nixl" | "nvrtc") => {}
+        Some("ci" | "fuzz" | "mooncake" | "nixl" | "nvrtc" | "wheel" | "sglang") => {}
         _ => {
             eprintln!("{USAGE}");
             return std::process::ExitCode::from(2);
@@ -52,6 +54,8 @@ fn run(args: &[String]) -> anyhow::Result<()> {
             println!("{}", dir.display());
             Ok(())
         }
+        Some("wheel") => python::wheel_command(),
+        Some("sglang") => python::test_command(&args[1..]),
         Some("nvrtc") => {
             let dir = nvrtc::prepare()?;
             println!("{}", dir.display());
@@ -63,6 +67,23 @@ fn run(args: &[String]) -> anyhow::Result<()> {
 
 fn project_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+}
+
+/// Installs Debian packages (as root; refreshing the package lists when a first try fails, as on a fresh machine).
+/// `why` says what needs them, for the error when this is not root.
+pub(crate) fn apt_install(packages: &[&str], why: &str) -> anyhow::Result<()> {
+    let is_root = Command::new("id").arg("-u").output().is_ok_and(|output| output.stdout.starts_with(b"0\n"));
+    if !is_root {
+        bail!("{why}: install Debian's {}", packages.join(" "));
+    }
+    let mut install = vec!["install", "-y", "-q", "--no-install-recommends"];
+    install.extend(packages);
+    let env = [("DEBIAN_FRONTEND", "noninteractive")];
+    if run_program("apt-get", &install, &env).is_err() {
+        run_program("apt-get", &["update", "-q"], &env)?;
+        run_program("apt-get", &install, &env)?;
+    }
+    Ok(())
 }
 
 /// Runs a program with arguments and extra environment; fails on a non-zero exit.

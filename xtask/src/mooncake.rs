@@ -146,20 +146,10 @@ fn ensure_verbs() -> anyhow::Result<()> {
     if has_library("libibverbs.so.1 ") && has_library("libmlx5.so.1 ") {
         return Ok(());
     }
-    let is_root = Command::new("id").arg("-u").output().is_ok_and(|output| output.stdout.starts_with(b"0\n"));
-    if !is_root {
-        bail!(
-            "the Mooncake libraries link libibverbs.so.1 and libmlx5.so.1: install Debian's libibverbs1 and ibverbs-providers"
-        );
-    }
-    let install = ["install", "-y", "-q", "--no-install-recommends", "libibverbs1", "ibverbs-providers"];
-    let env = [("DEBIAN_FRONTEND", "noninteractive")];
-    if run_program("apt-get", &install, &env).is_err() {
-        // a fresh machine may have no package lists yet
-        run_program("apt-get", &["update", "-q"], &env)?;
-        run_program("apt-get", &install, &env)?;
-    }
-    Ok(())
+    crate::apt_install(
+        &["libibverbs1", "ibverbs-providers"],
+        "the Mooncake libraries link libibverbs.so.1 and libmlx5.so.1",
+    )
 }
 
 /// Compiles the no-device stand-in for `libcuda.so.1` from the driver functions `library` imports.

@@ -1,0 +1,13 @@
+"""hicache for Python: SGLang's page keys, and hicache's storage tiers as SGLang's HiCache L3 backend.
+
+``import hicache`` needs neither torch nor SGLang; ``hicache.sglang`` (the backend class SGLang loads) needs both.
+
+- ``page_keys(tokens, page_size, prior=None)``: the chained SHA-256 page keys SGLang computes (64 hex digits each).
+- ``namespace_seed(extra_key=None, cache_salt=None)``: the first page's prior for requests with an extra key or a
+  cache salt (SGLang 0.5.20 and later), or None.
+- ``BACKENDS``: the storage tiers compiled into this build.
+"""
+
+from hicache._native import BACKENDS, __version__, namespace_seed, page_keys
+
+__all__ = ["BACKENDS", "__version__", "namespace_seed", "page_keys"]

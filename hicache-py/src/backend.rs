@@ -1,0 +1,432 @@
+//! The storage backend object behind `hicache.sglang.HiCacheStorage`: settings checked when SGLang constructs the
+//! backend ([`Settings`]), a tier opened when SGLang registers its host pool ([`Backend`]), and page I/O straight
+//! between that pool and the tier, with the GIL released.
+//!
+//! The methods that take addresses (`batch_get`, `batch_set`, `get_into`, `set_from`, `segments`) are the private
+//! half of the package: `hicache.sglang` passes them the addresses of tensors it holds for the call (contiguous,
+//! on the CPU, of the dtype and length it states). They are not for other callers.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::{Arc, RwLock};
+
+use hicache_core::hash::PageKey;
+use hicache_core::host_memory::MemoryRegion;
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::{GetOutcome, MemoryStorage, PageSegments, PageSegmentsMut, StorageBackend};
+use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use serde::Deserialize;
+
+use crate::config::{ConfigError, FileSettings, Settings, Tier};
+use crate::guard;
+use crate::pool::{HostPool, PoolDescription};
+
+/// The extra config, read and checked (`hicache._native.Settings(json)`), before any host pool is known.
+#[pyclass(frozen, module = "hicache._native", name = "Settings")]
+pub(crate) struct PySettings {
+    settings: Settings,
+    #[cfg(feature = "mooncake")]
+    mooncake: Option<hicache_storage_mooncake::MooncakeConfig>,
+}
+
+/// Which rank this is, from SGLang's `HiCacheStorageConfig`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RankDescription {
+    model: String,
+    tp_rank: usize,
+    tp_size: usize,
+    pp_rank: usize,
+    pp_size: usize,
+    /// SGLang's `is_mla_model`: every rank holds the same KV.
+    is_mla: bool,
+    /// Whether this rank writes to storage (MLA: one writer for all ranks).
+    writer: bool,
+}
+
+#[pymethods]
+impl PySettings {
+    /// Reads the extra config (JSON text) and checks what can be checked before the host pool is known: the keys
+    /// and their types, the backend's name, the file tier's directory (made when missing, as SGLang does, and
+    /// written to once), Mooncake's settings.
+    #[new]
+    fn new(extra_config: &str) -> PyResult<Self> {
+        guard::run(|| {
+            let settings = Settings::parse(extra_config)?;
+            if let Tier::File(file) = &settings.tier {
+                check_directory(file)?;
+            }
+            Ok(Self {
+                #[cfg(feature = "mooncake")]
+                mooncake: match &settings.tier {
+                    Tier::Mooncake(fields) => Some(mooncake_config(fields)?),
+                    _ => None,
+                },
+                settings,
+            })
+        })
+    }
+
+    /// The storage tier's name.
+    #[getter]
+    fn backend(&self) -> &'static str {
+        match self.settings.tier {
+            Tier::Memory => "memory",
+            Tier::File(_) => "file",
+            Tier::Mooncake(_) => "mooncake",
+        }
+    }
+
+    /// Opens the tier for one rank (JSON of [`RankDescription`]) over one host pool (JSON of [`PoolDescription`])
+    /// and registers the pool's buffer with it. `keepalive` is the pool's buffer tensor: held until the backend
+    /// is dropped, so the memory cannot go away under it.
+    fn open(&self, py: Python<'_>, rank: &str, pool: &str, keepalive: Py<PyAny>) -> PyResult<Backend> {
+        guard::run(|| {
+            let rank: RankDescription = serde_json::from_str(rank)
+                .map_err(|error| PyValueError::new_err(format!("hicache: storage config: {error}")))?;
+            let description: PoolDescription = serde_json::from_str(pool)
+                .map_err(|error| PyValueError::new_err(format!("hicache: host pool: {error}")))?;
+            let pool = HostPool::new(&description, &self.settings.pool)?;
+            if rank.is_mla != pool.map.geometry().is_mla() {
+                return Err(ConfigError::value(
+                    "is_mla_model",
+                    format!("the storage config says {}, but the host pool holds {} KV", rank.is_mla, description.kind),
+                )
+                .into());
+            }
+            let namespace = StorageNamespace {
+                model: rank.model,
+                geometry: *pool.map.geometry(),
+                layout: pool.map.layout(),
+                page_size: pool.map.page_size(),
+                tp_rank: rank.tp_rank,
+                tp_size: rank.tp_size,
+                pp_rank: rank.pp_rank,
+                pp_size: rank.pp_size,
+            };
+            let storage = py.detach(|| self.open_tier(&namespace))?;
+            // SAFETY: the buffer is `keepalive`'s, which `Open` holds until after it unregisters the region.
+            let region =
+                unsafe { MemoryRegion::from_raw_parts(pool.address as *const u8, pool.map.total_bytes(), None) };
+            storage.register_host_memory(&region).map_err(guard::to_py)?;
+            let page_bytes = pool.map.page_bytes();
+            let name = storage.name().to_owned();
+            Ok(Backend {
+                open: RwLock::new(Some(Arc::new(Open { storage, pool, region, _keepalive: keepalive }))),
+                name,
+                page_bytes,
+                writer: rank.writer,
+            })
+        })
+    }
+}
+
+impl PySettings {
+    fn open_tier(&self, namespace: &StorageNamespace) -> PyResult<Box<dyn StorageBackend>> {
+        let storage: Box<dyn StorageBackend> = match &self.settings.tier {
+            Tier::Memory => Box::new(MemoryStorage::new(namespace)),
+            Tier::File(file) => {
+                let format = if file.sglang_format { FileFormat::Sglang } else { FileFormat::Native };
+                let mut config = FileConfig::new(&file.dir, format);
+                config.io_threads = file.io_threads.unwrap_or(config.io_threads);
+                config.direct_io = file.direct_io;
+                config.capacity_bytes = file.capacity_bytes;
+                Box::new(FileStorage::open(config, namespace).map_err(guard::to_py)?)
+            }
+            #[cfg(feature = "mooncake")]
+            Tier::Mooncake(_) => {
+                let config =
+                    self.mooncake.clone().ok_or_else(|| PyRuntimeError::new_err("hicache: no Mooncake config"))?;
+                Box::new(hicache_storage_mooncake::MooncakeStorage::open(config, namespace).map_err(guard::to_py)?)
+            }
+            #[cfg(not(feature = "mooncake"))]
+            Tier::Mooncake(_) => {
+                return Err(ConfigError::value("backend", "this build of hicache has no Mooncake backend").into());
+            }
+        };
+        Ok(storage)
+    }
+}
+
+/// Makes the directory when missing and writes a file there once, so a directory that cannot be used is an error
+/// naming the key now, not failed pages later.
+fn check_directory(file: &FileSettings) -> Result<(), ConfigError> {
+    let bad = |reason: String| ConfigError::value("dir", format!("{}: {reason}", file.dir.display()));
+    std::fs::create_dir_all(&file.dir).map_err(|error| bad(format!("cannot be made: {error}")))?;
+    let probe = file.dir.join(format!(".hicache-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|error| bad(format!("cannot be written: {error}")))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// The Mooncake settings: the extra config's Mooncake keys (the master from `MOONCAKE_MASTER` when it names none),
+/// or SGLang's Mooncake variables when it has none.
+#[cfg(feature = "mooncake")]
+fn mooncake_config(fields: &serde_json::Value) -> Result<hicache_storage_mooncake::MooncakeConfig, ConfigError> {
+    use hicache_storage_mooncake::MooncakeConfig;
+    let to_config_error = |error: hicache_core::Error| match error {
+        hicache_core::Error::InvalidConfig { field, reason } => ConfigError::value(field, reason),
+        other => ConfigError::value("backend", other.to_string()),
+    };
+    let mut fields = fields.clone();
+    let Some(object) = fields.as_object_mut().filter(|object| !object.is_empty()) else {
+        return MooncakeConfig::from_env().map_err(to_config_error);
+    };
+    if !object.contains_key("master_server_address")
+        && let Ok(master) = std::env::var("MOONCAKE_MASTER")
+    {
+        object.insert("master_server_address".into(), master.into());
+    }
+    MooncakeConfig::from_json(&fields).map_err(to_config_error)
+}
+
+/// A tier opened over one registered host pool.
+struct Open {
+    storage: Box<dyn StorageBackend>,
+    pool: HostPool,
+    region: MemoryRegion,
+    /// The host pool's buffer tensor.
+    _keepalive: Py<PyAny>,
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.storage.unregister_host_memory(&self.region);
+    }
+}
+
+/// A storage tier serving one rank's host pool (`Settings.open`).
+#[pyclass(frozen, module = "hicache._native")]
+pub(crate) struct Backend {
+    /// `None` once closed; calls in flight keep their `Arc` until they return.
+    open: RwLock<Option<Arc<Open>>>,
+    name: String,
+    page_bytes: usize,
+    writer: bool,
+}
+
+impl Backend {
+    fn current(&self) -> PyResult<Arc<Open>> {
+        let open = self.open.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        open.clone().ok_or_else(|| PyRuntimeError::new_err("hicache: the storage backend is closed"))
+    }
+}
+
+#[pymethods]
+impl Backend {
+    /// The tier's name (`file`, `memory`, `mooncake`).
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Bytes of one page.
+    #[getter]
+    fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+
+    /// Whether this rank writes pages (MLA ranks other than the writer skip writes: every rank holds the same KV).
+    #[getter]
+    fn writer(&self) -> bool {
+        self.writer
+    }
+
+    /// How many of `keys`, from the first, are stored.
+    fn batch_exists(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<usize> {
+        guard::run(|| {
+            let open = self.current()?;
+            let keys = parse_keys(&keys)?;
+            py.detach(|| open.storage.batch_exists(&keys)).map_err(guard::to_py)
+        })
+    }
+
+    /// Reads pages into the host pool: `keys[i]` into the slots `indices[i × page_size ..][.. page_size]`, where
+    /// `indices` is a contiguous int64 tensor of `length` elements at `address` (SGLang's `host_indices`). True for
+    /// each page read whole.
+    fn batch_get(&self, py: Python<'_>, keys: Vec<String>, address: usize, length: usize) -> PyResult<Vec<bool>> {
+        guard::run(|| {
+            let open = self.current()?;
+            let parsed = parse_keys(&keys)?;
+            // SAFETY: the caller's contract (module docs): a live contiguous int64 tensor of `length` elements.
+            let indices = unsafe { read_indices(address, length) };
+            let pages = open.pool.pages_of(&indices, keys.len()).map_err(host_indices_error)?;
+            let mut sorted = pages.clone();
+            sorted.sort_unstable();
+            if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+                return Err(host_indices_error(format!("host page {} is the destination of two keys", pair[0])));
+            }
+            let mut destinations: Vec<PageSegmentsMut<'_>> = pages
+                .iter()
+                .map(|&page| {
+                    open.pool
+                        .segments(page)
+                        // SAFETY: the segments lie inside the registered pool buffer, which `open` keeps alive; the
+                        // pages of this call are distinct (checked above), so no two slices overlap; SGLang never
+                        // lets two transfers use one host page at once (the register contract of the pool).
+                        .map(|(address, len)| unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) })
+                        .collect()
+                })
+                .collect();
+            let outcomes = py.detach(|| open.storage.batch_get(&parsed, &mut destinations)).map_err(guard::to_py)?;
+            Ok(outcomes.iter().map(|outcome| matches!(outcome, GetOutcome::Hit)).collect())
+        })
+    }
+
+    /// Writes pages from the host pool (`keys[i]` from the slots of page `i` of `indices`, as `batch_get`). True for
+    /// each page stored (or already stored). A rank that is not the writer stores nothing and answers True.
+    fn batch_set(&self, py: Python<'_>, keys: Vec<String>, address: usize, length: usize) -> PyResult<Vec<bool>> {
+        guard::run(|| {
+            let open = self.current()?;
+            let parsed = parse_keys(&keys)?;
+            // SAFETY: as in `batch_get`.
+            let indices = unsafe { read_indices(address, length) };
+            let pages = open.pool.pages_of(&indices, keys.len()).map_err(host_indices_error)?;
+            if !self.writer {
+                return Ok(vec![true; keys.len()]);
+            }
+            let sources: Vec<PageSegments<'_>> = pages
+                .iter()
+                .map(|&page| {
+                    open.pool
+                        .segments(page)
+                        // SAFETY: inside the registered pool buffer, kept alive by `open`; only read here.
+                        .map(|(address, len)| unsafe { std::slice::from_raw_parts(address as *const u8, len) })
+                        .collect()
+                })
+                .collect();
+            let outcomes = py.detach(|| open.storage.batch_set(&parsed, &sources)).map_err(guard::to_py)?;
+            Ok(outcomes.iter().map(|outcome| outcome.is_stored()).collect())
+        })
+    }
+
+    /// Reads whole pages into caller buffers (SGLang's copy path): `keys[i]` into `lengths[i]` bytes at
+    /// `addresses[i]`. True for each page read whole.
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        addresses: Vec<usize>,
+        lengths: Vec<usize>,
+    ) -> PyResult<Vec<bool>> {
+        guard::run(|| {
+            let open = self.current()?;
+            let parsed = parse_keys(&keys)?;
+            check_buffers(keys.len(), &addresses, &lengths)?;
+            let mut destinations: Vec<PageSegmentsMut<'_>> = addresses
+                .iter()
+                .zip(&lengths)
+                // SAFETY: the caller's contract (module docs): live CPU tensors; they do not overlap (checked).
+                .map(|(&address, &len)| vec![unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) }])
+                .collect();
+            let outcomes = py.detach(|| open.storage.batch_get(&parsed, &mut destinations)).map_err(guard::to_py)?;
+            Ok(outcomes.iter().map(|outcome| matches!(outcome, GetOutcome::Hit)).collect())
+        })
+    }
+
+    /// Writes whole pages from caller buffers (SGLang's copy path). True for each page stored.
+    fn set_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        addresses: Vec<usize>,
+        lengths: Vec<usize>,
+    ) -> PyResult<Vec<bool>> {
+        guard::run(|| {
+            let open = self.current()?;
+            let parsed = parse_keys(&keys)?;
+            check_buffers(keys.len(), &addresses, &lengths)?;
+            if !self.writer {
+                return Ok(vec![true; keys.len()]);
+            }
+            let sources: Vec<PageSegments<'_>> = addresses
+                .iter()
+                .zip(&lengths)
+                // SAFETY: the caller's contract (module docs): live CPU tensors, only read here.
+                .map(|(&address, &len)| vec![unsafe { std::slice::from_raw_parts(address as *const u8, len) }])
+                .collect();
+            let outcomes = py.detach(|| open.storage.batch_set(&parsed, &sources)).map_err(guard::to_py)?;
+            Ok(outcomes.iter().map(|outcome| outcome.is_stored()).collect())
+        })
+    }
+
+    /// The (address, length) of each segment of each page of `indices`, in flat page order: what SGLang's
+    /// `get_page_buffer_meta` gives for the same slots.
+    fn segments(&self, address: usize, length: usize, pages: usize) -> PyResult<Vec<(usize, usize)>> {
+        guard::run(|| {
+            let open = self.current()?;
+            // SAFETY: as in `batch_get`.
+            let indices = unsafe { read_indices(address, length) };
+            let pages = open.pool.pages_of(&indices, pages).map_err(host_indices_error)?;
+            Ok(pages.iter().flat_map(|&page| open.pool.segments(page).collect::<Vec<_>>()).collect())
+        })
+    }
+
+    /// Removes every page of this rank's namespace (and nothing else); returns how many were removed.
+    fn clear(&self, py: Python<'_>) -> PyResult<u64> {
+        guard::run(|| {
+            let open = self.current()?;
+            py.detach(|| open.storage.clear()).map_err(guard::to_py)
+        })
+    }
+
+    /// The tier's counters since it was opened (pages and bytes read and written, hits, misses, failures, ...).
+    fn stats(&self) -> PyResult<HashMap<String, u64>> {
+        guard::run(|| {
+            let open = self.current()?;
+            let value = serde_json::to_value(open.storage.stats())
+                .map_err(|error| PyRuntimeError::new_err(format!("hicache: stats: {error}")))?;
+            Ok(serde_json::from_value(value).unwrap_or_default())
+        })
+    }
+
+    /// Closes the tier: later calls raise; calls in flight finish first, then the pool is unregistered.
+    fn close(&self) {
+        self.open.write().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+    }
+}
+
+fn parse_keys(keys: &[String]) -> PyResult<Vec<PageKey>> {
+    keys.iter()
+        .enumerate()
+        .map(|(at, key)| {
+            PageKey::from_str(key).map_err(|error| PyValueError::new_err(format!("hicache: keys[{at}]: {error}")))
+        })
+        .collect()
+}
+
+fn host_indices_error(reason: String) -> PyErr {
+    PyValueError::new_err(format!("hicache: host_indices: {reason}"))
+}
+
+/// Copies `length` int64 values from `address`.
+///
+/// # Safety
+///
+/// `address` is the data of a live, contiguous int64 array of at least `length` elements, not written during the call.
+unsafe fn read_indices(address: usize, length: usize) -> Vec<i64> {
+    if length == 0 {
+        return Vec::new();
+    }
+    // SAFETY: the function's contract.
+    unsafe { std::slice::from_raw_parts(address as *const i64, length) }.to_vec()
+}
+
+/// One buffer per key, none overlapping another.
+fn check_buffers(keys: usize, addresses: &[usize], lengths: &[usize]) -> PyResult<()> {
+    if addresses.len() != keys || lengths.len() != keys {
+        return Err(PyValueError::new_err(format!(
+            "hicache: {keys} keys but {} buffers of {} lengths",
+            addresses.len(),
+            lengths.len()
+        )));
+    }
+    let mut ranges: Vec<(usize, usize)> = addresses.iter().copied().zip(lengths.iter().copied()).collect();
+    ranges.sort_unstable();
+    if ranges.windows(2).any(|pair| pair[0].0 + pair[0].1 > pair[1].0) {
+        return Err(PyValueError::new_err("hicache: two page buffers overlap"));
+    }
+    Ok(())
+}

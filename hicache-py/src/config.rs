@@ -1,0 +1,215 @@
+//! The backend's settings, read from SGLang's extra config (`--hicache-storage-backend-extra-config`, a JSON object):
+//! which hicache tier, where it keeps its pages, and optionally what the host pool must look like.
+//!
+//! Keys (every one optional):
+//! - `backend`: `file` (default), `memory` (this process only; for tests and measurements) or `mooncake`;
+//! - file tier: `dir` (else SGLang's `SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`, else SGLang's `file_storage_path`,
+//!   else `/tmp/hicache`), `format` (`native`: hicache's namespaced, checksummed pages, the default; `sglang`: the
+//!   names and raw bytes of SGLang's own `HiCacheFile`, so both read one directory), `capacity` (bytes, or text such
+//!   as `"200gb"`; least recently used pages are removed beyond it), `io_threads`, `direct_io`;
+//! - Mooncake: SGLang's Mooncake keys (`master_server_address`, `protocol`, ...; see the Mooncake crate);
+//! - `pool`: what the host pool SGLang registers must be (`page_size`, `layout`, `dtype`, `layer_num`, `head_num`,
+//!   `head_dim`, `kv_lora_rank`, `qk_rope_head_dim`), checked at registration.
+//!
+//! SGLang's own keys for a dynamic backend (`backend_name`, `module_path`, `class_name`, `interface_v1`) and the ones
+//! it consumes itself are accepted and ignored; any other key is refused by name.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use hicache_core::config::parse_size;
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
+
+/// A bad extra config, naming the key.
+#[derive(Debug)]
+pub(crate) struct ConfigError {
+    /// The key (`pool.head_num` for nested ones).
+    pub(crate) key: String,
+    /// What is wrong and what is expected.
+    pub(crate) reason: String,
+    /// The value has the wrong type (raised as `TypeError`; else `ValueError`).
+    pub(crate) wrong_type: bool,
+}
+
+impl ConfigError {
+    pub(crate) fn value(key: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self { key: key.into(), reason: reason.into(), wrong_type: false }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "hicache extra_config key `{}`: {}", self.key, self.reason)
+    }
+}
+
+/// Keys SGLang reads itself; accepted, never used here.
+const SGLANG_KEYS: [&str; 9] = [
+    "backend_name",
+    "module_path",
+    "class_name",
+    "interface_v1",
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys",
+    "tp_lcm_size",
+];
+
+/// The storage tier and its settings.
+#[derive(Debug)]
+pub(crate) enum Tier {
+    /// In this process's memory.
+    Memory,
+    /// Local (or shared) files.
+    File(FileSettings),
+    /// Mooncake Store: the remaining keys, read by the Mooncake crate.
+    Mooncake(Value),
+}
+
+impl Tier {
+    pub(crate) const NAMES: &'static str = "file, memory, mooncake";
+}
+
+/// The file tier's settings.
+#[derive(Debug)]
+pub(crate) struct FileSettings {
+    pub(crate) dir: PathBuf,
+    /// SGLang's file names and raw bytes instead of hicache's native pages.
+    pub(crate) sglang_format: bool,
+    pub(crate) capacity_bytes: Option<u64>,
+    pub(crate) io_threads: Option<usize>,
+    pub(crate) direct_io: bool,
+}
+
+/// What the registered host pool must be; each field checked when given.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PoolExpectation {
+    pub(crate) page_size: Option<usize>,
+    pub(crate) layout: Option<String>,
+    pub(crate) dtype: Option<String>,
+    pub(crate) layer_num: Option<usize>,
+    pub(crate) head_num: Option<usize>,
+    pub(crate) head_dim: Option<usize>,
+    pub(crate) kv_lora_rank: Option<usize>,
+    pub(crate) qk_rope_head_dim: Option<usize>,
+}
+
+/// Everything the extra config says.
+#[derive(Debug)]
+pub(crate) struct Settings {
+    pub(crate) tier: Tier,
+    pub(crate) pool: PoolExpectation,
+}
+
+impl Settings {
+    /// Reads the extra config (JSON text of an object; `null` for none).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] naming the key: unknown, of the wrong type, or out of its domain.
+    pub(crate) fn parse(json: &str) -> Result<Self, ConfigError> {
+        let value: Value = serde_json::from_str(json)
+            .map_err(|error| ConfigError::value("extra_config", format!("not JSON: {error}")))?;
+        let mut fields = match value {
+            Value::Null => Map::new(),
+            Value::Object(fields) => fields,
+            other => {
+                return Err(ConfigError {
+                    key: "extra_config".into(),
+                    reason: format!("must be an object, found {other}"),
+                    wrong_type: true,
+                });
+            }
+        };
+        for key in SGLANG_KEYS {
+            fields.remove(key);
+        }
+        let backend: Option<String> = take(&mut fields, "backend")?;
+        let pool = take::<PoolExpectation>(&mut fields, "pool")?.unwrap_or_default();
+        let tier = match backend.as_deref().unwrap_or("file") {
+            "memory" => Tier::Memory,
+            "file" => Tier::File(file_settings(&mut fields)?),
+            "mooncake" => {
+                return Ok(Self { tier: Tier::Mooncake(Value::Object(fields)), pool });
+            }
+            other => {
+                return Err(ConfigError::value(
+                    "backend",
+                    format!("{other:?} is not a hicache storage backend in this build ({})", Tier::NAMES),
+                ));
+            }
+        };
+        if let Some(key) = fields.keys().next() {
+            return Err(ConfigError::value(
+                key.as_str(),
+                format!(
+                    "unknown key for the {} backend (it takes: {})",
+                    backend.as_deref().unwrap_or("file"),
+                    match tier {
+                        Tier::File(_) => "dir, file_storage_path, format, capacity, io_threads, direct_io, pool",
+                        _ => "pool",
+                    }
+                ),
+            ));
+        }
+        Ok(Self { tier, pool })
+    }
+}
+
+fn file_settings(fields: &mut Map<String, Value>) -> Result<FileSettings, ConfigError> {
+    let dir: Option<String> = take(fields, "dir")?;
+    let sglang_path: Option<String> = take(fields, "file_storage_path")?;
+    // an explicit `dir` first; then SGLang's own order: its variable over its `file_storage_path`
+    let dir = dir
+        .or_else(|| std::env::var(hicache_storage_file::DIR_ENV).ok().filter(|dir| !dir.is_empty()))
+        .or(sglang_path)
+        .unwrap_or_else(|| hicache_storage_file::DEFAULT_DIR.into());
+    let sglang_format = match take::<String>(fields, "format")?.as_deref() {
+        None | Some("native") => false,
+        Some("sglang") => true,
+        Some(other) => return Err(ConfigError::value("format", format!("{other:?}: the formats are native, sglang"))),
+    };
+    let capacity_bytes = match take::<Value>(fields, "capacity")? {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(number)) => Some(
+            number
+                .as_u64()
+                .ok_or_else(|| ConfigError::value("capacity", format!("{number} is not a whole number of bytes")))?,
+        ),
+        Some(Value::String(text)) => Some(parse_size(&text).map_err(|reason| ConfigError::value("capacity", reason))?),
+        Some(other) => {
+            return Err(ConfigError {
+                key: "capacity".into(),
+                reason: format!("bytes or a size such as \"200gb\" is needed, found {other}"),
+                wrong_type: true,
+            });
+        }
+    };
+    let io_threads: Option<usize> = take(fields, "io_threads")?;
+    if io_threads == Some(0) {
+        return Err(ConfigError::value("io_threads", "must be at least 1"));
+    }
+    let direct_io = take::<bool>(fields, "direct_io")?.unwrap_or(false);
+    Ok(FileSettings { dir: PathBuf::from(dir), sglang_format, capacity_bytes, io_threads, direct_io })
+}
+
+/// Removes `key` from `fields` and reads it as `T`; `None` when absent or null.
+fn take<T: DeserializeOwned>(fields: &mut Map<String, Value>, key: &str) -> Result<Option<T>, ConfigError> {
+    match fields.remove(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(value) => {
+            let mut track = serde_path_to_error::Track::new();
+            let deserializer = serde_path_to_error::Deserializer::new(value, &mut track);
+            T::deserialize(deserializer).map(Some).map_err(|error| {
+                let path = track.path().to_string();
+                let key = if path == "." || path.is_empty() { key.to_owned() } else { format!("{key}.{path}") };
+                let reason = error.to_string();
+                ConfigError { key, wrong_type: reason.starts_with("invalid type"), reason }
+            })
+        }
+    }
+}

@@ -1,0 +1,52 @@
+//! Entry points never let a Rust panic or a hicache error reach Python as anything but an ordinary exception.
+//!
+//! pyo3 turns a panic into `PanicException`, which derives from `BaseException`: SGLang's storage threads catch
+//! `Exception`, so a panic would end the thread (or the server). [`run`] catches the panic first and raises
+//! `RuntimeError` instead; [`to_py`] maps hicache's errors to the Python exception a caller expects.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use hicache_core::Error;
+use pyo3::PyErr;
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTimeoutError, PyTypeError, PyValueError};
+
+use crate::config::ConfigError;
+
+/// Runs `body`, turning a panic into `RuntimeError`.
+pub(crate) fn run<T>(body: impl FnOnce() -> Result<T, PyErr>) -> Result<T, PyErr> {
+    catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|payload| {
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|text| (*text).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        Err(PyRuntimeError::new_err(format!("hicache: internal error (a Rust panic, caught): {message}")))
+    })
+}
+
+/// The Python exception for a hicache error: bad arguments and configs are `ValueError`, storage failures `OSError`,
+/// timeouts `TimeoutError`, the rest `RuntimeError`.
+pub(crate) fn to_py(error: Error) -> PyErr {
+    let text = format!("hicache: {error}");
+    match error {
+        Error::InvalidArgument { .. }
+        | Error::InvalidConfig { .. }
+        | Error::InvalidKey { .. }
+        | Error::InvalidToken { .. }
+        | Error::InvalidTokenList { .. }
+        | Error::PartialPage { .. } => PyValueError::new_err(text),
+        Error::Storage { .. } | Error::Unsupported { .. } => PyOSError::new_err(text),
+        Error::Timeout { .. } => PyTimeoutError::new_err(text),
+        _ => PyRuntimeError::new_err(text),
+    }
+}
+
+impl From<ConfigError> for PyErr {
+    fn from(error: ConfigError) -> Self {
+        if error.wrong_type {
+            PyTypeError::new_err(error.to_string())
+        } else {
+            PyValueError::new_err(error.to_string())
+        }
+    }
+}

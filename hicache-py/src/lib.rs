@@ -1,0 +1,41 @@
+//! The native part of the `hicache` Python package (`hicache._native`): SGLang's page keys, and storage backends over
+//! hicache's tiers that SGLang's HiCache controller drives through `hicache.sglang.HiCacheStorage`.
+//!
+//! No Rust panic reaches Python as `PanicException` (every entry point runs in [`guard::run`]), and page bytes move
+//! with the GIL released.
+
+mod backend;
+mod config;
+mod guard;
+mod keys;
+mod pool;
+
+use pyo3::prelude::*;
+
+/// The module `hicache._native`.
+#[pymodule]
+fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    module.add("BACKENDS", backends())?;
+    module.add_function(wrap_pyfunction!(keys::page_keys, module)?)?;
+    module.add_function(wrap_pyfunction!(keys::namespace_seed, module)?)?;
+    module.add_function(wrap_pyfunction!(panic_is_caught, module)?)?;
+    module.add_class::<backend::PySettings>()?;
+    module.add_class::<backend::Backend>()?;
+    Ok(())
+}
+
+/// The storage tiers compiled in.
+fn backends() -> Vec<&'static str> {
+    let mut names = vec!["file", "memory"];
+    if cfg!(feature = "mooncake") {
+        names.push("mooncake");
+    }
+    names
+}
+
+/// Panics inside the guard every entry point uses, so a test can see the panic arrive as `RuntimeError`.
+#[pyfunction]
+fn panic_is_caught() -> PyResult<()> {
+    guard::run(|| panic!("raised on purpose by hicache._native.panic_is_caught"))
+}
