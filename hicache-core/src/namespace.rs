@@ -141,14 +141,25 @@ impl StorageNamespace {
         native_key_with_digest(key, &self.digest(), part)
     }
 
-    /// SGLang's file backend key (`HiCacheFile`; the file is `{dir}/{key}.bin`): `{hash}_{model}_{tp_rank}_{tp_size}`
-    /// for MHA, `{hash}_{model}` for MLA.
+    /// SGLang's file backend key (`HiCacheFile`; the file is `{dir}/{key}.bin`): `{hash}_{suffix}`, with the
+    /// [suffix](Self::sglang_file_suffix) of this rank.
     pub fn sglang_file_key(&self, key: &PageKey) -> String {
-        if self.geometry.is_mla() {
-            format!("{key}_{}", self.sglang_model())
+        format!("{key}_{}", self.sglang_file_suffix())
+    }
+
+    /// What SGLang's file backend puts after the hash: `{model}_{tp_rank}_{tp_size}` for MHA, `{model}` for MLA, and
+    /// with pipeline stages `_{pp_size}_{pp_rank}` after either (SGLang 0.5.23; 0.5.2 left the stage out, so stages
+    /// overwrote each other's pages).
+    pub fn sglang_file_suffix(&self) -> String {
+        let mut suffix = if self.geometry.is_mla() {
+            self.sglang_model()
         } else {
-            format!("{key}_{}_{}_{}", self.sglang_model(), self.tp_rank, self.tp_size)
+            format!("{}_{}_{}", self.sglang_model(), self.tp_rank, self.tp_size)
+        };
+        if self.pp_size > 1 {
+            let _ = write!(suffix, "_{}_{}", self.pp_size, self.pp_rank);
         }
+        suffix
     }
 
     /// SGLang's Mooncake keys of a page (`get_buffer_meta`): `{hash}_{tp_rank}_k`, `{hash}_{tp_rank}_v` for MHA;
@@ -215,8 +226,12 @@ mod tests {
             )
         };
         assert_eq!(mla.sglang_file_key(&key), format!("{hash}_deepseek-ai-DeepSeek-V3"));
+        let staged_mla = StorageNamespace { pp_rank: 0, pp_size: 4, ..mla.clone() };
+        assert_eq!(staged_mla.sglang_file_key(&key), format!("{hash}_deepseek-ai-DeepSeek-V3_4_0"));
         assert_eq!(mla.sglang_mooncake_keys(&key), [format!("{hash}_k")]);
         assert_eq!(mla.sglang_3fs_keys(&key), vec![hash.clone()]);
+        let staged = StorageNamespace { pp_rank: 1, pp_size: 2, ..mha.clone() };
+        assert_eq!(staged.sglang_file_key(&key), format!("{hash}_meta-llama-Llama-3.1-8B_1_2_2_1"));
         let unnamed = StorageNamespace { model: String::new(), ..mha };
         assert_eq!(unnamed.sglang_file_key(&key), format!("{hash}__1_2"));
     }
@@ -237,7 +252,10 @@ mod tests {
         for variant in &variants {
             assert_eq!(
                 base.sglang_file_key(&key) == variant.sglang_file_key(&key),
-                variant.tp_rank == base.tp_rank && variant.tp_size == base.tp_size && variant.model == base.model
+                variant.tp_rank == base.tp_rank
+                    && variant.tp_size == base.tp_size
+                    && variant.pp_size == base.pp_size
+                    && variant.model == base.model
             );
             assert_ne!(
                 base.native_key(&key, ObjectPart::Page),

@@ -1,8 +1,9 @@
 //! The local file storage tier: one file per page, in SGLang's layout or in hicache's checksummed native layout.
 //!
 //! * **SGLang layout** ([`FileFormat::Sglang`]): `{dir}/{hash}_{model}_{tp_rank}_{tp_size}.bin` (MHA) or
-//!   `{dir}/{hash}_{model}.bin` (MLA), `/` in the model replaced by `-`, raw flat page bytes: what SGLang 0.5.2's
-//!   `HiCacheFile` reads and writes (docs/sglang.md#file-backend), so both can share a directory.
+//!   `{dir}/{hash}_{model}.bin` (MLA), `/` in the model replaced by `-`, with `_{pp_size}_{pp_rank}` after either
+//!   when there are pipeline stages, raw flat page bytes: what SGLang's `HiCacheFile` reads and writes
+//!   (docs/sglang.md#file-backend), so both can share a directory.
 //! * **Native layout** ([`FileFormat::Native`]): `{dir}/hicache-v1/{namespace digest}/{first two hex}/{hash}.page`,
 //!   the page bytes followed by a footer (magic, version, XXH3-64 of the namespace digest, the key and the page; 16
 //!   bytes, or a 4 KiB block for pages of whole 4 KiB blocks, so that `O_DIRECT` can read and write the file). The
@@ -141,15 +142,12 @@ impl FileStorage {
     /// be created for the `O_DIRECT` probe.
     pub fn open(config: FileConfig, namespace: &StorageNamespace) -> Result<Self, Error> {
         let namespace = namespace.clone().validated()?;
-        let model = namespace.file_name_model()?;
+        // the model goes into file names: checked here
+        namespace.file_name_model()?;
         if config.io_threads == 0 {
             return Err(Error::InvalidArgument { field: "io_threads", reason: "must be at least 1".into() });
         }
-        let sglang_suffix = if namespace.geometry.is_mla() {
-            model
-        } else {
-            format!("{model}_{}_{}", namespace.tp_rank, namespace.tp_size)
-        };
+        let sglang_suffix = namespace.sglang_file_suffix();
         let digest = namespace.digest();
         let root = match config.format {
             FileFormat::Sglang => config.dir.clone(),
