@@ -17,6 +17,7 @@ use hicache_core::storage::{GetOutcome, MemoryStorage, PageSegments, PageSegment
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::{PyList, PyString};
 use serde::Deserialize;
 
 use crate::config::{ConfigError, FileSettings, Settings, Tier};
@@ -235,7 +236,7 @@ impl Backend {
     }
 
     /// How many of `keys`, from the first, are stored.
-    fn batch_exists(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<usize> {
+    fn batch_exists(&self, py: Python<'_>, keys: &Bound<'_, PyList>) -> PyResult<usize> {
         guard::run(|| {
             let open = self.current()?;
             let keys = parse_keys(&keys)?;
@@ -246,7 +247,13 @@ impl Backend {
     /// Reads pages into the host pool: `keys[i]` into the slots `indices[i × page_size ..][.. page_size]`, where
     /// `indices` is a contiguous int64 tensor of `length` elements at `address` (SGLang's `host_indices`). True for
     /// each page read whole.
-    fn batch_get(&self, py: Python<'_>, keys: Vec<String>, address: usize, length: usize) -> PyResult<Vec<bool>> {
+    fn batch_get(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyList>,
+        address: usize,
+        length: usize,
+    ) -> PyResult<Vec<bool>> {
         guard::run(|| {
             let open = self.current()?;
             let parsed = parse_keys(&keys)?;
@@ -277,7 +284,13 @@ impl Backend {
 
     /// Writes pages from the host pool (`keys[i]` from the slots of page `i` of `indices`, as `batch_get`). True for
     /// each page stored (or already stored). A rank that is not the writer stores nothing and answers True.
-    fn batch_set(&self, py: Python<'_>, keys: Vec<String>, address: usize, length: usize) -> PyResult<Vec<bool>> {
+    fn batch_set(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyList>,
+        address: usize,
+        length: usize,
+    ) -> PyResult<Vec<bool>> {
         guard::run(|| {
             let open = self.current()?;
             let parsed = parse_keys(&keys)?;
@@ -307,7 +320,7 @@ impl Backend {
     fn get_into(
         &self,
         py: Python<'_>,
-        keys: Vec<String>,
+        keys: &Bound<'_, PyList>,
         addresses: Vec<usize>,
         lengths: Vec<usize>,
     ) -> PyResult<Vec<bool>> {
@@ -330,7 +343,7 @@ impl Backend {
     fn set_from(
         &self,
         py: Python<'_>,
-        keys: Vec<String>,
+        keys: &Bound<'_, PyList>,
         addresses: Vec<usize>,
         lengths: Vec<usize>,
     ) -> PyResult<Vec<bool>> {
@@ -388,11 +401,15 @@ impl Backend {
     }
 }
 
-fn parse_keys(keys: &[String]) -> PyResult<Vec<PageKey>> {
+/// The page keys of a list of hex strings, read in place (no copy of the strings).
+fn parse_keys(keys: &Bound<'_, PyList>) -> PyResult<Vec<PageKey>> {
     keys.iter()
         .enumerate()
         .map(|(at, key)| {
-            PageKey::from_str(key).map_err(|error| PyValueError::new_err(format!("hicache: keys[{at}]: {error}")))
+            let bad = |reason: String| PyValueError::new_err(format!("hicache: keys[{at}]: {reason}"));
+            let key = key.cast_into::<PyString>().map_err(|_| bad("not a str".into()))?;
+            let text = key.to_str().map_err(|error| bad(error.to_string()))?;
+            PageKey::from_str(text).map_err(|error| bad(error.to_string()))
         })
         .collect()
 }
