@@ -239,7 +239,7 @@ impl Backend {
     fn batch_exists(&self, py: Python<'_>, keys: &Bound<'_, PyList>) -> PyResult<usize> {
         guard::run(|| {
             let open = self.current()?;
-            let keys = parse_keys(&keys)?;
+            let keys = parse_keys(keys)?;
             py.detach(|| open.storage.batch_exists(&keys)).map_err(guard::to_py)
         })
     }
@@ -256,7 +256,7 @@ impl Backend {
     ) -> PyResult<Vec<bool>> {
         guard::run(|| {
             let open = self.current()?;
-            let parsed = parse_keys(&keys)?;
+            let parsed = parse_keys(keys)?;
             // SAFETY: the caller's contract (module docs): a live contiguous int64 tensor of `length` elements.
             let indices = unsafe { read_indices(address, length) };
             let pages = open.pool.pages_of(&indices, keys.len()).map_err(host_indices_error)?;
@@ -293,7 +293,7 @@ impl Backend {
     ) -> PyResult<Vec<bool>> {
         guard::run(|| {
             let open = self.current()?;
-            let parsed = parse_keys(&keys)?;
+            let parsed = parse_keys(keys)?;
             // SAFETY: as in `batch_get`.
             let indices = unsafe { read_indices(address, length) };
             let pages = open.pool.pages_of(&indices, keys.len()).map_err(host_indices_error)?;
@@ -326,7 +326,7 @@ impl Backend {
     ) -> PyResult<Vec<bool>> {
         guard::run(|| {
             let open = self.current()?;
-            let parsed = parse_keys(&keys)?;
+            let parsed = parse_keys(keys)?;
             check_buffers(keys.len(), &addresses, &lengths)?;
             let mut destinations: Vec<PageSegmentsMut<'_>> = addresses
                 .iter()
@@ -349,7 +349,7 @@ impl Backend {
     ) -> PyResult<Vec<bool>> {
         guard::run(|| {
             let open = self.current()?;
-            let parsed = parse_keys(&keys)?;
+            let parsed = parse_keys(keys)?;
             check_buffers(keys.len(), &addresses, &lengths)?;
             if !self.writer {
                 return Ok(vec![true; keys.len()]);
