@@ -55,7 +55,7 @@ fn run(args: &[String]) -> anyhow::Result<()> {
             Ok(())
         }
         Some("wheel") => python::wheel_command(),
-        Some("sglang") => python::test_command(&args[1..]),
+        Some("sglang") => python::test(&args[1..], &[]),
         Some("nvrtc") => {
             let dir = nvrtc::prepare()?;
             println!("{}", dir.display());
@@ -164,6 +164,8 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
             ("HICACHE_MOONCAKE_MASTER_BIN", mooncake_master),
         ],
     )?;
+    // the Python package, built as a wheel and tested with SGLang's own code (torch and SGLang from PyPI)
+    python::test(&[], &[])?;
     // NIXL's own advice: one test at a time (each test still runs concurrent calls into one backend)
     run_program("cargo", &["test", "-p", "hicache-storage-nixl", "--locked", "--", "--test-threads=1"], &nixl_env)?;
     // the lock-free state machines, model-checked

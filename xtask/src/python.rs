@@ -52,13 +52,8 @@ pub(crate) fn wheel_command() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `cargo xtask sglang [-- UNITTEST ARGS]`: builds and installs the wheel into the SGLang environment, then runs the
-/// package's tests (`hicache-py/tests`) there.
-pub(crate) fn test_command(args: &[String]) -> anyhow::Result<()> {
-    test(args, &[])
-}
-
-/// Builds and installs the wheel, then runs the tests with `env` added.
+/// `cargo xtask sglang [UNITTEST ARGS]` (and `ci`): builds and installs the wheel into the SGLang environment, then
+/// runs the package's tests (`hicache-py/tests`) there with `args` added, and `env`.
 pub(crate) fn test(args: &[String], env: &[(&str, &str)]) -> anyhow::Result<()> {
     let venv = venv(true)?;
     let wheel = build_wheel(&venv)?;
