@@ -2,6 +2,7 @@
 //! storage under every write policy, prefetches that reserve only the hit, the three stop policies, releases applied
 //! exactly once, and reset as a quiesce. Bytes are checked against a reference built from the device pool here.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -233,6 +234,8 @@ fn short_requests_and_a_full_capacity_are_refused_before_any_query() {
 struct Gate {
     allowed: Mutex<usize>,
     opened: Condvar,
+    /// Callers waiting at the gate now.
+    waiting: AtomicUsize,
 }
 
 impl Gate {
@@ -243,10 +246,21 @@ impl Gate {
 
     fn pass(&self) {
         let mut allowed = self.allowed.lock().unwrap();
+        self.waiting.fetch_add(1, Ordering::SeqCst);
         while *allowed == 0 {
             allowed = self.opened.wait(allowed).unwrap();
         }
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
         *allowed -= 1;
+    }
+
+    /// Waits (real time, bounded) until a caller waits at the gate.
+    fn await_caller(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while self.waiting.load(Ordering::SeqCst) == 0 {
+            assert!(std::time::Instant::now() < deadline, "no call reached the gate");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }
 
@@ -665,6 +679,10 @@ fn a_stuck_read_or_query_costs_the_read_deadline_under_every_policy() {
         let _open = OpenGates(gated.clone());
         rig.prefetch("r", &prompt, None).unwrap();
         tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(2 * PAGE));
+        if stuck == "read" {
+            // the next read batch is in flight, stuck (on a loaded machine the I/O thread may not have started it)
+            gated.gets.await_caller();
+        }
         // progress is seen at ticks: the deadline counts from the tick that saw the last change
         for _ in 0..3 {
             assert!(rig.tick(&mut SingleRank).unwrap().prefetches.is_empty(), "{what}");

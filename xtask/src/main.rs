@@ -164,8 +164,12 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
             ("HICACHE_MOONCAKE_MASTER_BIN", mooncake_master),
         ],
     )?;
-    // the Python package, built as a wheel and tested with SGLang's own code (torch and SGLang from PyPI)
-    python::test(&[], &[])?;
+    // the Python package, built as a wheel and tested with SGLang's own code (torch and SGLang from PyPI), and
+    // through it the Mooncake tier against a real master
+    python::test(
+        &[],
+        &[("MOONCAKE_STORE_LIBRARY", mooncake_library), ("HICACHE_MOONCAKE_MASTER_BIN", mooncake_master)],
+    )?;
     // NIXL's own advice: one test at a time (each test still runs concurrent calls into one backend)
     run_program("cargo", &["test", "-p", "hicache-storage-nixl", "--locked", "--", "--test-threads=1"], &nixl_env)?;
     // the lock-free state machines, model-checked

@@ -1,0 +1,143 @@
+"""The Mooncake tier through the package: a real `mooncake_master` on loopback, SGLang's host pools, SGLang's keys.
+
+Needs what `cargo xtask mooncake` unpacks under `target/mooncake/` (`cargo xtask ci` passes the paths in
+`HICACHE_MOONCAKE_MASTER_BIN` and `MOONCAKE_STORE_LIBRARY`). Without them the tests are skipped, visibly; under
+`CI=true` they fail instead.
+"""
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+import unittest
+
+import support
+import torch
+
+from hicache.sglang import HiCacheStorage
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+UNPACKED = os.path.join(ROOT, "target", "mooncake")
+MASTER = os.environ.get("HICACHE_MOONCAKE_MASTER_BIN") or os.path.join(UNPACKED, "official/lib/mooncake/mooncake_master")
+LIBRARY = os.environ.get("MOONCAKE_STORE_LIBRARY") or os.path.join(UNPACKED, "store/lib/mooncake/libmooncake_store.so")
+SHIM = os.path.join(UNPACKED, "no-device-cuda-shim", "libcuda.so.1")
+
+
+def setUpModule():
+    missing = [path for path in (MASTER, LIBRARY) if not os.path.isfile(path)]
+    if missing:
+        message = f"Mooncake is not unpacked ({', '.join(missing)}): run `cargo xtask mooncake`"
+        if os.environ.get("CI") == "true":
+            raise RuntimeError(message)
+        raise unittest.SkipTest(message)
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        # no CUDA driver here: the store library's need for libcuda.so.1 is met by the no-device stand-in
+        ctypes.CDLL(SHIM, mode=ctypes.RTLD_GLOBAL)
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def die_with_parent():
+    # the master is killed when this process ends, even without tearDown
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Master:
+    """`mooncake_master` on loopback ports, stopped by its PID."""
+
+    def __init__(self):
+        for _ in range(5):
+            self.port = free_port()
+            self.process = subprocess.Popen(
+                [MASTER, f"--rpc_port={self.port}", f"--metrics_port={free_port()}", "--rpc_address=127.0.0.1",
+                 "--metrics_host=127.0.0.1"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                preexec_fn=die_with_parent,
+            )
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and self.process.poll() is None:
+                try:
+                    socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                    return
+                except OSError:
+                    time.sleep(0.02)
+            self.stop()
+        raise RuntimeError("mooncake_master did not come up")
+
+    def stop(self):
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+class MooncakeTier(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.master = Master()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.master.stop()
+
+    def extra(self, **more):
+        return {
+            **support.MODULE,
+            "backend": "mooncake",
+            "master_server_address": f"127.0.0.1:{self.master.port}",
+            "local_hostname": "127.0.0.1",
+            "protocol": "tcp",
+            "global_segment_size": "256mb",
+            "local_buffer_size": "16mb",
+            "library": LIBRARY,
+            **more,
+        }
+
+    def test_pages_round_trip_under_each_key_scheme(self):
+        generator = torch.Generator().manual_seed(torch.seed())
+        for scheme in ({"key_scheme": "native"}, {"key_scheme": "sglang"}, {"key_scheme": "sglang", "sglang_release": "0.5.2"}):
+            for name, pool, mla in (("mha", support.mha_pool("page_first"), False), ("mla", support.mla_pool("page_first"), True)):
+                with self.subTest(scheme=scheme, pool=name):
+                    backend = HiCacheStorage(support.storage_config(self.extra(**scheme), mla=mla), {})
+                    backend.register_mem_pool_host(pool)
+                    support.randomize(pool, int(torch.randint(0, 2**31, (1,), generator=generator)))
+                    keys = support.random_keys(5, generator)
+                    sources, targets = [1, 3, 5, 7, 9], [20, 21, 22, 23, 24, 25]
+                    expected = [pool.get_data_page(page * pool.page_size).clone() for page in sources]
+                    self.assertEqual(backend.batch_set_v1(keys, support.page_indices(sources, pool.page_size)), [True] * 5)
+                    missing = support.random_keys(1, generator)
+                    asked = keys[:2] + missing + keys[2:]
+                    self.assertEqual(backend.batch_exists(asked), 2)
+                    pool.kv_buffer.zero_()
+                    got = backend.batch_get_v1(asked, support.page_indices(targets, pool.page_size))
+                    self.assertEqual(got, [True, True, False, True, True, True])
+                    for page, want in zip(targets[:2] + targets[3:], expected):
+                        self.assertTrue(support.same_bytes(pool.get_data_page(page * pool.page_size), want))
+                    self.assertEqual(backend.hicache_stats()["staging_bytes"], 0)  # page-first: straight from the pool
+                    backend.clear()
+                    self.assertEqual(backend.batch_exists(keys), 0)
+                    backend.close()
+
+    def test_a_master_that_is_not_there_is_an_error_at_registration(self):
+        backend = HiCacheStorage(
+            support.storage_config(self.extra(master_server_address=f"127.0.0.1:{free_port()}")), {}
+        )
+        with self.assertRaises(OSError):
+            backend.register_mem_pool_host(support.mha_pool("page_first"))
+
+    def test_a_bad_mooncake_key_is_named_at_construction(self):
+        with self.assertRaisesRegex(ValueError, "protocl"):
+            HiCacheStorage(support.storage_config(self.extra(protocl="tcp")), {})
+
+
+if __name__ == "__main__":
+    unittest.main()
