@@ -170,6 +170,8 @@ impl NixlStorage {
         std::fs::create_dir_all(&config.dir)
             .map_err(|error| storage(format!("creating {}: {error}", config.dir.display())))?;
         let agent = NixlAgent::new(&config.plugin, &config.plugin_params)?;
+        // SGLang's file names; with pipeline stages they carry the stage, which SGLang's own NIXL backend leaves out
+        // (its stages overwrite each other's pages), so only single-stage deployments share pages with it
         let probe = PageKey::from_bytes([0; 32]);
         let suffix = namespace.sglang_file_key(&probe)[probe.to_string().len()..].to_owned();
         tracing::debug!(plugin = agent.plugin(), dir = %config.dir.display(), "nixl backend open");
