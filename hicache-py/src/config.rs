@@ -24,17 +24,18 @@ use serde_json::{Map, Value};
 
 /// A bad extra config, naming the key.
 #[derive(Debug)]
-pub(crate) struct ConfigError {
+pub struct ConfigError {
     /// The key (`pool.head_num` for nested ones).
-    pub(crate) key: String,
+    pub key: String,
     /// What is wrong and what is expected.
-    pub(crate) reason: String,
+    pub reason: String,
     /// The value has the wrong type (raised as `TypeError`; else `ValueError`).
-    pub(crate) wrong_type: bool,
+    pub wrong_type: bool,
 }
 
 impl ConfigError {
-    pub(crate) fn value(key: impl Into<String>, reason: impl Into<String>) -> Self {
+    /// An error of the value of `key` (not of its type).
+    pub fn value(key: impl Into<String>, reason: impl Into<String>) -> Self {
         Self { key: key.into(), reason: reason.into(), wrong_type: false }
     }
 }
@@ -60,7 +61,7 @@ const SGLANG_KEYS: [&str; 9] = [
 
 /// The storage tier and its settings.
 #[derive(Debug)]
-pub(crate) enum Tier {
+pub enum Tier {
     /// In this process's memory.
     Memory,
     /// Local (or shared) files.
@@ -70,39 +71,47 @@ pub(crate) enum Tier {
 }
 
 impl Tier {
-    pub(crate) const NAMES: &'static str = "file, memory, mooncake";
+    /// The tiers by name, for messages.
+    pub const NAMES: &'static str = "file, memory, mooncake";
 }
 
 /// The file tier's settings.
 #[derive(Debug)]
-pub(crate) struct FileSettings {
-    pub(crate) dir: PathBuf,
+pub struct FileSettings {
+    /// The directory of the pages.
+    pub dir: PathBuf,
     /// SGLang's file names and raw bytes instead of hicache's native pages.
-    pub(crate) sglang_format: bool,
-    pub(crate) capacity_bytes: Option<u64>,
-    pub(crate) io_threads: Option<usize>,
-    pub(crate) direct_io: bool,
+    pub sglang_format: bool,
+    /// Bytes of pages the namespace may keep in the directory.
+    pub capacity_bytes: Option<u64>,
+    /// Threads per batch; the tier's default when `None`.
+    pub io_threads: Option<usize>,
+    /// `O_DIRECT` reads and writes where the memory is aligned.
+    pub direct_io: bool,
 }
 
 /// What the registered host pool must be; each field checked when given.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct PoolExpectation {
-    pub(crate) page_size: Option<usize>,
-    pub(crate) layout: Option<String>,
-    pub(crate) dtype: Option<String>,
-    pub(crate) layer_num: Option<usize>,
-    pub(crate) head_num: Option<usize>,
-    pub(crate) head_dim: Option<usize>,
-    pub(crate) kv_lora_rank: Option<usize>,
-    pub(crate) qk_rope_head_dim: Option<usize>,
+#[expect(missing_docs, reason = "SGLang's host pool attributes of the same names")]
+pub struct PoolExpectation {
+    pub page_size: Option<usize>,
+    pub layout: Option<String>,
+    pub dtype: Option<String>,
+    pub layer_num: Option<usize>,
+    pub head_num: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub kv_lora_rank: Option<usize>,
+    pub qk_rope_head_dim: Option<usize>,
 }
 
 /// Everything the extra config says.
 #[derive(Debug)]
-pub(crate) struct Settings {
-    pub(crate) tier: Tier,
-    pub(crate) pool: PoolExpectation,
+pub struct Settings {
+    /// The storage tier and its settings.
+    pub tier: Tier,
+    /// What the host pool must be.
+    pub pool: PoolExpectation,
 }
 
 impl Settings {
@@ -111,7 +120,7 @@ impl Settings {
     /// # Errors
     ///
     /// [`ConfigError`] naming the key: unknown, of the wrong type, or out of its domain.
-    pub(crate) fn parse(json: &str) -> Result<Self, ConfigError> {
+    pub fn parse(json: &str) -> Result<Self, ConfigError> {
         let value: Value = serde_json::from_str(json)
             .map_err(|error| ConfigError::value("extra_config", format!("not JSON: {error}")))?;
         let mut fields = match value {
@@ -211,5 +220,61 @@ fn take<T: DeserializeOwned>(fields: &mut Map<String, Value>, key: &str) -> Resu
                 ConfigError { key, wrong_type: reason.starts_with("invalid type"), reason }
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error(json: &str) -> String {
+        Settings::parse(json).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn every_key_of_the_file_tier_is_read() {
+        let settings = Settings::parse(
+            r#"{"backend_name": "hicache", "module_path": "hicache.sglang", "class_name": "HiCacheStorage",
+                "interface_v1": 1, "backend": "file", "dir": "/data/kv", "format": "sglang", "capacity": "2gb",
+                "io_threads": 3, "direct_io": true, "pool": {"page_size": 64, "layout": "page_first"}}"#,
+        )
+        .unwrap();
+        let Tier::File(file) = settings.tier else { panic!("a file tier") };
+        assert_eq!(file.dir, PathBuf::from("/data/kv"));
+        assert!(file.sglang_format && file.direct_io);
+        assert_eq!((file.capacity_bytes, file.io_threads), (Some(2 << 30), Some(3)));
+        assert_eq!((settings.pool.page_size, settings.pool.layout.as_deref()), (Some(64), Some("page_first")));
+        let Tier::File(file) = Settings::parse(r#"{"dir": "/d", "capacity": 4096}"#).unwrap().tier else { panic!() };
+        assert_eq!((file.sglang_format, file.capacity_bytes), (false, Some(4096)));
+    }
+
+    #[test]
+    fn mooncake_keys_go_to_the_mooncake_tier_and_the_memory_tier_takes_none() {
+        let settings =
+            Settings::parse(r#"{"backend": "mooncake", "master_server_address": "10.0.0.1:50051"}"#).unwrap();
+        let Tier::Mooncake(fields) = settings.tier else { panic!("a Mooncake tier") };
+        assert_eq!(fields, serde_json::json!({"master_server_address": "10.0.0.1:50051"}));
+        assert!(matches!(Settings::parse("null").unwrap().tier, Tier::File(_)));
+        assert!(error(r#"{"backend": "memory", "dir": "/d"}"#).starts_with("hicache extra_config key `dir`: unknown"));
+    }
+
+    #[test]
+    fn errors_name_the_key_and_say_whether_it_is_the_type() {
+        let wrong_type = |json: &str| Settings::parse(json).unwrap_err().wrong_type;
+        assert!(error(r#"{"backend": "s3"}"#).contains("key `backend`: \"s3\" is not"));
+        assert!(error(r#"{"capacty": 1}"#).contains("key `capacty`: unknown key for the file backend"));
+        assert!(error(r#"{"format": "zip"}"#).contains("key `format`"));
+        assert!(error(r#"{"capacity": "1 parsec"}"#).contains("key `capacity`"));
+        assert!(error(r#"{"io_threads": 0}"#).contains("key `io_threads`: must be at least 1"));
+        assert!(error(r#"{"pool": {"head_num": "8"}}"#).contains("key `pool.head_num`"));
+        assert!(
+            error(r#"{"pool": {"heads": 8}}"#).contains("key `pool.heads`: unknown field `heads`"),
+            "{}",
+            error(r#"{"pool": {"heads": 8}}"#)
+        );
+        assert!(error("[1]").contains("key `extra_config`: must be an object"));
+        assert!(error("{").contains("key `extra_config`: not JSON"));
+        assert!(wrong_type(r#"{"io_threads": "4"}"#) && wrong_type(r#"{"capacity": [1]}"#) && wrong_type("[1]"));
+        assert!(!wrong_type(r#"{"io_threads": 0}"#) && !wrong_type(r#"{"backend": "s3"}"#));
     }
 }

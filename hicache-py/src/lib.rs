@@ -1,18 +1,28 @@
 //! The native part of the `hicache` Python package (`hicache._native`): SGLang's page keys, and storage backends over
 //! hicache's tiers that SGLang's HiCache controller drives through `hicache.sglang.HiCacheStorage`.
 //!
-//! No Rust panic reaches Python as `PanicException` (every entry point runs in [`guard::run`]), and page bytes move
+//! No Rust panic reaches Python as `PanicException` (every entry point runs in `guard::run`), and page bytes move
 //! with the GIL released.
+//!
+//! Without the `python` feature only the parts that need no Python are built ([`config`], and the host pool's byte
+//! map): for Rust tests and the fuzz targets, which have no Python to link.
 
-mod backend;
-mod config;
-mod guard;
-mod keys;
+pub mod config;
+#[cfg_attr(all(not(feature = "python"), not(test)), expect(dead_code, reason = "used by the Python module"))]
 mod pool;
 
+#[cfg(feature = "python")]
+mod backend;
+#[cfg(feature = "python")]
+mod guard;
+#[cfg(feature = "python")]
+mod keys;
+
+#[cfg(feature = "python")]
 use pyo3::prelude::*;
 
 /// The module `hicache._native`.
+#[cfg(feature = "python")]
 #[pymodule]
 fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -26,6 +36,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// The storage tiers compiled in.
+#[cfg(feature = "python")]
 fn backends() -> Vec<&'static str> {
     let mut names = vec!["file", "memory"];
     if cfg!(feature = "mooncake") {
@@ -35,6 +46,7 @@ fn backends() -> Vec<&'static str> {
 }
 
 /// Panics inside the guard every entry point uses, so a test can see the panic arrive as `RuntimeError`.
+#[cfg(feature = "python")]
 #[pyfunction]
 fn panic_is_caught() -> PyResult<()> {
     guard::run(|| panic!("raised on purpose by hicache._native.panic_is_caught"))

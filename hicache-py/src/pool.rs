@@ -203,3 +203,103 @@ fn check_expectation(pool: &PoolDescription, expect: &PoolExpectation) -> Result
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn description(page_size: usize, pages: usize) -> PoolDescription {
+        PoolDescription {
+            kind: "mha".into(),
+            layout: "page_first".into(),
+            dtype: "bfloat16".into(),
+            itemsize: 2,
+            layer_num: 2,
+            page_size,
+            size: page_size * pages,
+            head_num: Some(2),
+            head_dim: Some(8),
+            v_head_dim: Some(8),
+            kv_lora_rank: None,
+            qk_rope_head_dim: None,
+            kv_cache_dim: None,
+            address: 1 << 20,
+            // 2 parts × 2 layers × 2 heads × 8 dims × 2 bytes per token
+            nbytes: page_size * pages * 128,
+        }
+    }
+
+    /// What `pages_of` must answer, written the plain way.
+    fn reference(indices: &[i64], count: usize, page_size: usize, tokens: usize) -> Option<Vec<usize>> {
+        if indices.len() != count * page_size {
+            return None;
+        }
+        let mut pages = Vec::new();
+        for chunk in indices.chunks(page_size) {
+            let first = chunk[0];
+            if first < 0 || !(first as usize).is_multiple_of(page_size) || first as usize + page_size > tokens {
+                return None;
+            }
+            if chunk.iter().enumerate().any(|(at, &slot)| slot != first + at as i64) {
+                return None;
+            }
+            pages.push(first as usize / page_size);
+        }
+        Some(pages)
+    }
+
+    proptest! {
+        #[test]
+        fn pages_of_accepts_exactly_whole_aligned_pages(
+            page_size in 1usize..6,
+            pages in 1usize..12,
+            chosen in proptest::collection::vec(0usize..14, 0..5),
+            damage in proptest::option::of((0usize..30, -3i64..4)),
+        ) {
+            let pool = HostPool::new(&description(page_size, pages), &PoolExpectation::default()).unwrap();
+            let mut indices: Vec<i64> = chosen
+                .iter()
+                .flat_map(|&page| (0..page_size).map(move |slot| (page * page_size + slot) as i64))
+                .collect();
+            if let Some((at, delta)) = damage
+                && !indices.is_empty()
+            {
+                let at = at % indices.len();
+                indices[at] += delta;
+            }
+            let expected = reference(&indices, chosen.len(), page_size, page_size * pages);
+            prop_assert_eq!(pool.pages_of(&indices, chosen.len()).ok(), expected);
+        }
+    }
+
+    #[test]
+    fn segments_are_the_layout_maps() {
+        let pool = HostPool::new(&description(4, 8), &PoolExpectation::default()).unwrap();
+        // page_first: K of page 3 at slot 12, V after all K slots
+        let segments: Vec<(usize, usize)> = pool.segments(3).collect();
+        let token = 2 * 2 * 8 * 2; // one part of one token: layers × heads × dims × bytes
+        assert_eq!(segments, [((1 << 20) + 12 * token, 4 * token), ((1 << 20) + (32 + 12) * token, 4 * token)]);
+    }
+
+    #[test]
+    fn pools_that_cannot_be_served_name_the_attribute() {
+        let error = |change: fn(&mut PoolDescription)| {
+            let mut pool = description(4, 8);
+            change(&mut pool);
+            HostPool::new(&pool, &PoolExpectation::default()).unwrap_err().to_string()
+        };
+        assert!(error(|pool| pool.itemsize = 4).contains("`host pool dtype`"));
+        assert!(error(|pool| pool.dtype = "int32".into()).contains("`host pool dtype`"));
+        assert!(error(|pool| pool.layout = "page_head".into()).contains("`host pool layout`"));
+        assert!(error(|pool| pool.v_head_dim = Some(16)).contains("`host pool v_head_dim`"));
+        assert!(error(|pool| pool.nbytes += 1).contains("`host pool kv_buffer`"));
+        assert!(error(|pool| pool.size += 1).contains("`host pool size`"));
+        assert!(error(|pool| pool.head_num = None).contains("`host pool head_num`: missing"));
+        assert!(error(|pool| pool.kind = "mamba".into()).contains("`host pool kind`"));
+        let expect = PoolExpectation { head_dim: Some(128), ..PoolExpectation::default() };
+        let mismatch = HostPool::new(&description(4, 8), &expect).unwrap_err().to_string();
+        assert_eq!(mismatch, "hicache extra_config key `pool.head_dim`: the host pool has 8, the config says 128");
+    }
+}

@@ -129,12 +129,13 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
     let nixl_dir = nixl_dir.to_str().context("the NIXL library path is not UTF-8")?;
     let nixl_env = [("HICACHE_NIXL_LIB_DIR", nixl_dir)];
     // each feature set: the defaults, every feature, the core library without its test helpers, the CLI without
-    // its backends
-    let feature_sets: [&[&str]; 4] = [
+    // its backends, the Python package's pure parts
+    let feature_sets: [&[&str]; 5] = [
         &["--workspace", "--all-targets"],
         &["--workspace", "--all-targets", "--all-features"],
         &["-p", "hicache-core", "--lib", "--no-default-features"],
         &["-p", "hicache-cli", "--all-targets", "--no-default-features"],
+        &["-p", "hicache-py", "--all-targets", "--no-default-features"],
     ];
     for set in feature_sets {
         let args: Vec<&str> =
@@ -155,7 +156,16 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
     // unit, integration, property and doc tests, and the tidy test (xtask's own tests)
     run_program(
         "cargo",
-        &["test", "--workspace", "--all-features", "--locked", "--exclude", "hicache-storage-nixl"],
+        &[
+            "test",
+            "--workspace",
+            "--all-features",
+            "--locked",
+            "--exclude",
+            "hicache-storage-nixl",
+            "--exclude",
+            "hicache-py",
+        ],
         &[
             nixl_env[0],
             ("LD_LIBRARY_PATH", &library_path),
@@ -164,6 +174,8 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
             ("HICACHE_MOONCAKE_MASTER_BIN", mooncake_master),
         ],
     )?;
+    // the Python package's pure parts (a test binary with the Python module in it would need libpython at run time)
+    run_program("cargo", &["test", "-p", "hicache-py", "--no-default-features", "--locked"], &[])?;
     // the Python package, built as a wheel and tested with SGLang's own code (torch and SGLang from PyPI), and
     // through it the Mooncake tier against a real master
     python::test(
