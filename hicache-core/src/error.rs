@@ -52,6 +52,13 @@ pub enum Error {
         /// What is wrong and the allowed values.
         reason: String,
     },
+    /// A node id that names no node of the tree: its node was removed, or it was handed out before a reset (ids are
+    /// never reused).
+    #[error("node {node} is not in the tree (removed, or from before a reset)")]
+    UnknownNode {
+        /// The id.
+        node: u64,
+    },
     /// A host page was freed while idle, or listed twice in one call.
     #[error("double free of host {page}")]
     DoubleFree {

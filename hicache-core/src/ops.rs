@@ -15,7 +15,9 @@ use crate::sync::{AtomicU64, Ordering};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct OpId(pub u64);
 
-/// Id of a prefix-tree node (the tree assigns them).
+/// Id of a prefix-tree node. The tree assigns them and never reuses one, not even after a reset, so an id of a node
+/// that is gone names no other node: the tree's methods answer it with [`Error::UnknownNode`](crate::Error). The
+/// controller takes them as opaque tags of its operations (an engine driving it directly may use its own).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NodeId(pub u64);
 

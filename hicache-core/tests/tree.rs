@@ -128,7 +128,7 @@ impl Rig {
         let host_hit = loaded.len();
         // as the scheduler does: lock the deepest resident node of what the request uses
         let locked = if loaded.is_empty() { matched.last_device_node } else { matched.last_node };
-        self.tree.inc_lock_ref(locked);
+        self.tree.inc_lock_ref(locked).unwrap();
         if !loaded.is_empty() {
             let consumer = self.tree.start_loading().unwrap();
             self.tree.controller_mut().layers().set_consumer(consumer);
@@ -147,7 +147,7 @@ impl Rig {
                 match self.tree.controller_mut().alloc_device(new_pages) {
                     Some(fresh) => fresh,
                     None => {
-                        self.tree.dec_lock_ref(locked);
+                        self.tree.dec_lock_ref(locked).unwrap();
                         return None;
                     }
                 }
@@ -156,7 +156,7 @@ impl Rig {
         self.fill(tokens, cached, &fresh);
         slots.extend(&fresh);
         self.tree.insert(tokens, &slots).unwrap();
-        self.tree.dec_lock_ref(locked);
+        self.tree.dec_lock_ref(locked).unwrap();
         Some((matched.device_slots.len(), host_hit))
     }
 
@@ -233,7 +233,7 @@ fn write_back_eviction_without_host_room_drops_the_node_instead_of_crashing() {
     let b = tokens(2, 4);
     rig.request(&b);
     let matched = rig.tree.match_prefix(&b);
-    rig.tree.inc_lock_ref(matched.last_node);
+    rig.tree.inc_lock_ref(matched.last_node).unwrap();
     assert_eq!(rig.tree.evict(4 * PAGE).unwrap(), 4 * PAGE, "some node gave its pages up");
     rig.tree.check_invariants().unwrap();
 }
@@ -329,13 +329,39 @@ fn an_aborted_request_gives_its_prefetch_back_and_reset_empties_everything() {
     let b = tokens(2, 3);
     rig.request(&b);
     let matched = rig.tree.match_prefix(&b);
-    rig.tree.inc_lock_ref(matched.last_node);
+    rig.tree.inc_lock_ref(matched.last_node).unwrap();
     rig.tree.reset();
     rig.tree.check_invariants().unwrap();
     assert_eq!((rig.tree.node_count(), rig.tree.device_tokens()), (1, (0, 0)));
     assert_eq!(rig.tree.controller().host().available(), 16);
     // nothing on the device any more (storage may still serve b, if its backup finished before the reset)
     assert_eq!(rig.request(&b).map(|(device, _)| device), Some(0));
+    // a node id from before the reset names no node after it, though the tree has nodes again: an error, not a
+    // panic, and never another node
+    let stale = matched.last_node;
+    let now = rig.tree.match_prefix(&b).last_node;
+    assert_ne!(stale, now, "ids are not reused after a reset");
+    let unknown = format!("node {} is not in the tree (removed, or from before a reset)", stale.0);
+    let protected = rig.tree.device_tokens().1;
+    assert_eq!(rig.tree.inc_lock_ref(stale).unwrap_err().to_string(), unknown);
+    assert_eq!(rig.tree.dec_lock_ref(stale).unwrap_err().to_string(), unknown);
+    assert_eq!(rig.tree.load_back(stale).unwrap_err().to_string(), unknown);
+    assert!(rig.tree.prefetch_from_storage("late", stale, &b).is_err());
+    assert_eq!(rig.tree.last_key(stale), None);
+    assert_eq!(rig.tree.device_tokens().1, protected, "nothing was locked or released by the stale ids");
+    // more releases than locks: refused before anything changes (once b's write to the host is acked, nothing
+    // holds its nodes)
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while rig.tree.device_tokens().1 > 0 {
+        assert!(std::time::Instant::now() < deadline, "b's write was never acked");
+        rig.tick();
+    }
+    assert_eq!(rig.tree.inc_lock_ref(now).unwrap(), b.len());
+    assert_eq!(rig.tree.dec_lock_ref(now).unwrap(), b.len());
+    let error = rig.tree.dec_lock_ref(now).unwrap_err().to_string();
+    assert!(error.starts_with("node: node ") && error.contains("more releases than locks"), "{error}");
+    assert_eq!(rig.tree.device_tokens(), (b.len(), 0), "the refused release changed nothing");
+    rig.tree.check_invariants().unwrap();
 }
 
 #[derive(Clone, Debug)]

@@ -268,7 +268,7 @@ fn run_request<E: ReplayEngine>(
     let matched = tree.match_prefix(prompt);
     let loaded = tree.load_back(matched.last_node)?;
     let locked = if loaded.is_empty() { matched.last_device_node } else { matched.last_node };
-    tree.inc_lock_ref(locked);
+    tree.inc_lock_ref(locked)?;
     let device_hit = matched.device_slots.len();
     let cached = device_hit + loaded.len();
     let new_pages = (sequence.len() - cached).div_ceil(page);
@@ -308,7 +308,7 @@ fn run_request<E: ReplayEngine>(
     record_check(outcome, checked, "device-resident", request);
     checking += check.elapsed();
     let Some(fresh) = fresh else {
-        tree.dec_lock_ref(locked);
+        tree.dec_lock_ref(locked)?;
         return Ok(None);
     };
     // prefill and decode: the KV of every new token, then the whole sequence goes into the tree
@@ -322,7 +322,7 @@ fn run_request<E: ReplayEngine>(
     if slots.len() > aligned {
         tree.controller_mut().free_device(&slots[aligned..])?;
     }
-    tree.dec_lock_ref(locked);
+    tree.dec_lock_ref(locked)?;
     // the run's match, the prefill's pages, and the insert of the whole sequence
     outcome.page_ops += ((cached + fresh.len() + aligned) / page) as u64;
 

@@ -304,7 +304,47 @@ impl<E: TransferEngine> HiRadixTree<E> {
     }
 
     /// Locks `node` and its ancestors against device eviction; returns the resident tokens that became protected.
-    pub fn inc_lock_ref(&mut self, node: NodeId) -> usize {
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownNode`] when `node` is not in the tree (removed, or handed out before a [`reset`](Self::reset)).
+    pub fn inc_lock_ref(&mut self, node: NodeId) -> Result<usize, Error> {
+        self.live(node)?;
+        Ok(self.lock_path(node))
+    }
+
+    /// Releases a lock taken with [`inc_lock_ref`](Self::inc_lock_ref); returns the tokens that became evictable.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownNode`] as [`inc_lock_ref`](Self::inc_lock_ref); [`Error::InvalidArgument`] when a node on the
+    /// path is not locked (more releases than locks). Nothing changes then.
+    pub fn dec_lock_ref(&mut self, node: NodeId) -> Result<usize, Error> {
+        self.live(node)?;
+        let mut current = Some(node);
+        while let Some(id) = current.filter(|&id| id != self.root) {
+            let entry = self.node(id);
+            if entry.lock_ref == 0 {
+                return Err(Error::InvalidArgument {
+                    field: "node",
+                    reason: format!(
+                        "node {} on the path of node {} is not locked: more releases than locks",
+                        id.0, node.0
+                    ),
+                });
+            }
+            current = entry.parent;
+        }
+        Ok(self.unlock_path(node))
+    }
+
+    /// Whether `node` is in the tree.
+    pub(crate) fn live(&self, node: NodeId) -> Result<(), Error> {
+        if self.nodes.contains_key(&node) { Ok(()) } else { Err(Error::UnknownNode { node: node.0 }) }
+    }
+
+    /// [`inc_lock_ref`](Self::inc_lock_ref) of a node known to be live.
+    pub(crate) fn lock_path(&mut self, node: NodeId) -> usize {
         let mut delta = 0;
         let mut current = Some(node);
         while let Some(id) = current {
@@ -323,12 +363,12 @@ impl<E: TransferEngine> HiRadixTree<E> {
         delta
     }
 
-    /// Releases a lock taken with [`inc_lock_ref`](Self::inc_lock_ref); returns the tokens that became evictable.
+    /// [`dec_lock_ref`](Self::dec_lock_ref) of a node known to be live and locked along its path.
     ///
     /// # Panics
     ///
-    /// When a node on the path is not locked (a caller bug).
-    pub fn dec_lock_ref(&mut self, node: NodeId) -> usize {
+    /// When a node on the path is not locked (a bug of this crate).
+    pub(crate) fn unlock_path(&mut self, node: NodeId) -> usize {
         let mut delta = 0;
         let mut current = Some(node);
         while let Some(id) = current {
@@ -336,7 +376,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
                 break;
             }
             let entry = self.node_mut(id);
-            assert!(entry.lock_ref > 0, "dec_lock_ref of unlocked node {id:?}");
+            assert!(entry.lock_ref > 0, "unlock of unlocked node {id:?}");
             entry.lock_ref -= 1;
             if entry.lock_ref == 0 && !entry.evicted() {
                 delta += entry.key.len();
@@ -465,7 +505,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
         self.node_mut(node).host = Some(pages);
         self.ongoing_writes.insert(node, !write_back);
         if !write_back {
-            self.inc_lock_ref(node);
+            self.lock_path(node);
         }
         Ok(slots.len())
     }
@@ -476,7 +516,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
         self.controller.reset();
         self.nodes.clear();
         self.nodes.insert(self.root, Self::root_node());
-        self.next_id = 1;
+        // ids are never reused, so an id from before the reset names no node after it
         self.clock = 0;
         self.evictable_tokens = 0;
         self.protected_tokens = 0;

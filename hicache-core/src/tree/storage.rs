@@ -48,8 +48,10 @@ impl<E: TransferEngine> HiRadixTree<E> {
     ///
     /// # Errors
     ///
-    /// Controller errors (bugs).
+    /// [`Error::UnknownNode`] when `last_node` is not in the tree (removed, or from before a reset); controller errors
+    /// (bugs).
     pub fn load_back(&mut self, last_node: NodeId) -> Result<Vec<DeviceSlot>, Error> {
+        self.live(last_node)?;
         let mut to_load = Vec::new();
         let mut node = last_node;
         while self.node(node).evicted() {
@@ -65,7 +67,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
         }
         // the ancestor must stay resident, and the nodes to load on the host, while this makes room (a write_back
         // eviction may need host room itself)
-        self.inc_lock_ref(ancestor);
+        self.lock_path(ancestor);
         let mut slots = self.controller.load(&host, last_node, None)?;
         if slots.is_none() {
             to_load.iter().for_each(|id| self.node_mut(*id).host_ref += 1);
@@ -74,7 +76,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
             evicted?;
             slots = self.controller.load(&host, last_node, None)?;
         }
-        self.dec_lock_ref(ancestor);
+        self.unlock_path(ancestor);
         let Some(slots) = slots else { return Ok(Vec::new()) };
         let mut offset = 0;
         for id in &to_load {
@@ -89,7 +91,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
             }
             offset += len;
         }
-        self.inc_lock_ref(last_node);
+        self.lock_path(last_node);
         self.ongoing_loads.insert(last_node, ());
         Ok(slots)
     }
@@ -112,13 +114,15 @@ impl<E: TransferEngine> HiRadixTree<E> {
     ///
     /// # Errors
     ///
-    /// As [`CacheController::prefetch`](crate::controller::CacheController::prefetch).
+    /// [`Error::UnknownNode`] when `last_host_node` is not in the tree; as
+    /// [`CacheController::prefetch`](crate::controller::CacheController::prefetch).
     pub fn prefetch_from_storage(
         &mut self,
         request_id: &str,
         last_host_node: NodeId,
         tokens: &[u32],
     ) -> Result<PrefetchStart, Error> {
+        self.live(last_host_node)?;
         let last_key: Option<PageKey> = self.node(last_host_node).hashes.last().copied();
         let start = self.controller.prefetch(request_id, tokens, last_key)?;
         if let PrefetchStart::Started(_) = start {
@@ -189,7 +193,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
             if let Some(locked) = self.ongoing_writes.remove(id)
                 && locked
             {
-                self.dec_lock_ref(*id);
+                self.unlock_path(*id);
             }
         }
     }
@@ -210,7 +214,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
         for ack in &acks {
             for id in &ack.node_ids {
                 if self.ongoing_loads.remove(id).is_some() {
-                    self.dec_lock_ref(*id);
+                    self.unlock_path(*id);
                 }
             }
         }
