@@ -109,10 +109,11 @@ pub enum Error {
         /// What was asked.
         operation: &'static str,
     },
-    /// A storage call did not finish before its deadline.
-    #[error("storage backend {backend}: {operation} timed out after {waited_ms} ms")]
+    /// A call did not finish before its deadline: a storage call, or a collective some rank never entered.
+    #[error("{backend}: {operation} timed out after {waited_ms} ms")]
     Timeout {
-        /// Backend name.
+        /// What timed out: the storage backend's name, or the collective group (naming the missing ranks where
+        /// known).
         backend: String,
         /// The call.
         operation: &'static str,

@@ -6,11 +6,13 @@
 //! opening a device there is an error that says what is missing. GPU tests are `#[ignore = "needs a CUDA GPU"]`; run
 //! them on a GPU machine with `--include-ignored` (`docs/gpu.md` says how).
 
+mod collective;
 mod device;
 mod engine;
 mod kernels;
 mod sizing;
 
+pub use collective::{Bootstrap, NcclGroup, NcclSettings, nccl_present};
 pub use device::{Device, DeviceBuffer, PinnedBuffer, driver_present, nvrtc_present};
 pub use engine::{
     AutoMinRun, CopyKernel, CudaEngine, CudaTransferEvent, DEFAULT_AUTO_MIN_RUN, LaunchShape, TmaShape, wait_layer_on,
