@@ -138,7 +138,7 @@ impl NcclGroup {
         let id = match &settings.bootstrap {
             Bootstrap::Id(text) => parse_id(text)?,
             Bootstrap::File(path) => {
-                let id = exchange_id(path, rank, started + settings.deadline)?;
+                let id = exchange_id(path, rank, started, settings.deadline)?;
                 mark_arrival(path, rank)?;
                 id
             }
@@ -344,8 +344,13 @@ fn parse_id(text: &str) -> Result<nccl_sys::ncclUniqueId, Error> {
     Ok(nccl_sys::ncclUniqueId { internal })
 }
 
-/// Rank 0 writes a new id to `path` (atomically); the others wait for it until `deadline`.
-fn exchange_id(path: &Path, rank: usize, deadline: Instant) -> Result<nccl_sys::ncclUniqueId, Error> {
+/// Rank 0 writes a new id to `path` (atomically); the others wait for it, at most `deadline` from `started`.
+fn exchange_id(
+    path: &Path,
+    rank: usize,
+    started: Instant,
+    deadline: Duration,
+) -> Result<nccl_sys::ncclUniqueId, Error> {
     let io = |what: &str, error: std::io::Error| Error::Device {
         operation: "share the NCCL id",
         message: format!("{what} {}: {error}", path.display()),
@@ -363,11 +368,11 @@ fn exchange_id(path: &Path, rank: usize, deadline: Instant) -> Result<nccl_sys::
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
             Err(error) => return Err(io("reading", error)),
         }
-        if Instant::now() > deadline {
+        if started.elapsed() > deadline {
             return Err(Error::Timeout {
                 backend: format!("NCCL group at rank {rank} (rank 0 did not write {})", path.display()),
                 operation: "join",
-                waited_ms: 0,
+                waited_ms: deadline.as_millis() as u64,
             });
         }
         std::thread::sleep(Duration::from_millis(10));
