@@ -176,14 +176,8 @@ pub(crate) fn mooncake_config(options: &BackendOptions) -> anyhow::Result<hicach
     use hicache_storage_mooncake::{KeyScheme, MooncakeConfig, SglangRelease};
     let network = &options.network;
     let mut config = match network.extra(options.config_extra.as_ref())? {
-        Some(mut extra) => {
-            // as SGLang: the master from the extra config, else from MOONCAKE_MASTER
-            if extra.get("master_server_address").is_none()
-                && let (Some(fields), Ok(master)) = (extra.as_object_mut(), std::env::var("MOONCAKE_MASTER"))
-            {
-                fields.insert("master_server_address".into(), master.into());
-            }
-            MooncakeConfig::from_json(&extra).map_err(|error| Usage(format!("--extra-config: {error}")))?
+        Some(extra) => {
+            MooncakeConfig::from_extra_config(&extra).map_err(|error| Usage(format!("--extra-config: {error}")))?
         }
         None => MooncakeConfig::from_env().map_err(|error| Usage(error.to_string()))?,
     };

@@ -171,16 +171,10 @@ fn mooncake_config(fields: &serde_json::Value) -> Result<hicache_storage_mooncak
         hicache_core::Error::InvalidConfig { field, reason } => ConfigError::value(field, reason),
         other => ConfigError::value("backend", other.to_string()),
     };
-    let mut fields = fields.clone();
-    let Some(object) = fields.as_object_mut().filter(|object| !object.is_empty()) else {
+    if fields.as_object().is_none_or(|object| object.is_empty()) {
         return MooncakeConfig::from_env().map_err(to_config_error);
-    };
-    if !object.contains_key("master_server_address")
-        && let Ok(master) = std::env::var("MOONCAKE_MASTER")
-    {
-        object.insert("master_server_address".into(), master.into());
     }
-    MooncakeConfig::from_json(&fields).map_err(to_config_error)
+    MooncakeConfig::from_extra_config(fields).map_err(to_config_error)
 }
 
 /// A tier opened over one registered host pool.
@@ -190,6 +184,20 @@ struct Open {
     region: MemoryRegion,
     /// The host pool's buffer tensor.
     _keepalive: Py<PyAny>,
+}
+
+impl Open {
+    /// The pool pages of SGLang's `host_indices` (`length` int64 at `address`) for `count` keys, each checked to be
+    /// one whole, aligned page of the pool.
+    ///
+    /// # Safety
+    ///
+    /// As [`read_indices`].
+    unsafe fn pages(&self, address: usize, length: usize, count: usize) -> PyResult<Vec<usize>> {
+        // SAFETY: the function's contract.
+        let indices = unsafe { read_indices(address, length) };
+        self.pool.pages_of(&indices, count).map_err(host_indices_error)
+    }
 }
 
 impl Drop for Open {
@@ -258,8 +266,7 @@ impl Backend {
             let open = self.current()?;
             let parsed = parse_keys(keys)?;
             // SAFETY: the caller's contract (module docs): a live contiguous int64 tensor of `length` elements.
-            let indices = unsafe { read_indices(address, length) };
-            let pages = open.pool.pages_of(&indices, keys.len()).map_err(host_indices_error)?;
+            let pages = unsafe { open.pages(address, length, keys.len()) }?;
             let mut sorted = pages.clone();
             sorted.sort_unstable();
             if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
@@ -295,8 +302,7 @@ impl Backend {
             let open = self.current()?;
             let parsed = parse_keys(keys)?;
             // SAFETY: as in `batch_get`.
-            let indices = unsafe { read_indices(address, length) };
-            let pages = open.pool.pages_of(&indices, keys.len()).map_err(host_indices_error)?;
+            let pages = unsafe { open.pages(address, length, keys.len()) }?;
             if !self.writer {
                 return Ok(vec![true; keys.len()]);
             }
@@ -371,8 +377,7 @@ impl Backend {
         guard::run(|| {
             let open = self.current()?;
             // SAFETY: as in `batch_get`.
-            let indices = unsafe { read_indices(address, length) };
-            let pages = open.pool.pages_of(&indices, pages).map_err(host_indices_error)?;
+            let pages = unsafe { open.pages(address, length, pages) }?;
             Ok(pages.iter().flat_map(|&page| open.pool.segments(page).collect::<Vec<_>>()).collect())
         })
     }

@@ -128,6 +128,23 @@ impl MooncakeConfig {
         config.validated().map_err(|error| rename_field(error, "MOONCAKE_PROTOCOL"))
     }
 
+    /// From SGLang's extra config as its Mooncake backend reads it: [`from_json`](Self::from_json), with the master
+    /// from `MOONCAKE_MASTER` when the object names none.
+    ///
+    /// # Errors
+    ///
+    /// As [`from_json`](Self::from_json).
+    pub fn from_extra_config(value: &serde_json::Value) -> Result<Self, Error> {
+        let mut value = value.clone();
+        if let Some(fields) = value.as_object_mut()
+            && !fields.contains_key("master_server_address")
+            && let Ok(master) = std::env::var("MOONCAKE_MASTER")
+        {
+            fields.insert("master_server_address".into(), master.into());
+        }
+        Self::from_json(&value)
+    }
+
     /// From a JSON object with SGLang's names (`master_server_address` required; `local_hostname`,
     /// `metadata_server`, `global_segment_size`, `local_buffer_size`, `protocol`, `device_name`; sizes as bytes or
     /// text such as `"4gb"`) and hicache's (`replica_num`, `key_scheme`: `native` or `sglang`, `sglang_release`:
