@@ -3,6 +3,7 @@
 //!
 //! Commands are run with argument arrays, never through a shell. Under `CI=true` a step that cannot run fails.
 
+mod bindgen;
 mod fuzz;
 mod mooncake;
 mod nixl;
@@ -18,7 +19,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
-const USAGE: &str = "usage: cargo xtask ci [--no-fuzz] | cargo xtask fuzz [--seconds N] [TARGET...] | cargo xtask mooncake [--port N] | cargo xtask nixl | cargo xtask nvrtc | cargo xtask wheel | cargo xtask sglang [UNITTEST ARGS]";
+const USAGE: &str = "usage: cargo xtask ci [--no-fuzz] | cargo xtask fuzz [--seconds N] [TARGET...] | cargo xtask mooncake [--port N] | cargo xtask nixl | cargo xtask nvrtc | cargo xtask bindgen [--check] | cargo xtask wheel | cargo xtask sglang [UNITTEST ARGS]";
 
 fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -27,7 +28,7 @@ fn main() -> std::process::ExitCode {
             println!("{USAGE}");
             return std::process::ExitCode::SUCCESS;
         }
-        Some("ci" | "fuzz" | "mooncake" | "nixl" | "nvrtc" | "wheel" | "sglang") => {}
+        Some("ci" | "bindgen" | "fuzz" | "mooncake" | "nixl" | "nvrtc" | "wheel" | "sglang") => {}
         _ => {
             eprintln!("{USAGE}");
             return std::process::ExitCode::from(2);
@@ -47,6 +48,7 @@ fn run(args: &[String]) -> anyhow::Result<()> {
     std::env::set_current_dir(&root).with_context(|| format!("entering {}", root.display()))?;
     match args.first().map(String::as_str) {
         Some("ci") => ci(&args[1..]),
+        Some("bindgen") => bindgen::run(&args[1..]),
         Some("fuzz") => fuzz::run(&args[1..]),
         Some("mooncake") => mooncake::run(&args[1..]),
         Some("nixl") => {

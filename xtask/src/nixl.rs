@@ -6,12 +6,9 @@
 //!   downloaded with pip and unpacked under `target/nixl/`. The tests find it there, or through
 //!   `$HICACHE_NIXL_LIB_DIR`, which [`prepare`] returns for the test commands.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
 use anyhow::{Context, bail};
+use std::path::{Path, PathBuf};
 
-use crate::run_program;
 use crate::wheel::{Wheel, fetch, find_file};
 
 /// The wheel and version the tests run against (nixl-sys 1.5.2 is built for the 1.5 C API).
@@ -67,21 +64,12 @@ fn has_libclang() -> bool {
     })
 }
 
-fn ensure_libclang() -> anyhow::Result<()> {
+/// Installs libclang (Debian's `libclang-dev`, as root) where bindgen would not find one.
+pub(crate) fn ensure_libclang() -> anyhow::Result<()> {
     if has_libclang() {
         return Ok(());
     }
-    let is_root = Command::new("id").arg("-u").output().is_ok_and(|output| output.stdout.starts_with(b"0\n"));
-    if !is_root {
-        bail!("nixl-sys needs libclang to build (bindgen); install Debian's libclang-dev, or set LIBCLANG_PATH");
-    }
-    let install = ["install", "-y", "-q", "--no-install-recommends", "libclang-dev"];
-    let env = [("DEBIAN_FRONTEND", "noninteractive")];
-    if run_program("apt-get", &install, &env).is_err() {
-        // a fresh machine may have no package lists yet
-        run_program("apt-get", &["update", "-q"], &env)?;
-        run_program("apt-get", &install, &env)?;
-    }
+    crate::apt_install(&["libclang-dev"], "bindgen needs libclang (or LIBCLANG_PATH)")?;
     if !has_libclang() {
         bail!("libclang-dev is installed but no libclang*.so was found; set LIBCLANG_PATH");
     }
