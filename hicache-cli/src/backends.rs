@@ -19,7 +19,7 @@ pub(crate) enum BackendName {
     Nixl,
     /// Mooncake Store (cargo feature `mooncake`).
     Mooncake,
-    /// DeepSeek 3FS (not available yet).
+    /// DeepSeek 3FS (cargo feature `3fs`).
     #[value(name = "3fs", alias = "hf3fs")]
     ThreeFs,
 }
@@ -60,10 +60,16 @@ pub(crate) struct BackendOptions {
     #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
     pub(crate) read_only: bool,
     /// Settings of the networked backends.
-    #[cfg_attr(not(feature = "mooncake"), expect(dead_code, reason = "read only by the Mooncake backend"))]
+    #[cfg_attr(
+        not(any(feature = "mooncake", feature = "3fs")),
+        expect(dead_code, reason = "read only by the Mooncake and 3FS backends")
+    )]
     pub(crate) network: NetworkArgs,
     /// The config file's `storage_backend_extra_config`, used where `--extra-config` is not given.
-    #[cfg_attr(not(feature = "mooncake"), expect(dead_code, reason = "read only by the Mooncake backend"))]
+    #[cfg_attr(
+        not(any(feature = "mooncake", feature = "3fs")),
+        expect(dead_code, reason = "read only by the Mooncake and 3FS backends")
+    )]
     pub(crate) config_extra: Option<serde_json::Value>,
 }
 
@@ -72,8 +78,10 @@ pub(crate) struct BackendOptions {
 pub(crate) struct NetworkArgs {
     /// The backend's settings as a JSON object, SGLang's --hicache-storage-backend-extra-config. Mooncake:
     /// master_server_address, protocol, device_name, global_segment_size, local_buffer_size, metadata_server,
-    /// local_hostname, replica_num, key_scheme, sglang_release, extra_backend_tag. Default: the config file's,
-    /// else SGLang's variables (MOONCAKE_MASTER, MOONCAKE_PROTOCOL, ... or MOONCAKE_CONFIG_PATH).
+    /// local_hostname, replica_num, key_scheme, sglang_release, extra_backend_tag. 3fs: file_path_prefix,
+    /// file_size, numjobs, entries, metadata_server_url (redis://host:port), io_timeout_s, metadata_timeout_s,
+    /// library_dir. Default: the config file's, else SGLang's variables (MOONCAKE_MASTER, ... or
+    /// MOONCAKE_CONFIG_PATH; SGLANG_HICACHE_HF3FS_CONFIG_PATH).
     #[arg(long, value_name = "JSON")]
     pub(crate) extra_config: Option<String>,
     /// Object keys: hicache's namespaced ones, or SGLang's (to share one store with SGLang).
@@ -93,7 +101,7 @@ pub(crate) enum KeySchemeArg {
     Sglang,
 }
 
-#[cfg(feature = "mooncake")]
+#[cfg(any(feature = "mooncake", feature = "3fs"))]
 impl NetworkArgs {
     /// The extra config as JSON: `--extra-config`, else the config file's.
     fn extra(&self, from_config: Option<&serde_json::Value>) -> anyhow::Result<Option<serde_json::Value>> {
@@ -122,8 +130,42 @@ pub(crate) fn open(
         BackendName::File => open_file(namespace, options),
         BackendName::Nixl => open_nixl(namespace, options),
         BackendName::Mooncake => open_mooncake(namespace, options),
-        other => Err(not_compiled(other)),
+        BackendName::ThreeFs => open_3fs(namespace, options),
     }
+}
+
+#[cfg(feature = "3fs")]
+fn open_3fs(namespace: &StorageNamespace, options: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
+    let config = hf3fs_config(options)?;
+    Ok(Box::new(hicache_storage_3fs::Hf3fsStorage::open(config, namespace)?))
+}
+
+/// The 3FS settings: `--extra-config` (else the config file's extra config) with SGLang's keys, its
+/// `file_path_prefix` defaulting to `{--dir}/hicache`; else the file at `SGLANG_HICACHE_HF3FS_CONFIG_PATH`; else
+/// SGLang's defaults with data files `{--dir}/hicache.{rank}.bin` (`/data/hicache` without `--dir`).
+#[cfg(feature = "3fs")]
+pub(crate) fn hf3fs_config(options: &BackendOptions) -> anyhow::Result<hicache_storage_3fs::Hf3fsConfig> {
+    use hicache_storage_3fs::{CONFIG_ENV, Hf3fsConfig};
+    let prefix = || options.dir.as_ref().map(|dir| dir.join("hicache"));
+    match options.network.extra(options.config_extra.as_ref())? {
+        Some(mut extra) => {
+            if let (Some(object), Some(prefix)) = (extra.as_object_mut(), prefix())
+                && !object.contains_key("file_path_prefix")
+            {
+                object.insert("file_path_prefix".into(), prefix.display().to_string().into());
+            }
+            Hf3fsConfig::from_json(&extra).map_err(|error| Usage(format!("--extra-config: {error}")).into())
+        }
+        None if std::env::var_os(CONFIG_ENV).is_some_and(|path| !path.is_empty()) => {
+            Hf3fsConfig::from_env().map_err(|error| Usage(error.to_string()).into())
+        }
+        None => Ok(prefix().map_or_else(|| Hf3fsConfig::new("/data/hicache"), Hf3fsConfig::new)),
+    }
+}
+
+#[cfg(not(feature = "3fs"))]
+fn open_3fs(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
+    Err(not_compiled(BackendName::ThreeFs))
 }
 
 #[cfg(feature = "file")]
@@ -214,16 +256,10 @@ fn open_mooncake(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box
 
 fn not_compiled(name: BackendName) -> anyhow::Error {
     let feature = crate::value_name(&name);
-    match name {
-        BackendName::ThreeFs => Usage(format!(
-            "the {feature} backend is not available in hicache yet (no build of it exists); the storage backends \
-             are memory, file, nixl and mooncake"
-        )),
-        _ => Usage(format!(
-            "the {feature} backend is not compiled into this hicache; rebuild with `cargo build --release -p \
-             hicache-cli --features {feature}`"
-        )),
-    }
+    Usage(format!(
+        "the {feature} backend is not compiled into this hicache; rebuild with `cargo build --release -p hicache-cli \
+         --features {feature}`"
+    ))
     .into()
 }
 

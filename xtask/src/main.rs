@@ -5,6 +5,7 @@
 
 mod bindgen;
 mod fuzz;
+mod hf3fs;
 mod mooncake;
 mod nixl;
 mod nvrtc;
@@ -155,6 +156,11 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
     let mooncake = mooncake::prepare()?;
     let mooncake_library = mooncake.library.to_str().context("the Mooncake library path is not UTF-8")?;
     let mooncake_master = mooncake.master.to_str().context("the mooncake_master path is not UTF-8")?;
+    // 3FS: the committed declarations match the header, a real Redis, the USRBIO mock (3FS itself cannot run here)
+    bindgen::run(&["--check".into()])?;
+    let hf3fs = hf3fs::prepare()?;
+    let redis_server = hf3fs.redis_server.to_str().context("the redis-server path is not UTF-8")?;
+    let mock_dir = hf3fs.mock_dir.to_str().context("the USRBIO mock path is not UTF-8")?;
     // unit, integration, property and doc tests, and the tidy test (xtask's own tests)
     run_program(
         "cargo",
@@ -174,6 +180,8 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
             ("HICACHE_REQUIRE_NVRTC", "1"),
             ("MOONCAKE_STORE_LIBRARY", mooncake_library),
             ("HICACHE_MOONCAKE_MASTER_BIN", mooncake_master),
+            ("HICACHE_REDIS_SERVER_BIN", redis_server),
+            ("HF3FS_LIB_DIR", mock_dir),
         ],
     )?;
     // the Python package's pure parts (a test binary with the Python module in it would need libpython at run time)

@@ -97,6 +97,9 @@ struct StorageFigure {
     set_ratio: f64,
     /// get_gbps / raw_read_gbps.
     get_ratio: f64,
+    /// The 3FS backend's page metadata: operations per second of the configured store and the in-process one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metadata: Option<serde_json::Value>,
 }
 
 /// A figure with the settings it was measured with, so a saved result reads on its own.
@@ -270,6 +273,18 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
         raw_read_gbps,
         set_ratio: set_gbps / raw_write_gbps,
         get_ratio: get_gbps / raw_read_gbps,
+        metadata: None,
+    };
+    #[cfg(feature = "3fs")]
+    let figure = if args.backend == BackendName::ThreeFs {
+        let config = backends::hf3fs_config(&options)?;
+        let metadata = super::bench_3fs::metadata_figure(&config, args.batch, args.rounds)?;
+        if !args.json {
+            println!("{}", super::bench_3fs::describe(&metadata));
+        }
+        StorageFigure { metadata: Some(serde_json::to_value(&metadata)?), ..figure }
+    } else {
+        figure
     };
     if args.json {
         println!("{}", serde_json::to_string(&Measured::new(&figure, args, &dir))?);

@@ -1,6 +1,8 @@
 //! One module per subcommand.
 
 pub(crate) mod bench;
+#[cfg(feature = "3fs")]
+mod bench_3fs;
 pub(crate) mod bench_controller;
 #[cfg(feature = "mooncake")]
 mod bench_mooncake;

@@ -47,7 +47,7 @@ pub(crate) enum ReplayBackend {
     Nixl,
     /// Mooncake Store (cargo feature `mooncake`).
     Mooncake,
-    /// DeepSeek 3FS (not available yet).
+    /// DeepSeek 3FS (cargo feature `3fs`; data files in --dir, a temporary directory without it).
     #[value(name = "3fs")]
     ThreeFs,
 }
@@ -243,7 +243,7 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
                 _ => BackendName::ThreeFs,
             };
             let temp = match (&args.dir, name) {
-                (None, BackendName::File | BackendName::Nixl) => {
+                (None, BackendName::File | BackendName::Nixl | BackendName::ThreeFs) => {
                     // removed at the end, on an error, and on SIGINT/SIGTERM/SIGHUP
                     Some(crate::cleanup::TempFolder::new("hicache-replay-")?)
                 }
