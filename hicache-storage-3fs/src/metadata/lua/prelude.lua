@@ -2,7 +2,7 @@
 -- space's page count and page size. The first script on a space records them; a script with others is refused.
 local info, free, gen, map, lru, resv = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local num_pages, page_bytes = ARGV[1], ARGV[2]
-local recorded = redis.call('HMGET', info, 'num_pages', 'page_bytes')
+local recorded = {redis.call('HGET', info, 'num_pages'), redis.call('HGET', info, 'page_bytes')}
 if not recorded[1] then
   redis.call('HSET', info, 'num_pages', num_pages, 'page_bytes', page_bytes, 'fresh', 0, 'tick', 0)
 elseif recorded[1] ~= num_pages or recorded[2] ~= page_bytes then
