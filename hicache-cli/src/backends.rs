@@ -254,6 +254,7 @@ fn open_mooncake(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box
     Err(not_compiled(BackendName::Mooncake))
 }
 
+#[cfg(not(all(feature = "file", feature = "nixl", feature = "mooncake", feature = "3fs")))]
 fn not_compiled(name: BackendName) -> anyhow::Error {
     let feature = crate::value_name(&name);
     Usage(format!(

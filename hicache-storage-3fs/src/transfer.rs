@@ -148,6 +148,9 @@ impl<'a, 'b> Work<'a, 'b> {
     }
 }
 
+/// Per page of a batch (by position), whether it moved.
+type PageResults = Vec<(usize, Result<(), PageFailure>)>;
+
 fn failure(kind: FailureKind, message: String) -> PageFailure {
     PageFailure::new(kind, message)
 }
@@ -174,11 +177,11 @@ impl Hf3fsStorage {
     }
 
     /// Writes the pages; per page whether it was written.
-    pub(crate) fn transfer_writes(&self, work: Vec<Work<'_, '_>>) -> Vec<(usize, Result<(), PageFailure>)> {
+    pub(crate) fn transfer_writes(&self, work: Vec<Work<'_, '_>>) -> PageResults {
         self.transfer(work, false)
     }
 
-    fn transfer(&self, mut work: Vec<Work<'_, '_>>, read: bool) -> Vec<(usize, Result<(), PageFailure>)> {
+    fn transfer(&self, mut work: Vec<Work<'_, '_>>, read: bool) -> PageResults {
         if work.is_empty() {
             return Vec::new();
         }
@@ -251,7 +254,7 @@ impl Hf3fsStorage {
         mut chunk: Vec<Work<'_, '_>>,
         registered: &[Registered],
         read: bool,
-    ) -> Result<Vec<(usize, Result<(), PageFailure>)>, Stuck> {
+    ) -> Result<PageResults, Stuck> {
         let page_bytes = self.space.page_bytes as usize;
         let mut results: Vec<Result<(), PageFailure>> = vec![Ok(()); chunk.len()];
         let bounced = chunk.iter().filter(|item| item.pieces.is_none()).count();

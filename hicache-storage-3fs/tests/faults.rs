@@ -42,8 +42,11 @@ fn redis_killed_mid_run_fails_pages_in_bounded_time_and_service_resumes_when_it_
     redis.kill();
     let started = Instant::now();
     let outcomes = put(&backend, &random_keys(2), &random_pages(2, bytes));
-    assert!(outcomes.iter().all(|outcome| matches!(outcome, SetOutcome::Failed(failure)
-        if failure.message.contains(&redis.url()))), "{outcomes:?}");
+    assert!(
+        outcomes.iter().all(|outcome| matches!(outcome, SetOutcome::Failed(failure)
+        if failure.message.contains(&redis.url()))),
+        "{outcomes:?}"
+    );
     let (outcomes, _) = fetch(&backend, &keys, bytes, 0);
     assert!(outcomes.iter().all(|outcome| matches!(outcome, GetOutcome::Failed(_))), "{outcomes:?}");
     let error = backend.batch_exists(&keys).expect_err("no Redis");

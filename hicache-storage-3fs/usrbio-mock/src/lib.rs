@@ -367,7 +367,6 @@ fn perform(io: &Io) -> i64 {
 ///
 /// `ior` is writable; `mount_point` is a NUL-terminated string.
 #[unsafe(no_mangle)]
-#[expect(clippy::too_many_arguments, reason = "the C function's signature")]
 pub unsafe extern "C" fn hf3fs_iorcreate4(
     ior: *mut hf3fs_ior,
     mount_point: *const c_char,
@@ -491,7 +490,6 @@ unsafe fn ring_of<'a>(ior: *const hf3fs_ior) -> Option<&'a Ring> {
 ///
 /// `ior` is a ring this library made and `iov` an iov it filled; one thread prepares on a ring at a time.
 #[unsafe(no_mangle)]
-#[expect(clippy::too_many_arguments, reason = "the C function's signature")]
 pub unsafe extern "C" fn hf3fs_prep_io(
     ior: *const hf3fs_ior,
     iov: *const hf3fs_iov,
