@@ -344,3 +344,61 @@ impl Drop for Ring {
         unsafe { (self.library.api.hf3fs_iordestroy)(&mut *self.raw) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::CString;
+
+    use super::*;
+    use crate::testing::{Mount, mock_library_dir};
+
+    #[test]
+    fn a_missing_library_names_the_variable_and_the_path() {
+        let empty = tempfile::tempdir().unwrap();
+        let error = Library::load(Some(empty.path())).err().expect("no library there");
+        let text = error.to_string();
+        assert!(text.contains(LIB_DIR_ENV) && text.contains(&empty.path().display().to_string()), "{text}");
+    }
+
+    /// The mock refuses what the real library refuses: a request outside its iov, a file descriptor not registered,
+    /// a request of the wrong direction, more requests than the ring's entries; and it says it is a mock.
+    #[test]
+    fn the_mock_checks_requests_as_the_real_library() {
+        let library = Library::load(Some(&mock_library_dir())).unwrap();
+        assert!(library.mock().is_some_and(|text| text.contains("mock")));
+        let mount = Mount::new();
+        let mount_point = CString::new(library.mount_point(&mount.path().join("file.bin")).unwrap()).unwrap();
+        assert_eq!(mount_point.to_str().unwrap(), std::fs::canonicalize(mount.path()).unwrap().to_str().unwrap());
+        let elsewhere = tempfile::tempdir().unwrap();
+        assert!(library.mount_point(elsewhere.path()).is_err());
+        let path = mount.path().join("data.bin");
+        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+        file.set_len(1 << 16).unwrap();
+        let unregistered =
+            std::fs::OpenOptions::new().read(true).write(true).open(&path).map(|file| DataFile { file, library });
+        let file = DataFile::register(library, file, &path).unwrap();
+        let iov = Iov::create(library, &mount_point, 4096).unwrap();
+        let mut ring = Ring::create(library, &mount_point, 2, false).unwrap();
+        // SAFETY: every range below either lies in `iov` or is refused by the library before any I/O.
+        unsafe {
+            assert!(ring.prepare(&iov, iov.base().add(4000), &file, 0, 200, 0).is_err(), "past the iov's end");
+            assert!(ring.prepare(&iov, iov.base(), &unregistered.unwrap(), 0, 64, 0).is_err(), "not registered");
+            ring.prepare(&iov, iov.base(), &file, 0, 64, 0).unwrap();
+            ring.prepare(&iov, iov.base().add(64), &file, 64, 64, 1).unwrap();
+            assert!(ring.prepare(&iov, iov.base().add(128), &file, 128, 64, 2).is_err(), "a third of two entries");
+        }
+        let done = ring.run(Instant::now() + Duration::from_secs(5)).unwrap().unwrap();
+        let mut done: Vec<(usize, i64)> = done;
+        done.sort_unstable();
+        assert_eq!(done, vec![(0, 64), (1, 64)]);
+        let mut reader = Ring::create(library, &mount_point, 2, true).unwrap();
+        // SAFETY: a write request on a read ring is refused before any I/O.
+        assert!(unsafe { reader.prepare(&iov, iov.base(), &file, 0, 64, 0) }.is_ok(), "a read on a read ring");
+        let mut writer = Ring::create(library, &mount_point, 2, false).unwrap();
+        writer.read = true;
+        // SAFETY: as above.
+        assert!(unsafe { writer.prepare(&iov, iov.base(), &file, 0, 64, 0) }.is_err(), "a read on a write ring");
+        writer.read = false;
+        reader.run(Instant::now() + Duration::from_secs(5)).unwrap().unwrap();
+    }
+}
