@@ -378,6 +378,7 @@ impl StorageBackend for Hf3fsStorage {
             Ok(reservations) => {
                 let mut work = Vec::new();
                 let mut reserved = std::collections::HashMap::new();
+                let mut released = Vec::new();
                 for (&position, reservation) in wanted.iter().zip(reservations) {
                     match reservation {
                         Reservation::Present => outcomes[position] = Some(SetOutcome::AlreadyPresent),
@@ -394,6 +395,7 @@ impl StorageBackend for Hf3fsStorage {
                         Reservation::Page(page) => {
                             if let Some(failure) = self.out_of_range(page) {
                                 outcomes[position] = Some(SetOutcome::Failed(failure));
+                                released.push(page);
                             } else {
                                 reserved.insert(position, page);
                                 work.push(Work::write(position, keys[position], page, &pages[position]));
@@ -403,7 +405,6 @@ impl StorageBackend for Hf3fsStorage {
                 }
                 let results = self.transfer_writes(work);
                 let mut written = Vec::new();
-                let mut released = Vec::new();
                 for (position, result) in &results {
                     let page = reserved[position];
                     match result {
