@@ -297,6 +297,24 @@ fn four_tp_ranks_replay_in_lockstep() {
 }
 
 #[test]
+fn tp_ranks_as_processes_replay_in_lockstep_and_a_failing_rank_stops_the_run() {
+    let report = replay_json(&["--tp-size", "2", "--processes"]);
+    assert_eq!((report["tp_size"].as_u64(), report["processes"].as_bool()), (Some(2), Some(true)), "{report}");
+    assert_eq!(report["lockstep"], true, "{report}");
+    assert_eq!(report["verified"], true);
+    assert!(report["tokens_from_l3"].as_u64().unwrap() > 0, "the ranks share the launcher's storage: {report}");
+    let cost = &report["collectives"];
+    assert!(cost["per_tick"].as_f64().unwrap() >= 1.0 && cost["ticks"].as_u64().unwrap() > 0, "{report}");
+    assert!(cost["us_per_tick"].as_f64().unwrap() <= cost["tick_us"].as_f64().unwrap(), "{report}");
+    // every rank fails (its data files are refused): the launcher says which rank failed
+    let output = hicache(&["replay", "--tp-size", "2", "--processes", "--dir", "/proc/hicache-cannot-be-here"], "");
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    assert!(stderr(&output).contains("TP rank"), "{}", stderr(&output));
+    assert_usage_error(&hicache(&["replay", "--processes", "--backend", "memory"], ""), "--processes needs a storage");
+    assert_usage_error(&hicache(&["replay", "--process-rank", "1"], ""), "set by --processes");
+}
+
+#[test]
 fn replay_refuses_bad_settings_with_exit_code_2() {
     if cfg!(feature = "cuda") {
         // compiled in: on a machine without a GPU, a runtime error that says so (the GPU run is in docs/gpu.md)

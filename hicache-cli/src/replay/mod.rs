@@ -8,8 +8,10 @@
 
 mod device;
 mod kv;
+mod processes;
 mod rank;
 mod report;
+mod socket_group;
 mod workload;
 
 use std::path::PathBuf;
@@ -177,9 +179,21 @@ pub(crate) struct ReplayArgs {
     /// Fault injection: seed of the random faults (rank r uses seed + r).
     #[arg(long, default_value_t = 1, value_name = "N")]
     fault_seed: u64,
-    /// Tensor-parallel ranks, run as threads in this process; the report says whether they stayed in lockstep.
+    /// Tensor-parallel ranks, run as threads in this process (or as processes with --processes); the report says
+    /// whether they stayed in lockstep.
     #[arg(long, default_value_t = 1, value_name = "N")]
     tp_size: usize,
+    /// Run each TP rank as a process of its own, as a served model does: with `--engine cuda` one GPU per rank
+    /// (rank r on GPU r) agreeing through NCCL, with the CPU engine through a local socket. Needs a storage tier the
+    /// processes share (not `memory`).
+    #[arg(long)]
+    processes: bool,
+    /// Internal (set by --processes for each rank it starts): this process's rank.
+    #[arg(long, hide = true, value_name = "R")]
+    process_rank: Option<usize>,
+    /// Internal (set by --processes): the folder where the ranks meet and leave their outcomes.
+    #[arg(long, hide = true, value_name = "PATH")]
+    process_dir: Option<PathBuf>,
     /// Serve Prometheus metrics at this address while the replay runs (`GET /metrics`; port 0 picks one, and the
     /// address is printed on stderr).
     #[arg(long, value_name = "HOST:PORT")]
@@ -265,6 +279,9 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
             SharedStorage::Backend { name, options: Box::new(options), _temp: temp }
         }
     };
+    if args.processes && args.process_rank.is_none() {
+        return processes::launch(args, &storage);
+    }
     let metrics = match &args.metrics_addr {
         Some(addr) => {
             let metrics = Arc::new(Metrics::new());
@@ -284,8 +301,12 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
         }
         bar.set_position(done);
     };
+    if let (Some(rank), Some(dir)) = (args.process_rank, &args.process_dir) {
+        bar.finish_and_clear();
+        return processes::run_rank(args, rank, dir, &storage);
+    }
     let outcomes = if args.tp_size == 1 {
-        vec![run_one(args, 0, &storage, &mut SingleRank, &progress, metrics)?]
+        vec![run_one(args, 0, &storage, RankGroup::Given(&mut SingleRank), &progress, metrics)?]
     } else {
         let groups = InProcessGroup::new(args.tp_size, Duration::from_secs(60))?;
         std::thread::scope(|scope| {
@@ -300,7 +321,14 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
                                 progress(done);
                             }
                         };
-                        run_one(args, rank, storage, &mut group, &progress, metrics.filter(|_| rank == 0))
+                        run_one(
+                            args,
+                            rank,
+                            storage,
+                            RankGroup::Given(&mut group),
+                            &progress,
+                            metrics.filter(|_| rank == 0),
+                        )
                     })
                 })
                 .collect();
@@ -313,6 +341,15 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     bar.finish_and_clear();
     let description = describe(args, &storage);
     report::print(args, &description, &outcomes)
+}
+
+/// How a rank agrees with the others.
+pub(crate) enum RankGroup<'a> {
+    /// A group made by the caller (one rank, threads, a socket).
+    Given(&'a mut dyn Collective),
+    /// NCCL on the rank's GPU, joined once the GPU is open.
+    #[cfg(feature = "cuda")]
+    Nccl(hicache_cuda::NcclSettings),
 }
 
 fn check(args: &ReplayArgs) -> anyhow::Result<()> {
@@ -344,6 +381,20 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
         if value == 0 {
             return usage(format!("{name} must be at least 1"));
         }
+    }
+    if args.processes {
+        if args.backend == ReplayBackend::Memory {
+            return usage(
+                "--processes needs a storage tier the processes share: --backend file, nixl, mooncake, 3fs or none \
+                 (memory lives in one process)"
+                    .into(),
+            );
+        }
+        if args.metrics_addr.is_some() {
+            return usage("--metrics-addr is not served with --processes".into());
+        }
+    } else if args.process_rank.is_some() || args.process_dir.is_some() {
+        return usage("--process-rank and --process-dir are set by --processes for the ranks it starts".into());
     }
     for (name, rate) in [
         ("--fault-fail-rate", args.fault_fail_rate),
@@ -423,7 +474,7 @@ fn run_one(
     args: &ReplayArgs,
     rank: usize,
     storage: &SharedStorage,
-    collective: &mut dyn Collective,
+    group: RankGroup<'_>,
     progress: &dyn Fn(u64),
     metrics: Option<&Metrics>,
 ) -> anyhow::Result<rank::RankOutcome> {
@@ -443,14 +494,25 @@ fn run_one(
     match args.engine {
         EngineName::Cpu => {
             let engine = CpuEngine::with_host_memory(device_map, host, Completion::Immediate)?;
-            run_on(engine, args, rank, storage, collective, progress, metrics)
+            match group {
+                RankGroup::Given(collective) => run_on(engine, args, rank, storage, collective, progress, metrics),
+                #[cfg(feature = "cuda")]
+                RankGroup::Nccl(_) => bail!("NCCL needs the cuda engine"),
+            }
         }
         #[cfg(feature = "cuda")]
         EngineName::Cuda => {
-            let device = hicache_cuda::Device::open(0)?;
+            // as processes, rank r drives GPU r; as threads, every rank shares GPU 0
+            let device = hicache_cuda::Device::open(if args.process_rank.is_some() { rank } else { 0 })?;
             let device_pool = hicache_cuda::DeviceBuffer::zeroed(&device, device_map.total_bytes())?;
             let engine = hicache_cuda::CudaEngine::with_pools(&device, device_map, device_pool, host)?;
-            run_on(engine, args, rank, storage, collective, progress, metrics)
+            match group {
+                RankGroup::Given(collective) => run_on(engine, args, rank, storage, collective, progress, metrics),
+                RankGroup::Nccl(settings) => {
+                    let mut nccl = hicache_cuda::NcclGroup::join(&device, &settings)?;
+                    run_on(engine, args, rank, storage, &mut nccl, progress, metrics)
+                }
+            }
         }
         #[cfg(not(feature = "cuda"))]
         EngineName::Cuda => unreachable!("refused before the ranks start"),

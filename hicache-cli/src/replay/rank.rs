@@ -19,7 +19,7 @@ use super::workload::Workload;
 use crate::metrics::{DataPath, Metrics};
 
 /// Per-round (or total) figures of one rank.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Tally {
     pub(crate) requests: usize,
     pub(crate) prompt_tokens: usize,
@@ -43,7 +43,7 @@ impl Tally {
 }
 
 /// Everything a rank measured.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
 pub(crate) struct RankOutcome {
     pub(crate) rounds: Vec<Tally>,
     pub(crate) total: Tally,
@@ -73,6 +73,62 @@ pub(crate) struct RankOutcome {
     pub(crate) prefetch_errors: u64,
     /// What the fault injection did, when asked for.
     pub(crate) injected: Option<hicache_core::storage::FaultCounts>,
+    /// Controller ticks, and the time spent in them.
+    pub(crate) ticks: u64,
+    pub(crate) tick_ns: u64,
+    /// Collectives entered, and the time spent in them (inside the ticks).
+    pub(crate) collectives: u64,
+    pub(crate) collective_ns: u64,
+}
+
+/// A collective that counts its calls and the time spent in them.
+struct Timed<'a> {
+    inner: &'a mut dyn Collective,
+    calls: u64,
+    nanos: u64,
+}
+
+impl Collective for Timed<'_> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn all_reduce(
+        &mut self,
+        values: &mut [i64],
+        op: hicache_core::collective::ReduceOp,
+    ) -> Result<(), hicache_core::Error> {
+        let started = Instant::now();
+        let result = self.inner.all_reduce(values, op);
+        self.calls += 1;
+        self.nanos += started.elapsed().as_nanos() as u64;
+        result
+    }
+
+    fn barrier(&mut self) -> Result<(), hicache_core::Error> {
+        let started = Instant::now();
+        let result = self.inner.barrier();
+        self.calls += 1;
+        self.nanos += started.elapsed().as_nanos() as u64;
+        result
+    }
+}
+
+/// One controller tick, timed.
+fn tick<E: ReplayEngine>(
+    tree: &mut HiRadixTree<E>,
+    collective: &mut Timed<'_>,
+    outcome: &mut RankOutcome,
+) -> anyhow::Result<hicache_core::tree::TickSummary> {
+    let started = Instant::now();
+    let summary = tree.tick(collective)?;
+    outcome.ticks += 1;
+    outcome.tick_ns += started.elapsed().as_nanos() as u64;
+    Ok(summary)
 }
 
 /// The replay's knobs that the loop needs.
@@ -118,6 +174,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
     let started = Instant::now();
     let mut done = 0u64;
     let mut idle_ticks = 0u64;
+    let collective = &mut Timed { inner: collective, calls: 0, nanos: 0 };
     loop {
         arrivals.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         while arrivals.first().is_some_and(|arrival| arrival.0 <= now) {
@@ -138,7 +195,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
         for request in waiting.iter().take(spec.max_parallel * 2) {
             tree.check_prefetch_progress(&request.id);
         }
-        let summary = tree.tick(collective)?;
+        let summary = tick(tree, collective, &mut outcome)?;
         absorb(&summary, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics);
         if collective.world_size() > 1 {
             tree.controller().host().states().hash(&mut digest);
@@ -193,7 +250,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
         if spec.sync_storage {
             // every rank has the same backups queued, so every rank loops the same number of ticks
             while tree.controller().backups_in_flight() > 0 || tree.controller().outstanding().0 > 0 {
-                let summary = tree.tick(collective)?;
+                let summary = tick(tree, collective, &mut outcome)?;
                 absorb(&summary, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics);
             }
         }
@@ -208,10 +265,11 @@ pub(crate) fn run_rank<E: ReplayEngine>(
     }
     // wind down: every backup to storage finished, every ack taken (the same condition on every rank)
     while tree.controller().backups_in_flight() > 0 || tree.controller().outstanding() != (0, 0, 0) {
-        let summary = tree.tick(collective)?;
+        let summary = tick(tree, collective, &mut outcome)?;
         absorb(&summary, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics);
     }
     outcome.seconds = started.elapsed().as_secs_f64();
+    (outcome.collectives, outcome.collective_ns) = (collective.calls, collective.nanos);
     for round in outcome.rounds.clone() {
         outcome.total.add(&round);
     }

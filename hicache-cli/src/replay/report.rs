@@ -165,8 +165,41 @@ struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     bytes_per_copy: Option<CopySizes>,
     tp_size: usize,
+    /// Whether each TP rank ran as a process of its own (`--processes`).
+    processes: bool,
     lockstep: bool,
+    /// The collectives of the controller's ticks (rank 0, and the slowest rank's cost).
+    collectives: CollectiveCost,
     rounds: Vec<RoundReport>,
+}
+
+/// What the ranks' agreement cost per controller tick.
+#[derive(Debug, Serialize)]
+struct CollectiveCost {
+    ticks: u64,
+    /// Collectives per tick.
+    per_tick: f64,
+    /// Time in collectives per tick, rank 0.
+    us_per_tick: f64,
+    /// The whole tick, rank 0 (collectives included).
+    tick_us: f64,
+    /// Time in collectives per tick, the slowest rank.
+    us_per_tick_max: f64,
+}
+
+fn collective_cost(outcomes: &[RankOutcome]) -> CollectiveCost {
+    let per_tick = |outcome: &RankOutcome, value: u64| value as f64 / outcome.ticks.max(1) as f64;
+    let first = &outcomes[0];
+    CollectiveCost {
+        ticks: first.ticks,
+        per_tick: per_tick(first, first.collectives),
+        us_per_tick: per_tick(first, first.collective_ns) / 1e3,
+        tick_us: per_tick(first, first.tick_ns) / 1e3,
+        us_per_tick_max: outcomes
+            .iter()
+            .map(|outcome| per_tick(outcome, outcome.collective_ns) / 1e3)
+            .fold(0.0, f64::max),
+    }
 }
 
 fn percentile(values: &[f64], fraction: f64) -> f64 {
@@ -252,7 +285,9 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
             })
         },
         tp_size: args.tp_size,
+        processes: args.processes,
         lockstep,
+        collectives: collective_cost(outcomes),
         rounds: first.rounds.iter().enumerate().map(|(index, tally)| round_report(Some(index), tally)).collect(),
     };
     if args.json {
@@ -362,7 +397,17 @@ fn print_text(description: &str, report: &Report) {
     }
     println!("page operations: {:.0} per second", report.page_ops_per_s);
     if report.tp_size > 1 {
-        println!("TP ranks: {} in lockstep: {}", report.tp_size, if report.lockstep { "yes" } else { "NO" });
+        println!(
+            "TP ranks: {} ({}) in lockstep: {}",
+            report.tp_size,
+            if report.processes { "processes" } else { "threads" },
+            if report.lockstep { "yes" } else { "NO" }
+        );
+        let cost = &report.collectives;
+        println!(
+            "collectives: {:.1} per tick, {:.1} µs per tick of a {:.1} µs tick (rank 0; slowest rank {:.1} µs), {} ticks",
+            cost.per_tick, cost.us_per_tick, cost.tick_us, cost.us_per_tick_max, cost.ticks
+        );
     }
     println!(
         "verified: {} ({:.1} MB of loaded and cached KV checked byte for byte)",

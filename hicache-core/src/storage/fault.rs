@@ -45,7 +45,7 @@ pub struct FaultPlan {
 }
 
 /// What a [`FaultyStorage`] injected so far.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FaultCounts {
     /// Calls that failed or timed out as a whole.
     pub failed_calls: u64,

@@ -7,7 +7,7 @@ use serde::Serialize;
 use super::{GetOutcome, SetOutcome};
 
 /// A snapshot of a backend's counters.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct StorageStats {
     /// Keys asked about by `batch_exists`.
     pub exists_keys: u64,

@@ -63,7 +63,7 @@ struct State {
 
 /// What the engine has copied: items, and the contiguous runs (one `memcpy` each) they merged into, per direction.
 /// Items per run is what a GPU's copy engine would get per copy from the same pages.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CopyStats {
     /// Items backed up (device → host).
     pub backup_items: u64,

@@ -46,7 +46,7 @@ pub struct MatchResult {
 }
 
 /// Counters of what the tree did, since it was made or reset.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TreeStats {
     /// Tokens whose device copy was dropped while a host copy stayed.
     pub device_evicted_tokens: usize,
