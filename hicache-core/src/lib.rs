@@ -19,6 +19,7 @@
 pub mod collective;
 pub mod config;
 pub mod controller;
+pub mod device_slots;
 pub mod error;
 pub mod geometry;
 pub mod hash;

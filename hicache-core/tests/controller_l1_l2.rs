@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use hicache_core::collective::{Collective, InProcessGroup, ReduceOp};
 use hicache_core::controller::CacheController;
+use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::geometry::{KvDtype, KvGeometry, KvPart};
 use hicache_core::host_pool::PageState;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
@@ -43,18 +44,21 @@ fn host_only_pages(
     controller: &mut CacheController<CpuEngine>,
     count: usize,
 ) -> Vec<hicache_core::host_pool::HostPageId> {
-    let slots = controller.alloc_device(count).unwrap();
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
+    let slots = device.alloc_pages(count).unwrap();
     let pages = controller.write(&slots, NodeId(1), None).unwrap().unwrap();
     controller.engine().run_pending();
     controller.take_write_acks(1).unwrap();
-    controller.evict_device(&slots, &pages).unwrap();
+    controller.evict_device(&pages).unwrap();
+    device.free(&slots).unwrap();
     pages
 }
 
 #[test]
 fn writes_are_acked_after_the_copy_and_only_then_synced() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let mut controller = controller(Completion::Manual);
-    let slots = controller.alloc_device(2).unwrap();
+    let slots = device.alloc_pages(2).unwrap();
     let pages = controller.write(&slots, NodeId(7), None).unwrap().unwrap();
     assert_eq!(controller.host().state(pages[0]).unwrap(), PageState::Protected);
     assert_eq!(controller.completed_writes(), 0, "held in flight");
@@ -64,9 +68,14 @@ fn writes_are_acked_after_the_copy_and_only_then_synced() {
     assert_eq!(acks[0].node_ids, [NodeId(7)]);
     assert!(pages.iter().all(|&page| controller.host().state(page).unwrap() == PageState::Synced));
     // and the host holds the device's bytes: read them back through a load into fresh slots
-    controller.evict_device(&slots, &pages).unwrap();
+    controller.evict_device(&pages).unwrap();
+    device.free(&slots).unwrap();
     let originals: Vec<Vec<u8>> = slots.iter().map(|&slot| item(&controller, slot, 2, KvPart::V)).collect();
-    let loaded = controller.load(&pages, NodeId(8), None).unwrap().unwrap();
+    let loaded = {
+        let slots = device.alloc_pages(pages.len()).unwrap();
+        controller.load(&pages, &slots, NodeId(8), None).unwrap();
+        slots
+    };
     controller.start_loading(SlotReuse::Refuse).unwrap().unwrap();
     controller.engine().run_pending();
     let count = controller.completed_loads();
@@ -78,9 +87,10 @@ fn writes_are_acked_after_the_copy_and_only_then_synced() {
 
 #[test]
 fn pools_that_are_full_say_so_and_allocate_nothing() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let mut controller = controller(Completion::Immediate);
-    let slots = controller.alloc_device(DEVICE_PAGES).unwrap();
-    assert!(controller.alloc_device(1).is_none());
+    let slots = device.alloc_pages(DEVICE_PAGES).unwrap();
+    assert!(device.alloc_pages(1).is_none());
     assert!(controller.write(&slots, NodeId(1), None).unwrap().is_some());
     assert_eq!(controller.host().available(), HOST_PAGES - DEVICE_PAGES);
     assert!(controller.write(&slots, NodeId(2), None).unwrap().is_none(), "6 more pages do not fit in 2");
@@ -91,13 +101,16 @@ fn pools_that_are_full_say_so_and_allocate_nothing() {
 
 #[test]
 fn a_fourth_load_waits_or_is_refused_never_asserts() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let mut controller = controller(Completion::Manual);
     let pages = host_only_pages(&mut controller, 4);
     for (round, page) in pages.iter().enumerate().take(3) {
-        controller.load(std::slice::from_ref(page), NodeId(10 + round as u64), None).unwrap().unwrap();
+        controller
+            .load(std::slice::from_ref(page), &device.alloc_pages(1).unwrap(), NodeId(10 + round as u64), None)
+            .unwrap();
         assert_eq!(controller.start_loading(SlotReuse::Refuse).unwrap(), Ok(Some(round)));
     }
-    controller.load(&pages[3..], NodeId(13), None).unwrap().unwrap();
+    controller.load(&pages[3..], &device.alloc_pages(pages[3..].len()).unwrap(), NodeId(13), None).unwrap();
     assert_eq!(controller.start_loading(SlotReuse::Refuse).unwrap(), Err(SlotBusy { slot: 0 }));
     assert_eq!(controller.outstanding(), (0, 1, 3), "the refused load stays queued");
     assert_eq!(controller.start_loading(SlotReuse::Wait).unwrap(), Ok(Some(0)));
@@ -107,9 +120,10 @@ fn a_fourth_load_waits_or_is_refused_never_asserts() {
 
 #[test]
 fn the_forward_pass_waits_layer_by_layer() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let mut controller = controller(Completion::Manual);
     let pages = host_only_pages(&mut controller, 1);
-    controller.load(&pages, NodeId(2), None).unwrap().unwrap();
+    controller.load(&pages, &device.alloc_pages(pages.len()).unwrap(), NodeId(2), None).unwrap();
     let slot = controller.start_loading(SlotReuse::Refuse).unwrap().unwrap();
     controller.layers().set_consumer(slot);
     controller.layers().wait_until(0);
@@ -120,8 +134,9 @@ fn the_forward_pass_waits_layer_by_layer() {
 
 #[test]
 fn reset_quiesces_and_leaves_nothing_stale() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let mut controller = controller(Completion::Manual);
-    let slots = controller.alloc_device(3).unwrap();
+    let slots = device.alloc_pages(3).unwrap();
     let pages = controller.write(&slots[..4], NodeId(1), None).unwrap().unwrap();
     controller.write(&slots[4..], NodeId(2), None).unwrap().unwrap();
     assert_eq!(controller.engine().pending(), (2, 0));
@@ -131,22 +146,27 @@ fn reset_quiesces_and_leaves_nothing_stale() {
     assert_eq!(controller.host().available(), HOST_PAGES);
     assert_eq!(controller.host().state(pages[0]).unwrap(), PageState::Idle);
     assert!(controller.take_write_acks(1).is_err(), "no ack of before the reset can be taken");
-    assert_eq!(controller.alloc_device(DEVICE_PAGES).map(|slots| slots.len()), Some(DEVICE_PAGES * PAGE));
+    // the device slots are the engine's: it empties its allocator with the flush
+    assert_eq!(device.free_pages(), DEVICE_PAGES - 3);
+    device.clear();
+    assert_eq!(device.alloc_pages(DEVICE_PAGES).map(|slots| slots.len()), Some(DEVICE_PAGES * PAGE));
 }
 
 #[test]
 fn eviction_checks_states() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let mut controller = controller(Completion::Immediate);
-    let slots = controller.alloc_device(1).unwrap();
+    let slots = device.alloc_pages(1).unwrap();
     let pages = controller.write(&slots, NodeId(1), None).unwrap().unwrap();
-    let error = controller.evict_device(&slots, &pages).unwrap_err().to_string();
+    let error = controller.evict_device(&pages).unwrap_err().to_string();
     assert!(error.contains("expected synced, found protected"), "unacked writes cannot be evicted: {error}");
     assert!(controller.evict_host(&pages).is_err());
     controller.take_write_acks(controller.completed_writes()).unwrap();
-    controller.evict_device(&slots, &pages).unwrap();
+    controller.evict_device(&pages).unwrap();
+    device.free(&slots).unwrap();
     controller.evict_host(&pages).unwrap();
     assert!(controller.evict_host(&pages).is_err(), "twice");
-    assert!(controller.free_device(&slots).is_err(), "the slots were freed by the eviction");
+    assert!(device.free(&slots).is_err(), "the slots were given back once");
 }
 
 /// Each rank's copies finish at different times; every check, each rank counts its finished writes and all take the MIN
@@ -159,11 +179,12 @@ fn tp_ranks_stay_in_step_through_one_min_per_check() {
         .into_iter()
         .map(|mut group| {
             std::thread::spawn(move || {
+                let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
                 let mut controller = controller(Completion::Manual);
                 let mut taken = Vec::new();
                 for tick in 0..12usize {
                     if tick < 4 {
-                        let slots = controller.alloc_device(1).unwrap();
+                        let slots = device.alloc_pages(1).unwrap();
                         controller.write(&slots, NodeId(tick as u64), None).unwrap().unwrap();
                     }
                     // rank r finishes one copy on ticks where (tick + r) % 3 != 0
@@ -243,6 +264,7 @@ proptest::proptest! {
     /// loaded byte is the byte that was written.
     #[test]
     fn acks_follow_the_copies(steps in proptest::collection::vec(step(), 1..60)) {
+        let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
         use hicache_core::host_pool::HostPageId;
         let mut controller = controller(Completion::Manual);
         // the model
@@ -257,20 +279,21 @@ proptest::proptest! {
         for step in steps {
             match step {
                 Step::Write(pages) => {
-                    let Some(slots) = controller.alloc_device(pages) else { continue };
+                    let Some(slots) = device.alloc_pages(pages) else { continue };
                     let expected = items(&controller, &slots);
                     match controller.write(&slots, NodeId(1), None).unwrap() {
                         Some(host) => {
                             writes_submitted += 1;
                             writes.push_back((slots, host, expected));
                         }
-                        None => controller.free_device(&slots).unwrap(),
+                        None => device.free(&slots).unwrap(),
                     }
                 }
                 Step::Load => {
                     let Some((page, expected)) = host_only.pop() else { continue };
-                    match controller.load(&[page], NodeId(2), None).unwrap() {
+                    match device.alloc_pages(1) {
                         Some(slots) => {
+                            controller.load(&[page], &slots, NodeId(2), None).unwrap();
                             queued.push((slots[0], page, expected));
                             queued_loads += 1;
                         }
@@ -309,7 +332,8 @@ proptest::proptest! {
                     for ack in controller.take_write_acks(count).unwrap() {
                         let (slots, host, expected) = writes.pop_front().unwrap();
                         proptest::prop_assert_eq!(&ack.host_pages, &host);
-                        controller.evict_device(&slots, &host).unwrap();
+                        controller.evict_device(&host).unwrap();
+                        device.free(&slots).unwrap();
                         let per_page = expected.len() / host.len();
                         for (index, page) in host.into_iter().enumerate() {
                             host_only.push((page, expected[index * per_page..(index + 1) * per_page].to_vec()));
@@ -326,7 +350,8 @@ proptest::proptest! {
                             let mut slots = vec![slot];
                             slots.extend((1..PAGE as u32).map(|offset| slot + offset));
                             proptest::prop_assert_eq!(&items(&controller, &slots), &expected, "loaded bytes");
-                            controller.evict_device(&slots, &[page]).unwrap();
+                            controller.evict_device(&[page]).unwrap();
+                            device.free(&slots).unwrap();
                             host_only.push((page, expected));
                         }
                     }

@@ -13,6 +13,7 @@ use std::time::Duration;
 use hicache_core::collective::{Collective, InProcessGroup, SingleRank};
 use hicache_core::config::PrefetchPolicy;
 use hicache_core::controller::{CacheController, PrefetchStart, StorageSettings};
+use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PartialPage, page_keys};
 use hicache_core::host_pool::{HostPageId, PageState};
@@ -89,13 +90,15 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
     let mut pending: Vec<String> = Vec::new();
     let mut decisions = Decisions { prefetches: Vec::new(), states: Vec::new(), local: Vec::new() };
     let mut writes: VecDeque<Vec<u32>> = VecDeque::new(); // device slots of writes not yet acked
+    let mut slots_of_engine = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap(); // the engine's device slot allocator
     let mut request = 0;
 
     let mut tick = |controller: &mut CacheController<CpuEngine>,
                     evictable: &mut Vec<HostPageId>,
                     pending: &mut Vec<String>,
                     decisions: &mut Decisions,
-                    writes: &mut VecDeque<Vec<u32>>| {
+                    writes: &mut VecDeque<Vec<u32>>,
+                    slots_of_engine: &mut PagedSlots| {
         let report = controller
             .tick_with(collective, &mut |controller, pages| {
                 let victims = take_unpinned(controller, evictable, pages);
@@ -105,7 +108,8 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
         for ack in report.write_acks {
             // drop the device copy at once: the host pages hold the only copy above storage
             let slots = writes.pop_front().expect("acks come in submission order");
-            controller.evict_device(&slots, &ack.host_pages).unwrap();
+            controller.evict_device(&ack.host_pages).unwrap();
+            slots_of_engine.free(&slots).unwrap();
             evictable.extend(ack.host_pages);
         }
         for done in report.prefetches {
@@ -132,10 +136,10 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
             let sequence = &sequences[shared.random_range(0..sequences.len())];
             let pages = shared.random_range(1..=6);
             let keys = page_keys(&sequence[..pages * PAGE], PAGE, None, PartialPage::Reject).unwrap();
-            if let Some(slots) = controller.alloc_device(pages) {
+            if let Some(slots) = slots_of_engine.alloc_pages(pages) {
                 match controller.write(&slots, NodeId(1), Some(&keys)).unwrap() {
                     Some(_) => writes.push_back(slots),
-                    None => controller.free_device(&slots).unwrap(),
+                    None => slots_of_engine.free(&slots).unwrap(),
                 }
             }
         }
@@ -159,7 +163,7 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
             let victims = take_unpinned(&controller, &mut evictable, count);
             controller.evict_host(&victims).unwrap();
         }
-        tick(&mut controller, &mut evictable, &mut pending, &mut decisions, &mut writes);
+        tick(&mut controller, &mut evictable, &mut pending, &mut decisions, &mut writes, &mut slots_of_engine);
         // a forward pass's worth of time, so fetches make progress between ticks
         std::thread::sleep(Duration::from_micros(100));
     }
@@ -171,7 +175,7 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
     let mut rounds = 0;
     while controller.prefetches_in_flight() > 0 || controller.backups_in_flight() > 0 || controller.outstanding().0 > 0
     {
-        tick(&mut controller, &mut evictable, &mut pending, &mut decisions, &mut writes);
+        tick(&mut controller, &mut evictable, &mut pending, &mut decisions, &mut writes, &mut slots_of_engine);
         rounds += 1;
         assert!(rounds < 100_000, "rank {rank}: not wound down");
         std::thread::yield_now();

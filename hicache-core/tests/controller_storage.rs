@@ -11,6 +11,7 @@ use hicache_core::config::PrefetchPolicy;
 use hicache_core::controller::{
     CacheController, PageBackup, PrefetchDone, PrefetchStart, PrefetchStop, StorageSettings, TickReport,
 };
+use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::error::Error;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PageKey, PartialPage, page_keys};
@@ -129,14 +130,16 @@ fn prefetch_result(rig: &mut Rig, request: &str) -> PrefetchDone {
 /// Writes `pages` device pages of `tokens` with keys, acks the write, waits for the backup to storage, and drops
 /// the device copy; returns the device slots (freed) and the expected flat bytes.
 fn store_through(rig: &mut Rig, tokens: &[u32]) -> (Vec<PageKey>, Vec<u8>, Vec<HostPageId>) {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let keys = page_keys(tokens, PAGE, None, PartialPage::Reject).unwrap();
-    let slots = rig.alloc_device(keys.len()).unwrap();
+    let slots = device.alloc_pages(keys.len()).unwrap();
     let expected = expected_flat_pages(rig, &slots);
     let pages = rig.write(&slots, NodeId(1), Some(&keys)).unwrap().unwrap();
     let reports = tick_until(rig, |_, reports| reports.iter().any(|report| !report.backups.is_empty()));
     let backup = reports.iter().flat_map(|report| &report.backups).next().unwrap();
     assert!(backup.pages.iter().all(|page| *page == PageBackup::Stored), "{:?}", backup.pages);
-    rig.evict_device(&slots, &pages).unwrap();
+    rig.evict_device(&pages).unwrap();
+    device.free(&slots).unwrap();
     (keys, expected, pages)
 }
 
@@ -444,6 +447,7 @@ fn a_page_evicted_between_exists_and_get_does_not_shift_later_pages() {
 
 #[test]
 fn every_write_policy_reaches_storage_including_write_back() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     // docs/sglang.md#fixed-3: SGLang's write_back never writes to storage
     let store = MemoryStore::new();
     let mut rig =
@@ -451,11 +455,12 @@ fn every_write_policy_reaches_storage_including_write_back() {
     // write_back: the write happens at device eviction, and the eviction takes every ack at once
     let prompt = tokens(10, 3);
     let keys = page_keys(&prompt, PAGE, None, PartialPage::Reject).unwrap();
-    let slots = rig.alloc_device(3).unwrap();
+    let slots = device.alloc_pages(3).unwrap();
     let pages = rig.write(&slots, NodeId(4), Some(&keys)).unwrap().unwrap();
     let acks = rig.take_all_write_acks().unwrap();
     assert!(acks[0].storage_op.is_some());
-    rig.evict_device(&slots, &pages).unwrap();
+    rig.evict_device(&pages).unwrap();
+    device.free(&slots).unwrap();
     let error = rig.evict_host(&pages).unwrap_err().to_string();
     assert!(error.contains("pinned"), "pages being written to storage are not evictable: {error}");
     assert!(rig.is_pinned(&pages));
@@ -470,13 +475,14 @@ fn every_write_policy_reaches_storage_including_write_back() {
 
 #[test]
 fn backups_record_each_page_and_go_on_past_a_failure() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     // docs/sglang.md#fixed-27: SGLang stops at the first failed batch and records nothing
     let store = MemoryStore::new();
     let faulty = Arc::new(FaultyStorage::new(memory(&store, 0, 1), FaultPlan::default()));
     let mut rig = controller(faulty.clone(), settings(PrefetchPolicy::BestEffort), Arc::new(SystemClock::new()));
     let prompt = tokens(11, 6);
     let keys = page_keys(&prompt, PAGE, None, PartialPage::Reject).unwrap();
-    let slots = rig.alloc_device(6).unwrap();
+    let slots = device.alloc_pages(6).unwrap();
     // the backup's calls are the 1st, 2nd and 3rd batch_set; fail the second as a whole
     faulty.set_plan(FaultPlan { fail_call: Some(faulty.calls() + 2), ..FaultPlan::default() });
     rig.write(&slots, NodeId(1), Some(&keys)).unwrap().unwrap();
@@ -492,13 +498,14 @@ fn backups_record_each_page_and_go_on_past_a_failure() {
 
 #[test]
 fn mla_ranks_other_than_zero_skip_the_write_and_ack_at_once() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let store = MemoryStore::new();
     let mut skip = settings(PrefetchPolicy::BestEffort);
     skip.backup_skip = true;
     let mut rig = controller(Arc::new(memory(&store, 1, 2)), skip, Arc::new(SystemClock::new()));
     let prompt = tokens(12, 2);
     let keys = page_keys(&prompt, PAGE, None, PartialPage::Reject).unwrap();
-    let slots = rig.alloc_device(2).unwrap();
+    let slots = device.alloc_pages(2).unwrap();
     rig.write(&slots, NodeId(1), Some(&keys)).unwrap().unwrap();
     let report = rig.tick(&mut SingleRank).unwrap();
     assert_eq!(report.write_acks.len(), 1);
@@ -754,6 +761,7 @@ fn reset_waits_for_storage_io_and_leaves_nothing_behind() {
 
 #[test]
 fn host_eviction_on_demand_makes_room_for_a_hit() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let store = MemoryStore::new();
     let (prompt, _) = seed_storage(&store, 15, 6);
     let mut rig = controller(
@@ -764,10 +772,11 @@ fn host_eviction_on_demand_makes_room_for_a_hit() {
     // fill the host pool with backed-up pages the callback may evict
     let mut evictable = Vec::new();
     while rig.host().available() > 2 {
-        let slots = rig.alloc_device(1).unwrap();
+        let slots = device.alloc_pages(1).unwrap();
         let pages = rig.write(&slots, NodeId(9), None).unwrap().unwrap();
         rig.take_all_write_acks().unwrap();
-        rig.evict_device(&slots, &pages).unwrap();
+        rig.evict_device(&pages).unwrap();
+        device.free(&slots).unwrap();
         evictable.extend(pages);
     }
     rig.prefetch("r", &prompt, None).unwrap();
@@ -793,6 +802,7 @@ fn host_eviction_on_demand_makes_room_for_a_hit() {
 
 #[test]
 fn a_host_pool_too_small_for_the_hit_keeps_what_fits_and_says_why() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let store = MemoryStore::new();
     let (prompt, expected) = seed_storage(&store, 16, 10);
     let mut rig = controller(
@@ -802,10 +812,10 @@ fn a_host_pool_too_small_for_the_hit_keeps_what_fits_and_says_why() {
     );
     // two device-pool-fulls of synced pages leave 8 host pages, too few for the 10-page hit, and nothing evictable
     for node in 1..=2 {
-        let slots = rig.alloc_device(DEVICE_PAGES).unwrap();
+        let slots = device.alloc_pages(DEVICE_PAGES).unwrap();
         rig.write(&slots, NodeId(node), None).unwrap().unwrap();
         rig.take_all_write_acks().unwrap();
-        rig.free_device(&slots).unwrap();
+        device.free(&slots).unwrap();
     }
     assert_eq!(rig.host().available(), HOST_PAGES - 2 * DEVICE_PAGES);
     rig.prefetch("r", &prompt, None).unwrap();
@@ -817,7 +827,7 @@ fn a_host_pool_too_small_for_the_hit_keeps_what_fits_and_says_why() {
     rig.evict_host(&done.host_pages).unwrap();
 
     // with fewer free pages than the threshold, nothing is reserved at all
-    let slots = rig.alloc_device(7).unwrap();
+    let slots = device.alloc_pages(7).unwrap();
     rig.write(&slots, NodeId(3), None).unwrap().unwrap();
     rig.take_all_write_acks().unwrap();
     assert_eq!(rig.host().available(), 1);

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use hicache_core::collective::SingleRank;
 use hicache_core::config::PrefetchPolicy;
 use hicache_core::controller::{CacheController, PageBackup, StorageSettings};
+use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::error::Error;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PageKey, PartialPage, page_keys};
@@ -203,11 +204,12 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 
 #[test]
 fn a_page_lent_for_a_backup_is_neither_written_nor_freed_until_the_lease_returns() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let store = MemoryStore::new();
     let storage = Arc::new(Recording::new(MemoryStorage::shared(store.clone(), &namespace()), Some(Gate::Sets)));
     let mut rig = controller(storage.clone());
     let keys = page_keys(&tokens(1, 2), PAGE, None, PartialPage::Reject).unwrap();
-    let slots = rig.alloc_device(2).unwrap();
+    let slots = device.alloc_pages(2).unwrap();
     let pages = rig.write(&slots, NodeId(1), Some(&keys)).unwrap().unwrap();
     let backed_up = rig.engine().host_memory().copy_pages_out(&indices(&pages)).unwrap();
     rig.tick(&mut SingleRank).unwrap(); // the write's ack: the backup to storage starts
@@ -218,7 +220,8 @@ fn a_page_lent_for_a_backup_is_neither_written_nor_freed_until_the_lease_returns
     let refused = memory.lend_write(&indices(&pages)).unwrap_err().to_string();
     assert!(refused.contains("lent for reading"), "{refused}");
     // the device copy may go (the host copy stays), but the host page may not be freed
-    rig.evict_device(&slots, &pages).unwrap();
+    rig.evict_device(&pages).unwrap();
+    device.free(&slots).unwrap();
     assert!(rig.evict_host(&pages).is_err(), "freed under a backup");
     // a writer that waits (as the CPU engine's copies do) gets the page only after the backup returned it
     let (granted, seen) = std::sync::mpsc::channel();
@@ -254,12 +257,13 @@ fn a_page_lent_for_a_backup_is_neither_written_nor_freed_until_the_lease_returns
 
 #[test]
 fn a_page_lent_for_a_fetch_is_not_readable_until_its_fetch_is_counted() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let store = MemoryStore::new();
     let prompt = tokens(2, 4);
     let expected = {
         let mut writer = controller(Arc::new(MemoryStorage::shared(store.clone(), &namespace())));
         let keys = page_keys(&prompt, PAGE, None, PartialPage::Reject).unwrap();
-        let slots = writer.alloc_device(4).unwrap();
+        let slots = device.alloc_pages(4).unwrap();
         let pages = writer.write(&slots, NodeId(1), Some(&keys)).unwrap().unwrap();
         wait_until("stored", || !writer.tick(&mut SingleRank).unwrap().backups.is_empty());
         writer.engine().host_memory().copy_pages_out(&indices(&pages)).unwrap()

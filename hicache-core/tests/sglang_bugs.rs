@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use hicache_core::collective::{Collective, InProcessGroup, ReduceOp, SingleRank};
 use hicache_core::config::{PrefetchPolicy, WritePolicy};
 use hicache_core::controller::{CacheController, PrefetchDone, PrefetchStop, StorageSettings};
+use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PartialPage, page_keys};
 use hicache_core::host_pool::PageState;
@@ -73,15 +74,17 @@ fn controller_with(
 
 /// Writes `pages` device pages with keys of `tokens` to the host and on to storage; returns once stored.
 fn store_pages(controller: &mut CacheController<CpuEngine>, tokens: &[u32]) {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let keys = page_keys(tokens, PAGE, None, PartialPage::Reject).unwrap();
-    let slots = controller.alloc_device(keys.len()).unwrap();
+    let slots = device.alloc_pages(keys.len()).unwrap();
     let pages = controller.write(&slots, NodeId(1), Some(&keys)).unwrap().unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while controller.backups_in_flight() > 0 || controller.outstanding().0 > 0 {
         controller.tick(&mut SingleRank).unwrap();
         assert!(Instant::now() < deadline);
     }
-    controller.evict_device(&slots, &pages).unwrap();
+    controller.evict_device(&pages).unwrap();
+    device.free(&slots).unwrap();
     controller.evict_host(&pages).unwrap();
 }
 
@@ -173,15 +176,16 @@ fn item_02_ranks_that_fetch_different_amounts_free_the_same_pages() {
 
 #[test]
 fn item_03_write_back_reaches_storage() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     // SGLang calls write_backup_storage only in writing_check's non-write_back branch
     let store = MemoryStore::new();
     let rig = controller(Completion::Immediate, Some(Arc::new(memory(&store, 0, 1))));
     let settings = TreeSettings { write_policy: WritePolicy::WriteBack, ..TreeSettings::default() };
     let mut tree = HiRadixTree::new(rig, settings);
     let tokens: Vec<u32> = (0..3 * PAGE as u32).collect();
-    let slots = tree.controller_mut().alloc_device(3).unwrap();
-    tree.insert(&tokens, &slots).unwrap();
-    assert_eq!(tree.evict(3 * PAGE).unwrap(), 3 * PAGE);
+    let slots = device.alloc_pages(3).unwrap();
+    tree.insert(&tokens, &slots, &mut device).unwrap();
+    assert_eq!(tree.evict(3 * PAGE, &mut device).unwrap(), 3 * PAGE);
     let deadline = Instant::now() + Duration::from_secs(10);
     while store.len() < 3 {
         tree.tick(&mut SingleRank).unwrap();
@@ -191,20 +195,21 @@ fn item_03_write_back_reaches_storage() {
 
 #[test]
 fn item_04_a_write_back_eviction_without_host_room_does_not_crash() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     // SGLang appends the node to write_back_nodes although write_backup failed, then asserts node.backuped
     let rig = controller(Completion::Immediate, None);
     let settings = TreeSettings { write_policy: WritePolicy::WriteBack, ..TreeSettings::default() };
     let mut tree = HiRadixTree::new(rig, settings);
     let tokens: Vec<u32> = (0..4 * PAGE as u32).collect();
-    let slots = tree.controller_mut().alloc_device(4).unwrap();
-    tree.insert(&tokens, &slots).unwrap();
+    let slots = device.alloc_pages(4).unwrap();
+    tree.insert(&tokens, &slots, &mut device).unwrap();
     // fill the host pool with copies no one can evict: four unacked writes of 4 pages from other device pages
-    let other_slots = tree.controller_mut().alloc_device(4).unwrap();
+    let other_slots = device.alloc_pages(4).unwrap();
     for node in 0..4 {
         assert!(tree.controller_mut().write(&other_slots, NodeId(90 + node), None).unwrap().is_some());
     }
     assert_eq!(tree.controller().host().available(), 0);
-    let freed = tree.evict(4 * PAGE).unwrap();
+    let freed = tree.evict(4 * PAGE, &mut device).unwrap();
     assert_eq!(freed, 4 * PAGE, "the node was dropped (its KV is recomputed if asked again), not asserted on");
     tree.check_invariants().unwrap();
     assert_eq!(tree.stats().dropped_tokens, 4 * PAGE);
@@ -235,12 +240,13 @@ fn item_06_a_batch_with_failed_pages_counts_only_the_pages_that_arrived() {
 
 #[test]
 fn item_07_a_page_gone_between_exists_and_get_does_not_shift_the_others() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     // SGLang's 3FS batch_get slices destinations by found-key position: later pages land on the wrong host slots
     let store = MemoryStore::new();
     let tokens: Vec<u32> = (300..300 + 4 * PAGE as u32).collect();
     let mut writer = controller(Completion::Immediate, Some(Arc::new(memory(&store, 0, 1))));
     let expected: Vec<u8> = {
-        let slots = writer.alloc_device(4).unwrap();
+        let slots = device.alloc_pages(4).unwrap();
         let keys = page_keys(&tokens, PAGE, None, PartialPage::Reject).unwrap();
         let pages = writer.write(&slots, NodeId(1), Some(&keys)).unwrap().unwrap();
         while writer.backups_in_flight() > 0 || writer.outstanding().0 > 0 {
@@ -308,9 +314,10 @@ impl StorageBackend for StaleExists {
 
 #[test]
 fn item_14_reset_waits_for_copies_and_leaves_no_stale_state() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     // SGLang's reset clears its ack lists without synchronising and keeps ongoing_* dicts while resetting node ids
     let mut rig = controller(Completion::Manual, None);
-    let slots = rig.alloc_device(2).unwrap();
+    let slots = device.alloc_pages(2).unwrap();
     rig.write(&slots, NodeId(1), None).unwrap().unwrap();
     assert_eq!(rig.engine().pending(), (1, 0));
     rig.reset();
@@ -328,10 +335,11 @@ fn item_16_a_rank_with_nothing_to_ack_still_enters_the_tick() {
             .into_iter()
             .map(|mut group| {
                 scope.spawn(move || {
+                    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
                     let mut rig = controller(Completion::Immediate, None);
                     // only rank 0 writes; rank 1 has nothing in flight, and ticks all the same
                     if group.rank() == 0 {
-                        let slots = rig.alloc_device(1).unwrap();
+                        let slots = device.alloc_pages(1).unwrap();
                         rig.write(&slots, NodeId(1), None).unwrap().unwrap();
                     }
                     (0..3).map(|_| rig.tick(&mut group).unwrap().write_acks.len()).sum()
@@ -345,18 +353,20 @@ fn item_16_a_rank_with_nothing_to_ack_still_enters_the_tick() {
 
 #[test]
 fn item_17_a_fourth_load_waits_or_reports_busy_instead_of_asserting() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     // SGLang's LayerDoneCounter.update_producer asserts when the slot's last load has not finished
     let mut rig = controller(Completion::Manual, None);
-    let slots = rig.alloc_device(4).unwrap();
+    let slots = device.alloc_pages(4).unwrap();
     let pages = rig.write(&slots, NodeId(1), None).unwrap().unwrap();
     rig.engine().run_pending();
     rig.take_write_acks(1).unwrap();
-    rig.evict_device(&slots, &pages).unwrap();
+    rig.evict_device(&pages).unwrap();
+    device.free(&slots).unwrap();
     for (index, page) in pages.iter().take(3).enumerate() {
-        rig.load(&[*page], NodeId(index as u64), None).unwrap().unwrap();
+        rig.load(&[*page], &device.alloc_pages(1).unwrap(), NodeId(index as u64), None).unwrap();
         rig.start_loading(SlotReuse::Refuse).unwrap().unwrap();
     }
-    rig.load(&pages[3..], NodeId(9), None).unwrap().unwrap();
+    rig.load(&pages[3..], &device.alloc_pages(pages[3..].len()).unwrap(), NodeId(9), None).unwrap();
     assert_eq!(rig.start_loading(SlotReuse::Refuse).unwrap(), Err(SlotBusy { slot: 0 }));
     assert_eq!(rig.start_loading(SlotReuse::Wait).unwrap(), Ok(Some(0)));
     assert!(rig.engine().complete_next(Stream::Load) || rig.engine().pending().1 == 0);

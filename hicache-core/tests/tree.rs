@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use hicache_core::collective::SingleRank;
 use hicache_core::config::{PrefetchPolicy, WritePolicy};
 use hicache_core::controller::{CacheController, PrefetchStart, PrefetchStop, StorageSettings};
+use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PartialPage, page_keys};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
@@ -29,6 +30,8 @@ fn geometry() -> KvGeometry {
 
 struct Rig {
     tree: HiRadixTree<CpuEngine>,
+    /// The engine's device slot allocator, which the tree borrows for loads, evictions and inserts.
+    device: PagedSlots,
     requests: usize,
 }
 
@@ -62,7 +65,11 @@ fn rig(policy: WritePolicy, device_pages: usize, host_pages: usize, store: Optio
             .unwrap();
     }
     let settings = TreeSettings { write_policy: policy, write_through_selective_threshold: 2, load_back_threshold: 1 };
-    Rig { tree: HiRadixTree::new(controller, settings), requests: 0 }
+    Rig {
+        tree: HiRadixTree::new(controller, settings),
+        device: PagedSlots::new(device_pages, PAGE).unwrap(),
+        requests: 0,
+    }
 }
 
 /// The bytes of one item: a function of the token's page key, its place in the page, the layer and the part.
@@ -124,7 +131,7 @@ impl Rig {
         }
         let matched = self.tree.match_prefix(tokens);
         let mut slots = matched.device_slots.clone();
-        let loaded = self.tree.load_back(matched.last_node).unwrap();
+        let loaded = self.tree.load_back(matched.last_node, &mut self.device).unwrap();
         let host_hit = loaded.len();
         // as the scheduler does: lock the deepest resident node of what the request uses
         let locked = if loaded.is_empty() { matched.last_device_node } else { matched.last_node };
@@ -140,11 +147,11 @@ impl Rig {
         self.verify(tokens, &slots);
         let cached = slots.len();
         let new_pages = (tokens.len() - cached) / PAGE;
-        let fresh = match self.tree.controller_mut().alloc_device(new_pages) {
+        let fresh = match self.device.alloc_pages(new_pages) {
             Some(fresh) => fresh,
             None => {
-                self.tree.evict(new_pages * PAGE).unwrap();
-                match self.tree.controller_mut().alloc_device(new_pages) {
+                self.tree.evict(new_pages * PAGE, &mut self.device).unwrap();
+                match self.device.alloc_pages(new_pages) {
                     Some(fresh) => fresh,
                     None => {
                         self.tree.dec_lock_ref(locked).unwrap();
@@ -155,7 +162,7 @@ impl Rig {
         };
         self.fill(tokens, cached, &fresh);
         slots.extend(&fresh);
-        self.tree.insert(tokens, &slots).unwrap();
+        self.tree.insert(tokens, &slots, &mut self.device).unwrap();
         self.tree.dec_lock_ref(locked).unwrap();
         Some((matched.device_slots.len(), host_hit))
     }
@@ -212,7 +219,7 @@ fn write_back_backs_up_at_eviction_and_reaches_storage() {
     let mut rig = rig(WritePolicy::WriteBack, 8, 16, Some(&store));
     let a = tokens(1, 3);
     rig.request(&a);
-    assert_eq!(rig.tree.evict(3 * PAGE).unwrap(), 3 * PAGE);
+    assert_eq!(rig.tree.evict(3 * PAGE, &mut rig.device).unwrap(), 3 * PAGE);
     rig.tree.check_invariants().unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while store.len() < 3 {
@@ -234,7 +241,7 @@ fn write_back_eviction_without_host_room_drops_the_node_instead_of_crashing() {
     rig.request(&b);
     let matched = rig.tree.match_prefix(&b);
     rig.tree.inc_lock_ref(matched.last_node).unwrap();
-    assert_eq!(rig.tree.evict(4 * PAGE).unwrap(), 4 * PAGE, "some node gave its pages up");
+    assert_eq!(rig.tree.evict(4 * PAGE, &mut rig.device).unwrap(), 4 * PAGE, "some node gave its pages up");
     rig.tree.check_invariants().unwrap();
 }
 
@@ -244,13 +251,13 @@ fn evicted_pages_load_back_byte_for_byte_and_host_eviction_forgets_them() {
     let a = tokens(1, 4);
     rig.request(&a);
     rig.tick();
-    assert_eq!(rig.tree.evict(8 * PAGE).unwrap(), 4 * PAGE);
+    assert_eq!(rig.tree.evict(8 * PAGE, &mut rig.device).unwrap(), 4 * PAGE);
     assert_eq!(rig.tree.device_tokens(), (0, 0));
     let matched = rig.tree.match_prefix(&a);
     assert_eq!((matched.device_slots.len(), matched.host_hit_length), (0, 4 * PAGE));
     assert_eq!(rig.request(&a), Some((0, 4 * PAGE)), "loaded back and verified");
     rig.tick();
-    rig.tree.evict(8 * PAGE).unwrap();
+    rig.tree.evict(8 * PAGE, &mut rig.device).unwrap();
     assert_eq!(rig.tree.evict_host(8 * PAGE).unwrap(), 4 * PAGE);
     assert_eq!(rig.tree.node_count(), 1);
     assert_eq!(rig.request(&a), Some((0, 0)), "gone from L1 and L2");
@@ -268,7 +275,7 @@ fn pages_evicted_from_the_host_come_back_from_storage() {
         rig.tick();
         assert!(Instant::now() < deadline);
     }
-    rig.tree.evict(10 * PAGE).unwrap();
+    rig.tree.evict(10 * PAGE, &mut rig.device).unwrap();
     assert_eq!(rig.tree.evict_host(10 * PAGE).unwrap(), 5 * PAGE);
     let mut b = a.clone();
     b.extend(tokens(2, 1));
@@ -304,7 +311,7 @@ fn an_aborted_request_gives_its_prefetch_back_and_reset_empties_everything() {
         rig.tick();
         assert!(Instant::now() < deadline);
     }
-    rig.tree.evict(10 * PAGE).unwrap();
+    rig.tree.evict(10 * PAGE, &mut rig.device).unwrap();
     rig.tree.evict_host(10 * PAGE).unwrap();
     let root = rig.tree.root();
     assert!(matches!(rig.tree.prefetch_from_storage("gone", root, &a).unwrap(), PrefetchStart::Started(_)));
@@ -331,6 +338,8 @@ fn an_aborted_request_gives_its_prefetch_back_and_reset_empties_everything() {
     let matched = rig.tree.match_prefix(&b);
     rig.tree.inc_lock_ref(matched.last_node).unwrap();
     rig.tree.reset();
+    // the engine empties its device allocator with the flush (the nodes' slots are not given back one by one)
+    rig.device.clear();
     rig.tree.check_invariants().unwrap();
     assert_eq!((rig.tree.node_count(), rig.tree.device_tokens()), (1, (0, 0)));
     assert_eq!(rig.tree.controller().host().available(), 16);
@@ -345,7 +354,7 @@ fn an_aborted_request_gives_its_prefetch_back_and_reset_empties_everything() {
     let protected = rig.tree.device_tokens().1;
     assert_eq!(rig.tree.inc_lock_ref(stale).unwrap_err().to_string(), unknown);
     assert_eq!(rig.tree.dec_lock_ref(stale).unwrap_err().to_string(), unknown);
-    assert_eq!(rig.tree.load_back(stale).unwrap_err().to_string(), unknown);
+    assert_eq!(rig.tree.load_back(stale, &mut rig.device).unwrap_err().to_string(), unknown);
     assert!(rig.tree.prefetch_from_storage("late", stale, &b).is_err());
     assert_eq!(rig.tree.last_key(stale), None);
     assert_eq!(rig.tree.device_tokens().1, protected, "nothing was locked or released by the stale ids");
@@ -401,7 +410,7 @@ proptest! {
                     rig.request(&tokens(conversation, pages));
                 }
                 Op::Evict(tokens) => {
-                    rig.tree.evict(tokens).unwrap();
+                    rig.tree.evict(tokens, &mut rig.device).unwrap();
                 }
                 Op::EvictHost(tokens) => {
                     rig.tree.evict_host(tokens).unwrap();

@@ -6,6 +6,7 @@
 
 use hicache_core::config::IoBackend;
 use hicache_core::controller::CacheController;
+use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::geometry::{KvDtype, KvGeometry, KvPart};
 use std::sync::Arc;
 
@@ -391,12 +392,16 @@ fn the_controller_runs_unchanged_on_the_gpu() {
     engine.device_pool().write(0, &bytes).unwrap();
     let map = engine.device_map();
     let mut controller = CacheController::new(engine, page, host_pages, device_pages, geometry.layers).unwrap();
-    let slots = controller.alloc_device(8).unwrap();
+    // the engine's device slots
+    let mut slots_of_engine = PagedSlots::new(device_pages, page).unwrap();
+    let slots = slots_of_engine.alloc_pages(8).unwrap();
     let host = controller.write(&slots, NodeId(1), None).unwrap().unwrap();
     let acks = controller.take_all_write_acks().unwrap();
     assert_eq!(acks.len(), 1);
-    controller.evict_device(&slots, &host).unwrap();
-    let loaded = controller.load(&host, NodeId(2), None).unwrap().unwrap();
+    controller.evict_device(&host).unwrap();
+    slots_of_engine.free(&slots).unwrap();
+    let loaded = slots_of_engine.alloc_pages(host.len()).unwrap();
+    controller.load(&host, &loaded, NodeId(2), None).unwrap();
     let slot = controller.start_loading(SlotReuse::Wait).unwrap().unwrap();
     assert!(slot.is_some());
     controller.layers().set_consumer(slot);

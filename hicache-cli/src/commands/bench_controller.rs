@@ -15,6 +15,7 @@ use clap::Args;
 use hicache_core::collective::SingleRank;
 use hicache_core::config::PrefetchPolicy;
 use hicache_core::controller::{CacheController, DEFAULT_TICK_SLOTS, PrefetchStart, StorageSettings};
+use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PageHasher, PartialPage};
 use hicache_core::host_pool::HostPageId;
@@ -96,6 +97,8 @@ pub(crate) fn run(args: &BenchControllerArgs) -> anyhow::Result<()> {
     // host pages holding the only copy above storage (evictable), oldest first
     let mut host_only: std::collections::VecDeque<HostPageId> = std::collections::VecDeque::new();
     let mut writes: std::collections::VecDeque<Vec<u32>> = std::collections::VecDeque::new();
+    // the engine's device slots, as an engine keeps them beside the controller
+    let mut device = PagedSlots::new(DEVICE_PAGES, page)?;
     let started = Instant::now();
     while ops < args.ops || controller.prefetches_in_flight() > 0 || controller.backups_in_flight() > 0 {
         if ops < args.ops {
@@ -104,7 +107,7 @@ pub(crate) fn run(args: &BenchControllerArgs) -> anyhow::Result<()> {
             let key = hasher.page_keys(&tokens, page, None, PartialPage::Reject)?;
             // a full host pool (pages pinned by backups still running) holds the write back, as it would a scheduler
             if controller.host().available() > 16
-                && let Some(slots) = controller.alloc_device(1)
+                && let Some(slots) = device.alloc_pages(1)
             {
                 controller.write(&slots, NodeId(requests as u64), Some(&key))?.context("host pool full")?;
                 writes.push_back(slots);
@@ -114,11 +117,13 @@ pub(crate) fn run(args: &BenchControllerArgs) -> anyhow::Result<()> {
             if let Some(page_id) = host_only.pop_front()
                 && !controller.is_pinned(&[page_id])
             {
-                if let Some(slots) = controller.load(&[page_id], NodeId(0), None)? {
+                if let Some(slots) = device.alloc_pages(1) {
+                    controller.load(&[page_id], &slots, NodeId(0), None)?;
                     controller.start_loading(SlotReuse::Wait)?.ok().context("producer slot")?;
                     let done = controller.completed_loads();
                     controller.take_load_acks(done)?;
-                    controller.evict_device(&slots, &[page_id])?;
+                    controller.evict_device(&[page_id])?;
+                    device.free(&slots)?;
                     ops += 4;
                 }
                 host_only.push_back(page_id);
@@ -138,7 +143,8 @@ pub(crate) fn run(args: &BenchControllerArgs) -> anyhow::Result<()> {
         ops += 1;
         for ack in &report.write_acks {
             let slots = writes.pop_front().context("an ack for no write")?;
-            controller.evict_device(&slots, &ack.host_pages)?;
+            controller.evict_device(&ack.host_pages)?;
+            device.free(&slots)?;
             host_only.extend(&ack.host_pages);
             ops += 1;
         }

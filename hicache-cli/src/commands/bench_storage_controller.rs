@@ -207,10 +207,11 @@ fn fill_sources(controller: &mut CacheController<CpuEngine>, pages: usize) -> an
     while sources.len() < pages {
         let count = (pages - sources.len()).min(FILL_CHUNK);
         controller.engine().with_device(|bytes| super::bench_storage::fill(bytes, &mut state));
-        let slots = controller.alloc_device(count).context("device pages for the sources")?;
+        // the first pages of the device pool, written over each chunk
+        let slots: Vec<u32> = (0..(count * controller.page_size()) as u32).collect();
         let written = controller.write(&slots, NodeId(1), None)?.context("host pages for the sources")?;
         controller.take_all_write_acks()?;
-        controller.evict_device(&slots, &written)?;
+        controller.evict_device(&written)?;
         sources.extend(written);
     }
     Ok(sources)

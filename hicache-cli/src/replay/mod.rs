@@ -594,7 +594,9 @@ fn run_on<E: device::ReplayEngine>(
         decode_ms_per_token: args.decode_ms_per_token,
         sync_storage: args.sync_storage,
     };
-    let mut outcome = rank::run_rank(&mut tree, &mut workload, &spec, collective, progress, metrics)?;
+    // the engine's allocator of device slots: the rank allocates its prefills from it and lends it to the tree
+    let mut device = hicache_core::device_slots::PagedSlots::new(device_pages, page)?;
+    let mut outcome = rank::run_rank(&mut tree, &mut device, &mut workload, &spec, collective, progress, metrics)?;
     outcome.storage = backend.map(|backend| backend.stats());
     outcome.injected = faults.map(|faults| faults.injected());
     Ok(outcome)

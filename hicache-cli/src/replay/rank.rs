@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use hicache_core::collective::Collective;
 use hicache_core::controller::{PrefetchExplanation, PrefetchStart, PrefetchStop};
+use hicache_core::device_slots::DeviceSlotAllocator;
 use hicache_core::hash::{PageHasher, PartialPage};
 use hicache_core::tree::{HiRadixTree, PrefetchCheck, TickSummary};
 
@@ -153,6 +154,7 @@ struct Waiting {
 /// Runs the workload on one rank's tree.
 pub(crate) fn run_rank<E: ReplayEngine>(
     tree: &mut HiRadixTree<E>,
+    device: &mut dyn DeviceSlotAllocator,
     workload: &mut Workload,
     spec: &LoopSpec,
     collective: &mut dyn Collective,
@@ -220,7 +222,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
         let mut step_compute = 0.0;
         let mut ran = Vec::new();
         for request in batch {
-            match run_request(tree, workload, spec, &pattern, layers, &mut hasher, &request, &mut outcome)? {
+            match run_request(tree, device, workload, spec, &pattern, layers, &mut hasher, &request, &mut outcome)? {
                 Some((tally, compute_s)) => {
                     if let Some(metrics) = metrics {
                         metrics.request(tally.prompt_tokens, tally.from_l1, tally.from_l2, tally.from_l3);
@@ -310,6 +312,7 @@ fn admit<E: ReplayEngine>(
 #[expect(clippy::too_many_arguments, reason = "the loop's state, passed apart to keep the borrows disjoint")]
 fn run_request<E: ReplayEngine>(
     tree: &mut HiRadixTree<E>,
+    device: &mut dyn DeviceSlotAllocator,
     workload: &Workload,
     spec: &LoopSpec,
     pattern: &KvPattern,
@@ -324,17 +327,17 @@ fn run_request<E: ReplayEngine>(
     let sequence = workload.with_answer(request.client, request.round);
     let keys = hasher.page_keys(sequence, page, None, PartialPage::Drop)?;
     let matched = tree.match_prefix(prompt);
-    let loaded = tree.load_back(matched.last_node)?;
+    let loaded = tree.load_back(matched.last_node, device)?;
     let locked = if loaded.is_empty() { matched.last_device_node } else { matched.last_node };
     tree.inc_lock_ref(locked)?;
     let device_hit = matched.device_slots.len();
     let cached = device_hit + loaded.len();
     let new_pages = (sequence.len() - cached).div_ceil(page);
-    let mut fresh = tree.controller_mut().alloc_device(new_pages);
+    let mut fresh = device.alloc_pages(new_pages);
     if fresh.is_none() {
-        let freed = tree.evict(new_pages * page)?;
+        let freed = tree.evict(new_pages * page, device)?;
         outcome.page_ops += (freed / page) as u64;
-        fresh = tree.controller_mut().alloc_device(new_pages);
+        fresh = device.alloc_pages(new_pages);
     }
     let mut checking = Duration::ZERO;
     let load_started = Instant::now();
@@ -376,9 +379,9 @@ fn run_request<E: ReplayEngine>(
     slots.extend(&loaded);
     slots.extend(&fresh);
     let aligned = sequence.len() - sequence.len() % page;
-    tree.insert(&sequence[..aligned], &slots[..aligned])?;
+    tree.insert(&sequence[..aligned], &slots[..aligned], device)?;
     if slots.len() > aligned {
-        tree.controller_mut().free_device(&slots[aligned..])?;
+        device.free(&slots[aligned..])?;
     }
     tree.dec_lock_ref(locked)?;
     // the run's match, the prefill's pages, and the insert of the whole sequence

@@ -128,8 +128,6 @@ pub struct CacheController<E: TransferEngine> {
     memory: Arc<HostMemory>,
     page_size: usize,
     host: HostPageAllocator,
-    /// Device pages: a device page `d` is slots `[d·P, (d+1)·P)`.
-    device: HostPageAllocator,
     ids: OpIds,
     load_queue: Vec<CacheOperation>,
     write_acks: VecDeque<PendingWrite<E::Event>>,
@@ -140,8 +138,9 @@ pub struct CacheController<E: TransferEngine> {
 }
 
 impl<E: TransferEngine> CacheController<E> {
-    /// A controller over `engine`, with `host_pages` host pages and `device_pages` device pages of `page_size`
-    /// tokens and `layers` layers.
+    /// A controller over `engine`, with `host_pages` host pages and a device pool of `device_pages` pages (the
+    /// engine's; it allocates their slots itself: [`crate::device_slots`]) of `page_size` tokens and `layers`
+    /// layers.
     ///
     /// # Errors
     ///
@@ -173,7 +172,6 @@ impl<E: TransferEngine> CacheController<E> {
             engine,
             page_size,
             host: HostPageAllocator::new(host_pages)?,
-            device: HostPageAllocator::new(device_pages)?,
             ids: OpIds::default(),
             load_queue: Vec::new(),
             write_acks: VecDeque::new(),
@@ -255,57 +253,6 @@ impl<E: TransferEngine> CacheController<E> {
         &mut self.layers
     }
 
-    /// Allocates `pages` device pages and returns their slots, `page_size` per page (the engine's own allocator
-    /// in a real deployment; here, for the CPU engine and replays).
-    pub fn alloc_device(&mut self, pages: usize) -> Option<Vec<DeviceSlot>> {
-        let pages = self.device.alloc(pages)?;
-        Some(self.device_slots(&pages))
-    }
-
-    fn device_slots(&self, pages: &[HostPageId]) -> Vec<DeviceSlot> {
-        pages
-            .iter()
-            .flat_map(|page| {
-                (0..self.page_size).map(move |offset| (page.index() * self.page_size + offset) as DeviceSlot)
-            })
-            .collect()
-    }
-
-    /// The device pages of whole-page slot runs.
-    fn device_pages(&self, slots: &[DeviceSlot]) -> Result<Vec<HostPageId>, Error> {
-        if !slots.len().is_multiple_of(self.page_size) {
-            return Err(Error::InvalidArgument {
-                field: "device_slots",
-                reason: format!("{} slots are not whole pages of {}", slots.len(), self.page_size),
-            });
-        }
-        slots
-            .chunks(self.page_size)
-            .map(|page| {
-                let first = page[0] as usize;
-                let aligned = first.is_multiple_of(self.page_size)
-                    && page.iter().enumerate().all(|(offset, &slot)| slot as usize == first + offset);
-                if !aligned {
-                    return Err(Error::InvalidArgument {
-                        field: "device_slots",
-                        reason: format!("slots {page:?} are not one aligned device page"),
-                    });
-                }
-                self.device.page_id(first / self.page_size)
-            })
-            .collect()
-    }
-
-    /// Frees device slots (whole pages).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] for slots that are not whole aligned pages; [`Error::DoubleFree`] for free ones.
-    pub fn free_device(&mut self, slots: &[DeviceSlot]) -> Result<(), Error> {
-        let pages = self.device_pages(slots)?;
-        self.device.free(&pages)
-    }
-
     /// Backs `device_slots` up to new host pages now (one all-layer transfer); `None` when the host pool is full.
     /// With `keys` (one per page) and a storage tier, the pages go on to storage once the write is acked.
     ///
@@ -352,27 +299,40 @@ impl<E: TransferEngine> CacheController<E> {
         Ok(Some(host_pages))
     }
 
-    /// Allocates device slots for `host_pages` (backed-up pages) and queues their load; `None` when the device pool
-    /// is full.
+    /// Queues the load of `host_pages` (backed-up pages) into `device_slots`, slots the caller took from the engine's
+    /// allocator (`page_size` per page, whole aligned pages, one page per host page).
     ///
     /// # Errors
     ///
-    /// [`Error::PageState`] when a host page is not backed up (nothing is allocated then).
+    /// [`Error::PageState`] when a host page is not backed up; [`Error::InvalidArgument`] for slots that are not one
+    /// whole page per host page. Nothing is queued then.
     pub fn load(
         &mut self,
         host_pages: &[HostPageId],
+        device_slots: &[DeviceSlot],
         node_id: NodeId,
         priority: Option<i64>,
-    ) -> Result<Option<Vec<DeviceSlot>>, Error> {
+    ) -> Result<(), Error> {
+        crate::device_slots::check_pages(device_slots, self.page_size)?;
+        if device_slots.len() != host_pages.len() * self.page_size {
+            return Err(Error::InvalidArgument {
+                field: "device_slots",
+                reason: format!(
+                    "{} slots for {} host pages of {}",
+                    device_slots.len(),
+                    host_pages.len(),
+                    self.page_size
+                ),
+            });
+        }
         self.host.expect_state(host_pages, "load", crate::host_pool::PageState::Backup)?;
         self.unlent_for_writing(host_pages, "load")?;
-        let Some(device_pages) = self.device.alloc(host_pages.len()) else { return Ok(None) };
-        let slots = self.device_slots(&device_pages);
         self.host.protect_load(host_pages)?;
         let id = self.ids.next_id();
-        let op = CacheOperation::new(id, host_pages.to_vec(), slots.clone(), self.page_size, node_id, priority)?;
+        let op =
+            CacheOperation::new(id, host_pages.to_vec(), device_slots.to_vec(), self.page_size, node_id, priority)?;
         self.load_queue.push(op);
-        Ok(Some(slots))
+        Ok(())
     }
 
     /// Starts every queued load as one transfer, one event per layer, in the next producer slot; returns the slot
@@ -567,14 +527,14 @@ impl<E: TransferEngine> CacheController<E> {
         Ok(acks)
     }
 
-    /// Drops the device copy of synced pages: frees the slots; the host pages become the only copy above storage.
+    /// The device copy of synced pages was dropped (the caller gave its slots back to the engine's allocator): the
+    /// host pages become the only copy above storage.
     ///
     /// # Errors
     ///
-    /// [`Error::PageState`] when a host page is not synced; slot errors as [`free_device`](Self::free_device).
-    pub fn evict_device(&mut self, device_slots: &[DeviceSlot], host_pages: &[HostPageId]) -> Result<(), Error> {
+    /// [`Error::PageState`] when a host page is not synced.
+    pub fn evict_device(&mut self, host_pages: &[HostPageId]) -> Result<(), Error> {
         self.host.expect_state(host_pages, "evict_device", crate::host_pool::PageState::Synced)?;
-        self.free_device(device_slots)?;
         self.host.update_backup(host_pages)
     }
 
@@ -668,7 +628,6 @@ impl<E: TransferEngine> CacheController<E> {
         self.load_acks.clear();
         self.load_queue.clear();
         self.host.clear();
-        self.device.clear();
         self.ids.reset();
     }
 

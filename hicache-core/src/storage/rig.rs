@@ -61,7 +61,7 @@ pub fn controller_over(
     )
 }
 
-/// Writes `tokens` (whole pages, at most the device pool) through the controller with their keys and waits for the
+/// Writes `tokens` (whole pages, at most the device pool; from its first pages) through the controller with their keys and waits for the
 /// backup to storage; returns its report and the flat bytes of the host pages it read.
 ///
 /// # Panics
@@ -70,7 +70,8 @@ pub fn controller_over(
 pub fn store_through(controller: &mut CacheController<CpuEngine>, tokens: &[u32]) -> (BackupReport, Vec<u8>) {
     let page = controller.page_size();
     let keys = page_keys(tokens, page, None, PartialPage::Reject).expect("whole pages");
-    let slots = controller.alloc_device(keys.len()).expect("device pages for the tokens");
+    // the first pages of the device pool
+    let slots: Vec<crate::ops::DeviceSlot> = (0..(keys.len() * page) as crate::ops::DeviceSlot).collect();
     let pages = controller.write(&slots, NodeId(1), Some(&keys)).expect("write").expect("host pages");
     let report = tick_until(controller, |tick| tick.backups.into_iter().next());
     let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();

@@ -8,19 +8,21 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use super::{HiRadixTree, Node};
 use crate::config::WritePolicy;
 use crate::controller::CacheController;
+use crate::device_slots::DeviceSlotAllocator;
 use crate::error::Error;
 use crate::ops::NodeId;
 use crate::transfer::TransferEngine;
 
 impl<E: TransferEngine> HiRadixTree<E> {
-    /// Frees at least `tokens` device tokens if it can, least recently used leaves first: a backed-up node keeps its
-    /// host copy; one without is backed up first under `write_back` (and on to storage), otherwise deleted (its KV
-    /// will be recomputed). Locked nodes are skipped. Returns the tokens freed.
+    /// Frees at least `tokens` device tokens if it can, least recently used leaves first, giving their slots back to
+    /// the engine's `device` allocator: a backed-up node keeps its host copy; one without is backed up first under
+    /// `write_back` (and on to storage), otherwise deleted (its KV will be recomputed). Locked nodes are skipped.
+    /// Returns the tokens freed.
     ///
     /// # Errors
     ///
-    /// Controller errors (bugs).
-    pub fn evict(&mut self, tokens: usize) -> Result<usize, Error> {
+    /// Controller and allocator errors (bugs).
+    pub fn evict(&mut self, tokens: usize, device: &mut dyn DeviceSlotAllocator) -> Result<usize, Error> {
         let write_back = self.settings.write_policy == WritePolicy::WriteBack;
         let mut heap: BinaryHeap<Reverse<(u64, NodeId)>> = self
             .nodes
@@ -39,13 +41,13 @@ impl<E: TransferEngine> HiRadixTree<E> {
             }
             let parent = node.parent.expect("the root is not a leaf");
             if node.backed_up() {
-                evicted += self.evict_backed_up(id)?;
+                evicted += self.evict_backed_up(id, device)?;
             } else if write_back && self.rescue(id)? > 0 {
                 // the copy is in flight: the device slots are freed once every write is acked, below
                 evicted += self.node(id).key.len();
                 written.push(id);
                 pending.insert(id);
-            } else if let Some(freed) = self.delete_unbacked(id)? {
+            } else if let Some(freed) = self.delete_unbacked(id, device)? {
                 // no host copy (or, under write_back, no room for one: SGLang would assert later,
                 // docs/sglang.md#fixed-4)
                 evicted += freed;
@@ -67,7 +69,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
         if !written.is_empty() {
             self.take_all_writes()?;
             for id in written {
-                self.evict_backed_up(id)?;
+                self.evict_backed_up(id, device)?;
             }
         }
         tracing::debug!(asked = tokens, evicted, "device eviction");
@@ -95,11 +97,12 @@ impl<E: TransferEngine> HiRadixTree<E> {
     }
 
     /// Drops the device copy of a backed-up node whose host copy is synced.
-    fn evict_backed_up(&mut self, id: NodeId) -> Result<usize, Error> {
+    fn evict_backed_up(&mut self, id: NodeId, device: &mut dyn DeviceSlotAllocator) -> Result<usize, Error> {
         let node = self.node(id);
         let slots = node.device.clone().expect("resident");
         let host = node.host.clone().expect("backed up");
-        self.controller.evict_device(&slots, &host)?;
+        self.controller.evict_device(&host)?;
+        device.free(&slots)?;
         self.node_mut(id).device = None;
         self.evictable_tokens -= slots.len();
         self.stats.device_evicted_tokens += slots.len();
@@ -109,7 +112,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
     /// Frees a device leaf that has no host copy and removes it from the tree, with its host-only descendants
     /// (their prefix is gone, so nothing can match them; SGLang leaves them orphaned). `None`, changing nothing, when
     /// a descendant is protected by a prefetch or being written to storage.
-    fn delete_unbacked(&mut self, id: NodeId) -> Result<Option<usize>, Error> {
+    fn delete_unbacked(&mut self, id: NodeId, device: &mut dyn DeviceSlotAllocator) -> Result<Option<usize>, Error> {
         let mut subtree = vec![id];
         let mut index = 0;
         while index < subtree.len() {
@@ -130,7 +133,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
         }
         let node = self.nodes.remove(&id).expect("live");
         let slots = node.device.expect("resident");
-        self.controller.free_device(&slots)?;
+        device.free(&slots)?;
         let key = self.child_key(&node.key);
         self.node_mut(node.parent.expect("not the root")).children.remove(&key);
         self.evictable_tokens -= slots.len();

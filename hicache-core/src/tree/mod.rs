@@ -22,6 +22,7 @@ use rustc_hash::FxHashMap as HashMap;
 
 use crate::config::WritePolicy;
 use crate::controller::CacheController;
+use crate::device_slots::DeviceSlotAllocator;
 use crate::error::Error;
 use crate::hash::{PageHasher, PageKey, PartialPage};
 use crate::host_pool::HostPageId;
@@ -389,13 +390,18 @@ impl<E: TransferEngine> HiRadixTree<E> {
     }
 
     /// Inserts `tokens` (whole pages are kept) whose KV is in `device_slots` (one per token). Nodes already on the
-    /// device keep their slots, and the caller's duplicates are freed; evicted nodes take the caller's slots again
+    /// device keep their slots, and the caller's duplicates go back to the engine's `device` allocator; evicted nodes take the caller's slots again
     /// (recomputed); the rest becomes a new leaf. Returns the tokens that were already on the device.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] when there are fewer slots than whole-page tokens; controller errors (bugs).
-    pub fn insert(&mut self, tokens: &[u32], device_slots: &[DeviceSlot]) -> Result<usize, Error> {
+    pub fn insert(
+        &mut self,
+        tokens: &[u32],
+        device_slots: &[DeviceSlot],
+        device: &mut dyn DeviceSlotAllocator,
+    ) -> Result<usize, Error> {
         let tokens = self.aligned(tokens);
         if device_slots.len() < tokens.len() {
             return Err(Error::InvalidArgument {
@@ -434,7 +440,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
                         .collect()
                 };
                 if !duplicates.is_empty() {
-                    self.controller.free_device(&duplicates)?;
+                    device.free(&duplicates)?;
                 }
                 already += prefix;
                 self.inc_hit_count(child)?;
@@ -511,7 +517,8 @@ impl<E: TransferEngine> HiRadixTree<E> {
     }
 
     /// Empties the tree and resets the controller (SGLang's `/flush_cache`): in-flight copies and storage I/O are
-    /// waited for first; storage keeps its pages.
+    /// waited for first; storage keeps its pages. The nodes' device slots are not given back one by one: the engine
+    /// empties its allocator with it, as SGLang's flush does.
     pub fn reset(&mut self) {
         self.controller.reset();
         self.nodes.clear();

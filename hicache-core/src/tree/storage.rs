@@ -7,6 +7,7 @@ use super::evict::evict_host_nodes;
 use super::{HiRadixTree, Node};
 use crate::collective::Collective;
 use crate::controller::{PrefetchDone, PrefetchExplanation, PrefetchStart};
+use crate::device_slots::DeviceSlotAllocator;
 use crate::error::Error;
 use crate::hash::PageKey;
 use crate::host_pool::HostPageId;
@@ -42,15 +43,20 @@ pub struct TickSummary {
 
 impl<E: TransferEngine> HiRadixTree<E> {
     /// Loads the evicted part of the match ending at `last_node` back to the device: all of it or nothing
-    /// (docs/sglang.md#load-back), when it is at least the load-back threshold, evicting device pages once if the pool
-    /// is full. Returns the device slots of the loaded tokens (empty when nothing was loaded); the load starts with
+    /// (docs/sglang.md#load-back), when it is at least the load-back threshold, into slots taken from the engine's
+    /// `device` allocator, evicting device pages once (their slots go back to it) if it has too few free. Returns the
+    /// device slots of the loaded tokens (empty when nothing was loaded); the load starts with
     /// [`start_loading`](Self::start_loading). The loaded nodes stay locked until their load is acked.
     ///
     /// # Errors
     ///
-    /// [`Error::UnknownNode`] when `last_node` is not in the tree (removed, or from before a reset); controller errors
-    /// (bugs).
-    pub fn load_back(&mut self, last_node: NodeId) -> Result<Vec<DeviceSlot>, Error> {
+    /// [`Error::UnknownNode`] when `last_node` is not in the tree (removed, or from before a reset); controller and
+    /// allocator errors (bugs).
+    pub fn load_back(
+        &mut self,
+        last_node: NodeId,
+        device: &mut dyn DeviceSlotAllocator,
+    ) -> Result<Vec<DeviceSlot>, Error> {
         self.live(last_node)?;
         let mut to_load = Vec::new();
         let mut node = last_node;
@@ -68,16 +74,20 @@ impl<E: TransferEngine> HiRadixTree<E> {
         // the ancestor must stay resident, and the nodes to load on the host, while this makes room (a write_back
         // eviction may need host room itself)
         self.lock_path(ancestor);
-        let mut slots = self.controller.load(&host, last_node, None)?;
+        let mut slots = device.alloc_pages(host.len());
         if slots.is_none() {
             to_load.iter().for_each(|id| self.node_mut(*id).host_ref += 1);
-            let evicted = self.evict(host.len() * self.page_size);
+            let evicted = self.evict(host.len() * self.page_size, device);
             to_load.iter().for_each(|id| self.node_mut(*id).host_ref -= 1);
             evicted?;
-            slots = self.controller.load(&host, last_node, None)?;
+            slots = device.alloc_pages(host.len());
         }
         self.unlock_path(ancestor);
         let Some(slots) = slots else { return Ok(Vec::new()) };
+        if let Err(error) = self.controller.load(&host, &slots, last_node, None) {
+            device.free(&slots)?;
+            return Err(error);
+        }
         let mut offset = 0;
         for id in &to_load {
             let node = self.node_mut(*id);
