@@ -8,6 +8,20 @@
 //!
 //! [`PagedSlots`] is a paged allocator for engines that have none (the CPU engine, the replay, the examples and
 //! tests); an engine with its own block manager implements [`DeviceSlotAllocator`] over it.
+//!
+//! ```
+//! use hicache_core::device_slots::{DeviceSlotAllocator, PagedSlots};
+//!
+//! // a device pool of 4 pages of 16 tokens
+//! let mut slots = PagedSlots::new(4, 16).unwrap();
+//! let prefill = slots.alloc_pages(3).unwrap();
+//! assert_eq!(prefill.len(), 48);
+//! assert!(slots.alloc_pages(2).is_none(), "one page left");
+//! // the tree gives slots back when it evicts; a second free of the same slots is refused
+//! slots.free(&prefill[16..32]).unwrap();
+//! assert!(slots.free(&prefill[16..32]).is_err());
+//! assert_eq!(slots.free_pages(), 2);
+//! ```
 
 use crate::error::Error;
 use crate::host_pool::{HostPageAllocator, HostPageId};

@@ -184,6 +184,8 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
             ("HF3FS_LIB_DIR", mock_dir),
         ],
     )?;
+    // the examples an engine copies first, run as users run them
+    run_program("cargo", &["run", "--locked", "-p", "hicache-examples", "--example", "engine_loop"], &[])?;
     // the Python package's pure parts (a test binary with the Python module in it would need libpython at run time)
     run_program("cargo", &["test", "-p", "hicache-py", "--no-default-features", "--locked"], &[])?;
     // the Python package, built as a wheel and tested with SGLang's own code (torch and SGLang from PyPI), and
