@@ -19,6 +19,7 @@ use hicache_core::transfer::{DeviceLayoutMap, TransferEngine, TransferEvent};
 
 use crate::device::{Device, DeviceBuffer, PinnedBuffer, driver};
 use crate::kernels::TransferKernel;
+use crate::pool::DevicePool;
 
 /// How the kernel is launched: its grid is at most `blocks` blocks of `threads` threads (SGLang's block quota), so
 /// transfers leave most SMs to the model.
@@ -122,7 +123,7 @@ pub struct CudaEngine {
     kernel: TransferKernel,
     device_map: DeviceLayoutMap,
     host_map: HostLayoutMap,
-    device_pool: Arc<DeviceBuffer>,
+    device_pool: Arc<DevicePool>,
     host_pool: Arc<PinnedBuffer>,
     caller: Arc<CudaStream>,
     write_stream: Arc<CudaStream>,
@@ -340,6 +341,23 @@ impl CudaEngine {
         device_pool: DeviceBuffer,
         host: Arc<HostMemory>,
     ) -> Result<Self, Error> {
+        let device_pool = DevicePool::slab(device, &device_map, device_pool)?;
+        Self::with_device_regions(device, device_map, device_pool, host)
+    }
+
+    /// An engine over a device pool of any regions ([`DevicePool::per_layer`]: an engine's K and V tensor per layer)
+    /// and the caller's host memory, which it pins in place.
+    ///
+    /// # Errors
+    ///
+    /// As [`with_device_pool`](Self::with_device_pool), and [`Error::InvalidArgument`] naming `device_regions` when
+    /// the pool is not the map's size.
+    pub fn with_device_regions(
+        device: &Device,
+        device_map: DeviceLayoutMap,
+        device_pool: DevicePool,
+        host: Arc<HostMemory>,
+    ) -> Result<Self, Error> {
         let host_map = *host.map();
         if device_map.geometry() != host_map.geometry() {
             return Err(Error::InvalidArgument {
@@ -347,10 +365,10 @@ impl CudaEngine {
                 reason: "its geometry differs from the device pool's".into(),
             });
         }
-        if device_pool.len() < device_map.total_bytes() {
+        if device_pool.len() != device_map.total_bytes() {
             return Err(Error::InvalidArgument {
-                field: "device_pool",
-                reason: format!("{} bytes, the map needs {}", device_pool.len(), device_map.total_bytes()),
+                field: "device_regions",
+                reason: format!("{} bytes of regions, the map needs {}", device_pool.len(), device_map.total_bytes()),
             });
         }
         let host_pool = PinnedBuffer::register(device, host)?;
@@ -476,7 +494,7 @@ impl CudaEngine {
     }
 
     /// The device pool.
-    pub fn device_pool(&self) -> &DeviceBuffer {
+    pub fn device_pool(&self) -> &DevicePool {
         &self.device_pool
     }
 
@@ -611,12 +629,12 @@ impl CudaEngine {
     ) -> Result<(), Error> {
         let geometry = self.device_map.geometry();
         let item = geometry.item_bytes();
-        let mut copies = Vec::with_capacity(runs.len() * layers.len() * geometry.parts().len());
+        let parts = geometry.parts().len();
+        let mut copies = Vec::with_capacity(runs.len() * layers.len() * parts);
         for layer in layers {
             for &part in geometry.parts() {
                 for run in runs {
-                    let device =
-                        self.device_pool.pointer() + self.device_map.item_offset(run.slot as usize, layer, part) as u64;
+                    let device = self.device_pool.address(run.slot as usize, layer, part.index(), parts, item);
                     let host = self.host_pool.device_pointer()
                         + self.host_map.item_offset(run.host_token as usize, layer, part) as u64;
                     let (to, from) = if to_device { (device, host) } else { (host, device) };
@@ -686,7 +704,7 @@ impl CudaEngine {
             HostLayout::PageFirst => 1,
             HostLayout::PageFirstDirect => 2,
         };
-        let (device_base, host_base) = (self.device_pool.pointer(), self.host_pool.device_pointer());
+        let (device_bases, host_base) = (self.device_pool.table_pointer(), self.host_pool.device_pointer());
         let (host_index, slot_index) = (index, index + 4 * tokens as u64);
         let (tokens, first, count) = (tokens as u64, layers.start as u32, layers.len() as u32);
         let parts = geometry.parts().len() as u32;
@@ -698,7 +716,7 @@ impl CudaEngine {
         let (piece, depth) = tma.map_or((0, 0), |(_, plan)| (plan.piece_bytes, plan.depth));
         let mut launch = stream.launch_builder(function);
         launch
-            .arg(&device_base)
+            .arg(&device_bases)
             .arg(&host_base)
             .arg(&host_index)
             .arg(&slot_index)
@@ -731,7 +749,7 @@ impl CudaEngine {
             return None;
         }
         let (function, limit) = self.kernel.tma()?;
-        let aligned = (self.device_pool.pointer() | self.host_pool.device_pointer()).is_multiple_of(16);
+        let aligned = self.device_pool.aligned_16() && self.host_pool.device_pointer().is_multiple_of(16);
         let budget = self.tma_shape.shared_bytes.min(limit);
         let plan =
             crate::kernels::TmaPlan::new(self.device_map.geometry().item_bytes(), budget, self.tma_shape.max_piece)?;

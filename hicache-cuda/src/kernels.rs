@@ -22,7 +22,7 @@ use crate::device::{Device, driver};
 /// The kernel's source.
 pub(crate) const SOURCE: &str = r#"
 struct Shape {
-    unsigned char* device_base; unsigned char* host_base;
+    const unsigned long long* device_bases; unsigned char* host_base;
     const unsigned int* host_tokens; const unsigned int* device_slots;
     unsigned long long tokens; unsigned long long first_layer; unsigned long long parts;
     unsigned long long item_bytes; unsigned long long device_slot_count; unsigned long long host_token_count;
@@ -40,7 +40,8 @@ __device__ __forceinline__ void locate(const Shape& s, unsigned long long item,
     const unsigned long long layer = s.first_layer + rest / s.parts;
     const unsigned long long slot = s.device_slots[t];
     const unsigned long long token = s.host_tokens[t];
-    const unsigned long long d = ((layer * s.parts + part) * s.device_slot_count + slot) * s.item_bytes;
+    // the device pool: one region per (layer, part), each [slot][item], through the table of their bases
+    unsigned char* const d = (unsigned char*)s.device_bases[layer * s.parts + part] + slot * s.item_bytes;
     unsigned long long h;
     if (s.layout == 0) {
         h = ((part * s.total_layers + layer) * s.host_token_count + token) * s.item_bytes;
@@ -51,8 +52,8 @@ __device__ __forceinline__ void locate(const Shape& s, unsigned long long item,
         const unsigned long long in_page = token % s.page_size;
         h = (((part * s.host_pages + page) * s.total_layers + layer) * s.page_size + in_page) * s.item_bytes;
     }
-    *src = s.to_device ? s.host_base + h : s.device_base + d;
-    *dst = s.to_device ? s.device_base + d : s.host_base + h;
+    *src = s.to_device ? s.host_base + h : d;
+    *dst = s.to_device ? d : s.host_base + h;
 }
 
 // One item by one warp, at the widest access its alignment allows.
@@ -76,14 +77,14 @@ __device__ __forceinline__ void copy_one(const unsigned char* src, unsigned char
 }
 
 extern "C" __global__ void hicache_transfer(
-    unsigned char* device_base, unsigned char* host_base,
+    const unsigned long long* device_bases, unsigned char* host_base,
     const unsigned int* host_tokens, const unsigned int* device_slots,
     unsigned long long tokens, unsigned int first_layer, unsigned int layer_count, unsigned int parts,
     unsigned long long item_bytes, unsigned long long device_slot_count, unsigned long long host_token_count,
     unsigned long long host_pages, unsigned long long page_size, unsigned int total_layers,
     unsigned int layout, unsigned int to_device)
 {
-    const Shape s = {device_base, host_base, host_tokens, device_slots, tokens, first_layer, parts, item_bytes,
+    const Shape s = {device_bases, host_base, host_tokens, device_slots, tokens, first_layer, parts, item_bytes,
                      device_slot_count, host_token_count, host_pages, page_size, total_layers, layout, to_device};
     const unsigned long long items = tokens * layer_count * parts;
     const unsigned int lane = threadIdx.x & 31;
@@ -186,7 +187,7 @@ __device__ __forceinline__ void wait_barrier(unsigned int barrier, unsigned int 
 // 16 bytes (the host checks); the dynamic shared memory is 32 * depth * (piece_bytes + 20) bytes: the slots, then
 // each slot's mbarrier, destination and length.
 extern "C" __global__ void __launch_bounds__(32) hicache_transfer_tma(
-    unsigned char* device_base, unsigned char* host_base,
+    const unsigned long long* device_bases, unsigned char* host_base,
     const unsigned int* host_tokens, const unsigned int* device_slots,
     unsigned long long tokens, unsigned int first_layer, unsigned int layer_count, unsigned int parts,
     unsigned long long item_bytes, unsigned long long device_slot_count, unsigned long long host_token_count,
@@ -195,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(32) hicache_transfer_tma(
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char ring[];
-    const Shape s = {device_base, host_base, host_tokens, device_slots, tokens, first_layer, parts, item_bytes,
+    const Shape s = {device_bases, host_base, host_tokens, device_slots, tokens, first_layer, parts, item_bytes,
                      device_slot_count, host_token_count, host_pages, page_size, total_layers, layout, to_device};
     const unsigned int lane = threadIdx.x & 31;
     const unsigned long long pieces = (item_bytes + piece_bytes - 1) / piece_bytes;

@@ -10,6 +10,7 @@ mod collective;
 mod device;
 mod engine;
 mod kernels;
+mod pool;
 mod sizing;
 
 pub use collective::{Bootstrap, NcclGroup, NcclSettings, nccl_present};
@@ -18,4 +19,5 @@ pub use engine::{
     AutoMinRun, CopyKernel, CudaEngine, CudaTransferEvent, DEFAULT_AUTO_MIN_RUN, LaunchShape, TmaShape, wait_layer_on,
 };
 pub use kernels::{TmaPlan, TransferKernel};
+pub use pool::DevicePool;
 pub use sizing::{HOST_RESERVE_BYTES, available_memory, host_pool_tokens};

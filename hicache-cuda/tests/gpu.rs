@@ -15,7 +15,9 @@ use hicache_core::host_pool::{HostPageAllocator, HostPageId};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::ops::{DeviceSlot, NodeId};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, SlotReuse, TransferEngine, TransferEvent};
-use hicache_cuda::{AutoMinRun, CopyKernel, CudaEngine, Device, DeviceBuffer, LaunchShape, TmaShape, driver_present};
+use hicache_cuda::{
+    AutoMinRun, CopyKernel, CudaEngine, Device, DeviceBuffer, DevicePool, LaunchShape, TmaShape, driver_present,
+};
 use rand::RngExt as _;
 use rand::seq::SliceRandom as _;
 
@@ -54,8 +56,16 @@ struct Pair {
     other_slots: Vec<DeviceSlot>,
 }
 
-/// Both engines over the same random device bytes and poisoned hosts, with a scattered set of pages and slots.
-fn pair(device: &Device, geometry: KvGeometry, layout: HostLayout, page: usize, pages: usize) -> Pair {
+/// Both engines over the same random device bytes and poisoned hosts, with a scattered set of pages and slots; the
+/// GPU's device pool one slab or, with `per_layer`, a separate allocation per layer and part (an engine's tensors).
+fn pair_of(
+    device: &Device,
+    geometry: KvGeometry,
+    layout: HostLayout,
+    page: usize,
+    pages: usize,
+    per_layer: bool,
+) -> Pair {
     let device_pages = 2 * pages;
     let device_map = DeviceLayoutMap::new(geometry, device_pages * page).unwrap();
     let host_map = HostLayoutMap::new(geometry, layout, page, 2 * pages).unwrap();
@@ -65,8 +75,14 @@ fn pair(device: &Device, geometry: KvGeometry, layout: HostLayout, page: usize, 
         _ => HostAllocation::Anonymous,
     };
     let host = Arc::new(HostMemory::new(host_map, &allocation).unwrap());
-    let device_pool = DeviceBuffer::zeroed(device, device_map.total_bytes()).unwrap();
-    let cuda = CudaEngine::with_pools(device, device_map, device_pool, host).unwrap();
+    let cuda = if per_layer {
+        let regions = DevicePool::zeroed_per_layer(device, &device_map).unwrap();
+        assert!(!regions.is_slab());
+        CudaEngine::with_device_regions(device, device_map, regions, host).unwrap()
+    } else {
+        let device_pool = DeviceBuffer::zeroed(device, device_map.total_bytes()).unwrap();
+        CudaEngine::with_pools(device, device_map, device_pool, host).unwrap()
+    };
     let cpu = CpuEngine::new(device_map, host_map, Completion::Immediate).unwrap();
     let mut rng = rand::rng();
     let mut bytes = vec![0u8; device_map.total_bytes()];
@@ -86,6 +102,10 @@ fn pair(device: &Device, geometry: KvGeometry, layout: HostLayout, page: usize, 
     order.shuffle(&mut rng);
     let other_slots = slots_of(&order[..pages]);
     Pair { cuda, cpu, pages: all[..pages].to_vec(), slots, other_slots }
+}
+
+fn pair(device: &Device, geometry: KvGeometry, layout: HostLayout, page: usize, pages: usize) -> Pair {
+    pair_of(device, geometry, layout, page, pages, false)
 }
 
 fn host_bytes(pair: &Pair) -> (Vec<u8>, Vec<u8>) {
@@ -163,11 +183,14 @@ fn every_layout_geometry_page_size_and_direction_matches_the_cpu_engine() {
                         if matches!(backend, IoBackend::Direct | IoBackend::Batch) && kernel == CopyKernel::Tma {
                             continue;
                         }
-                        let what = format!("{name} {} page {page} {backend} {kernel:?}", layout.name());
-                        let mut pair = pair(&device, geometry, layout, page, 24);
-                        pair.cuda.set_io_backend(backend, min_run).unwrap();
-                        pair.cuda.set_copy_kernel(kernel).unwrap();
-                        check_round_trip(&mut pair, &what);
+                        for per_layer in [false, true] {
+                            let pool = if per_layer { "per-layer" } else { "slab" };
+                            let what = format!("{name} {} page {page} {backend} {kernel:?} {pool}", layout.name());
+                            let mut pair = pair_of(&device, geometry, layout, page, 24, per_layer);
+                            pair.cuda.set_io_backend(backend, min_run).unwrap();
+                            pair.cuda.set_copy_kernel(kernel).unwrap();
+                            check_round_trip(&mut pair, &what);
+                        }
                     }
                 }
             }
@@ -273,7 +296,8 @@ fn a_consumer_that_waits_on_layer_i_sees_layer_i_complete() {
             // the consumer's stream waits on layer i's event, checks layer i at once on the GPU, then copies the
             // whole of it out (every slot, K and V), all asynchronously while later layers load
             event.make_wait(&consumer).unwrap();
-            let base = pair.cuda.device_pool().pointer() + map.item_offset(0, layer, KvPart::K) as u64;
+            // a slab pool: the layer's K and V regions follow each other
+            let base = pair.cuda.device_pool().region(layer, 0).pointer();
             let (list, count, slot_count) = (slot_list.pointer(), slots.len() as u64, map.slots() as u64);
             let out = poisoned.pointer() + 8 * layer as u64;
             let mut launch = consumer.launch_builder(&checker);

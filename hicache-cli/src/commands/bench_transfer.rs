@@ -82,6 +82,10 @@ pub(crate) struct BenchTransferArgs {
     /// GPU: the kernels to measure (repeatable; default: the engine's default, the warp kernel).
     #[arg(long, value_enum)]
     kernel: Vec<CopyKernelArg>,
+    /// GPU: how the device pool is allocated (repeatable, to compare in one run; default: slab): one slab, or one
+    /// allocation per layer and part as an engine's K and V tensors.
+    #[arg(long, value_enum)]
+    device_pool: Vec<DevicePoolArg>,
     /// GPU: the TMA kernel's dynamic shared memory per block, at most (default 192 KiB).
     #[arg(long, value_name = "B")]
     tma_shared: Option<usize>,
@@ -117,6 +121,15 @@ pub(crate) struct BenchTransferArgs {
     json: bool,
 }
 
+/// The GPU device pool's allocation (`--device-pool`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum DevicePoolArg {
+    /// One allocation, `[layer][part][slot][item]`.
+    Slab,
+    /// One allocation per layer and part, reached through a table of their addresses.
+    PerLayer,
+}
+
 /// One line of `bench transfer`.
 #[derive(Debug, Serialize)]
 pub(crate) struct TransferFigure {
@@ -144,6 +157,9 @@ pub(crate) struct TransferFigure {
     /// GPU: the kernel that moved what the copy engine did not (`warp` or `tma`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) kernel: Option<&'static str>,
+    /// GPU: the device pool's allocation (`slab` or `per-layer`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) device_pool: Option<&'static str>,
 }
 
 /// The placement's name in figures.
@@ -184,6 +200,7 @@ fn cuda_shape(args: &BenchTransferArgs, tokens: usize) -> super::bench_transfer_
         threads: args.threads,
         backend: IoBackendArg::Kernel,
         kernel: None,
+        device_pool: DevicePoolArg::Slab,
         tma_shared: args.tma_shared,
         tma_piece: args.tma_piece,
         auto_min_run: auto_min_run(args),
@@ -240,12 +257,24 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
                         } else {
                             args.io_backend.clone()
                         };
+                        let pools = if args.device_pool.is_empty() {
+                            vec![DevicePoolArg::Slab]
+                        } else {
+                            args.device_pool.clone()
+                        };
                         for backend in backends {
                             for kernel in kernels(args) {
-                                let shape =
-                                    super::bench_transfer_cuda::Shape { backend, kernel, ..cuda_shape(args, tokens) };
-                                figures
-                                    .extend(super::bench_transfer_cuda::measure(name, geometry, layout, page, &shape)?);
+                                for &device_pool in &pools {
+                                    let shape = super::bench_transfer_cuda::Shape {
+                                        backend,
+                                        kernel,
+                                        device_pool,
+                                        ..cuda_shape(args, tokens)
+                                    };
+                                    figures.extend(super::bench_transfer_cuda::measure(
+                                        name, geometry, layout, page, &shape,
+                                    )?);
+                                }
                             }
                         }
                     }
@@ -300,6 +329,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
             figure.first_layer_us.map_or_else(String::new, |us| format!("{us:.0} µs"))
                 + &figure.blocks.map_or_else(String::new, |blocks| format!(" / {blocks}"))
                 + &figure.kernel.map_or_else(String::new, |kernel| format!(" {kernel}"))
+                + &figure.device_pool.map_or_else(String::new, |pool| format!(" {pool}"))
         );
     }
     Ok(())
@@ -366,6 +396,7 @@ fn measure(
         run_bytes,
         blocks: None,
         kernel: None,
+        device_pool: None,
     };
     Ok(vec![figure("backup", best[0], None), figure("load", best[1], Some(first_layer))])
 }

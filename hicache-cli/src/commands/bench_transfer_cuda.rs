@@ -24,6 +24,8 @@ pub(crate) struct Shape {
     pub(crate) backend: IoBackendArg,
     /// The kernel; `None`: the engine's default.
     pub(crate) kernel: Option<CopyKernelArg>,
+    /// One slab, or an allocation per layer and part.
+    pub(crate) device_pool: super::bench_transfer::DevicePoolArg,
     pub(crate) tma_shared: Option<usize>,
     pub(crate) tma_piece: Option<usize>,
     pub(crate) auto_min_run: super::bench_transfer::AutoMinRunArgs,
@@ -38,16 +40,33 @@ pub(crate) fn measure(
     page: usize,
     shape: &Shape,
 ) -> anyhow::Result<Vec<TransferFigure>> {
-    let Shape { tokens, rounds, blocks, threads, backend, kernel, tma_shared, tma_piece, auto_min_run, placement } =
-        *shape;
+    let Shape {
+        tokens,
+        rounds,
+        blocks,
+        threads,
+        backend,
+        kernel,
+        device_pool,
+        tma_shared,
+        tma_piece,
+        auto_min_run,
+        placement,
+    } = *shape;
     let device = Device::open(0)?;
     let pages = tokens / page;
     let device_pages = 2 * pages;
-    let mut engine = CudaEngine::new(
-        &device,
-        DeviceLayoutMap::new(geometry, device_pages * page)?,
-        HostLayoutMap::new(geometry, layout, page, 2 * pages)?,
-    )?;
+    let device_map = DeviceLayoutMap::new(geometry, device_pages * page)?;
+    let host_map = HostLayoutMap::new(geometry, layout, page, 2 * pages)?;
+    let mut engine = match device_pool {
+        super::bench_transfer::DevicePoolArg::Slab => CudaEngine::new(&device, device_map, host_map)?,
+        super::bench_transfer::DevicePoolArg::PerLayer => CudaEngine::with_device_regions(
+            &device,
+            device_map,
+            hicache_cuda::DevicePool::zeroed_per_layer(&device, &device_map)?,
+            std::sync::Arc::new(hicache_core::host_memory::HostMemory::anonymous(host_map)?),
+        )?,
+    };
     engine.set_launch_shape(LaunchShape { blocks, threads })?;
     match kernel {
         Some(CopyKernelArg::Warp) => engine.set_copy_kernel(CopyKernel::Warp)?,
@@ -121,21 +140,26 @@ pub(crate) fn measure(
         run_bytes,
         blocks: Some(blocks),
         kernel: (backend != IoBackendArg::Direct && backend != IoBackendArg::Batch).then_some(kernel_name),
+        device_pool: Some(match device_pool {
+            super::bench_transfer::DevicePoolArg::Slab => "slab",
+            super::bench_transfer::DevicePoolArg::PerLayer => "per-layer",
+        }),
     };
     Ok(vec![figure("backup", best[0], bulk[0], None), figure("load", best[1], bulk[1], Some(first_layer))])
 }
 
-/// One contiguous `cuMemcpyAsync` of `bytes` between the pinned host pool and the device pool, each way:
-/// [device → host, host → device] GB/s, best of `rounds`.
+/// One contiguous `cuMemcpyAsync` of `bytes` between the pinned host pool and one device allocation of that size
+/// (the pool may be regions per layer), each way: [device → host, host → device] GB/s, best of `rounds`.
 fn bulk_gbps(engine: &CudaEngine, bytes: usize, rounds: usize) -> anyhow::Result<[f64; 2]> {
     let (_, stream) = engine.streams();
-    let (device, host) = (engine.device_pool().pointer(), engine.host_pool().device_pointer());
+    let scratch = hicache_cuda::DeviceBuffer::zeroed(engine.device(), bytes)?;
+    let (device, host) = (scratch.pointer(), engine.host_pool().device_pointer());
     let mut best = [0f64; 2];
     for round in 0..=rounds {
         for (index, (to, from)) in [(host, device), (device, host)].into_iter().enumerate() {
             let began = Instant::now();
-            // SAFETY: both ranges lie inside the engine's pools (`bytes` is one transfer, the pools hold two), and no
-            // transfer of the engine is in flight.
+            // SAFETY: the device range is the scratch allocation of `bytes`; the host range lies inside the pinned
+            // pool (`bytes` is one transfer, the pool holds two); no transfer of the engine is in flight.
             unsafe { sys::cuMemcpyAsync(to, from, bytes, stream.cu_stream()) }
                 .result()
                 .map_err(|error| anyhow::anyhow!("bulk copy: {error:?}"))?;
