@@ -1,51 +1,43 @@
 //! hicache inside an inference engine's scheduler loop, on the CPU engine (no GPU needed), with the file tier as L3.
 //!
 //! The engine owns its device KV pool and the allocator of its slots ([`PagedSlots`] here; an engine's own block
-//! manager implements [`DeviceSlotAllocator`]). For each request it:
-//!
-//! 1. matches the prompt against the tree (device and host hits);
-//! 2. prefetches from storage what may lie beyond the host hit, ticking until the prefetch is done;
-//! 3. loads the host part back to the device into slots from its allocator (evicting if the pool is full), and runs
-//!    the forward pass layer by layer, each layer as soon as its load has landed;
-//! 4. prefills the rest into fresh slots, inserts the whole prompt, and unlocks it;
-//! 5. ticks the cache once per step: writes to the host are acked and go on to storage.
-//!
-//! Halfway, the device and host tiers are emptied (as if other work had pushed the conversations out): the next turns
-//! come back from storage. Every byte that comes back is checked against the KV the engine wrote.
+//! manager implements `DeviceSlotAllocator`) and lends the allocator to the tree for load-backs, evictions and
+//! inserts; the loop itself is in `scheduler.rs` (shared with `cuda_engine_loop.rs`).
 //!
 //! `cargo run --example engine_loop`
+
+#[path = "scheduler.rs"]
+mod scheduler;
 
 use std::error::Error;
 use std::sync::Arc;
 
-use hicache_core::collective::SingleRank;
 use hicache_core::config::{HiCacheConfig, PrefetchPolicy};
-use hicache_core::controller::{CacheController, PrefetchStart, StorageSettings};
-use hicache_core::device_slots::{DeviceSlotAllocator, PagedSlots};
+use hicache_core::controller::{CacheController, StorageSettings};
+use hicache_core::device_slots::PagedSlots;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::ops::DeviceSlot;
 use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::StorageBackend;
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
-use hicache_core::tree::{HiRadixTree, PrefetchCheck, TreeSettings};
+use hicache_core::tree::{HiRadixTree, TreeSettings};
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
+use scheduler::{DEVICE_PAGES, DeviceKv, HOST_PAGES, PAGE};
 
-const PAGE: usize = 16;
-const DEVICE_PAGES: usize = 96;
-const HOST_PAGES: usize = 192;
-const CLIENTS: u32 = 8;
-const TURNS: usize = 6;
-const TURN_TOKENS: usize = 80;
+impl DeviceKv for CpuEngine {
+    fn map(&self) -> DeviceLayoutMap {
+        self.device_map()
+    }
 
-/// Where a request's tokens came from.
-#[derive(Default, Debug)]
-struct Served {
-    from_device: usize,
-    from_host_or_storage: usize,
-    computed: usize,
-    checked_bytes: usize,
+    fn write_kv(&self, offset: usize, bytes: &[u8]) -> Result<(), Box<dyn Error>> {
+        self.with_device(|device| device[offset..offset + bytes.len()].copy_from_slice(bytes));
+        Ok(())
+    }
+
+    fn read_kv(&self, offset: usize, len: usize) -> Result<Vec<u8>, Box<dyn Error>> {
+        Ok(self.with_device(|device| device[offset..offset + len].to_vec()))
+    }
 }
 
 fn main() -> Result<(), Box<dyn Error>> {
@@ -82,172 +74,5 @@ fn main() -> Result<(), Box<dyn Error>> {
             load_back_threshold: config.load_back_threshold,
         },
     );
-
-    let mut total = Served::default();
-    for turn in 0..TURNS {
-        if turn == TURNS / 2 {
-            push_everything_out(&mut tree, &mut slots)?;
-        }
-        for client in 0..CLIENTS {
-            let prompt = conversation(client, turn);
-            let served = serve(&mut tree, &mut slots, &prompt, &format!("c{client}t{turn}"))?;
-            total.from_device += served.from_device;
-            total.from_host_or_storage += served.from_host_or_storage;
-            total.computed += served.computed;
-            total.checked_bytes += served.checked_bytes;
-        }
-    }
-    // let the last backups reach storage
-    while tree.controller().backups_in_flight() > 0 || tree.controller().outstanding() != (0, 0, 0) {
-        tree.tick(&mut SingleRank)?;
-    }
-    let stats = storage.stats();
-    println!(
-        "{} requests: {} tokens from the device, {} loaded back from the host or storage, {} computed; \
-         {} bytes of cached KV checked",
-        CLIENTS as usize * TURNS,
-        total.from_device,
-        total.from_host_or_storage,
-        total.computed,
-        total.checked_bytes
-    );
-    println!(
-        "storage: {} pages written, {} pages read back ({} bytes)",
-        stats.set_stored, stats.get_hits, stats.bytes_read
-    );
-    if stats.get_hits == 0 || total.from_device == 0 || total.from_host_or_storage == 0 {
-        return Err("every tier should have served some tokens".into());
-    }
-    Ok(())
-}
-
-/// One request, as an engine's scheduler runs it.
-fn serve(
-    tree: &mut HiRadixTree<CpuEngine>,
-    slots: &mut PagedSlots,
-    prompt: &[u32],
-    id: &str,
-) -> Result<Served, Box<dyn Error>> {
-    // 1-2: match; fetch from storage what lies beyond the host hit (SGLang's prefetch), and wait for it
-    let matched = tree.match_prefix(prompt);
-    if matched.last_host_node == matched.last_node {
-        let after = matched.device_slots.len() + matched.host_hit_length;
-        if let PrefetchStart::Started(_) = tree.prefetch_from_storage(id, matched.last_host_node, &prompt[after..])? {
-            // a scheduler would run other requests meanwhile; the prefetch's pages join the tree at a tick
-            while tree.check_prefetch_progress(id) != PrefetchCheck::Ready {
-                tree.tick(&mut SingleRank)?;
-            }
-        }
-    }
-    // 3: match again (the prefetch added host pages), load the host part back into slots of the engine's pool
-    let matched = tree.match_prefix(prompt);
-    let loaded = tree.load_back(matched.last_node, slots)?;
-    let locked = if loaded.is_empty() { matched.last_device_node } else { matched.last_node };
-    tree.inc_lock_ref(locked)?;
-    let mut served = Served { from_device: matched.device_slots.len(), ..Served::default() };
-    served.checked_bytes += check(tree.controller().engine(), prompt, 0, &matched.device_slots, None)?;
-    if !loaded.is_empty() {
-        let consumer = tree.start_loading()?;
-        tree.controller_mut().layers().set_consumer(consumer);
-        // the forward pass: each layer runs once its load event fired
-        for layer in 0..tree.controller().engine().device_map().geometry().layers {
-            tree.controller_mut().layers().wait_until(layer);
-            let start = matched.device_slots.len();
-            served.checked_bytes += check(tree.controller().engine(), prompt, start, &loaded, Some(layer))?;
-        }
-        served.from_host_or_storage = loaded.len();
-    }
-    // 4: prefill the rest into fresh slots (evicting least recently used pages when the pool is full)
-    let cached = matched.device_slots.len() + loaded.len();
-    let pages = (prompt.len() - cached).div_ceil(PAGE);
-    let fresh = match slots.alloc_pages(pages) {
-        Some(fresh) => fresh,
-        None => {
-            tree.evict(pages * PAGE, slots)?;
-            slots.alloc_pages(pages).ok_or("the device pool cannot hold the request")?
-        }
-    };
-    write_kv(tree.controller().engine(), prompt, cached, &fresh);
-    served.computed = prompt.len() - cached;
-    let all: Vec<DeviceSlot> = [matched.device_slots.as_slice(), &loaded, &fresh].concat();
-    let aligned = prompt.len() - prompt.len() % PAGE;
-    tree.insert(&prompt[..aligned], &all[..aligned], slots)?;
-    // the partial last page is not cached (SGLang drops it too)
-    slots.free(&all[aligned..].chunks(PAGE).flat_map(|page| page.to_vec()).collect::<Vec<_>>())?;
-    tree.dec_lock_ref(locked)?;
-    // 5: one tick per step
-    tree.tick(&mut SingleRank)?;
-    Ok(served)
-}
-
-/// Evicts every unlocked page from the device and the host (once their backups to storage are done).
-fn push_everything_out(tree: &mut HiRadixTree<CpuEngine>, slots: &mut PagedSlots) -> Result<(), Box<dyn Error>> {
-    while tree.controller().backups_in_flight() > 0 || tree.controller().outstanding() != (0, 0, 0) {
-        tree.tick(&mut SingleRank)?;
-    }
-    tree.evict(DEVICE_PAGES * PAGE, slots)?;
-    tree.evict_host(HOST_PAGES * PAGE)?;
-    Ok(())
-}
-
-/// Client `client`'s prompt at `turn`: the whole conversation so far, `TURN_TOKENS` more per turn.
-fn conversation(client: u32, turn: usize) -> Vec<u32> {
-    (0..(turn + 1) * TURN_TOKENS).map(|position| client * 100_000 + position as u32).collect()
-}
-
-/// The KV byte the engine computes for a token at a position, layer, part and byte offset (a stand-in for the model:
-/// a function of the prefix, so a misplaced byte shows).
-fn kv_byte(token: u32, position: usize, layer: usize, part: usize, offset: usize) -> u8 {
-    let mixed = (u64::from(token) << 20) ^ ((position as u64) << 8) ^ ((layer as u64) << 4) ^ part as u64;
-    (mixed.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8 ^ offset as u8
-}
-
-/// Writes the KV of `prompt[start..]` into `slots` (the prefill).
-fn write_kv(engine: &CpuEngine, prompt: &[u32], start: usize, slots: &[DeviceSlot]) {
-    let map = engine.device_map();
-    let geometry = map.geometry();
-    engine.with_device(|bytes| {
-        for (index, &slot) in slots.iter().enumerate().take(prompt.len() - start) {
-            let position = start + index;
-            for layer in 0..geometry.layers {
-                for (part_index, &part) in geometry.parts().iter().enumerate() {
-                    let at = map.item_offset(slot as usize, layer, part);
-                    for (offset, byte) in bytes[at..at + geometry.item_bytes()].iter_mut().enumerate() {
-                        *byte = kv_byte(prompt[position], position, layer, part_index, offset);
-                    }
-                }
-            }
-        }
-    });
-}
-
-/// Checks the KV in `slots` of `prompt[start..]` (one layer, or all); returns the bytes checked.
-fn check(
-    engine: &CpuEngine,
-    prompt: &[u32],
-    start: usize,
-    slots: &[DeviceSlot],
-    layer: Option<usize>,
-) -> Result<usize, Box<dyn Error>> {
-    let map = engine.device_map();
-    let geometry = map.geometry();
-    let layers: Vec<usize> = layer.map_or_else(|| (0..geometry.layers).collect(), |layer| vec![layer]);
-    engine.with_device(|bytes| {
-        let mut checked = 0;
-        for (index, &slot) in slots.iter().enumerate() {
-            let position = start + index;
-            for &layer in &layers {
-                for (part_index, &part) in geometry.parts().iter().enumerate() {
-                    let at = map.item_offset(slot as usize, layer, part);
-                    for (offset, &byte) in bytes[at..at + geometry.item_bytes()].iter().enumerate() {
-                        if byte != kv_byte(prompt[position], position, layer, part_index, offset) {
-                            return Err(format!("token {position}, layer {layer}: wrong KV in slot {slot}").into());
-                        }
-                    }
-                    checked += geometry.item_bytes();
-                }
-            }
-        }
-        Ok(checked)
-    })
+    scheduler::run(&mut tree, &mut slots, storage.as_ref())
 }

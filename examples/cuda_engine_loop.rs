@@ -1,0 +1,89 @@
+//! The engine loop of `engine_loop.rs` on the GPU, with the KV cache as an engine keeps it: a K and a V tensor per
+//! layer, allocated by the engine and lent to hicache as a table of regions ([`DevicePool::per_layer`]).
+//!
+//! Needs a CUDA GPU (run by hand: `cargo run --release --example cuda_engine_loop`); the results of a run are in
+//! docs/gpu.md.
+
+#[path = "scheduler.rs"]
+mod scheduler;
+
+use std::error::Error;
+use std::sync::Arc;
+
+use hicache_core::config::{HiCacheConfig, PrefetchPolicy};
+use hicache_core::controller::{CacheController, StorageSettings};
+use hicache_core::device_slots::PagedSlots;
+use hicache_core::geometry::{KvDtype, KvGeometry};
+use hicache_core::host_memory::HostMemory;
+use hicache_core::layout::{HostLayout, HostLayoutMap};
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::rate_limit::SystemClock;
+use hicache_core::storage::StorageBackend;
+use hicache_core::transfer::DeviceLayoutMap;
+use hicache_core::tree::{HiRadixTree, TreeSettings};
+use hicache_cuda::{CudaEngine, Device, DeviceBuffer, DevicePool};
+use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
+use scheduler::{DEVICE_PAGES, DeviceKv, HOST_PAGES, PAGE};
+
+impl DeviceKv for CudaEngine {
+    fn map(&self) -> DeviceLayoutMap {
+        self.device_map()
+    }
+
+    fn write_kv(&self, offset: usize, bytes: &[u8]) -> Result<(), Box<dyn Error>> {
+        Ok(self.device_pool().write(offset, bytes)?)
+    }
+
+    fn read_kv(&self, offset: usize, len: usize) -> Result<Vec<u8>, Box<dyn Error>> {
+        let mut bytes = vec![0u8; len];
+        self.device_pool().read(offset, &mut bytes)?;
+        Ok(bytes)
+    }
+}
+
+fn main() -> Result<(), Box<dyn Error>> {
+    let device = Device::open(0)?;
+    let geometry = KvGeometry::mha(4, 2, 64, KvDtype::Bf16)?;
+    let map = DeviceLayoutMap::new(geometry, DEVICE_PAGES * PAGE)?;
+    // the engine's KV cache: layer 0's K, layer 0's V, layer 1's K, ... each [slot][item]
+    let tensors = (0..geometry.layers * geometry.parts().len())
+        .map(|_| DeviceBuffer::zeroed(&device, map.slots() * geometry.item_bytes()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let views = tensors
+        .iter()
+        .map(|tensor| {
+            // SAFETY: each view is one of the engine's tensors in this device's context, sized for the map's slots;
+            // the tensors are declared before the tree, so they outlive the engine and every transfer it submits,
+            // and the loop below writes a slot only when no transfer in flight uses it.
+            unsafe { DeviceBuffer::borrowed(&device, tensor.pointer(), tensor.len()) }
+        })
+        .collect();
+    let pool = DevicePool::per_layer(&device, &map, views)?;
+    let host = Arc::new(HostMemory::anonymous(HostLayoutMap::new(geometry, HostLayout::PageFirst, PAGE, HOST_PAGES)?)?);
+    let engine = CudaEngine::with_device_regions(&device, map, pool, host)?;
+    let mut slots = PagedSlots::new(DEVICE_PAGES, PAGE)?;
+
+    let dir = tempfile::tempdir()?;
+    let namespace = StorageNamespace::single_rank("example-model", geometry, HostLayout::PageFirst, PAGE);
+    let storage: Arc<dyn StorageBackend> =
+        Arc::new(FileStorage::open(FileConfig::new(dir.path(), FileFormat::Native), &namespace)?);
+    let config =
+        HiCacheConfig { page_size: PAGE, prefetch_policy: PrefetchPolicy::WaitComplete, ..HiCacheConfig::default() };
+    let settings = StorageSettings::from_config(&config, HOST_PAGES * PAGE, DEVICE_PAGES * PAGE, false, 0)?;
+    let controller = CacheController::new(engine, PAGE, HOST_PAGES, DEVICE_PAGES, geometry.layers)?.with_storage(
+        storage.clone(),
+        settings,
+        Arc::new(SystemClock::new()),
+    )?;
+    let mut tree = HiRadixTree::new(
+        controller,
+        TreeSettings {
+            write_policy: config.write_policy,
+            write_through_selective_threshold: config.write_through_selective_threshold,
+            load_back_threshold: config.load_back_threshold,
+        },
+    );
+    scheduler::run(&mut tree, &mut slots, storage.as_ref())?;
+    println!("on {} with the KV cache in {} per-layer tensors", device.name()?, tensors.len());
+    Ok(())
+}
