@@ -216,6 +216,15 @@ impl Drop for DeviceBuffer {
 /// is what lets one set of bytes be the GPU's copy source and destination, the storage backends' registered
 /// buffer, and a shared-memory file another process maps (3FS's agent). Unregistered when dropped, before the
 /// memory can be unmapped (this value holds it).
+///
+/// It gives no access to the bytes: they are reached only through the [`HostMemory`]'s page leases, which exclude a
+/// reader and a writer of the same page (and the transfers wait for the leases). There is no safe raw write or read:
+///
+/// ```compile_fail
+/// fn poke(pinned: &hicache_cuda::PinnedBuffer) {
+///     pinned.write(0, &[1u8]);
+/// }
+/// ```
 #[derive(Debug)]
 pub struct PinnedBuffer {
     context: Arc<CudaContext>,
