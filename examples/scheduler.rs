@@ -126,7 +126,7 @@ fn serve<E: DeviceKv>(
         tree.controller_mut().layers().set_consumer(consumer);
         // the forward pass: each layer runs once its load event fired
         for layer in 0..tree.controller().engine().map().geometry().layers {
-            tree.controller_mut().layers().wait_until(layer);
+            tree.controller_mut().layers().wait_until(layer)?;
             let start = matched.device_slots.len();
             served.checked_bytes += check(tree.controller().engine(), prompt, start, &loaded, Some(layer))?;
         }

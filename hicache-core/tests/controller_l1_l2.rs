@@ -126,7 +126,7 @@ fn the_forward_pass_waits_layer_by_layer() {
     controller.load(&pages, &device.alloc_pages(pages.len()).unwrap(), NodeId(2), None).unwrap();
     let slot = controller.start_loading(SlotReuse::Refuse).unwrap().unwrap();
     controller.layers().set_consumer(slot);
-    controller.layers().wait_until(0);
+    controller.layers().wait_until(0).unwrap();
     assert!(controller.layers().consumer_event(0).unwrap().is_complete());
     assert!(!controller.layers().consumer_event(1).unwrap().is_complete(), "layer 1 still loading");
     assert_eq!(controller.completed_loads(), 0);
@@ -373,4 +373,48 @@ proptest::proptest! {
             controller.host().check_invariants().unwrap();
         }
     }
+}
+
+/// A write whose transfer fails is acked as failed: its host pages are freed, never synced, and never go on to
+/// storage; the next write is unaffected.
+#[test]
+fn a_failed_write_never_marks_its_pages_synced() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
+    let mut controller = controller(Completion::Manual);
+    let failing = device.alloc_pages(2).unwrap();
+    let good = device.alloc_pages(1).unwrap();
+    let failed_pages = controller.write(&failing, NodeId(1), None).unwrap().unwrap();
+    let good_pages = controller.write(&good, NodeId(2), None).unwrap().unwrap();
+    controller.engine().fail_next(Stream::Write);
+    controller.engine().run_pending();
+    assert_eq!(controller.completed_writes(), 2, "a failed copy is finished too");
+    let acks = controller.take_write_acks(2).unwrap();
+    let failure = acks[0].failed.as_deref().expect("the first write failed");
+    assert!(failure.contains("failed"), "{failure}");
+    assert_eq!(acks[0].storage_op, None);
+    for page in &failed_pages {
+        assert_eq!(controller.host().state(*page).unwrap(), PageState::Idle, "a failed write's page is freed");
+    }
+    assert_eq!(acks[1].failed, None);
+    assert_eq!(controller.host().state(good_pages[0]).unwrap(), PageState::Synced);
+    assert_eq!(controller.host().available(), HOST_PAGES - 1);
+    controller.host().check_invariants().unwrap();
+}
+
+/// A load whose transfer fails: the forward pass's wait on the layer is an error, and so is taking its ack (the
+/// device copy is unspecified; the engine must not use it).
+#[test]
+fn a_failed_load_is_an_error_for_the_forward_pass_and_the_ack() {
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
+    let mut controller = controller(Completion::Manual);
+    let pages = host_only_pages(&mut controller, 1);
+    controller.load(&pages, &device.alloc_pages(1).unwrap(), NodeId(2), None).unwrap();
+    controller.engine().fail_next(Stream::Load);
+    let slot = controller.start_loading(SlotReuse::Refuse).unwrap().unwrap();
+    controller.layers().set_consumer(slot);
+    let error = controller.layers().wait_until(0).unwrap_err();
+    assert!(error.to_string().contains("failed"), "{error}");
+    controller.engine().run_pending();
+    let error = controller.take_load_acks(controller.completed_loads()).unwrap_err();
+    assert!(error.to_string().contains("load of nodes"), "{error}");
 }

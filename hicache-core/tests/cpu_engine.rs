@@ -201,7 +201,7 @@ fn held_transfers_leave_destinations_alone_until_they_complete() {
     assert_eq!(item(&now, targets[1], 0), item(&device, slots[1], 0), "layer 0 arrived");
     assert!(item(&now, targets[1], 1).iter().all(|&byte| byte == DEVICE_POISON), "layer 1 is still in flight");
     // waiting on the last layer completes everything before it on that stream
-    loads[2].wait();
+    loads[2].wait().unwrap();
     assert!(loads.iter().all(TransferEvent::is_complete));
     assert_eq!(engine.pending(), (0, 0));
     assert_eq!(item(&engine.with_device(|bytes| bytes.to_vec()), targets[0], 2), item(&device, slots[0], 2));
@@ -257,8 +257,8 @@ fn contiguous_pages_merge_into_one_copy_per_layer_and_part() {
             slots = slots.chunks(page_size).rev().flatten().copied().collect();
         }
         let start = engine.start_event().unwrap();
-        engine.backup(&slots, &host, &start).unwrap().wait();
-        engine.load_layer(1, &host, &slots, &start).unwrap().wait();
+        engine.backup(&slots, &host, &start).unwrap().wait().unwrap();
+        engine.load_layer(1, &host, &slots, &start).unwrap().wait().unwrap();
         let stats = engine.copy_stats();
         let parts = geometry.parts().len() as u64;
         let items = (pages * page_size) as u64 * parts;
@@ -283,7 +283,7 @@ fn a_copy_into_a_page_lent_to_storage_waits_for_the_lease() {
     let lease = memory.lend_read(&[pages[0].index()]).unwrap();
     let (done, finished) = std::sync::mpsc::channel();
     let copier = std::thread::spawn(move || {
-        backup.wait();
+        backup.wait().unwrap();
         done.send(()).unwrap();
     });
     assert!(finished.recv_timeout(std::time::Duration::from_millis(50)).is_err(), "copied under a read lease");

@@ -140,7 +140,7 @@ impl Rig {
             let consumer = self.tree.start_loading().unwrap();
             self.tree.controller_mut().layers().set_consumer(consumer);
             for layer in 0..LAYERS {
-                self.tree.controller_mut().layers().wait_until(layer);
+                self.tree.controller_mut().layers().wait_until(layer).unwrap();
             }
             slots.extend(&loaded);
         }
@@ -423,4 +423,23 @@ proptest! {
             rig.tree.controller().host().check_invariants().unwrap();
         }
     }
+}
+
+/// A write-through write whose transfer fails leaves its node on the device without a host copy: the tick says so,
+/// the host pages go back, and evicting the node drops it (its KV would be recomputed) instead of keeping a host copy.
+#[test]
+fn a_failed_write_leaves_the_node_on_the_device_without_a_host_copy() {
+    let mut rig = rig(WritePolicy::WriteThrough, 8, 16, None);
+    rig.tree.controller().engine().fail_next(hicache_core::transfer::Stream::Write);
+    let a = tokens(1, 2);
+    rig.request(&a).expect("room for the request");
+    let summary = rig.tick();
+    assert_eq!((summary.writes_acked, summary.writes_failed), (1, 1));
+    assert_eq!(rig.tree.controller().host().available(), 16, "the failed write's host pages went back");
+    rig.tree.check_invariants().unwrap();
+    let dropped = rig.tree.stats().dropped_tokens;
+    rig.tree.evict(8 * PAGE, &mut rig.device).unwrap();
+    assert_eq!(rig.tree.stats().dropped_tokens - dropped, a.len(), "no host copy: the node is dropped");
+    let matched = rig.tree.match_prefix(&a);
+    assert_eq!(matched.device_slots.len() + matched.host_hit_length, 0);
 }

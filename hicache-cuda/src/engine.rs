@@ -108,11 +108,9 @@ impl TransferEvent for CudaTransferEvent {
         self.event.is_complete()
     }
 
-    fn wait(&self) {
-        if let Err(error) = self.event.synchronize() {
-            // a failed transfer poisons the context: every later call reports the error
-            tracing::error!(?error, "waiting for a transfer");
-        }
+    fn wait(&self) -> Result<(), Error> {
+        // a failed transfer poisons the context: every later call reports the error too
+        self.event.synchronize().map_err(driver("wait for a transfer"))
     }
 }
 

@@ -130,9 +130,9 @@ fn check_round_trip(pair: &mut Pair, what: &str) {
     let geometry = *pair.cuda.device_map().geometry();
     // backup: device → host, all layers
     let start = pair.cuda.start_event().unwrap();
-    pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
+    pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
     let start = pair.cpu.start_event().unwrap();
-    pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
+    pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
     let (gpu, cpu) = host_bytes(pair);
     assert!(gpu == cpu, "{what}: backup differs from the CPU engine");
     assert!(gpu.iter().any(|&byte| byte != HOST_POISON), "{what}: nothing was written");
@@ -145,7 +145,7 @@ fn check_round_trip(pair: &mut Pair, what: &str) {
     let events = pair.cuda.load_layers(geometry.layers, &pair.pages, &pair.other_slots, &start).unwrap();
     assert_eq!(events.len(), geometry.layers);
     // the last event means the whole load
-    events.last().unwrap().wait();
+    events.last().unwrap().wait().unwrap();
     assert!(events.iter().all(TransferEvent::is_complete), "{what}: the last layer done before another");
     let start = pair.cpu.start_event().unwrap();
     for layer in 0..geometry.layers {
@@ -270,7 +270,7 @@ fn a_consumer_that_waits_on_layer_i_sees_layer_i_complete() {
         let mut pair = pair(&device, geometry, HostLayout::LayerFirst, 16, 1024);
         pair.cuda.set_copy_kernel(kernel).unwrap();
         let start = pair.cuda.start_event().unwrap();
-        pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
+        pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
         let start = pair.cpu.start_event().unwrap();
         pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap();
         let poison = vec![DEVICE_POISON; pair.cuda.device_pool().len()];
@@ -358,7 +358,7 @@ fn transfers_beside_a_busy_kernel_stay_correct() {
         // SAFETY: `out` holds one float per thread of this grid.
         unsafe { launch.launch(config) }.unwrap();
         let start = pair.cuda.start_event().unwrap();
-        pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait();
+        pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
         let start = pair.cpu.start_event().unwrap();
         pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap();
         let (gpu, cpu) = host_bytes(&pair);

@@ -363,7 +363,7 @@ fn measure(
     for _ in 0..rounds {
         let start = engine.start_event()?;
         let began = Instant::now();
-        engine.backup(&slots, host_pages, &start)?.wait();
+        engine.backup(&slots, host_pages, &start)?.wait()?;
         best[0] = best[0].max(bytes / began.elapsed().as_secs_f64() / 1e9);
         let start = engine.start_event()?;
         let began = Instant::now();
@@ -371,12 +371,12 @@ fn measure(
         for layer in 0..geometry.layers {
             let event = engine.load_layer(layer, host_pages, &slots, &start)?;
             if layer == 0 {
-                event.wait();
+                event.wait()?;
                 first_layer = first_layer.min(began.elapsed().as_secs_f64() * 1e6);
             }
             last = Some(event);
         }
-        last.expect("at least one layer").wait();
+        last.expect("at least one layer").wait()?;
         best[1] = best[1].max(bytes / began.elapsed().as_secs_f64() / 1e9);
     }
     let bulk = bulk_gbps(&engine, bytes as usize, rounds);

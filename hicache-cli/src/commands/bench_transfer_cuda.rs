@@ -106,15 +106,15 @@ pub(crate) fn measure(
     for round in 0..=rounds {
         let start = engine.start_event()?;
         let began = Instant::now();
-        engine.backup(&slots, host_pages, &start)?.wait();
+        engine.backup(&slots, host_pages, &start)?.wait()?;
         let backup = bytes as f64 / began.elapsed().as_secs_f64() / 1e9;
         let start = engine.start_event()?;
         let began = Instant::now();
         let events = engine.load_layers(geometry.layers, host_pages, &slots, &start)?;
         let submitted = began.elapsed().as_secs_f64() * 1e6;
-        events[0].wait();
+        events[0].wait()?;
         let layer_zero = began.elapsed().as_secs_f64() * 1e6;
-        events.last().context("at least one layer")?.wait();
+        events.last().context("at least one layer")?.wait()?;
         let load = bytes as f64 / began.elapsed().as_secs_f64() / 1e9;
         // the first round warms up (kernel load, page tables) and does not count
         if round > 0 {

@@ -67,6 +67,10 @@ pub struct Ack<E> {
     pub host_pages: Vec<HostPageId>,
     /// The backup to storage this write started when it was acked, if it had keys and there is a storage tier.
     pub storage_op: Option<OpId>,
+    /// Why the transfer failed, when it did (a write: its host pages were freed, never marked synced).
+    pub failed: Option<String>,
+    /// The events of a load's layers before the last (`finish`); empty for a write. A load failed if any did.
+    pub layer_events: Vec<E>,
 }
 
 /// A backup to storage finished on every rank.
@@ -294,7 +298,14 @@ impl<E: TransferEngine> CacheController<E> {
         };
         self.host.protect_write(&host_pages)?;
         self.ids.next_id();
-        let ack = Ack { finish, node_ids: vec![node_id], host_pages: host_pages.clone(), storage_op: None };
+        let ack = Ack {
+            finish,
+            node_ids: vec![node_id],
+            host_pages: host_pages.clone(),
+            storage_op: None,
+            failed: None,
+            layer_events: Vec::new(),
+        };
         self.write_acks.push_back(PendingWrite { ack, keys: keys.map(<[PageKey]>::to_vec) });
         Ok(Some(host_pages))
     }
@@ -354,8 +365,16 @@ impl<E: TransferEngine> CacheController<E> {
         let start = self.engine.start_event()?;
         let events = self.engine.load_layers(self.layer_count, &op.host_pages, &op.device_slots, &start)?;
         let finish = events.last().expect("at least one layer").clone();
+        let layer_events = events[..events.len() - 1].to_vec();
         self.layers.set_layer_events(slot, events);
-        self.load_acks.push_back(Ack { finish, node_ids: op.node_ids, host_pages: op.host_pages, storage_op: None });
+        self.load_acks.push_back(Ack {
+            finish,
+            node_ids: op.node_ids,
+            host_pages: op.host_pages,
+            storage_op: None,
+            failed: None,
+            layer_events,
+        });
         Ok(Ok(Some(slot)))
     }
 
@@ -383,7 +402,14 @@ impl<E: TransferEngine> CacheController<E> {
         let writes: Vec<PendingWrite<E::Event>> = self.write_acks.drain(..count).collect();
         let mut acks = Vec::with_capacity(writes.len());
         for PendingWrite { mut ack, keys } in writes {
-            ack.finish.wait();
+            if let Err(error) = ack.finish.wait() {
+                // the host pages hold unspecified bytes: never synced, never backed up; they go back to the pool
+                tracing::error!(nodes = ?ack.node_ids, "a device → host write failed: {error}");
+                self.host.free(&ack.host_pages)?;
+                ack.failed = Some(error.to_string());
+                acks.push(ack);
+                continue;
+            }
             self.host.complete_io(&ack.host_pages)?;
             if let Some(keys) = keys {
                 ack.storage_op = self.backup_to_storage(&ack.host_pages, keys, ack.node_ids.clone())?;
@@ -521,10 +547,19 @@ impl<E: TransferEngine> CacheController<E> {
             return Err(Error::Internal(format!("{count} {kind} acks asked for, {} submitted", queue.len())));
         }
         let acks: Vec<Ack<E::Event>> = queue.drain(..count).collect();
+        let mut failure = None;
         for ack in &acks {
-            ack.finish.wait();
+            for event in ack.layer_events.iter().chain(std::iter::once(&ack.finish)) {
+                if let Err(error) = event.wait() {
+                    failure.get_or_insert(format!("the {kind} of nodes {:?} failed: {error}", ack.node_ids));
+                }
+            }
         }
-        Ok(acks)
+        match failure {
+            // their device copies are unspecified: the engine must not use them (a device fault; reset the cache)
+            Some(message) => Err(Error::Device { operation: "transfer", message }),
+            None => Ok(acks),
+        }
     }
 
     /// The device copy of synced pages was dropped (the caller gave its slots back to the engine's allocator): the
@@ -597,11 +632,12 @@ impl<E: TransferEngine> CacheController<E> {
     /// with host memory, then clears queues, acks, producer slots, storage records and both allocators, and
     /// restarts operation ids. Storage keeps its pages.
     pub fn reset(&mut self) {
+        // a quiesce: a failed transfer is as finished as a good one, and everything is cleared below
         for write in &self.write_acks {
-            write.ack.finish.wait();
+            let _ = write.ack.finish.wait();
         }
         for ack in &self.load_acks {
-            ack.finish.wait();
+            let _ = ack.finish.wait();
         }
         if let Some(storage) = &mut self.storage {
             for entry in storage.prefetches.values_mut() {

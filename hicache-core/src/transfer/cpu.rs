@@ -56,6 +56,9 @@ struct State {
     /// Per stream: the last sequence number submitted, and the last completed.
     submitted: [u64; 2],
     completed: [u64; 2],
+    /// Per stream: jobs that are to fail (tests: [`CpuEngine::fail_next`]) and jobs that failed, by sequence number.
+    doomed: [std::collections::BTreeSet<u64>; 2],
+    failed: [std::collections::BTreeSet<u64>; 2],
     /// Scratch bitmap for duplicate checks, all zero between calls.
     seen: Vec<u64>,
     stats: CopyStats,
@@ -83,7 +86,12 @@ impl State {
             if let Some((other, after)) = job.after {
                 self.run_until(other, after);
             }
-            self.execute(&job.work);
+            if self.doomed[stream as usize].remove(&job.seq) {
+                // a failed copy moves nothing (a real one may have moved part of it: the bytes are unspecified)
+                self.failed[stream as usize].insert(job.seq);
+            } else {
+                self.execute(&job.work);
+            }
             self.completed[stream as usize] = job.seq;
         }
     }
@@ -266,10 +274,18 @@ impl TransferEvent for CpuEvent {
         self.position.is_none_or(|(stream, seq)| lock(&self.state).completed[stream as usize] >= seq)
     }
 
-    fn wait(&self) {
+    fn wait(&self) -> Result<(), Error> {
         if let Some((stream, seq)) = self.position {
-            lock(&self.state).run_until(stream, seq);
+            let mut state = lock(&self.state);
+            state.run_until(stream, seq);
+            if state.failed[stream as usize].contains(&seq) {
+                return Err(Error::Device {
+                    operation: "transfer",
+                    message: format!("the {stream:?} stream's copy {seq} failed (injected by fail_next)"),
+                });
+            }
         }
+        Ok(())
     }
 }
 
@@ -313,6 +329,8 @@ impl CpuEngine {
             queues: [VecDeque::new(), VecDeque::new()],
             submitted: [0; 2],
             completed: [0; 2],
+            doomed: Default::default(),
+            failed: Default::default(),
             seen: Vec::new(),
             stats: CopyStats::default(),
         };
@@ -358,6 +376,14 @@ impl CpuEngine {
             }
             None => false,
         }
+    }
+
+    /// Makes the next copy of `stream` to run (the oldest pending one, else the next submitted) fail: it moves
+    /// nothing and its event's [`wait`](TransferEvent::wait) is an error (tests of failed transfers).
+    pub fn fail_next(&self, stream: Stream) {
+        let mut state = lock(&self.state);
+        let next = state.completed[stream as usize] + 1;
+        state.doomed[stream as usize].insert(next);
     }
 
     /// What the engine has copied so far (completed copies only).

@@ -53,7 +53,11 @@ impl<E: TransferEvent> LayerDoneCounter<E> {
         {
             match reuse {
                 SlotReuse::Refuse => return Err(SlotBusy { slot }),
-                SlotReuse::Wait => last.wait(),
+                SlotReuse::Wait => {
+                    // the slot is free once its last load ended, well or not (a failed load is reported where its
+                    // ack is taken)
+                    let _ = last.wait();
+                }
             }
         }
         self.slots[slot].clear();
@@ -77,9 +81,15 @@ impl<E: TransferEvent> LayerDoneCounter<E> {
 
     /// Blocks until layer `layer` of the consumer's load is in device memory; at once without a consumer, or when
     /// the load has fewer layers recorded.
-    pub fn wait_until(&self, layer: usize) {
-        if let Some(event) = self.consumer.and_then(|slot| self.slots[slot].get(layer)) {
-            event.wait();
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`](crate::Error::Device) when the layer's load failed: its device bytes are unspecified and
+    /// the forward pass must not use them.
+    pub fn wait_until(&self, layer: usize) -> Result<(), crate::Error> {
+        match self.consumer.and_then(|slot| self.slots[slot].get(layer)) {
+            Some(event) => event.wait(),
+            None => Ok(()),
         }
     }
 
@@ -98,7 +108,8 @@ impl<E: TransferEvent> LayerDoneCounter<E> {
     pub fn reset(&mut self) {
         for events in &self.slots {
             if let Some(last) = events.last() {
-                last.wait();
+                // a quiesce: a failed load is as finished as a good one
+                let _ = last.wait();
             }
         }
         self.slots.iter_mut().for_each(Vec::clear);
@@ -159,12 +170,12 @@ mod tests {
     fn the_consumer_waits_layer_by_layer() {
         let mut engine = engine();
         let mut counter = LayerDoneCounter::new();
-        counter.wait_until(3); // no consumer: returns at once
+        counter.wait_until(3).unwrap(); // no consumer: returns at once
         let slot = counter.begin_producer(SlotReuse::Refuse).unwrap();
         let events = load_all_layers(&mut engine, 0);
         counter.set_layer_events(slot, events.clone());
         counter.set_consumer(Some(slot));
-        counter.wait_until(1);
+        counter.wait_until(1).unwrap();
         let done: Vec<bool> = events.iter().map(TransferEvent::is_complete).collect();
         assert_eq!(done, [true, true, false, false]);
         assert!(counter.consumer_event(2).is_some_and(|event| !event.is_complete()));

@@ -24,11 +24,16 @@ use crate::ops::DeviceSlot;
 
 /// Completion of a submitted transfer (or of the caller's work, for a start event).
 pub trait TransferEvent: Clone + Send + Sync + std::fmt::Debug {
-    /// Whether the work is done, without blocking.
+    /// Whether the work is done (or failed), without blocking.
     fn is_complete(&self) -> bool;
 
     /// Blocks until the work is done.
-    fn wait(&self);
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] when the transfer failed: the bytes it was to move are unspecified, and the controller never
+    /// treats its pages as copied.
+    fn wait(&self) -> Result<(), Error>;
 }
 
 /// Moves pages between the device pool and the host pool.

@@ -69,7 +69,10 @@ impl<E: TransferEngine> HiRadixTree<E> {
         if !written.is_empty() {
             self.take_all_writes()?;
             for id in written {
-                self.evict_backed_up(id, device)?;
+                // a node whose write failed has no host copy: it stays on the device
+                if self.node(id).backed_up() {
+                    self.evict_backed_up(id, device)?;
+                }
             }
         }
         tracing::debug!(asked = tokens, evicted, "device eviction");

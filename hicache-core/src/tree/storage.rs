@@ -28,6 +28,8 @@ pub enum PrefetchCheck {
 pub struct TickSummary {
     /// Device → host writes acked.
     pub writes_acked: usize,
+    /// Of those, writes whose transfer failed: their nodes stay on the device without a host copy.
+    pub writes_failed: usize,
     /// Pages those writes copied, and those of writes acked since the last tick outside it (`write_back`'s writes at
     /// device eviction).
     pub pages_written: usize,
@@ -180,7 +182,12 @@ impl<E: TransferEngine> HiRadixTree<E> {
             ..TickSummary::default()
         };
         for ack in &report.write_acks {
-            summary.pages_written += ack.host_pages.len();
+            if ack.failed.is_some() {
+                summary.writes_failed += 1;
+                self.write_failed(ack);
+            } else {
+                summary.pages_written += ack.host_pages.len();
+            }
             self.write_acked(&ack.node_ids);
         }
         for backup in &report.backups {
@@ -208,10 +215,26 @@ impl<E: TransferEngine> HiRadixTree<E> {
         }
     }
 
+    /// A write that failed: its nodes have no host copy (the controller freed the pages); they stay on the device,
+    /// as nodes whose write the host pool refused.
+    fn write_failed(&mut self, ack: &crate::controller::Ack<E::Event>) {
+        for id in &ack.node_ids {
+            if let Some(node) = self.nodes.get_mut(id)
+                && node.host.as_deref() == Some(ack.host_pages.as_slice())
+            {
+                node.host = None;
+            }
+        }
+    }
+
     /// Waits for every device → host write and takes the acks (`write_back` eviction).
     pub(super) fn take_all_writes(&mut self) -> Result<(), Error> {
         for ack in self.controller.take_all_write_acks()? {
-            self.written_since_tick += ack.host_pages.len();
+            if ack.failed.is_some() {
+                self.write_failed(&ack);
+            } else {
+                self.written_since_tick += ack.host_pages.len();
+            }
             self.write_acked(&ack.node_ids);
         }
         Ok(())
