@@ -10,17 +10,15 @@ mod scheduler;
 use std::error::Error;
 use std::sync::Arc;
 
+use hicache_core::HiCacheBuilder;
 use hicache_core::config::{HiCacheConfig, PrefetchPolicy};
-use hicache_core::controller::{CacheController, StorageSettings};
 use hicache_core::device_slots::PagedSlots;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::host_memory::HostMemory;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::StorageBackend;
 use hicache_core::transfer::DeviceLayoutMap;
-use hicache_core::tree::{HiRadixTree, TreeSettings};
 use hicache_cuda::{CudaEngine, Device, DeviceBuffer, DevicePool};
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 use scheduler::{DEVICE_PAGES, DeviceKv, HOST_PAGES, PAGE};
@@ -67,22 +65,14 @@ fn main() -> Result<(), Box<dyn Error>> {
     let namespace = StorageNamespace::single_rank("example-model", geometry, HostLayout::PageFirst, PAGE);
     let storage: Arc<dyn StorageBackend> =
         Arc::new(FileStorage::open(FileConfig::new(dir.path(), FileFormat::Native), &namespace)?);
-    let config =
-        HiCacheConfig { page_size: PAGE, prefetch_policy: PrefetchPolicy::WaitComplete, ..HiCacheConfig::default() };
-    let settings = StorageSettings::from_config(&config, HOST_PAGES * PAGE, DEVICE_PAGES * PAGE, false, 0)?;
-    let controller = CacheController::new(engine, PAGE, HOST_PAGES, DEVICE_PAGES, geometry.layers)?.with_storage(
-        storage.clone(),
-        settings,
-        Arc::new(SystemClock::new()),
-    )?;
-    let mut tree = HiRadixTree::new(
-        controller,
-        TreeSettings {
-            write_policy: config.write_policy,
-            write_through_selective_threshold: config.write_through_selective_threshold,
-            load_back_threshold: config.load_back_threshold,
-        },
-    );
+    let config = HiCacheConfig {
+        page_size: PAGE,
+        mem_layout: HostLayout::PageFirst,
+        prefetch_policy: PrefetchPolicy::WaitComplete,
+        ..HiCacheConfig::default()
+    };
+    // one entry point: the tree, its controller and the storage tier, sized from the engine's pools
+    let mut tree = HiCacheBuilder::new(config, engine).with_storage(storage.clone()).build()?;
     scheduler::run(&mut tree, &mut slots, storage.as_ref())?;
     println!("on {} with the KV cache in {} per-layer tensors", device.name()?, tensors.len());
     Ok(())

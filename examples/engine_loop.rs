@@ -12,16 +12,14 @@ mod scheduler;
 use std::error::Error;
 use std::sync::Arc;
 
+use hicache_core::HiCacheBuilder;
 use hicache_core::config::{HiCacheConfig, PrefetchPolicy};
-use hicache_core::controller::{CacheController, StorageSettings};
 use hicache_core::device_slots::PagedSlots;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::StorageBackend;
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
-use hicache_core::tree::{HiRadixTree, TreeSettings};
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 use scheduler::{DEVICE_PAGES, DeviceKv, HOST_PAGES, PAGE};
 
@@ -58,21 +56,13 @@ fn main() -> Result<(), Box<dyn Error>> {
 
     // the cache: SGLang's defaults at this page size, but prefetches that run to completion (SGLang's default,
     // `best_effort`, stops a prefetch at the first check, which an engine makes when it schedules the request)
-    let config =
-        HiCacheConfig { page_size: PAGE, prefetch_policy: PrefetchPolicy::WaitComplete, ..HiCacheConfig::default() };
-    let settings = StorageSettings::from_config(&config, HOST_PAGES * PAGE, DEVICE_PAGES * PAGE, false, 0)?;
-    let controller = CacheController::new(engine, PAGE, HOST_PAGES, DEVICE_PAGES, geometry.layers)?.with_storage(
-        storage.clone(),
-        settings,
-        Arc::new(SystemClock::new()),
-    )?;
-    let mut tree = HiRadixTree::new(
-        controller,
-        TreeSettings {
-            write_policy: config.write_policy,
-            write_through_selective_threshold: config.write_through_selective_threshold,
-            load_back_threshold: config.load_back_threshold,
-        },
-    );
+    let config = HiCacheConfig {
+        page_size: PAGE,
+        mem_layout: HostLayout::PageFirst,
+        prefetch_policy: PrefetchPolicy::WaitComplete,
+        ..HiCacheConfig::default()
+    };
+    // one entry point: the tree, its controller and the storage tier, sized from the engine's pools
+    let mut tree = HiCacheBuilder::new(config, engine).with_storage(storage.clone()).build()?;
     scheduler::run(&mut tree, &mut slots, storage.as_ref())
 }

@@ -10,12 +10,16 @@
 //! limiting ([`rate_limit`]), the storage trait with an in-memory and a fault-injection backend ([`storage`]), the
 //! configuration ([`config`]) and the token-list parser ([`tokens`]).
 //!
+//! An engine starts from the crate root: [`HiCacheBuilder`] makes a [`HiRadixTree`] from one [`HiCacheConfig`] and
+//! its [`TransferEngine`], lending its [`DeviceSlotAllocator`] to the tree's calls; the modules hold the rest.
+//!
 //! **Invariant:** this crate never links CUDA or any FFI library and does I/O only through the storage trait.
 //! It maps the host pool's memory through the operating system (`memmap2`), as any allocator does. `unsafe` is
 //! denied except in `hash/sha_ni.rs` (one call into a `#[target_feature]` function after the CPU check), the loom
 //! model of `ops.rs` (loom's cells) and `host_memory.rs` (the pool's bytes lent to threads page by page).
 #![deny(unsafe_code)]
 
+mod builder;
 pub mod collective;
 pub mod config;
 pub mod controller;
@@ -35,4 +39,11 @@ pub mod tokens;
 pub mod transfer;
 pub mod tree;
 
+pub use builder::HiCacheBuilder;
+pub use collective::{Collective, SingleRank};
+pub use config::HiCacheConfig;
+pub use device_slots::{DeviceSlotAllocator, PagedSlots};
 pub use error::Error;
+pub use storage::{GetOutcome, SetOutcome, StorageBackend};
+pub use transfer::{CpuEngine, TransferEngine, TransferEvent};
+pub use tree::{HiRadixTree, TreeSettings};

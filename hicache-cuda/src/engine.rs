@@ -767,6 +767,10 @@ impl TransferEngine for CudaEngine {
         self.host_pool.memory().clone()
     }
 
+    fn device_layout(&self) -> DeviceLayoutMap {
+        self.device_map
+    }
+
     fn start_event(&mut self) -> Result<CudaTransferEvent, Error> {
         let event = self.caller.record_event(None).map_err(driver("record a start event"))?;
         Ok(CudaTransferEvent { event: Arc::new(event) })

@@ -473,6 +473,10 @@ impl TransferEngine for CpuEngine {
         lock(&self.state).memory.host.clone()
     }
 
+    fn device_layout(&self) -> DeviceLayoutMap {
+        self.device_map()
+    }
+
     fn start_event(&mut self) -> Result<CpuEvent, Error> {
         // the caller's work on the CPU is done by the time it asks
         Ok(CpuEvent { state: self.state.clone(), position: None })

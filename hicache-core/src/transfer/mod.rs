@@ -45,6 +45,9 @@ pub trait TransferEngine: Send {
     /// ([`HostMemory`](crate::host_memory::HostMemory)). The engine's own copies use the same bytes.
     fn host_memory(&self) -> std::sync::Arc<crate::host_memory::HostMemory>;
 
+    /// The device pool's map (geometry and slots), whatever its allocation.
+    fn device_layout(&self) -> DeviceLayoutMap;
+
     /// An event recorded on the caller's stream now: a transfer given it as `after` starts only once the caller's
     /// work submitted before it is done.
     ///

@@ -1,0 +1,135 @@
+//! One entry point for an engine: the tree, its controller and its storage tier from one [`HiCacheConfig`] and the
+//! engine's transfer engine (its pools), every size derived from them and every mismatch refused naming the field.
+//!
+//! ```
+//! use hicache_core::config::HiCacheConfig;
+//! use hicache_core::geometry::{KvDtype, KvGeometry};
+//! use hicache_core::layout::{HostLayout, HostLayoutMap};
+//! use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
+//! use hicache_core::HiCacheBuilder;
+//!
+//! let geometry = KvGeometry::mha(2, 2, 64, KvDtype::Bf16).unwrap();
+//! let engine = CpuEngine::new(
+//!     DeviceLayoutMap::new(geometry, 64 * 16).unwrap(),
+//!     HostLayoutMap::new(geometry, HostLayout::LayerFirst, 16, 128).unwrap(),
+//!     Completion::Immediate,
+//! )
+//! .unwrap();
+//! let config = HiCacheConfig { page_size: 16, ..HiCacheConfig::default() };
+//! let tree = HiCacheBuilder::new(config, engine).build().unwrap();
+//! assert_eq!(tree.page_size(), 16);
+//!
+//! // a config that disagrees with the engine's pools is refused, naming the field
+//! let engine = CpuEngine::new(
+//!     DeviceLayoutMap::new(geometry, 64 * 16).unwrap(),
+//!     HostLayoutMap::new(geometry, HostLayout::LayerFirst, 16, 128).unwrap(),
+//!     Completion::Immediate,
+//! )
+//! .unwrap();
+//! let error = HiCacheBuilder::new(HiCacheConfig { page_size: 32, ..HiCacheConfig::default() }, engine)
+//!     .build()
+//!     .err()
+//!     .unwrap();
+//! assert!(error.to_string().contains("page_size"), "{error}");
+//! ```
+
+use std::sync::Arc;
+
+use crate::config::HiCacheConfig;
+use crate::controller::{CacheController, StorageSettings};
+use crate::error::Error;
+use crate::rate_limit::{Clock, SystemClock};
+use crate::storage::StorageBackend;
+use crate::transfer::TransferEngine;
+use crate::tree::{HiRadixTree, TreeSettings};
+
+/// Builds a [`HiRadixTree`] over an engine from one config.
+pub struct HiCacheBuilder<E: TransferEngine> {
+    config: HiCacheConfig,
+    engine: E,
+    storage: Option<Arc<dyn StorageBackend>>,
+    clock: Option<Arc<dyn Clock>>,
+    tp_rank: usize,
+}
+
+impl<E: TransferEngine> HiCacheBuilder<E> {
+    /// A builder for `engine` (its device and host pools decide the sizes) with `config`.
+    pub fn new(config: HiCacheConfig, engine: E) -> Self {
+        Self { config, engine, storage: None, clock: None, tp_rank: 0 }
+    }
+
+    /// Adds a storage tier (L3).
+    pub fn with_storage(mut self, storage: Arc<dyn StorageBackend>) -> Self {
+        self.storage = Some(storage);
+        self
+    }
+
+    /// The clock that times prefetches (default: the system's).
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
+    /// This process's TP rank (spreads the ranks' storage batches, as SGLang's rank-dependent settings do).
+    pub fn with_tp_rank(mut self, rank: usize) -> Self {
+        self.tp_rank = rank;
+        self
+    }
+
+    /// The tree, its controller and (with a storage tier) the storage half.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the field when the config is invalid or disagrees with the engine's pools
+    /// (`page_size`, `mem_layout`); the controller's and the storage settings' errors.
+    pub fn build(self) -> Result<HiRadixTree<E>, Error> {
+        let config = self.config.validated()?;
+        let host = self.engine.host_memory();
+        let host_map = *host.map();
+        let device = self.engine.device_layout();
+        let mismatch = |field: &str, reason: String| Err(Error::InvalidConfig { field: field.to_owned(), reason });
+        if host_map.page_size() != config.page_size {
+            return mismatch(
+                "page_size",
+                format!(
+                    "{} tokens, but the engine's host pool has pages of {}",
+                    config.page_size,
+                    host_map.page_size()
+                ),
+            );
+        }
+        if host_map.layout() != config.mem_layout {
+            return mismatch(
+                "mem_layout",
+                format!("{}, but the engine's host pool is {}", config.mem_layout.name(), host_map.layout().name()),
+            );
+        }
+        if !device.slots().is_multiple_of(config.page_size) {
+            return mismatch(
+                "page_size",
+                format!(
+                    "the engine's device pool of {} slots is not whole pages of {}",
+                    device.slots(),
+                    config.page_size
+                ),
+            );
+        }
+        let page = config.page_size;
+        let (host_pages, device_pages) = (host_map.pages(), device.slots() / page);
+        let layers = device.geometry().layers;
+        let mla = device.geometry().is_mla();
+        let mut controller = CacheController::new(self.engine, page, host_pages, device_pages, layers)?;
+        if let Some(storage) = self.storage {
+            let settings =
+                StorageSettings::from_config(&config, host_pages * page, device_pages * page, mla, self.tp_rank)?;
+            let clock = self.clock.unwrap_or_else(|| Arc::new(SystemClock::new()));
+            controller = controller.with_storage(storage, settings, clock)?;
+        }
+        let settings = TreeSettings {
+            write_policy: config.write_policy,
+            write_through_selective_threshold: config.write_through_selective_threshold,
+            load_back_threshold: config.load_back_threshold,
+        };
+        Ok(HiRadixTree::new(controller, settings))
+    }
+}
