@@ -140,3 +140,68 @@ pub(crate) fn shorten(text: &str, shown: usize) -> String {
         Some((cut, _)) => format!("{}…", &text[..cut]),
     }
 }
+
+/// What kind of failure an [`Error`] is, for an engine to match on (as `std::io::ErrorKind`): whether to fix its
+/// input, retry, fall back to recomputing, or stop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The caller's input is wrong (tokens, keys, arguments, a configuration): fix it; retrying changes nothing.
+    InvalidInput,
+    /// A handle names nothing any more (a node removed, or from before a reset).
+    NotFound,
+    /// The call broke a state rule of the pools (a double free, a page of another pool, a page in the wrong state):
+    /// a caller bug.
+    InvalidState,
+    /// The storage tier failed as a whole (its pages are misses; recompute).
+    Storage,
+    /// The device (GPU driver, compiler, kernel) failed; its copies are unspecified.
+    Device,
+    /// The backend does not offer the operation.
+    Unsupported,
+    /// A call or a collective did not finish in time.
+    TimedOut,
+    /// TP ranks entered different collectives: they are out of step.
+    Collective,
+    /// An invariant of hicache broke (a bug in hicache).
+    Internal,
+}
+
+impl Error {
+    /// The kind of failure.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::InvalidToken { .. }
+            | Self::InvalidTokenList { .. }
+            | Self::InvalidKey { .. }
+            | Self::PartialPage { .. }
+            | Self::InvalidArgument { .. }
+            | Self::InvalidConfig { .. } => ErrorKind::InvalidInput,
+            Self::UnknownNode { .. } => ErrorKind::NotFound,
+            Self::DoubleFree { .. } | Self::ForeignPage { .. } | Self::PageState { .. } => ErrorKind::InvalidState,
+            Self::Storage { .. } => ErrorKind::Storage,
+            Self::Device { .. } => ErrorKind::Device,
+            Self::Unsupported { .. } => ErrorKind::Unsupported,
+            Self::Timeout { .. } => ErrorKind::TimedOut,
+            Self::CollectiveMismatch { .. } => ErrorKind::Collective,
+            Self::Internal(_) => ErrorKind::Internal,
+        }
+    }
+}
+
+#[cfg(test)]
+mod kind_tests {
+    use super::*;
+
+    #[test]
+    fn kinds_sort_errors_by_what_a_caller_does_about_them() {
+        let bad = Error::InvalidArgument { field: "device_slots", reason: "3 slots".into() };
+        assert_eq!(bad.kind(), ErrorKind::InvalidInput);
+        assert_eq!(Error::UnknownNode { node: 7 }.kind(), ErrorKind::NotFound);
+        assert_eq!(Error::DoubleFree { page: "page 1".into() }.kind(), ErrorKind::InvalidState);
+        let timeout = Error::Timeout { backend: "3fs".into(), operation: "a metadata call", waited_ms: 5 };
+        assert_eq!(timeout.kind(), ErrorKind::TimedOut);
+        assert_eq!(Error::Device { operation: "transfer", message: "failed".into() }.kind(), ErrorKind::Device);
+        assert_eq!(Error::Internal("x".into()).kind(), ErrorKind::Internal);
+    }
+}
