@@ -284,8 +284,11 @@ fn with_a_small_host_pool_storage_serves_what_the_host_evicted() {
     let with = replay_json(&[&small[..], &["memory"]].concat());
     assert_eq!(tokens(&without, "l3"), 0);
     assert!(tokens(&with, "l3") > 0, "{with}");
-    assert!(with["hit_rate"].as_f64() > without["hit_rate"].as_f64(), "with L3 {with}\nwithout {without}");
+    assert_eq!((with["verified"].as_bool(), without["verified"].as_bool()), (Some(true), Some(true)));
     assert!(with["prefetch_stop_reasons"]["complete"].as_u64().unwrap() > 0);
+    // the hit rates are not compared: prefetches finish on I/O threads while other requests run, so when they land
+    // (and the host pages they take from the LRU) depends on timing, and on a loaded machine the L1/L2 share of a
+    // run with L3 can fall below that of a run without it (seen in CI: 0.19 against 0.24)
 }
 
 #[test]
