@@ -738,6 +738,9 @@ fn reset_waits_for_storage_io_and_leaves_nothing_behind() {
     rig.prefetch("r", &prompt, None).unwrap();
     gated.open(1);
     tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(2 * PAGE));
+    // the fetch thread must be inside its next read (at the gate) before the reset, or the reset may stop the
+    // prefetch before that read starts and return at once
+    tick_until(&mut rig, |_, _| gated.gets.waiting.load(Ordering::SeqCst) > 0);
     let opener = {
         let gated = gated.clone();
         std::thread::spawn(move || {
