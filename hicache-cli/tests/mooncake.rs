@@ -184,10 +184,19 @@ fn the_benchmark_measures_hicache_next_to_the_official_client() {
     let output = command.output().unwrap();
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let figure: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
-    for field in ["set_gbps", "get_gbps", "reference_set_gbps", "reference_get_gbps", "reference_exists_then_put_gbps"]
-    {
+    for field in [
+        "set_gbps",
+        "get_gbps",
+        "reference_set_gbps",
+        "reference_get_gbps",
+        "reference_exists_then_put_gbps",
+        "reference_same_placement_set_gbps",
+        "reference_same_placement_get_gbps",
+    ] {
         assert!(figure[field].as_f64().unwrap() > 0.0, "{field}: {figure}");
     }
+    assert_eq!(figure["prefer_local_segment"], true, "the default: {figure}");
+    assert!(figure["preferred_segment"].as_str().is_some_and(|name| name.starts_with("127.0.0.1")), "{figure}");
     assert_eq!(figure["round_rates"].as_array().unwrap().len(), 2, "{figure}");
     // without the official client the reference fails with instructions
     let output = Command::new(env!("CARGO_BIN_EXE_hicache"))

@@ -302,6 +302,22 @@ impl HiCacheConfig {
     }
 }
 
+/// Reads a settings object of named fields as `T`; an error names the field at fault (`whole` when the object
+/// itself is: not an object, or an unknown field with `deny_unknown_fields`, whose message names it).
+///
+/// # Errors
+///
+/// [`Error::InvalidConfig`] naming the field and serde's reason.
+pub fn from_named_fields<T: serde::de::DeserializeOwned>(value: &serde_json::Value, whole: &str) -> Result<T, Error> {
+    let mut track = serde_path_to_error::Track::new();
+    let deserializer = serde_path_to_error::Deserializer::new(value, &mut track);
+    T::deserialize(deserializer).map_err(|error| {
+        let path = track.path().to_string();
+        let field = if path == "." || path.is_empty() { whole.to_owned() } else { path };
+        Error::InvalidConfig { field, reason: error.to_string() }
+    })
+}
+
 /// Bytes from `4294967296`, `4gb`, `4 GiB`, `512MB`, `16mib`, `64k`: units are powers of 1024, as Mooncake's own
 /// parser reads them.
 pub fn parse_size(text: &str) -> Result<u64, String> {

@@ -14,6 +14,8 @@ pub(crate) struct Client {
     api: &'static Api,
     handle: Handle,
     master: String,
+    /// This client's own segment, asked for first by puts; `None`: the master places replicas as it likes.
+    preferred_segment: Option<CString>,
 }
 
 // SAFETY: a Mooncake client serves calls from many threads at once (SGLang calls one from its backup and prefetch
@@ -33,6 +35,7 @@ pub(crate) struct Setup<'a> {
     pub(crate) device: &'a str,
     pub(crate) master: &'a str,
     pub(crate) connect_timeout: Duration,
+    pub(crate) prefer_local_segment: bool,
 }
 
 fn c_string(field: &str, text: &str) -> Result<CString, String> {
@@ -55,7 +58,7 @@ impl Client {
         if handle.is_null() {
             return Err("mooncake_store_create returned no client".into());
         }
-        let client = Self { api, handle, master: setup.master.to_owned() };
+        let mut client = Self { api, handle, master: setup.master.to_owned(), preferred_segment: None };
         // SAFETY: the handle is live; the strings are NUL-terminated and outlive the call (the C API keeps no
         // pointer to them after it returns).
         let status = unsafe {
@@ -80,7 +83,35 @@ impl Client {
                 setup.protocol
             ));
         }
+        if setup.prefer_local_segment {
+            client.preferred_segment = client.segment_name();
+        }
         Ok(client)
+    }
+
+    /// The name of the segment this client lends (its host name, with the transfer engine's port under
+    /// `P2PHANDSHAKE`), as the master knows it; `None` (logged) when the library cannot say.
+    fn segment_name(&self) -> Option<CString> {
+        let mut buffer = vec![0u8; 512];
+        // SAFETY: the handle is live and set up; the buffer holds `buffer.len()` bytes, which the call fills with a
+        // NUL-terminated name or leaves alone when the name does not fit.
+        let status = unsafe { (self.api.get_hostname)(self.handle, buffer.as_mut_ptr().cast(), buffer.len()) };
+        let name = (status == 0).then(|| std::ffi::CStr::from_bytes_until_nul(&buffer).ok()).flatten();
+        match name {
+            Some(name) if !name.is_empty() => Some(name.to_owned()),
+            _ => {
+                tracing::warn!(
+                    status = %sys::code_name(status.into()),
+                    "the Mooncake client does not say its segment's name: puts go where the master places them"
+                );
+                None
+            }
+        }
+    }
+
+    /// The segment puts ask for first, if any.
+    pub(crate) fn preferred_segment(&self) -> Option<&std::ffi::CStr> {
+        self.preferred_segment.as_deref()
     }
 
     /// The master's address, for messages.
@@ -139,16 +170,17 @@ impl Client {
     ) -> Result<Vec<i64>, String> {
         let pointers = key_pointers(keys);
         let buffers: Vec<*mut c_void> = buffers.iter().map(|&address| address as *mut c_void).collect();
+        let preferred: Vec<*const c_char> = self.preferred_segment.iter().map(|name| name.as_ptr()).collect();
         let config = ReplicateConfig {
             replica_num: replicas,
             with_soft_pin: 0,
             with_hard_pin: 0,
-            preferred_segments: std::ptr::null(),
-            preferred_segments_count: 0,
+            preferred_segments: if preferred.is_empty() { std::ptr::null() } else { preferred.as_ptr() },
+            preferred_segments_count: preferred.len(),
         };
         let mut results: Vec<c_int> = vec![0; keys.len()];
         // SAFETY: the handle is live; keys, buffers, sizes and results have one entry per key and outlive the call;
-        // the caller vouches for the buffers' memory; `config` outlives the call.
+        // the caller vouches for the buffers' memory; `config` and the segment name it points to outlive the call.
         let status = unsafe {
             (self.api.batch_put_from)(
                 self.handle,

@@ -43,11 +43,15 @@ pub struct MooncakeConfig {
     pub connect_timeout: Duration,
     /// How long a removal waits for readers' leases on an object to run out (Mooncake's default lease is 10 s).
     pub lease_wait: Duration,
+    /// Whether puts ask the master to place the first replica in this client's own segment (Mooncake's
+    /// `preferred_segments`); the master falls back to the other segments when this one is full. A page then
+    /// moves by memcpy when this host writes and reads it back, and over the network only to other hosts.
+    pub prefer_local_segment: bool,
 }
 
 impl MooncakeConfig {
     /// SGLang's defaults for a master at `master`: no metadata server (`P2PHANDSHAKE`), host `localhost`, TCP,
-    /// a 4 GiB segment and a 16 MiB buffer, one replica, native keys.
+    /// a 4 GiB segment and a 16 MiB buffer, one replica, native keys; puts prefer this client's own segment.
     pub fn new(master: impl Into<String>) -> Self {
         Self {
             master: master.into(),
@@ -62,6 +66,7 @@ impl MooncakeConfig {
             library: None,
             connect_timeout: Duration::from_secs(3),
             lease_wait: Duration::from_secs(11),
+            prefer_local_segment: true,
         }
     }
 
@@ -148,14 +153,14 @@ impl MooncakeConfig {
     /// From a JSON object with SGLang's names (`master_server_address` required; `local_hostname`,
     /// `metadata_server`, `global_segment_size`, `local_buffer_size`, `protocol`, `device_name`; sizes as bytes or
     /// text such as `"4gb"`) and hicache's (`replica_num`, `key_scheme`: `native` or `sglang`, `sglang_release`:
-    /// `0.5.2` or `0.5.23` (default), `extra_backend_tag`, `library`, `connect_timeout_ms`, `lease_wait_ms`).
+    /// `0.5.2` or `0.5.23` (default), `extra_backend_tag`, `library`, `connect_timeout_ms`, `lease_wait_ms`,
+    /// `prefer_local_segment`: `true` (default) or `false`).
     ///
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] naming the field, including unknown ones.
     pub fn from_json(value: &serde_json::Value) -> Result<Self, Error> {
-        let fields: JsonConfig = serde_json::from_value(value.clone())
-            .map_err(|error| Error::InvalidConfig { field: "mooncake".into(), reason: error.to_string() })?;
+        let fields: JsonConfig = hicache_core::config::from_named_fields(value, "mooncake")?;
         let invalid = |field: &str, reason: String| Error::InvalidConfig { field: field.into(), reason };
         let master = fields
             .master_server_address
@@ -180,6 +185,7 @@ impl MooncakeConfig {
         if let Some(ms) = fields.lease_wait_ms {
             config.lease_wait = Duration::from_millis(ms);
         }
+        config.prefer_local_segment = fields.prefer_local_segment.unwrap_or(config.prefer_local_segment);
         config.scheme = match fields.key_scheme.as_deref() {
             None | Some("native") => {
                 if fields.sglang_release.is_some() || fields.extra_backend_tag.is_some() {
@@ -258,6 +264,7 @@ struct JsonConfig {
     library: Option<PathBuf>,
     connect_timeout_ms: Option<u64>,
     lease_wait_ms: Option<u64>,
+    prefer_local_segment: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -322,7 +329,14 @@ mod tests {
         assert_eq!(config.global_segment_size, 1 << 30);
         assert_eq!(config.device, "");
         assert_eq!(config.scheme, KeyScheme::Sglang { release: SglangRelease::V0_5_23, tag: Some("blue".into()) });
+        assert!(config.prefer_local_segment, "the default");
+        let value = serde_json::json!({"master_server_address": "h:1", "prefer_local_segment": false});
+        assert!(!MooncakeConfig::from_json(&value).unwrap().prefer_local_segment);
         for (bad, field) in [
+            (
+                serde_json::json!({"master_server_address": "h:1", "prefer_local_segment": "yes"}),
+                "prefer_local_segment",
+            ),
             (serde_json::json!({"master_server_address": "h:1", "replicas": 2}), "replicas"),
             (serde_json::json!({"global_segment_size": 1}), "master_server_address"),
             (serde_json::json!({"master_server_address": "nohost"}), "master_server_address"),

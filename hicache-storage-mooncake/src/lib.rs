@@ -11,6 +11,8 @@
 //!   a buffer registered for the call.
 //! * **Writes.** `batch_is_exist` first, then `batch_put_from` of the objects that are missing: an object already
 //!   stored is never put again (keys name content). A page whose every object was present is `AlreadyPresent`.
+//! * **Placement.** Puts ask for this client's own segment first ([`MooncakeConfig::prefer_local_segment`]), so a
+//!   page this host wrote moves by memcpy when it reads it back; the master places elsewhere when it is full.
 //! * **Reads.** `batch_get_into`; per object the bytes read. A page is a hit when every part arrived whole; a miss
 //!   when none was found (an object evicted after `batch_is_exist` is a miss, never wrong bytes); a part found and
 //!   another not is a failed page (`Corrupt`: incomplete); fewer bytes than the part is `Corrupt` (short read); an
@@ -107,6 +109,8 @@ impl MooncakeStorage {
                 device: &config.device,
                 master: &config.master,
                 connect_timeout: config.connect_timeout,
+                // a client that lends nothing has no segment to prefer
+                prefer_local_segment: config.prefer_local_segment && config.global_segment_size > 0,
             },
         )
         .map_err(error)?;
@@ -120,6 +124,12 @@ impl MooncakeStorage {
             poisoned: Mutex::new(None),
             stats: StatsRecorder::default(),
         })
+    }
+
+    /// The segment puts ask the master for first: this client's own (its name as the master knows it), when
+    /// [`MooncakeConfig::prefer_local_segment`] is set and the library names it.
+    pub fn preferred_segment(&self) -> Option<String> {
+        self.client.preferred_segment().map(|name| name.to_string_lossy().into_owned())
     }
 
     /// The settings it was opened with.

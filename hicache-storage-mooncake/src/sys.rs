@@ -42,6 +42,7 @@ pub(crate) struct Api {
         *const c_char,
     ) -> c_int,
     pub(crate) health_check: unsafe extern "C" fn(Handle) -> c_int,
+    pub(crate) get_hostname: unsafe extern "C" fn(Handle, *mut c_char, usize) -> c_int,
     pub(crate) register_buffer: unsafe extern "C" fn(Handle, *mut c_void, usize) -> c_int,
     pub(crate) unregister_buffer: unsafe extern "C" fn(Handle, *mut c_void) -> c_int,
     pub(crate) batch_put_from: unsafe extern "C" fn(
@@ -104,6 +105,7 @@ pub(crate) fn load(path: &Path) -> Result<&'static Api, String> {
         destroy: symbol!("mooncake_store_destroy"),
         setup: symbol!("mooncake_store_setup"),
         health_check: symbol!("mooncake_store_health_check"),
+        get_hostname: symbol!("mooncake_store_get_hostname"),
         register_buffer: symbol!("mooncake_store_register_buffer"),
         unregister_buffer: symbol!("mooncake_store_unregister_buffer"),
         batch_put_from: symbol!("mooncake_store_batch_put_from"),

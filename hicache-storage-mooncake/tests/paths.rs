@@ -85,3 +85,56 @@ fn parts_split_across_segments_round_trip() {
     assert_eq!(buffers, pages);
     assert_eq!(backend.stats().staging_bytes, 2 * 5 * bytes as u64, "both parts staged, written and read");
 }
+
+/// Pages a writer that lends a segment of its own puts, then drops (its segment and every object in it go): with
+/// `prefer_local_segment` every object was in that segment, so a reader then misses every page; without it the
+/// master spread them over both segments and some survive (all 64 objects of 32 pages landing in the writer's
+/// segment by chance is a 2^-64 event).
+#[test]
+fn puts_prefer_the_writers_own_segment_when_asked() {
+    let cluster = Cluster::start();
+    let namespace = StorageNamespace::single_rank(
+        "mooncake-placement",
+        KvGeometry::mha(2, 2, 32, KvDtype::Bf16).unwrap(),
+        HostLayout::PageFirst,
+        8,
+    );
+    let bytes = namespace.geometry.bytes_per_page(namespace.page_size);
+    let reader = MooncakeStorage::open(cluster.config(), &namespace).unwrap();
+    assert_eq!(reader.preferred_segment(), None, "a client lending nothing prefers nothing");
+    for prefer_local_segment in [true, false] {
+        let config = hicache_storage_mooncake::MooncakeConfig {
+            global_segment_size: 64 << 20,
+            prefer_local_segment,
+            ..cluster.config()
+        };
+        let writer = MooncakeStorage::open(config, &namespace).unwrap();
+        assert_eq!(writer.preferred_segment().is_some(), prefer_local_segment, "{:?}", writer.preferred_segment());
+        let keys = random_keys(32);
+        let pages = random_pages(32, bytes);
+        let sources: Vec<PageSegments<'_>> = pages.iter().map(|page| vec![page.as_slice()]).collect();
+        assert_eq!(writer.batch_set(&keys, &sources).unwrap(), vec![SetOutcome::Stored; 32]);
+        let read = |expect_all: bool| {
+            let mut buffers = vec![vec![0u8; bytes]; 32];
+            let mut targets: Vec<PageSegmentsMut<'_>> =
+                buffers.iter_mut().map(|buffer| vec![buffer.as_mut_slice()]).collect();
+            let outcomes = reader.batch_get(&keys, &mut targets).unwrap();
+            for ((outcome, buffer), page) in outcomes.iter().zip(&buffers).zip(&pages) {
+                match outcome {
+                    GetOutcome::Hit => assert_eq!(buffer, page, "a hit with wrong bytes"),
+                    other => assert!(!expect_all, "{other:?} while the writer is up"),
+                }
+            }
+            outcomes
+        };
+        assert!(read(true).iter().all(|outcome| *outcome == GetOutcome::Hit));
+        drop(writer);
+        let after = read(false);
+        let survivors = after.iter().filter(|outcome| **outcome != GetOutcome::Miss).count();
+        if prefer_local_segment {
+            assert_eq!(survivors, 0, "objects outside the writer's segment: {after:?}");
+        } else {
+            assert!(survivors > 0, "every object was in the writer's segment without asking for it");
+        }
+    }
+}

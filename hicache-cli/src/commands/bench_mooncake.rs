@@ -7,6 +7,10 @@
 //! same cluster of two segments. After one unmeasured round of each (both touch the segments' fresh pages), rounds
 //! alternate between the two (the reference first in even rounds, hicache first in odd ones, so a drift of the machine
 //! favours neither); each rate is the best round's, each ratio the median of the rounds' paired ratios.
+//!
+//! The reference puts twice a round: with the client's default placement (the master picks a segment; SGLang puts
+//! so), the figure the ratios are taken against, and with the first replica asked of its own segment, as hicache puts
+//! by default (`prefer_local_segment`), which shows how much of a ratio is placement and how much the client.
 
 use std::io::{BufRead as _, BufReader, Read as _, Write as _};
 use std::process::{Child, ChildStdout, Command, Stdio};
@@ -50,8 +54,19 @@ struct MooncakeFigure {
     reference_exists_then_put_gbps: f64,
     /// The median of the rounds' set / reference_exists_then_put.
     set_ratio_to_exists_then_put: f64,
-    /// Each round's rates: [set, reference set, get, reference get, reference exists then put] in GB/s.
-    round_rates: Vec<[f64; 5]>,
+    /// Whether hicache's puts asked for its own segment first, and its name.
+    prefer_local_segment: bool,
+    preferred_segment: Option<String>,
+    /// The official client putting with the first replica asked of its own segment (hicache's placement).
+    reference_same_placement_set_gbps: f64,
+    reference_same_placement_get_gbps: f64,
+    /// The median of the rounds' set / reference same-placement set.
+    set_ratio_same_placement: f64,
+    /// The median of the rounds' get / reference same-placement get.
+    get_ratio_same_placement: f64,
+    /// Each round's rates in GB/s: [set, reference set, get, reference get, reference exists then put, reference
+    /// same-placement set, reference same-placement get].
+    round_rates: Vec<[f64; 7]>,
 }
 
 #[derive(Deserialize)]
@@ -59,6 +74,8 @@ struct ReferenceFigure {
     set_gbps: f64,
     get_gbps: f64,
     exists_then_put_gbps: f64,
+    local_set_gbps: f64,
+    local_get_gbps: f64,
 }
 
 /// Host memory the benchmark's pages live in, registered with the backend as a host pool is.
@@ -136,7 +153,15 @@ pub(super) fn run(args: &BenchStorageArgs, config: MooncakeConfig, namespace: &S
                 (ours, reference.round(round)?)
             };
             if round > 0 {
-                rounds.push([set, theirs.set_gbps, get, theirs.get_gbps, theirs.exists_then_put_gbps]);
+                rounds.push([
+                    set,
+                    theirs.set_gbps,
+                    get,
+                    theirs.get_gbps,
+                    theirs.exists_then_put_gbps,
+                    theirs.local_set_gbps,
+                    theirs.local_get_gbps,
+                ]);
                 progress.inc(1);
             }
         }
@@ -168,6 +193,12 @@ pub(super) fn run(args: &BenchStorageArgs, config: MooncakeConfig, namespace: &S
         get_ratio: median(2, 3),
         reference_exists_then_put_gbps: best(4),
         set_ratio_to_exists_then_put: median(0, 4),
+        prefer_local_segment: config.prefer_local_segment,
+        preferred_segment: backend.preferred_segment(),
+        reference_same_placement_set_gbps: best(5),
+        reference_same_placement_get_gbps: best(6),
+        set_ratio_same_placement: median(0, 5),
+        get_ratio_same_placement: median(2, 6),
         round_rates: rounds,
     };
     if args.json {
@@ -176,7 +207,8 @@ pub(super) fn run(args: &BenchStorageArgs, config: MooncakeConfig, namespace: &S
         println!(
             "{} × {} B pages, batches of {}, master {} ({}): set {:.2} GB/s (official Python client's put {:.2} GB/s, \
              median paired ratio {:.2}; its existence query and put, as SGLang's batch_set and hicache's set, {:.2} \
-             GB/s, ratio {:.2}); get {:.2} GB/s (official client {:.2} GB/s; median paired ratio {:.2})",
+             GB/s, ratio {:.2}); get {:.2} GB/s (official client {:.2} GB/s; median paired ratio {:.2}); puts {}; the \
+             official client with the same placement: put {:.2} GB/s (ratio {:.2}), get {:.2} GB/s (ratio {:.2})",
             figure.pages,
             figure.page_bytes,
             figure.batch,
@@ -189,7 +221,15 @@ pub(super) fn run(args: &BenchStorageArgs, config: MooncakeConfig, namespace: &S
             figure.set_ratio_to_exists_then_put,
             figure.get_gbps,
             figure.reference_get_gbps,
-            figure.get_ratio
+            figure.get_ratio,
+            figure.preferred_segment.as_ref().map_or_else(
+                || "placed by the master".to_owned(),
+                |segment| format!("ask for this client's segment {segment} first")
+            ),
+            figure.reference_same_placement_set_gbps,
+            figure.set_ratio_same_placement,
+            figure.reference_same_placement_get_gbps,
+            figure.get_ratio_same_placement
         );
     }
     Ok(())
