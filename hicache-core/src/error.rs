@@ -1,4 +1,9 @@
-//! The crate's error type: one enum, each message naming the value at fault and what was expected.
+//! The crate's error type: one enum, each message naming the value at fault and what was expected, with a
+//! [`kind`](Error::kind) to match on and, for storage and device failures, the lower-level error behind it
+//! ([`Cause`]: an `std::io::Error`, a driver's error code).
+
+use std::fmt;
+use std::sync::Arc;
 
 /// Errors of `hicache-core`. Expected outcomes (a miss, a partial batch, a revoked prefetch) are values, not errors.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -92,6 +97,8 @@ pub enum Error {
         backend: String,
         /// The backend's message.
         message: String,
+        /// The error behind it, where there is one (an `std::io::Error` for a file system's refusal).
+        source: Option<Cause>,
     },
     /// The device (GPU driver, compiler or kernel) failed.
     #[error("device: {operation}: {message}")]
@@ -100,6 +107,8 @@ pub enum Error {
         operation: &'static str,
         /// The driver's or compiler's message.
         message: String,
+        /// The error behind it, where there is one (`hicache_cuda::DriverError` with the driver's code).
+        source: Option<Cause>,
     },
     /// The backend does not offer this operation.
     #[error("storage backend {backend} cannot {operation}")]
@@ -131,6 +140,97 @@ pub enum Error {
     /// An internal invariant was found broken (a bug in hicache).
     #[error("internal invariant broken: {0}")]
     Internal(String),
+}
+
+/// The lower-level error behind an [`Error`] or a page's failure: an `std::io::Error` (its `kind()` and
+/// `raw_os_error()` tell ENOSPC from EIO), a device driver's error, ... Cloning shares it; two are equal when they are
+/// the same error or say the same thing.
+#[derive(Clone)]
+pub struct Cause(Arc<dyn std::error::Error + Send + Sync + 'static>);
+
+impl Cause {
+    /// Wraps `error`.
+    pub fn new(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self(Arc::new(error))
+    }
+
+    /// The error as a `T`, when it is one.
+    pub fn downcast_ref<T: std::error::Error + 'static>(&self) -> Option<&T> {
+        self.0.downcast_ref::<T>()
+    }
+
+    /// The error as an `std::io::Error`, when it is one.
+    pub fn io(&self) -> Option<&std::io::Error> {
+        self.downcast_ref()
+    }
+}
+
+impl fmt::Debug for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Display for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for Cause {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl PartialEq for Cause {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for Cause {}
+
+impl From<std::io::Error> for Cause {
+    fn from(error: std::io::Error) -> Self {
+        Self::new(error)
+    }
+}
+
+impl Error {
+    /// A storage failure of `backend` with no lower-level error behind it.
+    pub fn storage(backend: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::Storage { backend: backend.into(), message: message.into(), source: None }
+    }
+
+    /// A storage failure of `backend` caused by `source` (its message is part of `message` or not, as the caller
+    /// words it; the error itself stays reachable through [`cause`](Self::cause) and `std::error::Error::source`).
+    pub fn storage_caused(backend: impl Into<String>, message: impl Into<String>, source: impl Into<Cause>) -> Self {
+        Self::Storage { backend: backend.into(), message: message.into(), source: Some(source.into()) }
+    }
+
+    /// A device failure with no lower-level error behind it.
+    pub fn device(operation: &'static str, message: impl Into<String>) -> Self {
+        Self::Device { operation, message: message.into(), source: None }
+    }
+
+    /// A device failure caused by `source` (a driver's error).
+    pub fn device_caused(operation: &'static str, message: impl Into<String>, source: impl Into<Cause>) -> Self {
+        Self::Device { operation, message: message.into(), source: Some(source.into()) }
+    }
+
+    /// The lower-level error behind a storage or device failure, if any.
+    pub fn cause(&self) -> Option<&Cause> {
+        match self {
+            Self::Storage { source, .. } | Self::Device { source, .. } => source.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// The `std::io::Error` behind a storage failure, if that is what caused it.
+    pub fn io_error(&self) -> Option<&std::io::Error> {
+        self.cause().and_then(Cause::io)
+    }
 }
 
 /// `text` cut to `shown` characters (with an ellipsis), so an error never carries a whole input.
@@ -201,7 +301,49 @@ mod kind_tests {
         assert_eq!(Error::DoubleFree { page: "page 1".into() }.kind(), ErrorKind::InvalidState);
         let timeout = Error::Timeout { backend: "3fs".into(), operation: "a metadata call", waited_ms: 5 };
         assert_eq!(timeout.kind(), ErrorKind::TimedOut);
-        assert_eq!(Error::Device { operation: "transfer", message: "failed".into() }.kind(), ErrorKind::Device);
+        assert_eq!(Error::device("transfer", "failed").kind(), ErrorKind::Device);
         assert_eq!(Error::Internal("x".into()).kind(), ErrorKind::Internal);
+    }
+}
+
+#[cfg(test)]
+mod cause_tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn an_io_error_behind_a_storage_failure_is_reachable_with_its_os_code() {
+        let full = std::io::Error::from_raw_os_error(libc_enospc());
+        let error = Error::storage_caused("file", "writing page 3", full);
+        assert_eq!(error.kind(), ErrorKind::Storage);
+        let io = error.io_error().expect("the io::Error is kept");
+        assert_eq!(io.raw_os_error(), Some(libc_enospc()));
+        assert_eq!(io.kind(), std::io::ErrorKind::StorageFull);
+        // the standard chain reaches it too, for reporters that walk `source()`
+        let source = error.source().expect("a source");
+        assert_eq!(source.to_string(), std::io::Error::from_raw_os_error(libc_enospc()).to_string());
+        assert!(Error::storage("file", "no source").cause().is_none());
+        assert!(Error::InvalidArgument { field: "x", reason: "y".into() }.io_error().is_none());
+        // equal when they say the same thing; a clone shares the same error
+        assert_eq!(error.clone(), error);
+        assert_ne!(error, Error::storage_caused("file", "writing page 3", std::io::Error::other("EIO")));
+    }
+
+    #[test]
+    fn a_cause_downcasts_to_the_error_it_wraps() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("driver error {code}")]
+        struct Driver {
+            code: u32,
+        }
+        let error = Error::device_caused("copy", "failed", Cause::new(Driver { code: 700 }));
+        assert_eq!(error.cause().and_then(Cause::downcast_ref::<Driver>).map(|driver| driver.code), Some(700));
+        assert!(error.io_error().is_none());
+    }
+
+    /// ENOSPC on Linux (hicache-core links no libc crate).
+    fn libc_enospc() -> i32 {
+        28
     }
 }

@@ -43,7 +43,7 @@ pub use builder::HiCacheBuilder;
 pub use collective::{Collective, SingleRank};
 pub use config::HiCacheConfig;
 pub use device_slots::{DeviceSlotAllocator, PagedSlots};
-pub use error::{Error, ErrorKind};
+pub use error::{Cause, Error, ErrorKind};
 pub use storage::{GetOutcome, SetOutcome, StorageBackend};
 pub use transfer::{CpuEngine, TransferEngine, TransferEvent};
 pub use tree::{HiRadixTree, TreeSettings};

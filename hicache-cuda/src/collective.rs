@@ -103,7 +103,7 @@ pub fn nccl_present() -> bool {
 }
 
 fn nccl_error(operation: &'static str) -> impl FnOnce(nccl::NcclError) -> Error {
-    move |error| Error::Device { operation, message: format!("NCCL: {:?}", error.0) }
+    move |error| Error::device(operation, format!("NCCL: {:?}", error.0))
 }
 
 impl NcclGroup {
@@ -159,7 +159,7 @@ impl NcclGroup {
                 });
                 let _ = sender.send(joined);
             })
-            .map_err(|error| Error::Device { operation: "join the group", message: error.to_string() })?;
+            .map_err(|error| Error::device("join the group", error.to_string()))?;
         let left = settings.deadline.saturating_sub(started.elapsed());
         let communicator = match receiver.recv_timeout(left) {
             Ok(joined) => joined?,
@@ -312,12 +312,11 @@ fn require_nccl() -> Result<(), Error> {
     if nccl_present() {
         return Ok(());
     }
-    Err(Error::Device {
-        operation: "load NCCL",
-        message: "libnccl.so cannot be loaded: install NCCL (the CUDA toolkit's, or a libnccl.so link to the \
-                  nvidia-nccl wheel's libnccl.so.2) where the loader finds it"
-            .into(),
-    })
+    Err(Error::device(
+        "load NCCL",
+        "libnccl.so cannot be loaded: install NCCL (the CUDA toolkit's, or a libnccl.so link to the \
+                  nvidia-nccl wheel's libnccl.so.2) where the loader finds it",
+    ))
 }
 
 fn as_bytes(values: &[i64]) -> &[u8] {
@@ -351,9 +350,8 @@ fn exchange_id(
     started: Instant,
     deadline: Duration,
 ) -> Result<nccl_sys::ncclUniqueId, Error> {
-    let io = |what: &str, error: std::io::Error| Error::Device {
-        operation: "share the NCCL id",
-        message: format!("{what} {}: {error}", path.display()),
+    let io = |what: &str, error: std::io::Error| {
+        Error::device_caused("share the NCCL id", format!("{what} {}: {error}", path.display()), error)
     };
     if rank == 0 {
         let text = NcclGroup::unique_id()?;
@@ -388,9 +386,8 @@ fn arrival_path(path: &Path, rank: usize) -> PathBuf {
 
 fn mark_arrival(path: &Path, rank: usize) -> Result<(), Error> {
     let mark = arrival_path(path, rank);
-    std::fs::write(&mark, b"").map_err(|error| Error::Device {
-        operation: "share the NCCL id",
-        message: format!("writing {}: {error}", mark.display()),
+    std::fs::write(&mark, b"").map_err(|error| {
+        Error::device_caused("share the NCCL id", format!("writing {}: {error}", mark.display()), error)
     })
 }
 

@@ -10,9 +10,35 @@ use cudarc::driver::{CudaContext, result, sys};
 use hicache_core::Error;
 use hicache_core::host_memory::HostMemory;
 
-/// Turns a driver error into the core's error.
+/// A CUDA driver call's failure: the `CUresult` code and its name. It is the [`Error::cause`] of the device errors
+/// driver calls produce, so an engine can tell out-of-memory (2) from an illegal address (700) without cudarc:
+/// `error.cause().and_then(|cause| cause.downcast_ref::<DriverError>())`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("CUDA driver error {code} ({name})")]
+pub struct DriverError {
+    /// The `CUresult` value.
+    pub code: u32,
+    /// Its name, e.g. `CUDA_ERROR_OUT_OF_MEMORY`.
+    pub name: String,
+}
+
+impl From<result::DriverError> for DriverError {
+    fn from(error: result::DriverError) -> Self {
+        // the enum's own name: no driver call (cuGetErrorName) needed, so this works where the driver is gone
+        Self { code: error.0 as u32, name: format!("{:?}", error.0) }
+    }
+}
+
+/// Turns a driver error into the core's error, the driver's code kept as its cause.
 pub(crate) fn driver(operation: &'static str) -> impl FnOnce(result::DriverError) -> Error {
-    move |error| Error::Device { operation, message: format!("{error:?}") }
+    move |error| driver_error(operation, String::new(), error)
+}
+
+/// A device error for `operation` (`detail` before the driver's words, if any) caused by `error`.
+pub(crate) fn driver_error(operation: &'static str, detail: String, error: result::DriverError) -> Error {
+    let error = DriverError::from(error);
+    let message = if detail.is_empty() { error.name.clone() } else { format!("{detail}: {}", error.name) };
+    Error::device_caused(operation, message, hicache_core::Cause::new(error))
 }
 
 /// Whether the CUDA driver library can be loaded here.
@@ -41,25 +67,21 @@ impl Device {
     /// [`Error::Device`] when the driver or NVRTC cannot be loaded, there is no such GPU, or the context fails.
     pub fn open(ordinal: usize) -> Result<Self, Error> {
         if !driver_present() {
-            return Err(Error::Device {
-                operation: "open",
-                message: "the CUDA driver (libcuda.so) cannot be loaded: no NVIDIA driver on this machine".into(),
-            });
+            return Err(Error::device(
+                "open",
+                "the CUDA driver (libcuda.so) cannot be loaded: no NVIDIA driver on this machine",
+            ));
         }
         if !nvrtc_present() {
-            return Err(Error::Device {
-                operation: "open",
-                message: "NVRTC (libnvrtc.so) cannot be loaded: add the CUDA toolkit's lib directory to \
-                          LD_LIBRARY_PATH"
-                    .into(),
-            });
+            return Err(Error::device(
+                "open",
+                "NVRTC (libnvrtc.so) cannot be loaded: add the CUDA toolkit's lib directory to \
+                          LD_LIBRARY_PATH",
+            ));
         }
         let count = CudaContext::device_count().map_err(driver("count devices"))?;
         if ordinal >= count.max(0) as usize {
-            return Err(Error::Device {
-                operation: "open",
-                message: format!("GPU {ordinal} asked for, {count} present"),
-            });
+            return Err(Error::device("open", format!("GPU {ordinal} asked for, {count} present")));
         }
         let context = CudaContext::new(ordinal).map_err(driver("create the context"))?;
         // the engine orders its streams with its own events; cudarc's per-allocation tracking would add more
@@ -130,10 +152,8 @@ impl DeviceBuffer {
         let context = device.context().clone();
         context.bind_to_thread().map_err(driver("bind the context"))?;
         // SAFETY: a plain allocation of `bytes`; the pointer is freed once, in Drop.
-        let pointer = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|error| Error::Device {
-            operation: "allocate the device pool",
-            message: format!("{bytes} bytes: {error:?}"),
-        })?;
+        let pointer = unsafe { result::malloc_sync(bytes.max(1)) }
+            .map_err(|error| driver_error("allocate the device pool", format!("{bytes} bytes"), error))?;
         // SAFETY: `pointer` is `bytes` long, just allocated.
         unsafe { result::memset_d8_sync(pointer, 0, bytes) }.map_err(driver("zero the device pool"))?;
         Ok(Self { context, pointer, bytes, owned: true })
@@ -246,10 +266,7 @@ impl PinnedBuffer {
         // SAFETY: the range is the whole mapping of `memory` (page-aligned, `bytes` long), which this value keeps
         // alive (an `Arc`) until Drop unregisters it; registering only pins and maps the pages.
         unsafe { sys::cuMemHostRegister_v2(memory.as_ptr().cast(), bytes, flags) }.result().map_err(|error| {
-            Error::Device {
-                operation: "pin the host pool",
-                message: format!("{bytes} bytes ({:.1} GB): {error:?}", bytes as f64 / 1e9),
-            }
+            driver_error("pin the host pool", format!("{bytes} bytes ({:.1} GB)", bytes as f64 / 1e9), error)
         })?;
         let mut mapped: sys::CUdeviceptr = 0;
         // SAFETY: the range was registered with DEVICEMAP in this context just above; the driver writes the address.
@@ -290,5 +307,23 @@ impl Drop for PinnedBuffer {
             // pointer holds this value, so no copy is in flight.
             let _ = unsafe { sys::cuMemHostUnregister(self.memory.as_ptr().cast()) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_driver_error_keeps_its_code_as_the_cause_without_a_driver() {
+        let failed = result::DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        let error = driver_error("allocate the device pool", "1024 bytes".into(), failed);
+        assert_eq!(error.kind(), hicache_core::ErrorKind::Device);
+        assert_eq!(error.to_string(), "device: allocate the device pool: 1024 bytes: CUDA_ERROR_OUT_OF_MEMORY");
+        let cause = error.cause().and_then(|cause| cause.downcast_ref::<DriverError>()).expect("the driver's error");
+        assert_eq!(cause.code, 2, "CUDA_ERROR_OUT_OF_MEMORY is 2 in cuda.h");
+        assert_eq!(cause.name, "CUDA_ERROR_OUT_OF_MEMORY");
+        let illegal = driver("synchronise")(result::DriverError(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(illegal.cause().and_then(|cause| cause.downcast_ref::<DriverError>()).map(|d| d.code), Some(700));
     }
 }

@@ -377,7 +377,7 @@ fn cache_path(arch: &str) -> Option<PathBuf> {
 
 /// NVRTC: the source to a cubin for `arch` (a cubin, not PTX: PTX from an NVRTC newer than the driver would not load).
 fn compile(source: &str, arch: &str) -> Result<Vec<u8>, Error> {
-    let failed = |message: String| Error::Device { operation: "compile a kernel", message };
+    let failed = |message: String| Error::device("compile a kernel", message);
     let source = std::ffi::CString::new(source).map_err(|_| failed("the source contains a NUL byte".into()))?;
     let program = nvrtc::create_program(&source, None).map_err(|error| failed(format!("{error:?}")))?;
     let options = [format!("--gpu-architecture={arch}"), "--std=c++17".to_owned()];

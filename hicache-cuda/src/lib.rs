@@ -14,7 +14,7 @@ mod pool;
 mod sizing;
 
 pub use collective::{Bootstrap, NcclGroup, NcclSettings, nccl_present};
-pub use device::{Device, DeviceBuffer, PinnedBuffer, driver_present, nvrtc_present};
+pub use device::{Device, DeviceBuffer, DriverError, PinnedBuffer, driver_present, nvrtc_present};
 pub use engine::{
     AutoMinRun, CopyKernel, CudaEngine, CudaTransferEvent, DEFAULT_AUTO_MIN_RUN, LaunchShape, TmaShape, wait_layer_on,
 };

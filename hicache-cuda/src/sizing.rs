@@ -49,9 +49,8 @@ pub fn host_pool_tokens(
 /// [`Error::Device`] when the file cannot be read or has no such line.
 pub fn available_memory() -> Result<u64, Error> {
     let text = std::fs::read_to_string("/proc/meminfo")
-        .map_err(|error| Error::Device { operation: "read /proc/meminfo", message: error.to_string() })?;
-    parse_mem_available(&text)
-        .ok_or_else(|| Error::Device { operation: "read /proc/meminfo", message: "no MemAvailable line".into() })
+        .map_err(|error| Error::device_caused("read /proc/meminfo", error.to_string(), error))?;
+    parse_mem_available(&text).ok_or_else(|| Error::device("read /proc/meminfo", "no MemAvailable line"))
 }
 
 fn parse_mem_available(meminfo: &str) -> Option<u64> {

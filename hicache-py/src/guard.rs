@@ -24,8 +24,8 @@ pub(crate) fn run<T>(body: impl FnOnce() -> Result<T, PyErr>) -> Result<T, PyErr
     })
 }
 
-/// The Python exception for a hicache error: bad arguments and configs are `ValueError`, storage failures `OSError`,
-/// timeouts `TimeoutError`, the rest `RuntimeError`.
+/// The Python exception for a hicache error: bad arguments and configs are `ValueError`, storage failures `OSError`
+/// (with `errno` set when an OS error caused them), timeouts `TimeoutError`, the rest `RuntimeError`.
 pub(crate) fn to_py(error: Error) -> PyErr {
     let text = format!("hicache: {error}");
     match error {
@@ -35,7 +35,12 @@ pub(crate) fn to_py(error: Error) -> PyErr {
         | Error::InvalidToken { .. }
         | Error::InvalidTokenList { .. }
         | Error::PartialPage { .. } => PyValueError::new_err(text),
-        Error::Storage { .. } | Error::Unsupported { .. } => PyOSError::new_err(text),
+        // with the OS error's number where one caused it, so Python's `OSError.errno` tells ENOSPC from EIO
+        Error::Storage { .. } => match error.io_error().and_then(std::io::Error::raw_os_error) {
+            Some(errno) => PyOSError::new_err((errno, text)),
+            None => PyOSError::new_err(text),
+        },
+        Error::Unsupported { .. } => PyOSError::new_err(text),
         Error::Timeout { .. } => PyTimeoutError::new_err(text),
         _ => PyRuntimeError::new_err(text),
     }

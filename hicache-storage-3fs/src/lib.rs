@@ -229,7 +229,7 @@ impl Hf3fsStorage {
 
     fn check_usable(&self) -> Result<(), Error> {
         match &*self.poisoned.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) {
-            Some(why) => Err(Error::Storage { backend: "3fs".into(), message: why.clone() }),
+            Some(why) => Err(Error::storage("3fs", why.clone())),
             None => Ok(()),
         }
     }

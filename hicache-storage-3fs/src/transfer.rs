@@ -36,13 +36,14 @@ impl Registered {
         let mut id = [0u8; 16];
         // SAFETY: `id` is 16 writable bytes.
         if unsafe { libc::getrandom(id.as_mut_ptr().cast(), id.len(), 0) } != 16 {
-            return Err(Error::Storage { backend: "3fs".into(), message: "no random bytes for an iov id".into() });
+            return Err(Error::storage("3fs", "no random bytes for an iov id"));
         }
         let hex: String = id.iter().map(|byte| format!("{byte:02x}")).collect();
         let link = PathBuf::from(mount.to_string_lossy().into_owned()).join("3fs-virt/iovs").join(hex);
         std::os::unix::fs::symlink(shared, &link).map_err(|error| Error::Storage {
             backend: "3fs".into(),
             message: format!("publishing the host pool as {}: {error}", link.display()),
+            source: Some(error.into()),
         })?;
         // SAFETY: the region's memory is the mapping of `shared`, kept mapped by the caller until it unregisters the
         // region, which drops this iov.
@@ -159,7 +160,8 @@ fn failure(kind: FailureKind, message: String) -> PageFailure {
 fn checked(result: i64, len: usize, what: &str, offset: u64) -> Result<(), PageFailure> {
     if result < 0 {
         let error = std::io::Error::from_raw_os_error((-result) as i32);
-        return Err(failure(FailureKind::Io, format!("{what} of {len} bytes at offset {offset}: {error}")));
+        let message = format!("{what} of {len} bytes at offset {offset}: {error}");
+        return Err(PageFailure::caused(FailureKind::Io, message, error));
     }
     if result as usize != len {
         return Err(failure(FailureKind::Corrupt, format!("short {what}: {result} of {len} bytes at offset {offset}")));
@@ -454,5 +456,22 @@ impl Hf3fsStorage {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_request_keeps_the_errno_and_a_short_one_is_corrupt() {
+        let full = checked(-28, 4096, "write", 8192).unwrap_err();
+        assert_eq!(full.kind, FailureKind::Io);
+        assert_eq!(full.io_error().and_then(std::io::Error::raw_os_error), Some(28), "ENOSPC: {full}");
+        assert!(full.message.contains("write of 4096 bytes at offset 8192"), "{full}");
+        let short = checked(100, 4096, "read", 0).unwrap_err();
+        assert_eq!(short.kind, FailureKind::Corrupt);
+        assert!(short.source.is_none());
+        assert!(checked(4096, 4096, "read", 0).is_ok());
     }
 }

@@ -32,7 +32,7 @@ pub struct Library {
 static LOADED: Mutex<Vec<&'static Library>> = Mutex::new(Vec::new());
 
 fn storage_error(message: String) -> Error {
-    Error::Storage { backend: "3fs".into(), message }
+    Error::storage("3fs", message)
 }
 
 fn errno_text(code: i32) -> String {

@@ -164,11 +164,11 @@ impl FileStorage {
             // the directory itself; the folders below it are made by the first write that needs them (so an open
             // that never writes leaves nothing behind, and a directory removed under a running writer stays removed)
             std::fs::create_dir_all(&config.dir)
-                .map_err(|error| storage_error(format!("creating {}: {error}", config.dir.display())))?;
+                .map_err(|error| io_failure(format!("creating {}: {error}", config.dir.display()), error))?;
             if config.direct_io {
                 // the probe below writes a file there
                 std::fs::create_dir_all(&root)
-                    .map_err(|error| storage_error(format!("creating {}: {error}", root.display())))?;
+                    .map_err(|error| io_failure(format!("creating {}: {error}", root.display()), error))?;
             }
         }
         let page_bytes = namespace.geometry.bytes_per_page(namespace.page_size);
@@ -212,7 +212,7 @@ impl FileStorage {
             let index = storage.scan(None)?;
             if !storage.config.read_only {
                 let path = storage.account_path();
-                let account_error = |error: std::io::Error| storage_error(format!("{}: {error}", path.display()));
+                let account_error = |error: std::io::Error| io_failure(format!("{}: {error}", path.display()), error);
                 if let Some(parent) = path.parent() {
                     std::fs::create_dir_all(parent).map_err(account_error)?;
                 }
@@ -244,7 +244,7 @@ impl FileStorage {
             change(&mut index, false);
             return Ok(());
         };
-        let error = |error: std::io::Error| storage_error(format!("the capacity account: {error}"));
+        let error = |error: std::io::Error| io_failure(format!("the capacity account: {error}"), error);
         let locked = account.lock().map_err(error)?;
         let recounted = locked.bytes().map_err(error)? != Some(index.total());
         if recounted {
@@ -259,7 +259,7 @@ impl FileStorage {
     fn remove_stale_temporaries(&self) -> Result<u64, Error> {
         let recurse = self.config.format == FileFormat::Native;
         page_file::remove_stale_temporaries(&self.root, recurse, &|name| self.is_page_name(name), STALE_TEMPORARY_AGE)
-            .map_err(|error| storage_error(format!("removing stale temporary files: {error}")))
+            .map_err(|error| io_failure(format!("removing stale temporary files: {error}"), error))
     }
 
     /// Rebuilds the capacity account from the directory: this namespace's page files, oldest first. File times come
@@ -308,7 +308,7 @@ impl FileStorage {
                 );
             },
         )
-        .map_err(|error| storage_error(format!("scanning this namespace's pages: {error}")))
+        .map_err(|error| io_failure(format!("scanning this namespace's pages: {error}"), error))
     }
 
     fn lock_index(&self) -> Option<MutexGuard<'_, index::LruIndex>> {
@@ -373,7 +373,9 @@ impl FileStorage {
                 FailureKind::Io,
                 format!("{}: {what}, not a page file (left in place)", path.display()),
             )),
-            Err(error) => GetOutcome::Failed(PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display()))),
+            Err(error) => {
+                GetOutcome::Failed(PageFailure::caused(FailureKind::Io, format!("{}: {error}", path.display()), error))
+            }
         };
         match outcome {
             GetOutcome::Hit => {
@@ -430,14 +432,22 @@ impl FileStorage {
                 ));
             }
             Err(error) => {
-                return SetOutcome::Failed(PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display())));
+                return SetOutcome::Failed(PageFailure::caused(
+                    FailureKind::Io,
+                    format!("{}: {error}", path.display()),
+                    error,
+                ));
             }
         }
         if self.shape.use_direct(page) {
             self.direct_pages.fetch_add(1, Ordering::Relaxed);
         }
         if let Err(error) = page_file::write_atomic(&path, page, self.shape, &binding, &self.config.dir) {
-            return SetOutcome::Failed(PageFailure::new(FailureKind::Io, format!("{}: {error}", path.display())));
+            return SetOutcome::Failed(PageFailure::caused(
+                FailureKind::Io,
+                format!("{}: {error}", path.display()),
+                error,
+            ));
         }
         if let Some(capacity) = self.config.capacity_bytes {
             // down to 90% of the capacity when that frees whole pages, so a full directory is not counted per write
@@ -519,7 +529,12 @@ impl FileStorage {
 }
 
 fn storage_error(message: String) -> Error {
-    Error::Storage { backend: "file".into(), message }
+    Error::storage("file", message)
+}
+
+/// A whole-call failure caused by `error`, which stays reachable ([`Error::io_error`]).
+fn io_failure(message: String, error: std::io::Error) -> Error {
+    Error::storage_caused("file", message, error)
 }
 
 fn size_mismatch(given: usize, expected: usize) -> PageFailure {
@@ -543,7 +558,7 @@ impl StorageBackend for FileStorage {
                 Ok(_) => break,
                 Err(error) if error.kind() == std::io::ErrorKind::NotFound => break,
                 // the same answer a get would give: an error, not "absent"
-                Err(error) => return Err(storage_error(format!("checking {}: {error}", path.display()))),
+                Err(error) => return Err(io_failure(format!("checking {}: {error}", path.display()), error)),
             }
         }
         self.stats.record_exists(keys.len(), hits);
@@ -596,7 +611,7 @@ impl StorageBackend for FileStorage {
                 Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
                 // reported after the others are removed: one page that cannot go does not keep the rest
                 Err(error) => {
-                    failure.get_or_insert_with(|| storage_error(format!("removing {}: {error}", path.display())));
+                    failure.get_or_insert_with(|| io_failure(format!("removing {}: {error}", path.display()), error));
                 }
             }
         }
@@ -636,7 +651,7 @@ impl StorageBackend for FileStorage {
                 })
             }
         }
-        .map_err(|error| storage_error(format!("clearing {}: {error}", self.root.display())))?;
+        .map_err(|error| io_failure(format!("clearing {}: {error}", self.root.display()), error))?;
         // recorded as what the directory holds now (another process may have written meanwhile)
         self.with_account(|index, recounted| {
             if !recounted && let Ok(counted) = self.scan(Some(index)) {

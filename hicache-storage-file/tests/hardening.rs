@@ -207,8 +207,26 @@ fn a_directory_removed_under_a_writer_is_not_made_again() {
         std::fs::remove_dir_all(&dir).unwrap();
         let outcomes = put(&storage, &keys[1..], &pages[1..]);
         assert!(matches!(&outcomes[0], SetOutcome::Failed(failure) if failure.kind == FailureKind::Io), "{outcomes:?}");
+        // the file system's own error is kept, for an engine to tell a vanished directory from a full disk
+        let SetOutcome::Failed(failure) = &outcomes[0] else { unreachable!() };
+        let io = failure.io_error().unwrap_or_else(|| panic!("{format:?}: no io::Error behind {failure}"));
+        assert_eq!(io.raw_os_error(), Some(libc::ENOENT), "{format:?}: {io}");
         assert!(!dir.exists(), "{format:?}: the write made the removed directory again");
     }
+}
+
+#[test]
+fn a_directory_that_cannot_be_made_fails_the_open_with_the_os_error() {
+    let parent = tempfile::tempdir().unwrap();
+    let file = parent.path().join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let ns = namespace("m", KvDtype::Bf16, 4);
+    let error = FileStorage::open(FileConfig::new(file.join("cache"), FileFormat::Native), &ns).unwrap_err();
+    assert_eq!(error.kind(), hicache_core::ErrorKind::Storage, "{error}");
+    assert!(error.to_string().contains("a-file"), "names the path: {error}");
+    let io = error.io_error().unwrap_or_else(|| panic!("no io::Error behind {error}"));
+    assert_eq!(io.raw_os_error(), Some(libc::ENOTDIR), "{io}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"not a directory", "the file in the way is left alone");
 }
 
 #[test]

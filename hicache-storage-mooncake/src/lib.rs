@@ -334,7 +334,7 @@ fn scatter_range(bytes: &[u8], segments: &mut [&mut [u8]], offset: usize) {
 }
 
 fn error(message: String) -> Error {
-    Error::Storage { backend: "mooncake".into(), message }
+    Error::storage("mooncake", message)
 }
 
 /// The failure of one object with a settled error code.

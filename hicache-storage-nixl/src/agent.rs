@@ -231,5 +231,5 @@ fn nixl(step: &str, subject: &str, failure: &NixlError) -> Error {
 }
 
 pub(crate) fn storage(message: String) -> Error {
-    Error::Storage { backend: "nixl".into(), message }
+    Error::storage("nixl", message)
 }

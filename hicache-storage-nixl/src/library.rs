@@ -72,5 +72,5 @@ pub fn ensure_loaded(lib_dir: Option<&Path>) -> Result<(), Error> {
 }
 
 fn error(message: String) -> Error {
-    Error::Storage { backend: "nixl".into(), message }
+    Error::storage("nixl", message)
 }

@@ -557,7 +557,7 @@ impl<E: TransferEngine> CacheController<E> {
         }
         match failure {
             // their device copies are unspecified: the engine must not use them (a device fault; reset the cache)
-            Some(message) => Err(Error::Device { operation: "transfer", message }),
+            Some(message) => Err(Error::device("transfer", message)),
             None => Ok(acks),
         }
     }

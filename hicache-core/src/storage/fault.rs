@@ -181,10 +181,10 @@ impl<S: StorageBackend> FaultyStorage<S> {
             });
         }
         if plan.fail_call == Some(call) {
-            return Err(Error::Storage {
-                backend: self.inner.name().to_owned(),
-                message: format!("injected failure of call {call} ({operation})"),
-            });
+            return Err(Error::storage(
+                self.inner.name().to_owned(),
+                format!("injected failure of call {call} ({operation})"),
+            ));
         }
         Ok(plan)
     }

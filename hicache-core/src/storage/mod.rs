@@ -24,7 +24,7 @@ pub use fault::{FaultCounts, FaultPlan, FaultyStorage};
 pub use memory::{MemoryStorage, MemoryStore};
 pub use stats::{StatsRecorder, StorageStats};
 
-use crate::error::Error;
+use crate::error::{Cause, Error};
 use crate::hash::PageKey;
 use crate::host_memory::MemoryRegion;
 
@@ -51,19 +51,31 @@ pub enum FailureKind {
     Injected,
 }
 
-/// One page's failure, with the backend's message.
+/// One page's failure, with the backend's message and, where there is one, the error behind it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PageFailure {
     /// The kind of failure.
     pub kind: FailureKind,
     /// What happened, with the numbers needed to act on it.
     pub message: String,
+    /// The lower-level error (an `std::io::Error` for a file system's refusal: ENOSPC, EIO, ...).
+    pub source: Option<Cause>,
 }
 
 impl PageFailure {
     /// A failure of `kind`.
     pub fn new(kind: FailureKind, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into() }
+        Self { kind, message: message.into(), source: None }
+    }
+
+    /// A failure of `kind` caused by `source`.
+    pub fn caused(kind: FailureKind, message: impl Into<String>, source: impl Into<Cause>) -> Self {
+        Self { kind, message: message.into(), source: Some(source.into()) }
+    }
+
+    /// The `std::io::Error` behind it, if that is what caused it.
+    pub fn io_error(&self) -> Option<&std::io::Error> {
+        self.source.as_ref().and_then(Cause::io)
     }
 }
 
@@ -255,7 +267,7 @@ fn single<T>(backend: &str, outcomes: Vec<T>) -> Result<T, Error> {
     let mut outcomes = outcomes.into_iter();
     match (outcomes.next(), outcomes.next()) {
         (Some(outcome), None) => Ok(outcome),
-        _ => Err(Error::Storage { backend: backend.into(), message: format!("{count} outcomes for one key") }),
+        _ => Err(Error::storage(backend, format!("{count} outcomes for one key"))),
     }
 }
 

@@ -279,10 +279,10 @@ impl TransferEvent for CpuEvent {
             let mut state = lock(&self.state);
             state.run_until(stream, seq);
             if state.failed[stream as usize].contains(&seq) {
-                return Err(Error::Device {
-                    operation: "transfer",
-                    message: format!("the {stream:?} stream's copy {seq} failed (injected by fail_next)"),
-                });
+                return Err(Error::device(
+                    "transfer",
+                    format!("the {stream:?} stream's copy {seq} failed (injected by fail_next)"),
+                ));
             }
         }
         Ok(())

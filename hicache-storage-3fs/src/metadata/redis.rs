@@ -100,7 +100,7 @@ impl RedisMetadata {
                 waited_ms: self.timeout.as_millis() as u64,
             };
         }
-        Error::Storage { backend: "3fs".into(), message: format!("metadata at {}: {what}: {error}", self.url) }
+        Error::storage("3fs", format!("metadata at {}: {what}: {error}", self.url))
     }
 
     fn open_connection(&self) -> Result<Connection, Error> {
@@ -191,10 +191,7 @@ impl RedisMetadata {
     }
 
     fn bad_reply(&self, what: &str, value: &Value) -> Error {
-        Error::Storage {
-            backend: "3fs".into(),
-            message: format!("metadata at {}: {what}: odd reply {value:?}", self.url),
-        }
+        Error::storage("3fs", format!("metadata at {}: {what}: odd reply {value:?}", self.url))
     }
 }
 
