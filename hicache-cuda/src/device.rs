@@ -90,9 +90,23 @@ impl Device {
         Ok(Self { context })
     }
 
-    /// The context.
-    pub fn context(&self) -> &Arc<CudaContext> {
+    /// The context (the GPU's primary context, which an engine's own CUDA code shares).
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
         &self.context
+    }
+
+    /// The GPU's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.context.ordinal()
+    }
+
+    /// Waits until all work on the GPU in this context has finished.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] when some of it failed, or the driver did.
+    pub fn synchronize(&self) -> Result<(), Error> {
+        self.context.synchronize().map_err(driver("synchronise the device"))
     }
 
     /// The GPU's name.

@@ -20,6 +20,7 @@ use hicache_core::transfer::{DeviceLayoutMap, TransferEngine, TransferEvent};
 use crate::device::{Device, DeviceBuffer, PinnedBuffer, driver};
 use crate::kernels::TransferKernel;
 use crate::pool::DevicePool;
+use crate::stream::StreamHandle;
 
 /// How the kernel is launched: its grid is at most `blocks` blocks of `threads` threads (SGLang's block quota), so
 /// transfers leave most SMs to the model.
@@ -70,19 +71,24 @@ pub struct CudaTransferEvent {
 }
 
 impl CudaTransferEvent {
-    /// The driver's event (to make another stream wait on it).
-    pub fn event(&self) -> &CudaEvent {
-        &self.event
-    }
-
     /// Makes `stream` wait for this transfer without blocking the CPU: work queued on `stream` after this call runs
     /// once the transfer is done.
     ///
     /// # Errors
     ///
     /// [`Error::Device`] from the driver.
-    pub fn make_wait(&self, stream: &CudaStream) -> Result<(), Error> {
-        stream.wait(&self.event).map_err(driver("make a stream wait for a transfer"))
+    pub fn make_wait(&self, stream: StreamHandle) -> Result<(), Error> {
+        self.event.context().bind_to_thread().map_err(driver("bind the context"))?;
+        // SAFETY: the event is alive (held here) and of the context just bound; the stream is alive and of the same
+        // context (`StreamHandle::from_raw`'s contract). Waiting only orders the stream's later work after the event.
+        unsafe {
+            result::stream::wait_event(
+                stream.cu_stream(),
+                self.event.cu_event(),
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(driver("make a stream wait for a transfer"))
     }
 }
 
@@ -95,7 +101,7 @@ impl CudaTransferEvent {
 pub fn wait_layer_on(
     counter: &hicache_core::transfer::LayerDoneCounter<CudaTransferEvent>,
     layer: usize,
-    stream: &CudaStream,
+    stream: StreamHandle,
 ) -> Result<(), Error> {
     match counter.consumer_event(layer) {
         Some(event) => event.make_wait(stream),
@@ -123,7 +129,7 @@ pub struct CudaEngine {
     host_map: HostLayoutMap,
     device_pool: Arc<DevicePool>,
     host_pool: Arc<PinnedBuffer>,
-    caller: Arc<CudaStream>,
+    caller: Caller,
     write_stream: Arc<CudaStream>,
     load_stream: Arc<CudaStream>,
     shape: LaunchShape,
@@ -135,6 +141,13 @@ pub struct CudaEngine {
     batched: bool,
     /// Where transfers' index arrays are allocated.
     index_pool: IndexPool,
+}
+
+/// The stream transfers are ordered after: the engine's own, or one an inference engine lent.
+#[derive(Debug)]
+enum Caller {
+    Own(Arc<CudaStream>),
+    Lent(StreamHandle),
 }
 
 /// The engine's own stream-ordered memory pool for index arrays. It keeps what is freed (release threshold: all)
@@ -383,7 +396,7 @@ impl CudaEngine {
             host_map,
             device_pool: Arc::new(device_pool),
             host_pool: Arc::new(host_pool),
-            caller,
+            caller: Caller::Own(caller),
             write_stream,
             load_stream,
             shape: LaunchShape::default(),
@@ -482,8 +495,9 @@ impl CudaEngine {
     }
 
     /// Makes start events come from `stream` (an inference engine's compute stream), so transfers wait for its work.
-    pub fn set_caller_stream(&mut self, stream: Arc<CudaStream>) {
-        self.caller = stream;
+    /// The stream must stay alive until another is set or the engine is dropped ([`StreamHandle::from_raw`]).
+    pub fn set_caller_stream(&mut self, stream: StreamHandle) {
+        self.caller = Caller::Lent(stream);
     }
 
     /// The GPU.
@@ -511,9 +525,21 @@ impl CudaEngine {
         self.host_map
     }
 
-    /// The write and load streams (to time transfers, or to wait on them).
-    pub fn streams(&self) -> (&Arc<CudaStream>, &Arc<CudaStream>) {
-        (&self.write_stream, &self.load_stream)
+    /// The write and load streams (to time transfers, or to wait on them); they live as long as the engine.
+    pub fn streams(&self) -> (StreamHandle, StreamHandle) {
+        // the engine's own streams, of its device's primary context, alive while the engine is
+        let handle = |stream: &CudaStream| StreamHandle::from_raw_unchecked(stream.cu_stream());
+        (handle(&self.write_stream), handle(&self.load_stream))
+    }
+
+    /// Waits until every transfer queued so far has finished (both streams).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] when a transfer failed or the driver did.
+    pub fn synchronize(&self) -> Result<(), Error> {
+        self.write_stream.synchronize().map_err(driver("wait for the write stream"))?;
+        self.load_stream.synchronize().map_err(driver("wait for the load stream"))
     }
 
     fn check(&self, slots: &[DeviceSlot], pages: &[HostPageId]) -> Result<Vec<u32>, Error> {
@@ -564,7 +590,7 @@ impl CudaEngine {
         slots: &[DeviceSlot],
         after: &CudaTransferEvent,
     ) -> Result<Option<u64>, Error> {
-        stream.wait(after.event()).map_err(driver("order the transfer after the caller"))?;
+        stream.wait(&after.event).map_err(driver("order the transfer after the caller"))?;
         if host_tokens.is_empty() {
             return Ok(None);
         }
@@ -760,6 +786,16 @@ impl CudaEngine {
     }
 }
 
+impl Drop for CudaEngine {
+    fn drop(&mut self) {
+        // transfers still queued read and write both pools and their index arrays (which go with the engine):
+        // they finish before anything is released; a failure is the driver's to report, and it is logged
+        if let Err(error) = self.synchronize() {
+            tracing::warn!(%error, "a transfer failed while the CUDA engine was dropped");
+        }
+    }
+}
+
 impl TransferEngine for CudaEngine {
     type Event = CudaTransferEvent;
 
@@ -772,7 +808,17 @@ impl TransferEngine for CudaEngine {
     }
 
     fn start_event(&mut self) -> Result<CudaTransferEvent, Error> {
-        let event = self.caller.record_event(None).map_err(driver("record a start event"))?;
+        let event = match &self.caller {
+            Caller::Own(stream) => stream.record_event(None).map_err(driver("record a start event"))?,
+            &Caller::Lent(stream) => {
+                let event = self.device.context().new_event(None).map_err(driver("create a start event"))?;
+                // SAFETY: the event was just made in the device's context, which `new_event` bound to this thread;
+                // the lent stream is alive and of that context (`StreamHandle::from_raw`'s contract).
+                unsafe { result::event::record(event.cu_event(), stream.cu_stream()) }
+                    .map_err(driver("record a start event on the caller's stream"))?;
+                event
+            }
+        };
         Ok(CudaTransferEvent { event: Arc::new(event) })
     }
 

@@ -350,11 +350,12 @@ impl TransferKernel {
     }
 
     /// Compiles another kernel the same way (NVRTC, a cubin for the GPU's architecture; not cached) and returns
-    /// `name` from it: tests' and benchmarks' helper kernels.
+    /// `name` from it: the GPU tests' helper kernels (feature `testing`: it hands out a cudarc type).
     ///
     /// # Errors
     ///
     /// As [`load`](Self::load).
+    #[cfg(feature = "testing")]
     pub fn load_extra(device: &Device, source: &str, name: &str) -> Result<CudaFunction, Error> {
         let (major, minor) = device.compute_capability()?;
         let cubin = compile(source, &format!("sm_{major}{minor}"))?;

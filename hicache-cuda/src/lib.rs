@@ -12,6 +12,7 @@ mod engine;
 mod kernels;
 mod pool;
 mod sizing;
+mod stream;
 
 pub use collective::{Bootstrap, NcclGroup, NcclSettings, nccl_present};
 pub use device::{Device, DeviceBuffer, DriverError, PinnedBuffer, driver_present, nvrtc_present};
@@ -21,3 +22,4 @@ pub use engine::{
 pub use kernels::{TmaPlan, TransferKernel};
 pub use pool::DevicePool;
 pub use sizing::{HOST_RESERVE_BYTES, available_memory, host_pool_tokens};
+pub use stream::StreamHandle;

@@ -16,7 +16,8 @@ use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::ops::{DeviceSlot, NodeId};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, SlotReuse, TransferEngine, TransferEvent};
 use hicache_cuda::{
-    AutoMinRun, CopyKernel, CudaEngine, Device, DeviceBuffer, DevicePool, LaunchShape, TmaShape, driver_present,
+    AutoMinRun, CopyKernel, CudaEngine, Device, DeviceBuffer, DevicePool, LaunchShape, StreamHandle, TmaShape,
+    driver_present,
 };
 use rand::RngExt as _;
 use rand::seq::SliceRandom as _;
@@ -36,6 +37,18 @@ fn opening_without_a_driver_is_a_clear_error() {
 
 fn device() -> Device {
     Device::open(0).expect("a CUDA GPU")
+}
+
+/// A stream of the engine's own, made with its own CUDA bindings (cudarc here) in the GPU's primary context, as an
+/// inference engine has one.
+fn engine_stream(device: &Device) -> Arc<cudarc::driver::CudaStream> {
+    cudarc::driver::CudaContext::new(device.ordinal()).unwrap().new_stream().unwrap()
+}
+
+/// The stream's driver handle, as hicache takes it.
+fn handle(stream: &cudarc::driver::CudaStream) -> StreamHandle {
+    // SAFETY: the stream is of the GPU's primary context and outlives every use the tests make of the handle
+    unsafe { StreamHandle::from_raw(stream.cu_stream().cast()) }
 }
 
 /// The geometries checked: MHA and MLA items of 16-byte multiples, an 8-byte item, and an odd 6-byte one.
@@ -280,7 +293,7 @@ fn a_consumer_that_waits_on_layer_i_sees_layer_i_complete() {
         for layer in 0..geometry.layers {
             pair.cpu.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap();
         }
-        let consumer = device.context().new_stream().unwrap();
+        let consumer = engine_stream(&device);
         // the consumer: a kernel that counts the 16-byte words of the loaded slots of one layer still poisoned
         let map = pair.cuda.device_map();
         let item = geometry.item_bytes() as u64;
@@ -295,7 +308,7 @@ fn a_consumer_that_waits_on_layer_i_sees_layer_i_complete() {
         for (layer, event) in events.iter().enumerate() {
             // the consumer's stream waits on layer i's event, checks layer i at once on the GPU, then copies the
             // whole of it out (every slot, K and V), all asynchronously while later layers load
-            event.make_wait(&consumer).unwrap();
+            event.make_wait(handle(&consumer)).unwrap();
             // a slab pool: the layer's K and V regions follow each other
             let base = pair.cuda.device_pool().region(layer, 0).pointer();
             let (list, count, slot_count) = (slot_list.pointer(), slots.len() as u64, map.slots() as u64);
@@ -332,17 +345,8 @@ fn a_consumer_that_waits_on_layer_i_sees_layer_i_complete() {
 #[ignore = "needs a CUDA GPU"]
 fn transfers_beside_a_busy_kernel_stay_correct() {
     let device = device();
-    let busy = hicache_cuda::TransferKernel::load_extra(
-        &device,
-        r#"extern "C" __global__ void spin(float* out, unsigned long long rounds) {
-            float x = threadIdx.x;
-            for (unsigned long long i = 0; i < rounds; ++i) { x = x * 0.999999f + 0.5f; }
-            out[blockIdx.x * blockDim.x + threadIdx.x] = x;
-        }"#,
-        "spin",
-    )
-    .unwrap();
-    let compute = device.context().new_stream().unwrap();
+    let busy = spin_kernel(&device);
+    let compute = engine_stream(&device);
     let out = hicache_cuda::DeviceBuffer::zeroed(&device, 4 * 132 * 4 * 1024).unwrap();
     let geometry = KvGeometry::mha(4, 8, 128, KvDtype::Bf16).unwrap();
     let mut pair = pair(&device, geometry, HostLayout::PageFirst, 16, 512);
@@ -430,9 +434,9 @@ fn the_controller_runs_unchanged_on_the_gpu() {
     assert!(slot.is_some());
     controller.layers().set_consumer(slot);
     // the forward pass: the model's stream waits on each layer's event, the CPU does not
-    let compute = device.context().new_stream().unwrap();
+    let compute = engine_stream(&device);
     for layer in 0..geometry.layers {
-        hicache_cuda::wait_layer_on(controller.layers(), layer, &compute).unwrap();
+        hicache_cuda::wait_layer_on(controller.layers(), layer, handle(&compute)).unwrap();
     }
     compute.synchronize().unwrap();
     assert!(controller.layers().consumer_event(geometry.layers - 1).unwrap().is_complete());
@@ -450,4 +454,94 @@ fn the_controller_runs_unchanged_on_the_gpu() {
             }
         }
     }
+}
+
+/// A kernel that keeps the GPU busy for a while on the stream it is launched on.
+fn spin_kernel(device: &Device) -> cudarc::driver::CudaFunction {
+    hicache_cuda::TransferKernel::load_extra(
+        device,
+        r#"extern "C" __global__ void spin(float* out, unsigned long long rounds) {
+            float x = threadIdx.x;
+            for (unsigned long long i = 0; i < rounds; ++i) { x = x * 0.999999f + 0.5f; }
+            out[blockIdx.x * blockDim.x + threadIdx.x] = x;
+        }"#,
+        "spin",
+    )
+    .unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_backup_waits_for_the_work_on_a_lent_caller_stream() {
+    let device = device();
+    let spin = spin_kernel(&device);
+    let geometry = KvGeometry::mha(4, 8, 128, KvDtype::Bf16).unwrap();
+    let mut pair = pair(&device, geometry, HostLayout::PageFirst, 16, 256);
+    let compute = engine_stream(&device);
+    let scratch = DeviceBuffer::zeroed(&device, 4 * 132 * 1024).unwrap();
+    let (pool_pointer, pool_bytes) = (pair.cuda.device_pool().region(0, 0).pointer(), pair.cuda.device_pool().len());
+    assert!(pair.cuda.device_pool().is_slab(), "one region holds the whole pool");
+    // first with the engine's own caller stream (the control: nothing orders the backup after the compute stream),
+    // then with the compute stream lent
+    for (lent, fill) in [(false, 0x11u8), (true, 0x22), (true, 0x33)] {
+        if lent {
+            pair.cuda.set_caller_stream(handle(&compute));
+        }
+        // the engine's work on its stream: a long kernel, then it writes every byte of the KV pool
+        let (pointer, rounds) = (scratch.pointer(), 4_000_000u64);
+        let mut launch = compute.launch_builder(&spin);
+        cudarc::driver::PushKernelArg::arg(&mut launch, &pointer);
+        cudarc::driver::PushKernelArg::arg(&mut launch, &rounds);
+        let config =
+            cudarc::driver::LaunchConfig { grid_dim: (132, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: `scratch` holds one float per thread of this grid.
+        unsafe { launch.launch(config) }.unwrap();
+        // SAFETY: the range is the engine's device pool; the backup below reads it (ordered after this write only
+        // when the stream is lent, which is what the test shows).
+        unsafe { cudarc::driver::result::memset_d8_async(pool_pointer, fill, pool_bytes, compute.cu_stream()) }
+            .unwrap();
+        // with the stream lent, the start event is recorded on it: the backup runs after the kernel and the fill
+        let start = pair.cuda.start_event().unwrap();
+        pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
+        let host = pair.cuda.host_memory();
+        let (map, item) = (*host.map(), geometry.item_bytes());
+        let stale = host.with_all_mut(|bytes| {
+            let mut stale = 0;
+            for page in &pair.pages {
+                for token in page.first_token(16)..page.first_token(16) + 16 {
+                    for (layer, part) in (0..geometry.layers).flat_map(|layer| [(layer, KvPart::K), (layer, KvPart::V)])
+                    {
+                        let at = map.item_offset(token, layer, part);
+                        stale += usize::from(!bytes[at..at + item].iter().all(|&byte| byte == fill));
+                    }
+                }
+            }
+            stale
+        });
+        compute.synchronize().unwrap();
+        if lent {
+            assert_eq!(stale, 0, "items the backup copied before the lent stream's fill");
+        } else {
+            eprintln!("control (caller stream not lent): {stale} items copied before the compute stream's fill");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn dropping_the_engine_waits_for_its_transfers() {
+    let device = device();
+    let geometry = KvGeometry::mha(8, 8, 128, KvDtype::Bf16).unwrap();
+    let mut pair = pair(&device, geometry, HostLayout::LayerFirst, 16, 1024);
+    let host = pair.cuda.host_memory();
+    let start = pair.cuda.start_event().unwrap();
+    let event = pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap();
+    let start = pair.cpu.start_event().unwrap();
+    pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap();
+    let expected = pair.cpu.with_host(|bytes| bytes.to_vec());
+    // dropped with the backup (tens of MB) still in flight: the drop waits for it, then unpins the host pool
+    drop(pair.cuda);
+    assert!(event.is_complete(), "the backup finished before the engine was gone");
+    let got = host.with_all_mut(|bytes| bytes.to_vec());
+    assert!(got == expected, "the host pool after the drop differs from the CPU engine's");
 }

@@ -160,10 +160,10 @@ fn bulk_gbps(engine: &CudaEngine, bytes: usize, rounds: usize) -> anyhow::Result
             let began = Instant::now();
             // SAFETY: the device range is the scratch allocation of `bytes`; the host range lies inside the pinned
             // pool (`bytes` is one transfer, the pool holds two); no transfer of the engine is in flight.
-            unsafe { sys::cuMemcpyAsync(to, from, bytes, stream.cu_stream()) }
+            unsafe { sys::cuMemcpyAsync(to, from, bytes, stream.as_raw().cast()) }
                 .result()
                 .map_err(|error| anyhow::anyhow!("bulk copy: {error:?}"))?;
-            stream.synchronize().map_err(|error| anyhow::anyhow!("bulk copy: {error:?}"))?;
+            engine.synchronize()?;
             if round > 0 {
                 best[index] = best[index].max(bytes as f64 / began.elapsed().as_secs_f64() / 1e9);
             }

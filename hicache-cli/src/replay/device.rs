@@ -101,7 +101,7 @@ impl ReplayEngine for hicache_cuda::CudaEngine {
 
     fn finish_writes(&self) -> anyhow::Result<()> {
         // a copy from pageable memory returns once staged; the transfers' streams must see it landed
-        self.device().context().synchronize()?;
+        self.device().synchronize()?;
         Ok(())
     }
 }
