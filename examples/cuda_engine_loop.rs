@@ -10,17 +10,11 @@ mod scheduler;
 use std::error::Error;
 use std::sync::Arc;
 
-use hicache_core::HiCacheBuilder;
-use hicache_core::config::{HiCacheConfig, PrefetchPolicy};
 use hicache_core::device_slots::PagedSlots;
-use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::host_memory::HostMemory;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
-use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::StorageBackend;
 use hicache_core::transfer::DeviceLayoutMap;
 use hicache_cuda::{CudaEngine, Device, DeviceBuffer, DevicePool};
-use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 use scheduler::{DEVICE_PAGES, DeviceKv, HOST_PAGES, PAGE};
 
 impl DeviceKv for CudaEngine {
@@ -41,7 +35,7 @@ impl DeviceKv for CudaEngine {
 
 fn main() -> Result<(), Box<dyn Error>> {
     let device = Device::open(0)?;
-    let geometry = KvGeometry::mha(4, 2, 64, KvDtype::Bf16)?;
+    let geometry = scheduler::geometry()?;
     let map = DeviceLayoutMap::new(geometry, DEVICE_PAGES * PAGE)?;
     // the engine's KV cache: layer 0's K, layer 0's V, layer 1's K, ... each [slot][item]
     let tensors = (0..geometry.layers * geometry.parts().len())
@@ -60,20 +54,8 @@ fn main() -> Result<(), Box<dyn Error>> {
     let host = Arc::new(HostMemory::anonymous(HostLayoutMap::new(geometry, HostLayout::PageFirst, PAGE, HOST_PAGES)?)?);
     let engine = CudaEngine::with_device_regions(&device, map, pool, host)?;
     let mut slots = PagedSlots::new(DEVICE_PAGES, PAGE)?;
-
-    let dir = tempfile::tempdir()?;
-    let namespace = StorageNamespace::single_rank("example-model", geometry, HostLayout::PageFirst, PAGE);
-    let storage: Arc<dyn StorageBackend> =
-        Arc::new(FileStorage::open(FileConfig::new(dir.path(), FileFormat::Native), &namespace)?);
-    let config = HiCacheConfig {
-        page_size: PAGE,
-        mem_layout: HostLayout::PageFirst,
-        prefetch_policy: PrefetchPolicy::WaitComplete,
-        ..HiCacheConfig::default()
-    };
-    // one entry point: the tree, its controller and the storage tier, sized from the engine's pools
-    let mut tree = HiCacheBuilder::new(config, engine).with_storage(storage.clone()).build()?;
-    scheduler::run(&mut tree, &mut slots, storage.as_ref())?;
+    let mut cache = scheduler::cache_over(engine)?;
+    scheduler::run(&mut cache.tree, &mut slots, cache.storage.as_ref())?;
     println!("on {} with the KV cache in {} per-layer tensors", device.name()?, tensors.len());
     Ok(())
 }

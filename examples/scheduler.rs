@@ -13,14 +13,21 @@
 //! come back from storage. Every byte that comes back is checked against the KV the engine wrote.
 
 use std::error::Error;
+use std::sync::Arc;
 
+use hicache_core::HiCacheBuilder;
 use hicache_core::collective::SingleRank;
+use hicache_core::config::{HiCacheConfig, PrefetchPolicy};
 use hicache_core::controller::PrefetchStart;
 use hicache_core::device_slots::{DeviceSlotAllocator, PagedSlots};
+use hicache_core::geometry::{KvDtype, KvGeometry};
+use hicache_core::layout::HostLayout;
+use hicache_core::namespace::StorageNamespace;
 use hicache_core::ops::DeviceSlot;
 use hicache_core::storage::StorageBackend;
 use hicache_core::transfer::{DeviceLayoutMap, TransferEngine};
 use hicache_core::tree::{HiRadixTree, PrefetchCheck};
+use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 
 /// Tokens per page.
 pub(crate) const PAGE: usize = 16;
@@ -41,6 +48,38 @@ pub(crate) trait DeviceKv: TransferEngine {
     fn write_kv(&self, offset: usize, bytes: &[u8]) -> Result<(), Box<dyn Error>>;
     /// Reads `len` bytes at `offset`.
     fn read_kv(&self, offset: usize, len: usize) -> Result<Vec<u8>, Box<dyn Error>>;
+}
+
+/// The model the examples serve: 4 layers, 2 KV heads of 64 dims, bf16.
+pub(crate) fn geometry() -> Result<KvGeometry, Box<dyn Error>> {
+    Ok(KvGeometry::mha(4, 2, 64, KvDtype::Bf16)?)
+}
+
+/// The cache over an engine's pools, with its L3.
+pub(crate) struct Cache<E: TransferEngine> {
+    pub(crate) tree: HiRadixTree<E>,
+    pub(crate) storage: Arc<dyn StorageBackend>,
+    /// Where the file tier keeps its pages (removed when the cache goes).
+    _dir: tempfile::TempDir,
+}
+
+/// The cache over `engine`: L3 the file tier in a temporary directory, for this model's namespace; SGLang's defaults
+/// at this page size, but prefetches that run to completion (SGLang's default, `best_effort`, stops a prefetch at the
+/// first check, which an engine makes when it schedules the request). One entry point, [`HiCacheBuilder`], makes the
+/// tree, its controller and the storage tier, sized from the engine's pools.
+pub(crate) fn cache_over<E: TransferEngine>(engine: E) -> Result<Cache<E>, Box<dyn Error>> {
+    let dir = tempfile::tempdir()?;
+    let namespace = StorageNamespace::single_rank("example-model", geometry()?, HostLayout::PageFirst, PAGE);
+    let storage: Arc<dyn StorageBackend> =
+        Arc::new(FileStorage::open(FileConfig::new(dir.path(), FileFormat::Native), &namespace)?);
+    let config = HiCacheConfig {
+        page_size: PAGE,
+        mem_layout: HostLayout::PageFirst,
+        prefetch_policy: PrefetchPolicy::WaitComplete,
+        ..HiCacheConfig::default()
+    };
+    let tree = HiCacheBuilder::new(config, engine).with_storage(storage.clone()).build()?;
+    Ok(Cache { tree, storage, _dir: dir })
 }
 
 /// Where a request's tokens came from.
