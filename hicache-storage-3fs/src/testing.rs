@@ -4,11 +4,11 @@
 //! `cargo xtask ci` installs Debian's `redis-server` (as root) and builds the mock (`usrbio-mock/`, a library named as
 //! the real one) into `target/usrbio-mock/`; `HICACHE_REDIS_SERVER_BIN` and `HF3FS_LIB_DIR` point elsewhere.
 
-use std::net::TcpListener;
-use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
+
+use hicache_core::storage::service::{LoopbackService, free_loopback_port};
 
 use crate::Hf3fsConfig;
 use crate::usrbio::{LIB_DIR_ENV, LIBRARY_NAME};
@@ -87,7 +87,7 @@ pub fn redis_program() -> PathBuf {
 /// A `redis-server` on a loopback port, without persistence; stopped by its PID when dropped.
 pub struct RedisServer {
     port: u16,
-    child: Option<Child>,
+    service: Option<LoopbackService>,
 }
 
 impl RedisServer {
@@ -98,9 +98,7 @@ impl RedisServer {
     /// When it cannot be started (naming how to install it).
     pub fn start() -> Self {
         for _ in 0..5 {
-            let port =
-                TcpListener::bind("127.0.0.1:0").and_then(|socket| socket.local_addr()).expect("a free port").port();
-            let mut server = Self { port, child: None };
+            let mut server = Self { port: free_loopback_port(), service: None };
             if server.launch() {
                 return server;
             }
@@ -121,10 +119,7 @@ impl RedisServer {
 
     /// Kills the server (SIGKILL) and waits for it.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.service = None;
     }
 
     /// `redis://127.0.0.1:{port}`.
@@ -145,47 +140,21 @@ impl RedisServer {
         let mut command = Command::new(redis_program());
         command
             .args(["--bind", "127.0.0.1", "--port", &self.port.to_string(), "--save", "", "--appendonly", "no"])
-            .args(["--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        // SAFETY: prctl is async-signal-safe; it asks the kernel to kill the server when the thread that started it
-        // ends, so a test that dies without dropping the guard leaves no server behind.
-        unsafe {
-            command.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let mut child = command.spawn().unwrap_or_else(|error| {
+            .args(["--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"]);
+        let url = self.url();
+        let answers = || {
+            redis::Client::open(url.as_str())
+                .and_then(|client| client.get_connection_with_timeout(Duration::from_millis(200)))
+                .and_then(|mut connection| redis::cmd("PING").query::<String>(&mut connection))
+                .is_ok()
+        };
+        self.service = LoopbackService::start(command, Duration::from_secs(10), answers).unwrap_or_else(|error| {
             panic!(
                 "starting {}: {error} (install Debian's redis-server, or run `cargo xtask ci`, or set \
                  HICACHE_REDIS_SERVER_BIN)",
                 redis_program().display()
             )
         });
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if child.try_wait().ok().flatten().is_some() {
-                return false;
-            }
-            let answered = redis::Client::open(self.url())
-                .and_then(|client| client.get_connection_with_timeout(Duration::from_millis(200)))
-                .and_then(|mut connection| redis::cmd("PING").query::<String>(&mut connection));
-            if answered.is_ok() {
-                self.child = Some(child);
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        false
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        self.kill();
+        self.service.is_some()
     }
 }

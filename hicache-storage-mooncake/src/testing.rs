@@ -8,16 +8,16 @@
 //! function the library imports answers "no device"; TCP transfers never call them). Environment variables point
 //! elsewhere: `HICACHE_MOONCAKE_MASTER_BIN`, `MOONCAKE_STORE_LIBRARY`, `HICACHE_MOONCAKE_PYTHONPATH`.
 
-use std::net::{TcpListener, TcpStream};
-use std::os::unix::process::CommandExt as _;
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Once;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::service::{LoopbackService, free_loopback_port};
 
 use crate::{MooncakeConfig, MooncakeStorage};
 
@@ -81,16 +81,12 @@ pub fn config(master: &Master) -> MooncakeConfig {
     }
 }
 
-/// A running `mooncake_master` on 127.0.0.1.
+/// A running `mooncake_master` on 127.0.0.1; stopped by its PID when dropped.
 pub struct Master {
-    child: Option<Child>,
+    service: Option<LoopbackService>,
     rpc_port: u16,
     metrics_port: u16,
     lease_ttl_ms: u64,
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|listener| listener.local_addr()).expect("a free loopback port").port()
 }
 
 impl Master {
@@ -110,7 +106,8 @@ impl Master {
     /// As [`start`](Self::start).
     pub fn start_with_lease(lease_ttl_ms: u64) -> Self {
         for _ in 0..5 {
-            let mut master = Self { child: None, rpc_port: free_port(), metrics_port: free_port(), lease_ttl_ms };
+            let (rpc_port, metrics_port) = (free_loopback_port(), free_loopback_port());
+            let mut master = Self { service: None, rpc_port, metrics_port, lease_ttl_ms };
             if master.launch() {
                 return master;
             }
@@ -125,15 +122,12 @@ impl Master {
 
     /// The master's PID.
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.service.as_ref().map(LoopbackService::pid)
     }
 
     /// Kills the master (SIGKILL) and reaps it.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.service = None;
     }
 
     /// Starts it again on the same ports (after [`kill`](Self::kill)); its objects are gone.
@@ -148,47 +142,18 @@ impl Master {
 
     fn launch(&mut self) -> bool {
         let mut command = Command::new(master_program());
-        command
-            .args([
-                format!("--rpc_port={}", self.rpc_port),
-                format!("--metrics_port={}", self.metrics_port),
-                "--rpc_address=127.0.0.1".into(),
-                "--metrics_host=127.0.0.1".into(),
-                format!("--default_kv_lease_ttl={}", self.lease_ttl_ms),
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        // SAFETY: prctl is async-signal-safe; it only asks the kernel to kill the child when its parent thread
-        // ends, so a test process that dies without dropping the guard leaves no master behind.
-        unsafe {
-            command.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let mut child = command.spawn().unwrap_or_else(|error| panic!("starting mooncake_master: {error}"));
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if child.try_wait().ok().flatten().is_some() {
-                // most likely a port taken between choosing and binding it
-                return false;
-            }
-            if TcpStream::connect(("127.0.0.1", self.rpc_port)).is_ok() {
-                self.child = Some(child);
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        false
-    }
-}
-
-impl Drop for Master {
-    fn drop(&mut self) {
-        self.kill();
+        command.args([
+            format!("--rpc_port={}", self.rpc_port),
+            format!("--metrics_port={}", self.metrics_port),
+            "--rpc_address=127.0.0.1".into(),
+            "--metrics_host=127.0.0.1".into(),
+            format!("--default_kv_lease_ttl={}", self.lease_ttl_ms),
+        ]);
+        let port = self.rpc_port;
+        let answers = || TcpStream::connect(("127.0.0.1", port)).is_ok();
+        self.service = LoopbackService::start(command, Duration::from_secs(30), answers)
+            .unwrap_or_else(|error| panic!("starting mooncake_master: {error}"));
+        self.service.is_some()
     }
 }
 

@@ -17,6 +17,8 @@ mod stats;
 pub mod conformance;
 #[cfg(feature = "testing")]
 pub mod rig;
+#[cfg(feature = "testing")]
+pub mod service;
 
 use std::fmt;
 
