@@ -49,8 +49,8 @@ use hicache_core::hash::PageKey;
 use hicache_core::host_memory::MemoryRegion;
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::{
-    FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, StatsRecorder, StorageBackend,
-    StorageStats, check_batch, segments_len,
+    FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, Poison, SetOutcome, StatsRecorder,
+    StorageBackend, StorageStats, check_batch, segments_len, size_mismatch,
 };
 
 pub use crate::config::{CONFIG_ENV, Hf3fsConfig};
@@ -75,7 +75,7 @@ pub struct Hf3fsStorage {
     writers: RingPool,
     registered: RwLock<Vec<Registered>>,
     /// Why the backend refuses calls, once a ring may have been left with requests in flight.
-    poisoned: Mutex<Option<String>>,
+    poisoned: Poison,
     stats: StatsRecorder,
 }
 
@@ -182,7 +182,7 @@ impl Hf3fsStorage {
             readers,
             writers,
             registered: RwLock::new(Vec::new()),
-            poisoned: Mutex::new(None),
+            poisoned: Poison::default(),
             stats: StatsRecorder::default(),
         })
     }
@@ -228,15 +228,11 @@ impl Hf3fsStorage {
     }
 
     fn check_usable(&self) -> Result<(), Error> {
-        match &*self.poisoned.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) {
-            Some(why) => Err(Error::storage("3fs", why.clone())),
-            None => Ok(()),
-        }
+        self.poisoned.check("3fs")
     }
 
     fn poison(&self, why: String) {
-        tracing::error!(file = %self.path.display(), "3fs: {why}");
-        self.poisoned.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert(why);
+        self.poisoned.set("3fs", format!("{}: {why}", self.path.display()));
     }
 
     fn metadata_failure(&self, error: &Error) -> PageFailure {
@@ -482,8 +478,4 @@ impl StorageBackend for Hf3fsStorage {
             .map(|key| (key, self.space.page_bytes))
             .collect())
     }
-}
-
-fn size_mismatch(given: usize, page_bytes: usize) -> PageFailure {
-    PageFailure::new(FailureKind::SizeMismatch, format!("{given} bytes given for pages of {page_bytes} bytes"))
 }

@@ -37,7 +37,7 @@ use hicache_core::hash::PageKey;
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::{
     FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, StatsRecorder, StorageBackend,
-    StorageStats, check_batch, segments_len,
+    StorageStats, check_batch, segments_len, size_mismatch,
 };
 
 /// The environment variable SGLang reads for the directory.
@@ -535,10 +535,6 @@ fn storage_error(message: String) -> Error {
 /// A whole-call failure caused by `error`, which stays reachable ([`Error::io_error`]).
 fn io_failure(message: String, error: std::io::Error) -> Error {
     Error::storage_caused("file", message, error)
-}
-
-fn size_mismatch(given: usize, expected: usize) -> PageFailure {
-    PageFailure::new(FailureKind::SizeMismatch, format!("page buffer of {given} bytes, expected {expected}"))
 }
 
 impl StorageBackend for FileStorage {

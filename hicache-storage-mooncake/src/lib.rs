@@ -41,7 +41,7 @@ pub mod testing;
 
 use std::ffi::CString;
 use std::ops::Range;
-use std::sync::{Mutex, RwLock};
+use std::sync::RwLock;
 use std::time::Instant;
 
 use hicache_core::Error;
@@ -49,8 +49,8 @@ use hicache_core::hash::PageKey;
 use hicache_core::host_memory::MemoryRegion;
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::{
-    FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, StatsRecorder, StorageBackend,
-    StorageStats, check_batch, segments_len,
+    FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, Poison, SetOutcome, StatsRecorder,
+    StorageBackend, StorageStats, check_batch, segments_len, size_mismatch,
 };
 
 use crate::client::{Client, Setup};
@@ -71,7 +71,7 @@ pub struct MooncakeStorage {
     config: MooncakeConfig,
     regions: RwLock<Vec<MemoryRegion>>,
     /// Why the backend refuses calls, once a transfer may have been left in flight.
-    poisoned: Mutex<Option<String>>,
+    poisoned: Poison,
     stats: StatsRecorder,
 }
 
@@ -121,7 +121,7 @@ impl MooncakeStorage {
             part_bytes,
             config,
             regions: RwLock::new(Vec::new()),
-            poisoned: Mutex::new(None),
+            poisoned: Poison::default(),
             stats: StatsRecorder::default(),
         })
     }
@@ -166,20 +166,17 @@ impl MooncakeStorage {
     }
 
     fn check_usable(&self) -> Result<(), Error> {
-        match &*self.poisoned.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) {
-            Some(why) => Err(error(why.clone())),
-            None => Ok(()),
-        }
+        self.poisoned.check("mooncake")
     }
 
     fn poison(&self, call: &str, status: i64) {
         let why = format!(
-            "refusing calls: a {call} failed with {}, after which Mooncake may still move bytes of that call; reopen \
-             the backend",
+            "refusing calls: a {call} at the master {} failed with {}, after which Mooncake may still move bytes of \
+             that call; reopen the backend",
+            self.client.master(),
             sys::code_name(status)
         );
-        tracing::error!(master = self.client.master(), "{why}");
-        self.poisoned.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert(why);
+        self.poisoned.set("mooncake", why);
     }
 
     /// Where object `part` of a page given as segments (lengths `lens`, starting at `starts`) lies: in place when
@@ -247,13 +244,6 @@ impl MooncakeStorage {
             }
         }
         Ok(results)
-    }
-
-    fn size_mismatch(&self, given: usize) -> PageFailure {
-        PageFailure::new(
-            FailureKind::SizeMismatch,
-            format!("the buffer holds {given} bytes; a page of this namespace is {} bytes", self.page_bytes),
-        )
     }
 }
 
@@ -398,7 +388,7 @@ impl StorageBackend for MooncakeStorage {
         for (index, segments) in pages.iter().enumerate() {
             let len = segments_len(segments);
             if len != self.page_bytes {
-                outcomes[index] = Some(GetOutcome::Failed(self.size_mismatch(len)));
+                outcomes[index] = Some(GetOutcome::Failed(size_mismatch(len, self.page_bytes)));
                 continue;
             }
             let starts: Vec<usize> = segments.iter().map(|segment| segment.as_ptr() as usize).collect();
@@ -498,7 +488,7 @@ impl StorageBackend for MooncakeStorage {
         for (index, segments) in pages.iter().enumerate() {
             let len = segments_len(segments);
             if len != self.page_bytes {
-                outcomes[index] = Some(SetOutcome::Failed(self.size_mismatch(len)));
+                outcomes[index] = Some(SetOutcome::Failed(size_mismatch(len, self.page_bytes)));
                 continue;
             }
             let starts: Vec<usize> = segments.iter().map(|segment| segment.as_ptr() as usize).collect();

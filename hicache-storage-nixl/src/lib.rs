@@ -43,7 +43,7 @@ use hicache_core::host_memory::MemoryRegion;
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::{
     FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, StatsRecorder, StorageBackend,
-    StorageStats, check_batch, segments_len,
+    StorageStats, check_batch, segments_len, size_mismatch,
 };
 pub use library::LIB_DIR_ENV;
 use nixl_sys::XferOp;
@@ -319,10 +319,6 @@ impl NixlStorage {
         drop(held);
         results
     }
-}
-
-fn size_mismatch(given: usize, expected: usize) -> PageFailure {
-    PageFailure::new(FailureKind::SizeMismatch, format!("page buffer of {given} bytes, expected {expected}"))
 }
 
 impl StorageBackend for NixlStorage {

@@ -4,8 +4,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::{
-    FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, StatsRecorder, StorageBackend,
-    StorageStats, check_batch, gather, scatter, segments_len,
+    GetOutcome, PageSegments, PageSegmentsMut, SetOutcome, StatsRecorder, StorageBackend, StorageStats, check_batch,
+    gather, scatter, segments_len, size_mismatch,
 };
 use crate::error::Error;
 use crate::hash::PageKey;
@@ -79,10 +79,6 @@ impl MemoryStorage {
     fn object_key(&self, key: &PageKey) -> (Arc<str>, PageKey) {
         (self.namespace.clone(), *key)
     }
-
-    fn size_mismatch(&self, found: usize) -> PageFailure {
-        PageFailure::new(FailureKind::SizeMismatch, format!("page of {found} bytes, expected {}", self.page_bytes))
-    }
 }
 
 impl StorageBackend for MemoryStorage {
@@ -109,7 +105,7 @@ impl StorageBackend for MemoryStorage {
             .map(|(object, page)| match object {
                 None => GetOutcome::Miss,
                 Some(bytes) if bytes.len() != segments_len(page) => {
-                    GetOutcome::Failed(self.size_mismatch(segments_len(page)))
+                    GetOutcome::Failed(size_mismatch(segments_len(page), self.page_bytes))
                 }
                 Some(bytes) => {
                     scatter(&bytes, page);
@@ -128,7 +124,7 @@ impl StorageBackend for MemoryStorage {
             .zip(pages)
             .map(|(key, page)| {
                 if segments_len(page) != self.page_bytes {
-                    return SetOutcome::Failed(self.size_mismatch(segments_len(page)));
+                    return SetOutcome::Failed(size_mismatch(segments_len(page), self.page_bytes));
                 }
                 if self.store.read().contains_key(&self.object_key(key)) {
                     return SetOutcome::AlreadyPresent;

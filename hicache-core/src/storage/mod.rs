@@ -286,6 +286,40 @@ pub fn check_batch(keys: usize, pages: usize) -> Result<(), Error> {
     }
 }
 
+/// The failure of a page given in a buffer of another size than the namespace's pages (every backend words it so).
+pub fn size_mismatch(given: usize, page_bytes: usize) -> PageFailure {
+    PageFailure::new(
+        FailureKind::SizeMismatch,
+        format!("the buffer holds {given} bytes; a page of this namespace is {page_bytes} bytes"),
+    )
+}
+
+/// A backend's refusal of every later call once a failure may have left I/O in flight into the caller's memory (a
+/// transfer the library may still finish, a ring with requests out): from then on each call fails saying why, and
+/// the backend must be reopened. The first reason is kept.
+#[derive(Debug, Default)]
+pub struct Poison(std::sync::Mutex<Option<String>>);
+
+impl Poison {
+    /// `Ok` while no failure poisoned the backend.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Storage`] of `backend` with the reason, once poisoned.
+    pub fn check(&self, backend: &str) -> Result<(), Error> {
+        match &*self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            Some(why) => Err(Error::storage(backend, why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Refuses every later call for `why` (logged), unless an earlier reason already does.
+    pub fn set(&self, backend: &str, why: String) {
+        tracing::error!(backend, "refusing further calls: {why}");
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(why);
+    }
+}
+
 /// Total length of a page given as segments.
 pub fn segments_len<S: AsRef<[u8]>>(segments: &[S]) -> usize {
     segments.iter().map(|segment| segment.as_ref().len()).sum()
@@ -309,4 +343,23 @@ pub fn scatter(bytes: &[u8], segments: &mut [&mut [u8]]) {
 /// The concatenation of the segments.
 pub fn gather(segments: &[&[u8]]) -> Vec<u8> {
     segments.concat()
+}
+
+#[cfg(test)]
+mod poison_tests {
+    use super::*;
+
+    #[test]
+    fn a_poisoned_backend_refuses_with_its_first_reason_and_sizes_are_worded_once() {
+        let poison = Poison::default();
+        assert!(poison.check("x").is_ok());
+        poison.set("x", "a transfer may still run".into());
+        poison.set("x", "a later reason".into());
+        let error = poison.check("x").unwrap_err();
+        assert_eq!(error.kind(), crate::ErrorKind::Storage);
+        assert_eq!(error.to_string(), "storage backend x: a transfer may still run");
+        let failure = size_mismatch(10, 64);
+        assert_eq!(failure.kind, FailureKind::SizeMismatch);
+        assert!(failure.message.contains("10 bytes") && failure.message.contains("64 bytes"), "{failure}");
+    }
 }
