@@ -193,6 +193,23 @@ impl RedisMetadata {
     fn bad_reply(&self, what: &str, value: &Value) -> Error {
         Error::storage("3fs", format!("metadata at {}: {what}: odd reply {value:?}", self.url))
     }
+
+    /// Runs a per-key script (`op` over `keys`, none empty) whose reply is one text per key, each read by `parse`
+    /// (`None`: not a reply the script gives).
+    fn per_key<T>(
+        &self,
+        op: Op,
+        what: &str,
+        space: &Space,
+        keys: &[String],
+        parse: impl Fn(&str) -> Option<T>,
+    ) -> Result<Vec<T>, Error> {
+        let args: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let value = self.run(op, space, &args)?;
+        let answers = texts(&value).filter(|answers| answers.len() == keys.len());
+        let answers = answers.ok_or_else(|| self.bad_reply(what, &value))?;
+        answers.iter().map(|answer| parse(answer).ok_or_else(|| self.bad_reply(what, &value))).collect()
+    }
 }
 
 fn text(value: &Value) -> Option<String> {
@@ -220,18 +237,11 @@ impl PageMetadata for RedisMetadata {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let args: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let value = self.run(Op::Reserve, space, &args)?;
-        let answers = texts(&value).filter(|answers| answers.len() == keys.len());
-        let answers = answers.ok_or_else(|| self.bad_reply("reserve", &value))?;
-        answers
-            .iter()
-            .map(|answer| match answer.as_str() {
-                "present" => Ok(Reservation::Present),
-                "full" => Ok(Reservation::Full),
-                page => Located::parse(page).map(Reservation::Page).ok_or_else(|| self.bad_reply("reserve", &value)),
-            })
-            .collect()
+        self.per_key(Op::Reserve, "reserve", space, keys, |answer| match answer {
+            "present" => Some(Reservation::Present),
+            "full" => Some(Reservation::Full),
+            page => Located::parse(page).map(Reservation::Page),
+        })
     }
 
     fn confirm(&self, space: &Space, written: &[(String, Located)], released: &[Located]) -> Result<(), Error> {
@@ -252,17 +262,10 @@ impl PageMetadata for RedisMetadata {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let args: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let value = self.run(Op::Locate, space, &args)?;
-        let answers = texts(&value).filter(|answers| answers.len() == keys.len());
-        let answers = answers.ok_or_else(|| self.bad_reply("locate", &value))?;
-        answers
-            .iter()
-            .map(|answer| match answer.as_str() {
-                "" => Ok(None),
-                page => Located::parse(page).map(Some).ok_or_else(|| self.bad_reply("locate", &value)),
-            })
-            .collect()
+        self.per_key(Op::Locate, "locate", space, keys, |answer| match answer {
+            "" => Some(None),
+            page => Located::parse(page).map(Some),
+        })
     }
 
     fn exists(&self, space: &Space, keys: &[String]) -> Result<Vec<bool>, Error> {

@@ -105,15 +105,27 @@ fn iovs_dir(mount: &Path) -> PathBuf {
     mount.join("3fs-virt/iovs")
 }
 
-fn copy_mount_point(target: &mut [c_char; 256], mount: &Path) -> Result<(), c_int> {
+/// A mount point as the calls that take one check it: a path (else `-EINVAL`) that holds `3fs-virt/iovs/` (else
+/// `-ENOENT`), short enough for the structs' 256-byte field (else `-EINVAL`); the path and that field's bytes.
+///
+/// # Safety
+///
+/// `mount_point` is null or a NUL-terminated string.
+unsafe fn mount_of(mount_point: *const c_char) -> Result<(PathBuf, [c_char; 256]), c_int> {
+    // SAFETY: as this function's contract.
+    let mount = unsafe { path_of(mount_point) }.ok_or(-libc::EINVAL)?;
+    if !iovs_dir(&mount).is_dir() {
+        return Err(-libc::ENOENT);
+    }
     let bytes = mount.as_os_str().as_encoded_bytes();
-    if bytes.len() >= target.len() {
+    let mut field = [0 as c_char; 256];
+    if bytes.len() >= field.len() {
         return Err(-libc::EINVAL);
     }
-    for (slot, byte) in target.iter_mut().zip(bytes.iter().chain(std::iter::once(&0))) {
-        *slot = *byte as c_char;
+    for (slot, &byte) in field.iter_mut().zip(bytes) {
+        *slot = byte as c_char;
     }
-    Ok(())
+    Ok((mount, field))
 }
 
 fn hex(id: &[u8; 16]) -> String {
@@ -174,12 +186,12 @@ pub unsafe extern "C" fn hf3fs_iovcreate(
     numa: c_int,
 ) -> c_int {
     // SAFETY: the caller gives a NUL-terminated string.
-    let Some(mount) = (unsafe { path_of(mount_point) }) else { return -libc::EINVAL };
+    let (_, field) = match unsafe { mount_of(mount_point) } {
+        Ok(mount) => mount,
+        Err(code) => return code,
+    };
     if iov.is_null() || size == 0 {
         return -libc::EINVAL;
-    }
-    if !iovs_dir(&mount).is_dir() {
-        return -libc::ENOENT;
     }
     // SAFETY: a new anonymous shared mapping; no existing memory is touched.
     let base = unsafe {
@@ -202,11 +214,7 @@ pub unsafe extern "C" fn hf3fs_iovcreate(
     }
     // SAFETY: the caller's `iov` is writable.
     let iov = unsafe { &mut *iov };
-    if let Err(code) = copy_mount_point(&mut iov.mount_point, &mount) {
-        // SAFETY: the mapping made above, unused.
-        unsafe { libc::munmap(base, size) };
-        return code;
-    }
+    iov.mount_point = field;
     iov.base = base.cast();
     iov.iovh = Box::into_raw(Box::new(Created { length: size })).cast();
     iov.id = id;
@@ -257,7 +265,10 @@ pub unsafe extern "C" fn hf3fs_iovwrap(
     numa: c_int,
 ) -> c_int {
     // SAFETY: the caller gives a NUL-terminated string.
-    let Some(mount) = (unsafe { path_of(mount_point) }) else { return -libc::EINVAL };
+    let (mount, field) = match unsafe { mount_of(mount_point) } {
+        Ok(mount) => mount,
+        Err(code) => return code,
+    };
     if iov.is_null() || base.is_null() || id.is_null() {
         return -libc::EINVAL;
     }
@@ -272,9 +283,7 @@ pub unsafe extern "C" fn hf3fs_iovwrap(
     }
     // SAFETY: the caller's `iov` is writable.
     let iov = unsafe { &mut *iov };
-    if let Err(code) = copy_mount_point(&mut iov.mount_point, &mount) {
-        return code;
-    }
+    iov.mount_point = field;
     iov.base = base.cast();
     iov.iovh = std::ptr::null_mut();
     iov.id = name;
@@ -378,12 +387,12 @@ pub unsafe extern "C" fn hf3fs_iorcreate4(
     flags: u64,
 ) -> c_int {
     // SAFETY: the caller gives a NUL-terminated string.
-    let Some(mount) = (unsafe { path_of(mount_point) }) else { return -libc::EINVAL };
+    let (_, field) = match unsafe { mount_of(mount_point) } {
+        Ok(mount) => mount,
+        Err(code) => return code,
+    };
     if ior.is_null() || entries <= 0 || timeout < 0 {
         return -libc::EINVAL;
-    }
-    if !iovs_dir(&mount).is_dir() {
-        return -libc::ENOENT;
     }
     let ring = Arc::new(Ring {
         entries: entries as usize,
@@ -403,11 +412,7 @@ pub unsafe extern "C" fn hf3fs_iorcreate4(
         ior.write(std::mem::zeroed());
         &mut *ior
     };
-    if let Err(code) = copy_mount_point(&mut ior.mount_point, &mount) {
-        let mut handle = RingHandle { ring, worker: Some(worker) };
-        stop(&mut handle);
-        return code;
-    }
+    ior.mount_point = field;
     ior.iorh = Box::into_raw(Box::new(RingHandle { ring, worker: Some(worker) })).cast();
     ior.for_read = for_read;
     ior.io_depth = io_depth;
