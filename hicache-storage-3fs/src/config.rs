@@ -88,9 +88,8 @@ impl Hf3fsConfig {
     pub fn from_json(value: &Value) -> Result<Self, Error> {
         let object = value.as_object().ok_or_else(|| invalid("hf3fs config", "must be a JSON object".into()))?;
         if let Some(key) = object.keys().find(|key| !KEYS.contains(&key.as_str())) {
-            // an empty key is named as written, so the error always names something
-            let name = if key.is_empty() { "\"\"" } else { key.as_str() };
-            return Err(invalid(name, format!("unknown key; the keys are {}", KEYS.join(", "))));
+            // quoted as written (an empty key, spaces, control characters): what is unknown is shown exactly
+            return Err(invalid(&format!("{key:?}"), format!("unknown key; the keys are {}", KEYS.join(", "))));
         }
         let prefix = string(object, "file_path_prefix")?
             .ok_or_else(|| invalid("file_path_prefix", "is required (data files are {prefix}.{rank}.bin)".into()))?;
@@ -215,8 +214,9 @@ mod tests {
     #[test]
     fn every_error_names_its_key() {
         for (config, key) in [
-            (json!({"file_path_prefix": "/p", "file_sise": 1}), "file_sise"),
+            (json!({"file_path_prefix": "/p", "file_sise": 1}), "\"file_sise\""),
             (json!({"file_path_prefix": "/p", "": 3}), "\"\""),
+            (json!({"file_path_prefix": "/p", " numjobs": 3}), "\" numjobs\""),
             (json!({"file_size": 1}), "file_path_prefix"),
             (json!({"file_path_prefix": 3}), "file_path_prefix"),
             (json!({"file_path_prefix": "/p", "file_size": 0}), "file_size"),
