@@ -362,6 +362,19 @@ impl Hf3fsStorage {
                 results[index] = Err(failure(FailureKind::Io, error.to_string()));
             }
         }
+        self.run_prepared(lane, &expected, results, what)
+    }
+
+    /// Runs the requests prepared on `lane` and checks each against what it was to move (`expected[tag]`: the
+    /// page's position in the chunk, the length, the file offset). A ring that fails as a whole fails every page; a
+    /// stuck one is returned.
+    fn run_prepared(
+        &self,
+        lane: &mut Lane,
+        expected: &[(usize, usize, u64)],
+        results: &mut [Result<(), PageFailure>],
+        what: &str,
+    ) -> Result<(), Stuck> {
         let done = match lane.ring.run(Instant::now() + self.config.io_timeout) {
             Ok(done) => done?,
             Err(error) => {
@@ -388,7 +401,7 @@ impl Hf3fsStorage {
         results: &mut [Result<(), PageFailure>],
         read: bool,
     ) -> Result<(), Stuck> {
-        let mut expected: Vec<(usize, u64)> = Vec::new();
+        let mut expected: Vec<(usize, usize, u64)> = Vec::new();
         {
             let bytes = lane.footers.bytes_mut();
             for (index, item) in chunk.iter().enumerate() {
@@ -403,7 +416,7 @@ impl Hf3fsStorage {
                 continue;
             }
             let offset = self.layout.footer_offset(item.page.index);
-            expected.push((index, offset));
+            expected.push((index, FOOTER_BYTES, offset));
             // SAFETY: slot `index` of the lane's footer iov (it has one per entry; a chunk has at most `entries` pages).
             let prepared = unsafe {
                 let address = lane.footers.base().add(index * FOOTER_BYTES);
@@ -413,22 +426,7 @@ impl Hf3fsStorage {
                 results[index] = Err(failure(FailureKind::Io, error.to_string()));
             }
         }
-        let done = match lane.ring.run(Instant::now() + self.config.io_timeout) {
-            Ok(done) => done?,
-            Err(error) => {
-                for result in results.iter_mut() {
-                    *result = Err(failure(FailureKind::Io, error.to_string()));
-                }
-                return Ok(());
-            }
-        };
-        let what = if read { "footer read" } else { "footer write" };
-        for (tag, moved) in done {
-            let (index, offset) = expected[tag];
-            if results[index].is_ok() {
-                results[index] = checked(moved, FOOTER_BYTES, what, offset);
-            }
-        }
+        self.run_prepared(lane, &expected, results, if read { "footer read" } else { "footer write" })?;
         if read {
             let bytes = lane.footers.bytes_mut();
             for (index, item) in chunk.iter().enumerate() {
