@@ -27,7 +27,8 @@ use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use hicache_core::Error;
 use hicache_core::collective::{Collective, ReduceOp};
 
-use crate::device::{Device, DeviceBuffer, driver};
+use crate::device::Device;
+use crate::driver::{DeviceBuffer, driver};
 
 /// How the ranks learn NCCL's unique id from rank 0.
 #[derive(Clone, Debug)]

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg as _, result, sys};
+use cudarc::driver::{CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg as _};
 use hicache_core::Error;
 use hicache_core::config::IoBackend;
 use hicache_core::host_memory::HostMemory;
@@ -17,7 +17,8 @@ use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::ops::DeviceSlot;
 use hicache_core::transfer::{DeviceLayoutMap, TransferEngine, TransferEvent};
 
-use crate::device::{Device, DeviceBuffer, PinnedBuffer, driver};
+use crate::device::Device;
+use crate::driver::{self, DeviceBuffer, IndexPool, PinnedBuffer, driver};
 use crate::kernels::TransferKernel;
 use crate::pool::DevicePool;
 use crate::stream::StreamHandle;
@@ -78,17 +79,7 @@ impl CudaTransferEvent {
     ///
     /// [`Error::Device`] from the driver.
     pub fn make_wait(&self, stream: StreamHandle) -> Result<(), Error> {
-        self.event.context().bind_to_thread().map_err(driver("bind the context"))?;
-        // SAFETY: the event is alive (held here) and of the context just bound; the stream is alive and of the same
-        // context (`StreamHandle::from_raw`'s contract). Waiting only orders the stream's later work after the event.
-        unsafe {
-            result::stream::wait_event(
-                stream.cu_stream(),
-                self.event.cu_event(),
-                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            )
-        }
-        .map_err(driver("make a stream wait for a transfer"))
+        driver::wait_on(stream, &self.event).map_err(driver("make a stream wait for a transfer"))
     }
 }
 
@@ -148,76 +139,6 @@ pub struct CudaEngine {
 enum Caller {
     Own(Arc<CudaStream>),
     Lent(StreamHandle),
-}
-
-/// The engine's own stream-ordered memory pool for index arrays. It keeps what is freed (release threshold: all)
-/// instead of handing it back to the driver whenever a stream synchronises, as the device's default pool does
-/// (threshold 0), so a transfer's allocation maps no fresh memory; private, so the process's default pool keeps its
-/// settings.
-#[derive(Debug)]
-struct IndexPool {
-    context: Arc<cudarc::driver::CudaContext>,
-    pool: sys::CUmemoryPool,
-}
-
-// SAFETY: a memory pool handle may be used from any thread of its context (the driver synchronises it).
-unsafe impl Send for IndexPool {}
-// SAFETY: as Send.
-unsafe impl Sync for IndexPool {}
-
-impl IndexPool {
-    fn new(device: &Device) -> Result<Self, Error> {
-        let context = device.context().clone();
-        context.bind_to_thread().map_err(driver("bind the context"))?;
-        let props = sys::CUmemPoolProps {
-            allocType: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-            handleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: i32::try_from(context.ordinal()).unwrap_or(i32::MAX),
-            },
-            win32SecurityAttributes: std::ptr::null_mut(),
-            maxSize: 0,
-            usage: 0,
-            reserved: [0; 54],
-        };
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        // SAFETY: `props` describes device memory of this context's GPU; the driver writes the new pool's handle.
-        unsafe { sys::cuMemPoolCreate(&mut pool, &props) }.result().map_err(driver("create the index memory pool"))?;
-        let pool = Self { context, pool };
-        let mut keep = u64::MAX;
-        // SAFETY: the attribute takes a u64, which `keep` is, and the pool was just created.
-        unsafe {
-            sys::cuMemPoolSetAttribute(
-                pool.pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&raw mut keep).cast(),
-            )
-        }
-        .result()
-        .map_err(driver("keep the index pool's memory"))?;
-        Ok(pool)
-    }
-
-    /// `bytes` from the pool, in stream order on `stream` (freed with `cuMemFreeAsync`).
-    fn alloc(&self, bytes: usize, stream: &CudaStream) -> Result<u64, Error> {
-        let mut pointer: sys::CUdeviceptr = 0;
-        // SAFETY: the pool is alive and of this stream's GPU; the driver writes the allocation's address.
-        unsafe { sys::cuMemAllocFromPoolAsync(&mut pointer, bytes, self.pool, stream.cu_stream()) }
-            .result()
-            .map_err(driver("allocate the index arrays"))?;
-        Ok(pointer)
-    }
-}
-
-impl Drop for IndexPool {
-    fn drop(&mut self) {
-        if self.context.bind_to_thread().is_ok() {
-            // SAFETY: created by `new` and destroyed once; allocations still out are released by the driver when
-            // they are freed (cuMemPoolDestroy's contract).
-            let _ = unsafe { sys::cuMemPoolDestroy(self.pool) };
-        }
-    }
 }
 
 /// A run of consecutive tokens that is contiguous in both pools for every layer and part: one copy-engine copy per
@@ -472,7 +393,7 @@ impl CudaEngine {
     ///
     /// [`Error::InvalidArgument`] for `batch` on a driver older than CUDA 13, or a zero threshold.
     pub fn set_io_backend(&mut self, backend: IoBackend, auto_min_run: Option<AutoMinRun>) -> Result<(), Error> {
-        let version = driver_version()?;
+        let version = driver::driver_version().map_err(driver("read the driver version"))?;
         let can_batch = version >= 13000;
         if backend == IoBackend::Batch && !can_batch {
             return Err(Error::InvalidArgument {
@@ -600,9 +521,8 @@ impl CudaEngine {
         // a stream-ordered allocation on this stream, freed on it (by `release`) after the kernels that read it, so
         // it lives exactly as long as they need it
         let index = self.index_pool.alloc(indices.len() * 4, stream)?;
-        // SAFETY: `index` holds `indices.len()` u32s; the pageable source is staged before the call returns.
-        unsafe { result::memcpy_htod_async(index, &indices, stream.cu_stream()) }
-            .map_err(driver("upload the indices"))?;
+        // SAFETY: `index` was just allocated for `indices.len()` u32s.
+        unsafe { driver::upload_async(index, &indices, stream) }.map_err(driver("upload the indices"))?;
         Ok(Some(index))
     }
 
@@ -667,14 +587,13 @@ impl CudaEngine {
             }
         }
         if self.batched {
-            return copy_batch(stream, &copies);
+            // SAFETY: as for the copies below; the driver is CUDA 13 or later (checked when the backend was chosen).
+            return unsafe { driver::copy_batch_async(stream, &copies) }.map_err(driver("queue a batch of copies"));
         }
         for (to, from, bytes) in copies {
             // SAFETY: both ranges lie inside the pools (the run's tokens and slots were range-checked, and a run is
             // contiguous in both); the pools outlive the copy (the engine keeps them).
-            unsafe { cudarc::driver::sys::cuMemcpyAsync(to, from, bytes, stream.cu_stream()) }
-                .result()
-                .map_err(driver("copy a run"))?;
+            unsafe { driver::copy_async(to, from, bytes, stream) }.map_err(driver("copy a run"))?;
         }
         Ok(())
     }
@@ -683,7 +602,7 @@ impl CudaEngine {
     fn release(stream: &Arc<CudaStream>, index: Option<u64>) -> Result<(), Error> {
         if let Some(index) = index {
             // SAFETY: allocated by `upload` on this stream and freed once, in stream order after its kernels.
-            unsafe { result::free_async(index, stream.cu_stream()) }.map_err(driver("free the index arrays"))?;
+            unsafe { IndexPool::free(index, stream) }.map_err(driver("free the index arrays"))?;
         }
         Ok(())
     }
@@ -812,10 +731,7 @@ impl TransferEngine for CudaEngine {
             Caller::Own(stream) => stream.record_event(None).map_err(driver("record a start event"))?,
             &Caller::Lent(stream) => {
                 let event = self.device.context().new_event(None).map_err(driver("create a start event"))?;
-                // SAFETY: the event was just made in the device's context, which `new_event` bound to this thread;
-                // the lent stream is alive and of that context (`StreamHandle::from_raw`'s contract).
-                unsafe { result::event::record(event.cu_event(), stream.cu_stream()) }
-                    .map_err(driver("record a start event on the caller's stream"))?;
+                driver::record_on(&event, stream).map_err(driver("record a start event on the caller's stream"))?;
                 event
             }
         };
@@ -890,52 +806,4 @@ impl CudaEngine {
         Self::release(&stream, index)?;
         Ok(events)
     }
-}
-
-/// The driver's CUDA version, as 1000 × major + 10 × minor.
-fn driver_version() -> Result<i32, Error> {
-    let mut version = 0;
-    // SAFETY: writes one int to the given address, which lives on this frame.
-    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
-        .result()
-        .map_err(driver("read the driver version"))?;
-    Ok(version)
-}
-
-/// Queues `(to, from, bytes)` copies as one `cuMemcpyBatchAsync_v2` on `stream`, in stream order.
-fn copy_batch(stream: &Arc<CudaStream>, copies: &[(u64, u64, usize)]) -> Result<(), Error> {
-    use cudarc::driver::sys;
-    if copies.is_empty() {
-        return Ok(());
-    }
-    let mut to: Vec<sys::CUdeviceptr> = copies.iter().map(|copy| copy.0).collect();
-    let mut from: Vec<sys::CUdeviceptr> = copies.iter().map(|copy| copy.1).collect();
-    let mut sizes: Vec<usize> = copies.iter().map(|copy| copy.2).collect();
-    // one attribute set for every copy: sources are read in stream order (they stay valid: the pools outlive it);
-    // the location hints only matter for managed memory, which the pools are not
-    let location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: 0 };
-    let mut attributes = [sys::CUmemcpyAttributes {
-        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-        srcLocHint: location,
-        dstLocHint: location,
-        flags: 0,
-    }];
-    let mut first_copy = [0usize];
-    // SAFETY: the three arrays hold `copies.len()` entries each and the attribute arrays one, all read during the
-    // call; every range lies inside the pools (as for `cuMemcpyAsync` above), which outlive the copies. The driver
-    // is CUDA 13 or later (checked when the backend was chosen), so the symbol exists.
-    unsafe {
-        sys::cuMemcpyBatchAsync_v2(
-            to.as_mut_ptr(),
-            from.as_mut_ptr(),
-            sizes.as_mut_ptr(),
-            copies.len(),
-            attributes.as_mut_ptr(),
-            first_copy.as_mut_ptr(),
-            1,
-            stream.cu_stream(),
-        )
-    }
-    .result()
-    .map_err(driver("queue a batch of copies"))
 }

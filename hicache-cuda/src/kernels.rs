@@ -17,7 +17,8 @@ use cudarc::driver::{CudaFunction, CudaModule, sys};
 use cudarc::nvrtc::{Ptx, result as nvrtc, sys as nvrtc_sys};
 use hicache_core::Error;
 
-use crate::device::{Device, driver};
+use crate::device::Device;
+use crate::driver::driver;
 
 /// The kernel's source.
 pub(crate) const SOURCE: &str = r#"

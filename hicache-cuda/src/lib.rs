@@ -8,6 +8,7 @@
 
 mod collective;
 mod device;
+mod driver;
 mod engine;
 mod kernels;
 mod pool;
@@ -15,7 +16,8 @@ mod sizing;
 mod stream;
 
 pub use collective::{Bootstrap, NcclGroup, NcclSettings, nccl_present};
-pub use device::{Device, DeviceBuffer, DriverError, PinnedBuffer, driver_present, nvrtc_present};
+pub use device::{Device, driver_present, nvrtc_present};
+pub use driver::{DeviceBuffer, DriverError, PinnedBuffer};
 pub use engine::{
     AutoMinRun, CopyKernel, CudaEngine, CudaTransferEvent, DEFAULT_AUTO_MIN_RUN, LaunchShape, TmaShape, wait_layer_on,
 };

@@ -9,7 +9,8 @@
 use hicache_core::Error;
 use hicache_core::transfer::DeviceLayoutMap;
 
-use crate::device::{Device, DeviceBuffer};
+use crate::device::Device;
+use crate::driver::DeviceBuffer;
 
 /// The regions of a device pool and their table on the device.
 #[derive(Debug)]
