@@ -256,7 +256,7 @@ impl HostMemory {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for a page out of range.
-    pub fn lend_read_waiting(&self, pages: &[usize]) -> Result<ReadLease<'_>, Error> {
+    pub(crate) fn lend_read_waiting(&self, pages: &[usize]) -> Result<ReadLease<'_>, Error> {
         self.lend(pages, Access::Read, true)?;
         Ok(ReadLease { memory: self, pages: pages.to_vec() })
     }

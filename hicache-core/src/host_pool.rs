@@ -302,7 +302,7 @@ impl HostPageAllocator {
     /// # Errors
     ///
     /// [`Error::PageState`] naming the first page in another state; nothing changes then.
-    pub fn protect_write(&mut self, pages: &[HostPageId]) -> Result<(), Error> {
+    pub(crate) fn protect_write(&mut self, pages: &[HostPageId]) -> Result<(), Error> {
         self.transition(pages, "protect_write", &[PageState::Reserved], PageState::Protected)
     }
 
@@ -311,7 +311,7 @@ impl HostPageAllocator {
     /// # Errors
     ///
     /// As [`protect_write`](Self::protect_write).
-    pub fn protect_load(&mut self, pages: &[HostPageId]) -> Result<(), Error> {
+    pub(crate) fn protect_load(&mut self, pages: &[HostPageId]) -> Result<(), Error> {
         self.transition(pages, "protect_load", &[PageState::Backup], PageState::Protected)
     }
 
@@ -320,7 +320,7 @@ impl HostPageAllocator {
     /// # Errors
     ///
     /// As [`protect_write`](Self::protect_write).
-    pub fn complete_io(&mut self, pages: &[HostPageId]) -> Result<(), Error> {
+    pub(crate) fn complete_io(&mut self, pages: &[HostPageId]) -> Result<(), Error> {
         self.transition(pages, "complete_io", &[PageState::Protected], PageState::Synced)
     }
 
@@ -329,7 +329,7 @@ impl HostPageAllocator {
     /// # Errors
     ///
     /// As [`protect_write`](Self::protect_write).
-    pub fn update_backup(&mut self, pages: &[HostPageId]) -> Result<(), Error> {
+    pub(crate) fn update_backup(&mut self, pages: &[HostPageId]) -> Result<(), Error> {
         self.transition(pages, "update_backup", &[PageState::Synced], PageState::Backup)
     }
 
@@ -338,7 +338,7 @@ impl HostPageAllocator {
     /// # Errors
     ///
     /// As [`protect_write`](Self::protect_write).
-    pub fn update_prefetch(&mut self, pages: &[HostPageId]) -> Result<(), Error> {
+    pub(crate) fn update_prefetch(&mut self, pages: &[HostPageId]) -> Result<(), Error> {
         self.transition(pages, "update_prefetch", &[PageState::Reserved], PageState::Backup)
     }
 
@@ -347,7 +347,7 @@ impl HostPageAllocator {
     /// # Errors
     ///
     /// As [`protect_write`](Self::protect_write).
-    pub fn update_synced(&mut self, pages: &[HostPageId]) -> Result<(), Error> {
+    pub(crate) fn update_synced(&mut self, pages: &[HostPageId]) -> Result<(), Error> {
         const ALLOCATED: [PageState; 4] =
             [PageState::Reserved, PageState::Protected, PageState::Synced, PageState::Backup];
         self.transition(pages, "update_synced", &ALLOCATED, PageState::Synced)
@@ -358,7 +358,7 @@ impl HostPageAllocator {
     /// # Errors
     ///
     /// [`Error::PageState`] naming the first page in another state.
-    pub fn expect_state(&self, pages: &[HostPageId], operation: &'static str, state: PageState) -> Result<(), Error> {
+    pub(crate) fn expect_state(&self, pages: &[HostPageId], operation: &'static str, state: PageState) -> Result<(), Error> {
         self.check_states(pages, operation, &[state])
     }
 

@@ -32,7 +32,7 @@ pub struct OpIds {
 
 impl OpIds {
     /// The next id.
-    pub fn next_id(&mut self) -> OpId {
+    pub(crate) fn next_id(&mut self) -> OpId {
         self.next += 1;
         OpId(self.next)
     }
@@ -131,7 +131,7 @@ impl Progress {
     /// # Panics
     ///
     /// When the count would reach 2^63 tokens (a caller bug).
-    pub fn increment(&self, tokens: u64) -> Result<u64, Terminated> {
+    pub(crate) fn increment(&self, tokens: u64) -> Result<u64, Terminated> {
         let mut current = self.word.load(Ordering::Relaxed);
         loop {
             if current & TERMINATED != 0 {
@@ -146,7 +146,7 @@ impl Progress {
     }
 
     /// Marks the operation terminated and returns the final count.
-    pub fn terminate(&self) -> u64 {
+    pub(crate) fn terminate(&self) -> u64 {
         self.word.fetch_or(TERMINATED, Ordering::AcqRel) & !TERMINATED
     }
 
@@ -156,7 +156,7 @@ impl Progress {
     }
 
     /// Whether [`terminate`](Self::terminate) was called.
-    pub fn is_terminated(&self) -> bool {
+    pub(crate) fn is_terminated(&self) -> bool {
         self.word.load(Ordering::Acquire) & TERMINATED != 0
     }
 }

@@ -105,7 +105,7 @@ impl TokenBucket {
     }
 
     /// Takes `amount` units if the bucket allows it at `now`, or says how long to wait.
-    pub fn try_acquire(&mut self, amount: u64, now: Duration) -> Admission {
+    pub(crate) fn try_acquire(&mut self, amount: u64, now: Duration) -> Admission {
         self.refill(now);
         let needed = i128::from(amount.min(self.burst)) * NANOS_PER_SECOND as i128;
         if self.level >= needed {
@@ -150,7 +150,7 @@ impl PrefetchCapacity {
     ///
     /// [`Error::InvalidArgument`] when the host pool is not larger than the device pool or the fraction is not in
     /// (0, 1].
-    pub fn for_pools(host_tokens: u64, device_tokens: u64, fraction: f64) -> Result<Self, Error> {
+    pub(crate) fn for_pools(host_tokens: u64, device_tokens: u64, fraction: f64) -> Result<Self, Error> {
         if host_tokens <= device_tokens {
             return Err(Error::InvalidArgument {
                 field: "host_tokens",
@@ -169,7 +169,7 @@ impl PrefetchCapacity {
     }
 
     /// An account with an explicit limit.
-    pub const fn with_limit(limit: u64) -> Self {
+    pub(crate) const fn with_limit(limit: u64) -> Self {
         Self { limit, occupied: 0 }
     }
 
@@ -184,13 +184,13 @@ impl PrefetchCapacity {
     }
 
     /// Whether new prefetches must wait (occupied ≥ limit).
-    pub const fn is_limited(&self) -> bool {
+    pub(crate) const fn is_limited(&self) -> bool {
         self.occupied >= self.limit
     }
 
     /// Admits a prefetch of `tokens` unless the account is at its limit, as SGLang does: a prefetch that starts
     /// below the limit may take it over, and the next waits.
-    pub fn try_admit(&mut self, tokens: u64) -> bool {
+    pub(crate) fn try_admit(&mut self, tokens: u64) -> bool {
         if self.is_limited() {
             return false;
         }

@@ -112,7 +112,8 @@ impl ReleaseLedger {
     }
 
     /// Pages still held by `op`, in order.
-    pub fn held_by(&self, op: OpId) -> Vec<HostPageId> {
+    #[cfg(test)]
+    pub(crate) fn held_by(&self, op: OpId) -> Vec<HostPageId> {
         self.held.get(&op).map_or_else(Vec::new, |held| {
             held.pages.iter().zip(&held.released).filter(|(_, released)| !**released).map(|(page, _)| *page).collect()
         })

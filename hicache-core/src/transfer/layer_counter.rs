@@ -46,7 +46,7 @@ impl<E: TransferEvent> LayerDoneCounter<E> {
     /// # Errors
     ///
     /// [`SlotBusy`] with [`SlotReuse::Refuse`] when the slot's last event is not complete.
-    pub fn begin_producer(&mut self, reuse: SlotReuse) -> Result<usize, SlotBusy> {
+    pub(crate) fn begin_producer(&mut self, reuse: SlotReuse) -> Result<usize, SlotBusy> {
         let slot = self.producer.map_or(0, |slot| (slot + 1) % self.slots.len());
         if let Some(last) = self.slots[slot].last()
             && !last.is_complete()
@@ -70,7 +70,7 @@ impl<E: TransferEvent> LayerDoneCounter<E> {
     /// # Panics
     ///
     /// When `slot` is not a slot of the ring (a caller bug).
-    pub fn set_layer_events(&mut self, slot: usize, events: Vec<E>) {
+    pub(crate) fn set_layer_events(&mut self, slot: usize, events: Vec<E>) {
         self.slots[slot] = events;
     }
 
