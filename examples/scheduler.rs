@@ -162,10 +162,10 @@ fn serve<E: DeviceKv>(
     served.checked_bytes += check(tree.controller().engine(), prompt, 0, &matched.device_slots, None)?;
     if !loaded.is_empty() {
         let consumer = tree.start_loading()?;
-        tree.controller_mut().layers().set_consumer(consumer);
+        tree.layers().set_consumer(consumer);
         // the forward pass: each layer runs once its load event fired
         for layer in 0..tree.controller().engine().map().geometry().layers {
-            tree.controller_mut().layers().wait_until(layer)?;
+            tree.layers().wait_until(layer)?;
             let start = matched.device_slots.len();
             served.checked_bytes += check(tree.controller().engine(), prompt, start, &loaded, Some(layer))?;
         }

@@ -138,9 +138,9 @@ impl Rig {
         self.tree.inc_lock_ref(locked).unwrap();
         if !loaded.is_empty() {
             let consumer = self.tree.start_loading().unwrap();
-            self.tree.controller_mut().layers().set_consumer(consumer);
+            self.tree.layers().set_consumer(consumer);
             for layer in 0..LAYERS {
-                self.tree.controller_mut().layers().wait_until(layer).unwrap();
+                self.tree.layers().wait_until(layer).unwrap();
             }
             slots.extend(&loaded);
         }

@@ -343,11 +343,11 @@ fn run_request<E: ReplayEngine>(
     let load_started = Instant::now();
     if !loaded.is_empty() {
         let consumer = tree.start_loading()?;
-        tree.controller_mut().layers().set_consumer(consumer);
+        tree.layers().set_consumer(consumer);
         outcome.pages_host_to_device += (loaded.len() / page) as u64;
         // the forward pass: layer by layer, each checked as soon as its load event fired
         for layer in 0..layers {
-            tree.controller_mut().layers().wait_until(layer)?;
+            tree.layers().wait_until(layer)?;
             let check = Instant::now();
             let checked = pattern.check_layer(tree.controller().engine(), &keys, device_hit, &loaded, layer)?;
             record_check(outcome, checked, "loaded", request);

@@ -27,7 +27,7 @@ use crate::error::Error;
 use crate::hash::{PageHasher, PageKey, PartialPage};
 use crate::host_pool::HostPageId;
 use crate::ops::{DeviceSlot, NodeId};
-use crate::transfer::TransferEngine;
+use crate::transfer::{LayerDoneCounter, TransferEngine};
 
 pub use storage::{PrefetchCheck, TickSummary};
 
@@ -173,7 +173,15 @@ impl<E: TransferEngine> HiRadixTree<E> {
         &self.controller
     }
 
-    /// The controller, mutably (to allocate and free device slots for requests).
+    /// The per-layer completion of loads, for the forward pass: the engine marks the load it consumes
+    /// (`set_consumer`) and waits for each layer (`wait_until`, or its GPU stream on the layer's event).
+    pub fn layers(&mut self) -> &mut LayerDoneCounter<E::Event> {
+        self.controller.layers()
+    }
+
+    /// The controller, mutably: for tests that set up states the tree's own calls do not reach (it bypasses the
+    /// tree's bookkeeping, so it is not offered outside the `testing` feature).
+    #[cfg(feature = "testing")]
     pub fn controller_mut(&mut self) -> &mut CacheController<E> {
         &mut self.controller
     }
