@@ -16,7 +16,9 @@
 //! **Invariant:** this crate never links CUDA or any FFI library and does I/O only through the storage trait.
 //! It maps the host pool's memory through the operating system (`memmap2`), as any allocator does. `unsafe` is
 //! denied except in `hash/sha_ni.rs` (one call into a `#[target_feature]` function after the CPU check), the loom
-//! model of `ops.rs` (loom's cells) and `host_memory.rs` (the pool's bytes lent to threads page by page).
+//! model of `ops.rs` (loom's cells) and `host_memory.rs` (the pool's bytes lent to threads page by page). The
+//! `testing` feature, for backends' tests only, adds `storage/service.rs`, which asks the kernel (libc's `prctl`) to
+//! stop a test's service when the test dies.
 #![deny(unsafe_code)]
 
 mod builder;
