@@ -358,7 +358,12 @@ impl HostPageAllocator {
     /// # Errors
     ///
     /// [`Error::PageState`] naming the first page in another state.
-    pub(crate) fn expect_state(&self, pages: &[HostPageId], operation: &'static str, state: PageState) -> Result<(), Error> {
+    pub(crate) fn expect_state(
+        &self,
+        pages: &[HostPageId],
+        operation: &'static str,
+        state: PageState,
+    ) -> Result<(), Error> {
         self.check_states(pages, operation, &[state])
     }
 

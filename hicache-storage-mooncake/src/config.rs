@@ -45,7 +45,8 @@ pub struct MooncakeConfig {
     pub lease_wait: Duration,
     /// Whether puts ask the master to place the first replica in this client's own segment (Mooncake's
     /// `preferred_segments`); the master falls back to the other segments when this one is full. A page then
-    /// moves by memcpy when this host writes and reads it back, and over the network only to other hosts.
+    /// this host writes and reads back stays on the host (Mooncake copies within its own segment), and crosses the
+    /// network only to other hosts.
     pub prefer_local_segment: bool,
 }
 

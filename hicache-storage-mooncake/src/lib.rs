@@ -12,7 +12,7 @@
 //! * **Writes.** `batch_is_exist` first, then `batch_put_from` of the objects that are missing: an object already
 //!   stored is never put again (keys name content). A page whose every object was present is `AlreadyPresent`.
 //! * **Placement.** Puts ask for this client's own segment first ([`MooncakeConfig::prefer_local_segment`]), so a
-//!   page this host wrote moves by memcpy when it reads it back; the master places elsewhere when it is full.
+//!   page this host wrote stays on the host both ways; the master places elsewhere when that segment is full.
 //! * **Reads.** `batch_get_into`; per object the bytes read. A page is a hit when every part arrived whole; a miss
 //!   when none was found (an object evicted after `batch_is_exist` is a miss, never wrong bytes); a part found and
 //!   another not is a failed page (`Corrupt`: incomplete); fewer bytes than the part is `Corrupt` (short read); an
