@@ -9,8 +9,9 @@
 //! favours neither); each rate is the best round's, each ratio the median of the rounds' paired ratios.
 //!
 //! The reference puts twice a round: with the client's default placement (the master picks a segment; SGLang puts
-//! so), the figure the ratios are taken against, and with the first replica asked of its own segment, as hicache puts
-//! by default (`prefer_local_segment`), which shows how much of a ratio is placement and how much the client.
+//! so), the figure the ratios are taken against, and with hicache's placement (by default, `prefer_local_segment`,
+//! the first replica asked of its own segment), which shows how much of a ratio is placement and how much the
+//! client.
 
 use std::io::{BufRead as _, BufReader, Read as _, Write as _};
 use std::process::{Child, ChildStdout, Command, Stdio};
@@ -57,7 +58,7 @@ struct MooncakeFigure {
     /// Whether hicache's puts asked for its own segment first, and its name.
     prefer_local_segment: bool,
     preferred_segment: Option<String>,
-    /// The official client putting with the first replica asked of its own segment (hicache's placement).
+    /// The official client putting with hicache's placement (its own segment first when hicache's puts ask so).
     reference_same_placement_set_gbps: f64,
     reference_same_placement_get_gbps: f64,
     /// The median of the rounds' set / reference same-placement set.
@@ -115,6 +116,8 @@ pub(super) fn run(args: &BenchStorageArgs, config: MooncakeConfig, namespace: &S
         "pages": args.pages,
         "page_bytes": args.page_bytes,
         "batch": args.batch,
+        // the reference's second put places as hicache does: its own segment first only when hicache asks so
+        "prefer_local": backend.preferred_segment().is_some(),
     });
     let mut reference = Reference::start(&spec)?;
     let total = args.pages * args.page_bytes;

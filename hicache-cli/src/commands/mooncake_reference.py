@@ -4,9 +4,9 @@ objects of half its size (K and V, as SGLang and hicache store them), from and i
 of the same number of pages, against the same master, with a client set up as hicache's is.
 
 Argument: a JSON object (master, local_hostname, metadata_server, protocol, device, segment, buffer, pages,
-page_bytes, batch). Prints `ready`, then for each line `round N` on stdin measures one round (fresh keys: put every
+page_bytes, batch, prefer_local: whether hicache's puts ask for their own segment first). Prints `ready`, then for each line `round N` on stdin measures one round (fresh keys: put every
 page, get every page, check the bytes, remove them, first with the client's default placement, as SGLang puts, then
-with the first replica asked of the client's own segment, as hicache puts; then SGLang's batch_set with fresh keys:
+with hicache's placement (the client's own segment first when prefer_local); then SGLang's batch_set with fresh keys:
 the existence query and a put of what is missing) and prints one JSON line {set_gbps, get_gbps, local_set_gbps,
 local_get_gbps, exists_then_put_gbps}; it keeps its
 client, and the segment it lends, until stdin closes, so hicache's rounds, interleaved with these, run against the
@@ -50,9 +50,10 @@ def main():
     for buffer in (source, target):
         if store.register_buffer(ctypes.addressof(buffer), total) != 0:
             sys.exit("register_buffer failed")
-    # the same client's puts with hicache's placement: the first replica asked of its own segment
+    # the same client's puts with hicache's placement: the first replica asked of its own segment when hicache asks
     local = ReplicateConfig()
-    local.preferred_segment = store.get_hostname()
+    if spec["prefer_local"]:
+        local.preferred_segment = store.get_hostname()
     print("ready", flush=True)
     for line in sys.stdin:
         round_index = int(line.split()[1])
