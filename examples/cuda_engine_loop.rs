@@ -18,10 +18,6 @@ use hicache_cuda::{CudaEngine, Device, DeviceBuffer, DevicePool};
 use scheduler::{DEVICE_PAGES, DeviceKv, HOST_PAGES, PAGE};
 
 impl DeviceKv for CudaEngine {
-    fn map(&self) -> DeviceLayoutMap {
-        self.device_map()
-    }
-
     fn write_kv(&self, offset: usize, bytes: &[u8]) -> Result<(), Box<dyn Error>> {
         Ok(self.device_pool().write(offset, bytes)?)
     }

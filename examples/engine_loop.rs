@@ -17,10 +17,6 @@ use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
 use scheduler::{DEVICE_PAGES, DeviceKv, HOST_PAGES, PAGE};
 
 impl DeviceKv for CpuEngine {
-    fn map(&self) -> DeviceLayoutMap {
-        self.device_map()
-    }
-
     fn write_kv(&self, offset: usize, bytes: &[u8]) -> Result<(), Box<dyn Error>> {
         self.with_device(|device| device[offset..offset + bytes.len()].copy_from_slice(bytes));
         Ok(())

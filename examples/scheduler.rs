@@ -25,7 +25,7 @@ use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::ops::DeviceSlot;
 use hicache_core::storage::StorageBackend;
-use hicache_core::transfer::{DeviceLayoutMap, TransferEngine};
+use hicache_core::transfer::TransferEngine;
 use hicache_core::tree::{HiRadixTree, PrefetchCheck};
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 
@@ -42,8 +42,6 @@ const TURN_TOKENS: usize = 80;
 /// How the engine reaches the bytes of its device pool: it writes each prefill's KV there, and the example checks
 /// what comes back. Offsets are the device map's (`item_offset`), whatever the pool's allocation.
 pub(crate) trait DeviceKv: TransferEngine {
-    /// The device pool's map.
-    fn map(&self) -> DeviceLayoutMap;
     /// Writes `bytes` at `offset`.
     fn write_kv(&self, offset: usize, bytes: &[u8]) -> Result<(), Box<dyn Error>>;
     /// Reads `len` bytes at `offset`.
@@ -164,7 +162,7 @@ fn serve<E: DeviceKv>(
         let consumer = tree.start_loading()?;
         tree.layers().set_consumer(consumer);
         // the forward pass: each layer runs once its load event fired
-        for layer in 0..tree.controller().engine().map().geometry().layers {
+        for layer in 0..tree.controller().engine().device_layout().geometry().layers {
             tree.layers().wait_until(layer)?;
             let start = matched.device_slots.len();
             served.checked_bytes += check(tree.controller().engine(), prompt, start, &loaded, Some(layer))?;
@@ -219,7 +217,7 @@ fn kv_item(token: u32, position: usize, layer: usize, part: usize, bytes: usize)
 
 /// Writes the KV of `prompt[start..]` into `slots` (the prefill).
 fn write_kv<E: DeviceKv>(engine: &E, prompt: &[u32], start: usize, slots: &[DeviceSlot]) -> Result<(), Box<dyn Error>> {
-    let map = engine.map();
+    let map = engine.device_layout();
     let geometry = map.geometry();
     for (index, &slot) in slots.iter().enumerate().take(prompt.len() - start) {
         let position = start + index;
@@ -241,7 +239,7 @@ fn check<E: DeviceKv>(
     slots: &[DeviceSlot],
     layer: Option<usize>,
 ) -> Result<usize, Box<dyn Error>> {
-    let map = engine.map();
+    let map = engine.device_layout();
     let geometry = map.geometry();
     let layers: Vec<usize> = layer.map_or_else(|| (0..geometry.layers).collect(), |layer| vec![layer]);
     let mut checked = 0;

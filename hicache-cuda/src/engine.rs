@@ -578,7 +578,7 @@ impl CudaEngine {
         for layer in layers {
             for &part in geometry.parts() {
                 for run in runs {
-                    let device = self.device_pool.address(run.slot as usize, layer, part.index(), parts, item);
+                    let device = self.device_pool.address(run.slot as usize, layer, part.index(), item);
                     let host = self.host_pool.device_pointer()
                         + self.host_map.item_offset(run.host_token as usize, layer, part) as u64;
                     let (to, from) = if to_device { (device, host) } else { (host, device) };

@@ -135,9 +135,9 @@ impl DevicePool {
         self.table.pointer()
     }
 
-    /// The device address of `slot`'s item of `layer` and part number `part` (its place in the geometry's parts).
-    pub(crate) fn address(&self, slot: usize, layer: usize, part: usize, parts: usize, item_bytes: usize) -> u64 {
-        self.regions[layer * parts + part].pointer() + (slot * item_bytes) as u64
+    /// The device address of `slot`'s item (of `item_bytes`) of `layer` and part number `part`.
+    pub(crate) fn address(&self, slot: usize, layer: usize, part: usize, item_bytes: usize) -> u64 {
+        self.region(layer, part).pointer() + (slot * item_bytes) as u64
     }
 
     /// Whether every region starts on a 16-byte boundary.

@@ -6,7 +6,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use hicache_core::Error;
+use hicache_core::{Error, ErrorKind};
 use pyo3::PyErr;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTimeoutError, PyTypeError, PyValueError};
 
@@ -28,20 +28,15 @@ pub(crate) fn run<T>(body: impl FnOnce() -> Result<T, PyErr>) -> Result<T, PyErr
 /// (with `errno` set when an OS error caused them), timeouts `TimeoutError`, the rest `RuntimeError`.
 pub(crate) fn to_py(error: Error) -> PyErr {
     let text = format!("hicache: {error}");
-    match error {
-        Error::InvalidArgument { .. }
-        | Error::InvalidConfig { .. }
-        | Error::InvalidKey { .. }
-        | Error::InvalidToken { .. }
-        | Error::InvalidTokenList { .. }
-        | Error::PartialPage { .. } => PyValueError::new_err(text),
+    match error.kind() {
+        ErrorKind::InvalidInput => PyValueError::new_err(text),
         // with the OS error's number where one caused it, so Python's `OSError.errno` tells ENOSPC from EIO
-        Error::Storage { .. } => match error.io_error().and_then(std::io::Error::raw_os_error) {
+        ErrorKind::Storage => match error.io_error().and_then(std::io::Error::raw_os_error) {
             Some(errno) => PyOSError::new_err((errno, text)),
             None => PyOSError::new_err(text),
         },
-        Error::Unsupported { .. } => PyOSError::new_err(text),
-        Error::Timeout { .. } => PyTimeoutError::new_err(text),
+        ErrorKind::Unsupported => PyOSError::new_err(text),
+        ErrorKind::TimedOut => PyTimeoutError::new_err(text),
         _ => PyRuntimeError::new_err(text),
     }
 }
