@@ -6,7 +6,12 @@ use hicache_core::geometry::{KvDtype, KvGeometry, KvPart};
 use hicache_core::host_pool::{HostPageAllocator, HostPageId};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::ops::DeviceSlot;
-use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, Stream, TransferEngine, TransferEvent};
+use std::sync::Arc;
+
+use hicache_core::host_memory::HostMemory;
+use hicache_core::transfer::{
+    Completion, CpuEngine, DeviceLayoutMap, DeviceRegions, Stream, TransferEngine, TransferEvent,
+};
 use proptest::prelude::*;
 use rand::seq::SliceRandom;
 use rand::{RngExt, SeedableRng};
@@ -58,6 +63,16 @@ fn geometries() -> impl Strategy<Value = KvGeometry> {
     ]
 }
 
+/// Device regions an engine owns: one buffer per layer and part.
+#[derive(Debug)]
+struct Regions(Vec<Vec<u8>>);
+
+impl DeviceRegions for Regions {
+    fn region(&mut self, index: usize) -> &mut [u8] {
+        &mut self.0[index]
+    }
+}
+
 struct Setup {
     engine: CpuEngine,
     host_map: HostLayoutMap,
@@ -79,7 +94,16 @@ fn setup(
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let slots_total = host_pages * page_size + 3;
     let host_map = HostLayoutMap::new(geometry, layout, page_size, host_pages).unwrap();
-    let engine = CpuEngine::new(DeviceLayoutMap::new(geometry, slots_total).unwrap(), host_map, completion).unwrap();
+    let device_map = DeviceLayoutMap::new(geometry, slots_total).unwrap();
+    // every other case over device regions the caller owns (per layer and part), the rest over the engine's own pool
+    let engine = if seed % 2 == 0 {
+        CpuEngine::new(device_map, host_map, completion).unwrap()
+    } else {
+        let regions =
+            Regions(vec![vec![0; slots_total * geometry.item_bytes()]; geometry.layers * geometry.parts().len()]);
+        let host = Arc::new(HostMemory::anonymous(host_map).unwrap());
+        CpuEngine::with_device_regions(device_map, Box::new(regions), host, completion).unwrap()
+    };
     let device: Vec<u8> = (0..engine.device_map().total_bytes()).map(|_| rng.random()).collect();
     engine.with_device(|bytes| bytes.copy_from_slice(&device));
     engine.with_host(|bytes| bytes.fill(HOST_POISON));
@@ -293,4 +317,17 @@ fn a_copy_into_a_page_lent_to_storage_waits_for_the_lease() {
     copier.join().unwrap();
     let host = engine.with_host(|bytes| bytes.to_vec());
     assert_eq!(host_page(&host, &host_map, pages[0]), expected_flat_page(&device, &host_map, slots_total, slots));
+}
+
+#[test]
+fn lent_regions_of_the_wrong_length_are_refused_by_name() {
+    let geometry = KvGeometry::mha(2, 1, 4, KvDtype::Bf16).unwrap();
+    let host_map = HostLayoutMap::new(geometry, HostLayout::PageFirst, 4, 2).unwrap();
+    let device_map = DeviceLayoutMap::new(geometry, 8).unwrap();
+    let mut regions = vec![vec![0; 8 * geometry.item_bytes()]; 4];
+    regions[3].pop();
+    let host = Arc::new(HostMemory::anonymous(host_map).unwrap());
+    let error = CpuEngine::with_device_regions(device_map, Box::new(Regions(regions)), host, Completion::Immediate)
+        .unwrap_err();
+    assert!(error.to_string().contains("device_regions") && error.to_string().contains("region 3"), "{error}");
 }

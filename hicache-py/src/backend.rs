@@ -53,7 +53,7 @@ impl PySettings {
     /// and their types, the backend's name, the file tier's directory (made when missing, as SGLang does, and
     /// written to once), Mooncake's settings.
     #[new]
-    fn new(extra_config: &str) -> PyResult<Self> {
+    pub(crate) fn new(extra_config: &str) -> PyResult<Self> {
         guard::run(|| {
             let settings = Settings::parse(extra_config)?;
             if let Tier::File(file) = &settings.tier {
@@ -125,7 +125,8 @@ impl PySettings {
 }
 
 impl PySettings {
-    fn open_tier(&self, namespace: &StorageNamespace) -> PyResult<Box<dyn StorageBackend>> {
+    /// Opens the tier for `namespace`.
+    pub(crate) fn open_tier(&self, namespace: &StorageNamespace) -> PyResult<Box<dyn StorageBackend>> {
         let storage: Box<dyn StorageBackend> = match &self.settings.tier {
             Tier::Memory => Box::new(MemoryStorage::new(namespace)),
             Tier::File(file) => {

@@ -1,5 +1,6 @@
-//! The native part of the `hicache` Python package (`hicache._native`): SGLang's page keys, and storage backends over
-//! hicache's tiers that SGLang's HiCache controller drives through `hicache.sglang.HiCacheStorage`.
+//! The native part of the `hicache` Python package (`hicache._native`): SGLang's page keys, storage backends over
+//! hicache's tiers that SGLang's HiCache controller drives through `hicache.sglang.HiCacheStorage`, and the whole
+//! cache over a PyTorch engine's KV tensors (`hicache.Cache`).
 //!
 //! No Rust panic reaches Python as `PanicException` (every entry point runs in `guard::run`), and page bytes move
 //! with the GIL released.
@@ -13,6 +14,8 @@ mod pool;
 
 #[cfg(feature = "python")]
 mod backend;
+#[cfg(feature = "python")]
+mod cache;
 #[cfg(feature = "python")]
 mod guard;
 #[cfg(feature = "python")]
@@ -32,6 +35,9 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(panic_is_caught, module)?)?;
     module.add_class::<backend::PySettings>()?;
     module.add_class::<backend::Backend>()?;
+    module.add_class::<cache::Cache>()?;
+    module.add_class::<cache::Load>()?;
+    module.add("CUDA", cfg!(feature = "cuda"))?;
     Ok(())
 }
 

@@ -103,6 +103,7 @@ impl State {
         let item = geometry.item_bytes();
         let mut runs = Runs::new(item);
         let mut device = lock(&self.memory.device);
+        let device = &mut *device;
         let host = &self.memory.host;
         match work {
             Work::Backup { slots, pages } => {
@@ -112,7 +113,7 @@ impl State {
                 let mut copy = SegmentCopy::new(item, host_pages.first().map_or(item, |page| page[0].len()));
                 let mut write = |from: usize, (index, flat): (usize, usize), len: usize| {
                     let (segment, at) = locate(&host_pages[index], flat);
-                    host_pages[index][segment][at..at + len].copy_from_slice(&device[from..from + len]);
+                    device.read(from, &mut host_pages[index][segment][at..at + len]);
                 };
                 // layer and part outermost: consecutive pages of one layer merge into one run (`layer_first`)
                 for layer in 0..geometry.layers {
@@ -137,7 +138,7 @@ impl State {
                 let mut copy = SegmentCopy::new(item, host_pages.first().map_or(item, |page| page[0].len()));
                 let mut read = |to: usize, (index, flat): (usize, usize), len: usize| {
                     let (segment, at) = locate(&host_pages[index], flat);
-                    device[to..to + len].copy_from_slice(&host_pages[index][segment][at..at + len]);
+                    device.write(to, &host_pages[index][segment][at..at + len]);
                 };
                 for &part in geometry.parts() {
                     for (index, (&page, page_slots)) in pages.iter().zip(slots.chunks(page_size)).enumerate() {
@@ -245,8 +246,52 @@ impl Runs {
 /// engine's state, then the device, then a lease.
 #[derive(Debug)]
 struct Memory {
-    device: Mutex<Vec<u8>>,
+    device: Mutex<DeviceBytes>,
     host: Arc<HostMemory>,
+}
+
+/// Device memory an engine owns and lends to the CPU engine: one region per layer and part, in the device map's
+/// order (layer 0's K, layer 0's V, layer 1's K, ...; one latent region per layer for MLA), each `[slot][item]`, as
+/// an engine keeps its per-layer K and V tensors in host memory (a PyTorch engine on the CPU, say).
+pub trait DeviceRegions: Send + std::fmt::Debug {
+    /// Region `index`, `slots × item_bytes` long. Called only under the engine's device lock, while it copies.
+    fn region(&mut self, index: usize) -> &mut [u8];
+}
+
+/// The device pool's bytes: the engine's own buffer, or regions lent to it.
+#[derive(Debug)]
+enum DeviceBytes {
+    Owned(Vec<u8>),
+    Lent { regions: Box<dyn DeviceRegions>, region_len: usize },
+}
+
+impl DeviceBytes {
+    /// Calls `copy(region bytes)` for each piece of `offset..offset + len` (a run of consecutive slots may continue
+    /// from one region into the next in the map's order).
+    fn pieces(&mut self, offset: usize, len: usize, mut copy: impl FnMut(&mut [u8], usize)) {
+        match self {
+            Self::Owned(bytes) => copy(&mut bytes[offset..offset + len], 0),
+            Self::Lent { regions, region_len } => {
+                let mut done = 0;
+                while done < len {
+                    let (index, at) = ((offset + done) / *region_len, (offset + done) % *region_len);
+                    let piece = (len - done).min(*region_len - at);
+                    copy(&mut regions.region(index)[at..at + piece], done);
+                    done += piece;
+                }
+            }
+        }
+    }
+
+    /// Copies `offset..offset + out.len()` into `out`.
+    fn read(&mut self, offset: usize, out: &mut [u8]) {
+        self.pieces(offset, out.len(), |piece, at| out[at..at + piece.len()].copy_from_slice(piece));
+    }
+
+    /// Copies `data` to `offset..`.
+    fn write(&mut self, offset: usize, data: &[u8]) {
+        self.pieces(offset, data.len(), |piece, at| piece.copy_from_slice(&data[at..at + piece.len()]));
+    }
 }
 
 /// The CPU engine.
@@ -310,6 +355,41 @@ impl CpuEngine {
         host: Arc<HostMemory>,
         completion: Completion,
     ) -> Result<Self, Error> {
+        Self::over(device_map, DeviceBytes::Owned(vec![0; device_map.total_bytes()]), host, completion)
+    }
+
+    /// An engine over the caller's device regions ([`DeviceRegions`]: its per-layer K and V buffers) and host memory.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming `device_regions` when a region is not `slots × item_bytes` long, or
+    /// `host_map` when the two pools' geometries differ.
+    pub fn with_device_regions(
+        device_map: DeviceLayoutMap,
+        mut regions: Box<dyn DeviceRegions>,
+        host: Arc<HostMemory>,
+        completion: Completion,
+    ) -> Result<Self, Error> {
+        let geometry = device_map.geometry();
+        let region_len = device_map.slots() * geometry.item_bytes();
+        for index in 0..geometry.layers * geometry.parts().len() {
+            let len = regions.region(index).len();
+            if len != region_len {
+                return Err(Error::InvalidArgument {
+                    field: "device_regions",
+                    reason: format!("region {index} is {len} bytes; {} slots need {region_len}", device_map.slots()),
+                });
+            }
+        }
+        Self::over(device_map, DeviceBytes::Lent { regions, region_len }, host, completion)
+    }
+
+    fn over(
+        device_map: DeviceLayoutMap,
+        device: DeviceBytes,
+        host: Arc<HostMemory>,
+        completion: Completion,
+    ) -> Result<Self, Error> {
         let host_map = *host.map();
         if device_map.geometry() != host_map.geometry() {
             return Err(Error::InvalidArgument {
@@ -321,7 +401,7 @@ impl CpuEngine {
                 ),
             });
         }
-        let memory = Memory { device: Mutex::new(vec![0; device_map.total_bytes()]), host };
+        let memory = Memory { device: Mutex::new(device), host };
         let state = State {
             memory: Arc::new(memory),
             device_map,
@@ -337,11 +417,25 @@ impl CpuEngine {
         Ok(Self { state: Arc::new(Mutex::new(state)), completion })
     }
 
-    /// Runs `f` on the device pool's bytes (`[layer][part][slot][item]`, see [`DeviceLayoutMap`]).
+    /// Runs `f` on the device pool's bytes (`[layer][part][slot][item]`, see [`DeviceLayoutMap`]). Over lent
+    /// regions, `f` works on a copy of them, written back after it returns (for tests; the engine that lent them
+    /// reaches them directly).
     pub fn with_device<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
-        let memory = lock(&self.state).memory.clone();
+        let (memory, len) = {
+            let state = lock(&self.state);
+            (state.memory.clone(), state.device_map.total_bytes())
+        };
         let mut device = lock(&memory.device);
-        f(&mut device)
+        match &mut *device {
+            DeviceBytes::Owned(bytes) => f(bytes),
+            lent => {
+                let mut copy = vec![0; len];
+                lent.read(0, &mut copy);
+                let result = f(&mut copy);
+                lent.write(0, &copy);
+                result
+            }
+        }
     }
 
     /// Runs `f` on the host pool's bytes (in the host layout, see [`HostLayoutMap`]), once no page is lent.

@@ -14,7 +14,7 @@
 mod cpu;
 mod layer_counter;
 
-pub use cpu::{Completion, CopyStats, CpuEngine, CpuEvent, Stream};
+pub use cpu::{Completion, CopyStats, CpuEngine, CpuEvent, DeviceRegions, Stream};
 pub use layer_counter::{LayerDoneCounter, SlotBusy, SlotReuse};
 
 use crate::error::Error;

@@ -1,0 +1,259 @@
+"""The whole cache for a PyTorch engine: device KV in the engine's own tensors (L1), a pinned host pool (L2) and a
+storage tier (L3), driven by the engine's scheduler.
+
+The engine keeps its KV cache as SGLang's device pools do: per layer a K and a V tensor ``[slots, kv_heads,
+head_dim]`` (MHA), or one latent tensor ``[slots, 1, kv_lora_rank + rope_dim]`` (MLA), all on one device (the CPU, or
+one CUDA GPU with a build that has the ``cuda`` feature). The cache keeps the allocator of those slots: the engine
+asks it for the slots of new tokens (``alloc``), writes their KV there, and inserts them (``insert``); evictions give
+slots back. A request's cached prefix comes back with ``load``, whose ``wait_layer(i)`` makes the engine's current
+stream wait for layer ``i`` on the GPU (an event wait; the CPU never blocks), so layer ``i``'s attention runs as soon
+as its KV has landed while later layers still load. Transfers run on hicache's own streams; the stream current when
+the cache is made is the one backups order after (the engine's compute stream).
+
+Every call that can block releases the GIL; no Rust panic reaches Python (``RuntimeError`` instead); bad input raises
+``ValueError`` or ``TypeError`` naming the argument; a closed cache raises ``ValueError``.
+
+Config: a dict of ``HiCacheConfig``'s fields (``page_size``, ``hicache_ratio`` or ``hicache_size``, ``mem_layout``,
+``write_policy``, ``io_backend``, ``prefetch_policy``, ``model_name``, ...), the storage tier as ``storage_backend``
+(``file``, ``memory``, ``mooncake``) with SGLang's extra config keys in ``storage_backend_extra_config`` (for the file
+tier ``dir``, ``format``, ``capacity``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hicache import _native
+
+_DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+    torch.float32: "f32",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+}
+
+
+def _int32(values, name: str) -> torch.Tensor:
+    """Token ids or slots as a contiguous int32 CPU tensor (ids of 2^31 and more keep their bits: read as u32)."""
+    if isinstance(values, torch.Tensor):
+        tensor = values.detach().to("cpu", torch.int64)
+    else:
+        try:
+            tensor = torch.tensor(list(values), dtype=torch.int64)
+        except (TypeError, RuntimeError, OverflowError) as error:
+            raise TypeError(f"hicache: {name}: not a sequence of integers ({error})") from None
+    if tensor.dim() != 1:
+        raise ValueError(f"hicache: {name}: must be one-dimensional, has shape {tuple(tensor.shape)}")
+    if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= 1 << 32):
+        raise ValueError(f"hicache: {name}: values must be in [0, 2^32)")
+    return torch.where(tensor >= 1 << 31, tensor - (1 << 32), tensor).to(torch.int32).contiguous()
+
+
+def _slots(data: bytes) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(bytearray(data), dtype=torch.int32).to(torch.int64)
+
+
+@dataclass(frozen=True)
+class Match:
+    """What the cache holds of a token sequence: the device slots of the prefix on the device (int64, CPU), and how
+    many tokens after it are on the host."""
+
+    device_slots: torch.Tensor
+    host_tokens: int
+
+
+class Load:
+    """A load of a request's cached prefix back to the device (``Cache.load``).
+
+    ``slots`` are the prefix's device slots (int64, CPU): first those that were on the device, then those loaded;
+    ``loaded`` counts the latter. Hand it to ``Cache.insert`` (or ``Cache.release``) when the request is done: the
+    prefix stays locked on the device until then.
+    """
+
+    def __init__(self, native, cache: Cache):
+        self._native = native
+        self._cuda = cache._cuda
+        self.slots = _slots(native.slots())
+        self.loaded = native.loaded
+
+    def wait_layer(self, layer: int) -> None:
+        """Makes the engine wait until layer ``layer`` is loaded: on the GPU the current torch stream waits for it
+        (the CPU goes on); on the CPU it is loaded already."""
+        stream = torch.cuda.current_stream().cuda_stream if self._cuda else 0
+        self._native.wait_layer(layer, stream)
+
+
+class Cache:
+    """hicache over an engine's device KV tensors. ``k`` and ``v``: per layer a ``[slots, kv_heads, head_dim]`` tensor
+    (MHA); or ``latent`` per layer ``[slots, 1, kv_lora_rank + rope_dim]`` with ``mla=(kv_lora_rank, rope_dim)``."""
+
+    def __init__(
+        self,
+        config: dict,
+        k: Sequence[torch.Tensor] | None = None,
+        v: Sequence[torch.Tensor] | None = None,
+        *,
+        latent: Sequence[torch.Tensor] | None = None,
+        mla: tuple[int, int] | None = None,
+    ):
+        if not isinstance(config, dict):
+            raise TypeError(f"hicache: config: must be a dict, found {type(config).__name__}")
+        if latent is None:
+            if k is None or v is None:
+                raise ValueError("hicache: k and v (MHA), or latent and mla (MLA), must be given")
+            k, v = _tensors(k, "k"), _tensors(v, "v")
+            if len(k) != len(v):
+                raise ValueError(f"hicache: v: {len(v)} tensors for {len(k)} layers of k")
+            first = _check_like(k, "k", k[0])
+            _check_like(v, "v", k[0])
+            if first.dim() != 3:
+                raise ValueError(f"hicache: k[0]: must be [slots, kv_heads, head_dim], has shape {tuple(first.shape)}")
+            slots, heads, head_dim = first.shape
+            attention = {"kind": "mha", "kv_heads": heads, "head_dim": head_dim}
+            tensors = [tensor for pair in zip(k, v, strict=True) for tensor in pair]
+        else:
+            if k is not None or v is not None:
+                raise ValueError("hicache: give k and v (MHA) or latent (MLA), not both")
+            if mla is None or len(mla) != 2:
+                raise ValueError("hicache: mla: (kv_lora_rank, rope_dim) must be given with latent")
+            latent = _tensors(latent, "latent")
+            first = _check_like(latent, "latent", latent[0])
+            if first.dim() != 3 or first.shape[1] != 1 or first.shape[2] != mla[0] + mla[1]:
+                raise ValueError(
+                    f"hicache: latent[0]: must be [slots, 1, {mla[0] + mla[1]}], has shape {tuple(first.shape)}"
+                )
+            slots = first.shape[0]
+            attention = {"kind": "mla", "kv_lora_rank": mla[0], "rope_dim": mla[1]}
+            tensors = list(latent)
+        if first.dtype not in _DTYPES:
+            raise TypeError(f"hicache: {'latent' if latent is not None else 'k'}[0]: dtype {first.dtype} is not one of "
+                            f"{', '.join(str(dtype) for dtype in _DTYPES)}")
+        device = first.device
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"hicache: {'latent' if latent is not None else 'k'}[0]: device {device} is not cpu or cuda")
+        self._cuda = device.type == "cuda"
+        self.device = device
+        kv = {
+            "geometry": {"layers": len(tensors) // (2 if latent is None else 1), "attention": attention,
+                         "dtype": _DTYPES[first.dtype]},
+            "slots": slots,
+            "cuda_device": device.index if self._cuda else None,
+            "addresses": [tensor.data_ptr() for tensor in tensors],
+            "stream": torch.cuda.current_stream(device).cuda_stream if self._cuda else 0,
+        }
+        self._native = _native.Cache(json.dumps(config), json.dumps(kv), tuple(tensors))
+        self.page_size = self._native.page_size
+        self.layers = self._native.layers
+        self.slots = slots - slots % self.page_size
+
+    def match(self, tokens) -> Match:
+        """The prefix of ``tokens`` the cache holds on the device, and how much of the rest is on the host."""
+        tokens = _int32(tokens, "tokens")
+        slots, host = self._native.match_prefix(tokens.data_ptr(), tokens.numel())
+        return Match(_slots(slots), host)
+
+    def prefetch(self, request_id: str, tokens) -> bool:
+        """Starts fetching from storage what of ``tokens`` lies beyond the device and host hit; whether it started."""
+        tokens = _int32(tokens, "tokens")
+        return self._native.prefetch(str(request_id), tokens.data_ptr(), tokens.numel())
+
+    def wait_prefetch(self, request_id: str, timeout: float = 30.0) -> bool:
+        """Ticks until ``request_id``'s prefetch has joined the cache (True) or ``timeout`` seconds pass (False)."""
+        return self._native.wait_prefetch(str(request_id), float(timeout))
+
+    def load(self, tokens) -> Load:
+        """Loads what of ``tokens``' prefix is on the host back to the device, layer by layer, and locks the prefix."""
+        tokens = _int32(tokens, "tokens")
+        return Load(self._native.load(tokens.data_ptr(), tokens.numel()), self)
+
+    def alloc(self, tokens: int) -> torch.Tensor:
+        """Device slots (int64, CPU) for ``tokens`` new tokens, in whole pages; evicts when the pool is short."""
+        if not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"hicache: tokens: {tokens!r} is not a count of tokens")
+        return _slots(self._native.alloc(tokens))
+
+    def insert(self, tokens, slots, load: Load | None = None) -> int:
+        """Inserts ``tokens`` whose KV is in ``slots`` (every slot of the request, in whole pages: the prefix's and the
+        new ones); whole pages are cached, the other slots go back to the pool; unlocks ``load``'s prefix. Returns the
+        tokens that were on the device already."""
+        tokens = _int32(tokens, "tokens")
+        slots = self._check_slots(slots)
+        native = None if load is None else load._native
+        return self._native.insert(native, tokens.data_ptr(), tokens.numel(), slots.data_ptr(), slots.numel())
+
+    def release(self, load: Load, slots=()) -> None:
+        """Unlocks ``load``'s prefix without inserting (a request dropped) and gives back ``slots`` (its new ones)."""
+        slots = self._check_slots(slots)
+        self._native.release(load._native, slots.data_ptr(), slots.numel())
+
+    def _check_slots(self, slots) -> torch.Tensor:
+        slots = _int32(slots, "slots")
+        if slots.numel() and int(slots.max()) >= self.slots:
+            raise ValueError(f"hicache: slots: {int(slots.max())} is out of range ({self.slots} slots)")
+        return slots
+
+    def tick(self) -> dict:
+        """One scheduler step: acks, backups to storage, prefetches that finished."""
+        return self._native.tick()
+
+    def evict(self, tokens: int) -> int:
+        """Evicts at least ``tokens`` device tokens (least recently used first, backed up first); returns how many."""
+        return self._native.evict(int(tokens))
+
+    def evict_host(self, tokens: int) -> int:
+        """Evicts at least ``tokens`` host tokens no longer needed there; returns how many."""
+        return self._native.evict_host(int(tokens))
+
+    def drain(self, timeout: float = 60.0) -> None:
+        """Ticks until every host write is acked and every backup to storage is done (``TimeoutError`` after
+        ``timeout`` seconds)."""
+        self._native.drain(float(timeout))
+
+    def reset(self) -> None:
+        """Empties the device and host tiers; storage keeps its pages."""
+        self._native.reset()
+
+    def stats(self) -> dict:
+        """Counters and occupancy of every tier."""
+        return json.loads(self._native.stats())
+
+    def close(self) -> None:
+        """Closes the cache; later calls raise ``ValueError``."""
+        self._native.close()
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+
+def _tensors(tensors, name: str) -> list[torch.Tensor]:
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError(f"hicache: {name}: no tensors")
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"hicache: {name}[{index}]: not a torch.Tensor ({type(tensor).__name__})")
+    return tensors
+
+
+def _check_like(tensors: list[torch.Tensor], name: str, first: torch.Tensor) -> torch.Tensor:
+    for index, tensor in enumerate(tensors):
+        where = f"hicache: {name}[{index}]"
+        if tensor.dtype != first.dtype:
+            raise TypeError(f"{where}: dtype {tensor.dtype} differs from {first.dtype}")
+        if tensor.shape != first.shape:
+            raise ValueError(f"{where}: shape {tuple(tensor.shape)} differs from {tuple(first.shape)}")
+        if tensor.device != first.device:
+            raise ValueError(f"{where}: device {tensor.device} differs from {first.device}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{where}: not contiguous")
+    return first

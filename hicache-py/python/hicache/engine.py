@@ -1,0 +1,168 @@
+"""A reference engine loop: a transformers decoder model serving multi-turn conversations over ``hicache.Cache``.
+
+The model keeps its own code. One attention function, registered with transformers as ``"hicache"``, is the only
+hook: for each layer it writes the new tokens' K and V (after the model's rotary embedding) into their device slots,
+waits for that layer of the request's cached prefix to be loaded (``Load.wait_layer``: on the GPU an event wait on
+the current stream), reads the prefix's and the new tokens' KV from the slots and runs PyTorch's scaled dot-product
+attention over them. Positions are passed to the model, so the rotary embedding of the new tokens continues after the
+prefix.
+
+A request (``Engine.serve``): fetch from storage what lies beyond the device and host hit (waiting for it), load the
+host part back to the device, prefill the rest layer by layer beside the load, decode greedily, insert the whole
+sequence (whole pages), tick. When the device pool is full, least recently used pages move to the host (and on to
+storage) to make room.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from hicache.cache import Cache, Load
+
+_ACTIVE = threading.local()
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **_kwargs):
+    step = getattr(_ACTIVE, "step", None)
+    if step is None:
+        raise RuntimeError("hicache attention called outside Engine.forward")
+    return step.attend(module.layer_idx, query, key, value, scaling)
+
+
+AttentionInterface.register("hicache", _attention)
+
+
+class _Step:
+    """One forward pass: where its new tokens' KV goes, where its prefix's KV is, which load it waits for."""
+
+    def __init__(self, k, v, prefix: torch.Tensor, new: torch.Tensor, load: Load | None):
+        device = k[0].device
+        self.k, self.v = k, v
+        self.new = new.to(device, non_blocking=True)
+        self.all = torch.cat([prefix, new]).to(device, non_blocking=True)
+        self.load = load if load is not None and load.loaded else None
+        queries, keys = len(new), len(prefix) + len(new)
+        # query i (position len(prefix) + i) sees every key up to its own position
+        self.mask = None if queries == 1 else torch.ones(queries, keys, dtype=torch.bool, device=device).tril(len(prefix))
+
+    def attend(self, layer, query, key, value, scaling):
+        k, v = self.k[layer], self.v[layer]
+        k[self.new] = key[0].transpose(0, 1).to(k.dtype)
+        v[self.new] = value[0].transpose(0, 1).to(v.dtype)
+        if self.load is not None:
+            self.load.wait_layer(layer)
+        keys = k[self.all].transpose(0, 1).unsqueeze(0).to(query.dtype)
+        values = v[self.all].transpose(0, 1).unsqueeze(0).to(query.dtype)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+
+@dataclass
+class Served:
+    """What one request got: the greedy tokens, the logits of the prompt's computed tokens (``[computed, vocab]``),
+    how much of the prompt was cached (on the device, loaded back), and the time to its first token."""
+
+    tokens: list[int]
+    logits: torch.Tensor
+    cached: int
+    loaded: int
+    prefetched: bool
+    ttft_s: float
+    prefix_slots: torch.Tensor = field(repr=False)
+
+
+class Engine:
+    """A decoder model (transformers, Llama-like: ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim``) over a
+    device KV pool of ``device_tokens`` slots in per-layer K and V tensors, cached by hicache with ``config``."""
+
+    def __init__(self, model, config: dict, device_tokens: int, kv_dtype: torch.dtype | None = None):
+        self.model = model
+        model_config = model.config
+        model_config._attn_implementation = "hicache"
+        device = next(model.parameters()).device
+        dtype = kv_dtype or next(model.parameters()).dtype
+        heads = model_config.num_key_value_heads
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+        layers = model_config.num_hidden_layers
+        self.k = [torch.zeros(device_tokens, heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(device_tokens, heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.device = device
+        self.cache = Cache(config, self.k, self.v)
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], start: int, prefix: torch.Tensor, new: torch.Tensor, load: Load | None):
+        """Logits of ``tokens[start:]`` (positions ``start..``), their KV written into ``new``, the prefix's read
+        from ``prefix``."""
+        ids = torch.tensor(tokens[start:], device=self.device).unsqueeze(0)
+        positions = torch.arange(start, len(tokens), device=self.device).unsqueeze(0)
+        _ACTIVE.step = _Step(self.k, self.v, prefix, new, load)
+        try:
+            return self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+        finally:
+            _ACTIVE.step = None
+
+    def serve(self, request_id: str, tokens: list[int], max_new_tokens: int, prefetch_timeout: float = 60.0) -> Served:
+        """Runs one request: cached prefix from the device, host or storage, the rest computed, ``max_new_tokens``
+        greedy tokens; the whole sequence is cached afterwards."""
+        if not tokens or max_new_tokens < 1:
+            raise ValueError("a request has at least one prompt token and one new token")
+        started = time.perf_counter()
+        # at least the last prompt token is computed: its logits give the first new token
+        lookup = tokens[:-1]
+        prefetched = self.cache.prefetch(request_id, lookup)
+        if prefetched:
+            self.cache.wait_prefetch(request_id, prefetch_timeout)
+        load = self.cache.load(lookup)
+        cached = len(load.slots)
+        computed = len(tokens) - cached
+        fresh = self.cache.alloc(computed + max_new_tokens - 1)
+        logits = self.forward(tokens, cached, load.slots, fresh[:computed], load)
+        generated = [int(logits[-1].argmax())]
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        ttft = time.perf_counter() - started
+        sequence = list(tokens)
+        prefix = torch.cat([load.slots, fresh[:computed]])
+        for step in range(max_new_tokens - 1):
+            sequence.append(generated[-1])
+            slot = fresh[computed + step : computed + step + 1]
+            step_logits = self.forward(sequence, len(sequence) - 1, prefix, slot, None)
+            prefix = torch.cat([prefix, slot])
+            generated.append(int(step_logits[-1].argmax()))
+        self.cache.insert(sequence, torch.cat([load.slots, fresh]), load)
+        self.cache.tick()
+        return Served(generated, logits, cached, load.loaded, prefetched, ttft, load.slots)
+
+    def prefix_kv(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the KV in ``slots``, per layer (K, V)."""
+        index = slots.to(self.device)
+        return [(k[index].clone(), v[index].clone()) for k, v in zip(self.k, self.v, strict=True)]
+
+    def empty_device(self) -> None:
+        """Moves every unlocked page off the device (backed up first)."""
+        self.cache.drain()
+        self.cache.evict(self.cache.slots)
+
+    def empty_host(self) -> None:
+        """Moves every page off the device and the host (once storage holds it)."""
+        self.empty_device()
+        self.cache.drain()
+        self.cache.evict_host(1 << 62)
+
+
+@torch.inference_mode()
+def recompute_logits(model, tokens: list[int]) -> torch.Tensor:
+    """The logits of every position of ``tokens`` computed from scratch with the model's own sdpa attention."""
+    implementation = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa"
+    try:
+        device = next(model.parameters()).device
+        return model(input_ids=torch.tensor(tokens, device=device).unsqueeze(0), use_cache=False).logits[0]
+    finally:
+        model.config._attn_implementation = implementation
