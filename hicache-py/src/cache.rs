@@ -9,7 +9,8 @@
 //! CPU engine copies happen when submitted, so the wait returns at once.
 //!
 //! Like the storage backend's, the methods that take addresses are the private half of the package:
-//! `hicache.cache` passes them the addresses of tensors it has checked (contiguous, int32, on the CPU).
+//! `hicache.cache` passes them the addresses of slot tensors it has checked (contiguous, int32, on the CPU). Token
+//! ids come as Python lists of ints (pyo3 names the argument of one that is not in `[0, 2^32)`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -51,6 +52,7 @@ struct KvDescription {
     addresses: Vec<usize>,
     /// The engine's compute stream (a `CUstream`), which backups wait for; 0 for the default stream.
     #[serde(default)]
+    #[cfg_attr(not(feature = "cuda"), expect(dead_code, reason = "the CPU engine's copies happen when submitted"))]
     stream: usize,
 }
 
@@ -481,25 +483,15 @@ impl Cache {
         }
     }
 
-    /// The matched prefix of the tokens (`length` int32 at `address`): its device slots (int32 bytes) and the
-    /// tokens after them that are on the host.
-    fn match_prefix<'py>(
-        &self,
-        py: Python<'py>,
-        address: usize,
-        length: usize,
-    ) -> PyResult<(Bound<'py, PyBytes>, usize)> {
-        // SAFETY: the module's contract: a checked int32 tensor.
-        let tokens = unsafe { read_u32(address, length) };
+    /// The matched prefix of the tokens: its device slots (int32 bytes) and the tokens after them on the host.
+    fn match_prefix<'py>(&self, py: Python<'py>, tokens: Vec<u32>) -> PyResult<(Bound<'py, PyBytes>, usize)> {
         let (slots, host) = self.with(py, |tree| Ok(each!(tree, inner => inner.match_prefix(&tokens))))?;
         Ok((slot_bytes(py, &slots), host))
     }
 
     /// Starts a prefetch from storage of what lies beyond the device and host hit of the tokens; whether one
     /// started (not without storage, for a rest below the threshold, or while one runs for the request).
-    fn prefetch(&self, py: Python<'_>, request: &str, address: usize, length: usize) -> PyResult<bool> {
-        // SAFETY: as in `match_prefix`.
-        let tokens = unsafe { read_u32(address, length) };
+    fn prefetch(&self, py: Python<'_>, request: &str, tokens: Vec<u32>) -> PyResult<bool> {
         self.with(py, |tree| each!(tree, inner => inner.prefetch(request, &tokens)))
     }
 
@@ -510,9 +502,7 @@ impl Cache {
     }
 
     /// Loads what of the tokens' prefix is on the host back to the device and starts the load.
-    fn load(&self, py: Python<'_>, address: usize, length: usize) -> PyResult<Load> {
-        // SAFETY: as in `match_prefix`.
-        let tokens = unsafe { read_u32(address, length) };
+    fn load(&self, py: Python<'_>, tokens: Vec<u32>) -> PyResult<Load> {
         let (handle, slots, loaded, events) = self.with(py, |tree| {
             Ok(match tree {
                 Tree::Cpu(inner) => {
@@ -535,27 +525,26 @@ impl Cache {
         Ok(slot_bytes(py, &slots))
     }
 
-    /// Inserts the tokens with their slots (both int32 arrays: address, length), whole pages cached, the other
-    /// slots given back; unlocks `load`'s prefix. Returns the tokens that were on the device already.
-    #[pyo3(signature = (load, tokens, token_count, slots, slot_count))]
+    /// Inserts the tokens with their slots (an int32 array: address, length), whole pages cached, the other slots
+    /// given back; unlocks `load`'s prefix. Returns the tokens that were on the device already.
+    #[pyo3(signature = (load, tokens, slots, slot_count))]
     fn insert(
         &self,
         py: Python<'_>,
         load: Option<PyRef<'_, Load>>,
-        tokens: usize,
-        token_count: usize,
+        tokens: Vec<u32>,
         slots: usize,
         slot_count: usize,
     ) -> PyResult<usize> {
-        // SAFETY: as in `match_prefix`, for both arrays.
-        let (tokens, slots) = unsafe { (read_u32(tokens, token_count), read_u32(slots, slot_count)) };
+        // SAFETY: the module's contract: a checked int32 tensor.
+        let slots = unsafe { read_u32(slots, slot_count) };
         let handle = load.map(|load| load.handle);
         self.with(py, |tree| each!(tree, inner => inner.insert(handle, &tokens, &slots)))
     }
 
     /// Unlocks `load`'s prefix without inserting, and gives back `slots` (int32: address, length).
     fn release(&self, py: Python<'_>, load: PyRef<'_, Load>, slots: usize, slot_count: usize) -> PyResult<()> {
-        // SAFETY: as in `match_prefix`.
+        // SAFETY: as in `insert`.
         let slots = unsafe { read_u32(slots, slot_count) };
         let handle = load.handle;
         self.with(py, |tree| each!(tree, inner => inner.release(handle, &slots)))

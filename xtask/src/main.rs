@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
-const USAGE: &str = "usage: cargo xtask ci [--no-fuzz] | cargo xtask fuzz [--seconds N] [TARGET...] | cargo xtask mooncake [--port N] | cargo xtask nixl | cargo xtask nvrtc | cargo xtask bindgen [--check] | cargo xtask wheel | cargo xtask sglang [UNITTEST ARGS]";
+const USAGE: &str = "usage: cargo xtask ci [--no-fuzz] | cargo xtask fuzz [--seconds N] [TARGET...] | cargo xtask mooncake [--port N] | cargo xtask nixl | cargo xtask nvrtc | cargo xtask bindgen [--check] | cargo xtask wheel [--cuda] | cargo xtask sglang [UNITTEST ARGS]";
 
 fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -57,7 +57,7 @@ fn run(args: &[String]) -> anyhow::Result<()> {
             println!("{}", dir.display());
             Ok(())
         }
-        Some("wheel") => python::wheel_command(),
+        Some("wheel") => python::wheel_command(&args[1..]),
         Some("sglang") => python::test(&args[1..], &[]),
         Some("nvrtc") => {
             let dir = nvrtc::prepare()?;

@@ -45,10 +45,16 @@ const SGLANG_IMPORTS: &[&str] = &[
     "ninja",
 ];
 
-/// `cargo xtask wheel`: builds the wheel and prints its path.
-pub(crate) fn wheel_command() -> anyhow::Result<()> {
+/// `cargo xtask wheel [--cuda]`: builds the wheel (with `--cuda`, with the CUDA engine under `hicache.Cache`) and
+/// prints its path.
+pub(crate) fn wheel_command(args: &[String]) -> anyhow::Result<()> {
+    let cuda = match args {
+        [] => false,
+        [flag] if flag == "--cuda" => true,
+        other => bail!("cargo xtask wheel: unknown arguments {other:?} (usage: cargo xtask wheel [--cuda])"),
+    };
     let venv = venv(false)?;
-    println!("{}", build_wheel(&venv)?.display());
+    println!("{}", build_wheel(&venv, cuda)?.display());
     Ok(())
 }
 
@@ -56,7 +62,7 @@ pub(crate) fn wheel_command() -> anyhow::Result<()> {
 /// runs the package's tests (`hicache-py/tests`) there with `args` added, and `env`.
 pub(crate) fn test(args: &[String], env: &[(&str, &str)]) -> anyhow::Result<()> {
     let venv = venv(true)?;
-    let wheel = build_wheel(&venv)?;
+    let wheel = build_wheel(&venv, false)?;
     let python = python_of(&venv);
     let python = python.to_str().context("the venv path is not UTF-8")?;
     let wheel = wheel.to_str().context("the wheel path is not UTF-8")?;
@@ -123,26 +129,27 @@ pub(crate) fn venv(sglang: bool) -> anyhow::Result<PathBuf> {
     Ok(venv)
 }
 
-/// Builds the release wheel into `target/python/wheels` (emptied first); returns its path.
-fn build_wheel(venv: &Path) -> anyhow::Result<PathBuf> {
+/// Builds the release wheel into `target/python/wheels` (emptied first), with the `cuda` feature when asked;
+/// returns its path.
+fn build_wheel(venv: &Path, cuda: bool) -> anyhow::Result<PathBuf> {
     let _ = std::fs::remove_dir_all(WHEELS);
     let maturin = venv.join("bin/maturin");
     let python = python_of(venv);
-    run_program(
-        maturin.to_str().context("the venv path is not UTF-8")?,
-        &[
-            "build",
-            "--release",
-            "--locked",
-            "--manifest-path",
-            "hicache-py/Cargo.toml",
-            "--out",
-            WHEELS,
-            "--interpreter",
-            python.to_str().context("the venv path is not UTF-8")?,
-        ],
-        &[],
-    )?;
+    let mut args = vec![
+        "build",
+        "--release",
+        "--locked",
+        "--manifest-path",
+        "hicache-py/Cargo.toml",
+        "--out",
+        WHEELS,
+        "--interpreter",
+        python.to_str().context("the venv path is not UTF-8")?,
+    ];
+    if cuda {
+        args.extend(["--features", "cuda"]);
+    }
+    run_program(maturin.to_str().context("the venv path is not UTF-8")?, &args, &[])?;
     let wheels: Vec<PathBuf> = std::fs::read_dir(WHEELS)
         .with_context(|| format!("reading {WHEELS}"))?
         .filter_map(|entry| entry.ok().map(|entry| entry.path()))

@@ -21,6 +21,7 @@ tier ``dir``, ``format``, ``capacity``, ...).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,8 +39,26 @@ _DTYPES = {
 }
 
 
+def _tokens(tokens) -> list[int]:
+    """Token ids as a list (a tensor's as its values); the native side takes each as an unsigned 32-bit id."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1:
+            raise ValueError(f"hicache: tokens: must be one-dimensional, has shape {tuple(tokens.shape)}")
+        return tokens.tolist()
+    return tokens if isinstance(tokens, list) else list(tokens)
+
+
+@contextlib.contextmanager
+def _token_ids():
+    """A token id outside an unsigned 32-bit integer, named as the argument it came in."""
+    try:
+        yield
+    except OverflowError:
+        raise ValueError("hicache: tokens: ids must be in [0, 2^32)") from None
+
+
 def _int32(values, name: str) -> torch.Tensor:
-    """Token ids or slots as a contiguous int32 CPU tensor (ids of 2^31 and more keep their bits: read as u32)."""
+    """Slots as a contiguous int32 CPU tensor."""
     if isinstance(values, torch.Tensor):
         tensor = values.detach().to("cpu", torch.int64)
     else:
@@ -49,9 +68,9 @@ def _int32(values, name: str) -> torch.Tensor:
             raise TypeError(f"hicache: {name}: not a sequence of integers ({error})") from None
     if tensor.dim() != 1:
         raise ValueError(f"hicache: {name}: must be one-dimensional, has shape {tuple(tensor.shape)}")
-    if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= 1 << 32):
-        raise ValueError(f"hicache: {name}: values must be in [0, 2^32)")
-    return torch.where(tensor >= 1 << 31, tensor - (1 << 32), tensor).to(torch.int32).contiguous()
+    if tensor.numel() and int(tensor.min()) < 0:
+        raise ValueError(f"hicache: {name}: values must be at least 0")
+    return tensor.to(torch.int32).contiguous()
 
 
 def _slots(data: bytes) -> torch.Tensor:
@@ -155,14 +174,14 @@ class Cache:
 
     def match(self, tokens) -> Match:
         """The prefix of ``tokens`` the cache holds on the device, and how much of the rest is on the host."""
-        tokens = _int32(tokens, "tokens")
-        slots, host = self._native.match_prefix(tokens.data_ptr(), tokens.numel())
+        with _token_ids():
+            slots, host = self._native.match_prefix(_tokens(tokens))
         return Match(_slots(slots), host)
 
     def prefetch(self, request_id: str, tokens) -> bool:
         """Starts fetching from storage what of ``tokens`` lies beyond the device and host hit; whether it started."""
-        tokens = _int32(tokens, "tokens")
-        return self._native.prefetch(str(request_id), tokens.data_ptr(), tokens.numel())
+        with _token_ids():
+            return self._native.prefetch(str(request_id), _tokens(tokens))
 
     def wait_prefetch(self, request_id: str, timeout: float = 30.0) -> bool:
         """Ticks until ``request_id``'s prefetch has joined the cache (True) or ``timeout`` seconds pass (False)."""
@@ -170,8 +189,8 @@ class Cache:
 
     def load(self, tokens) -> Load:
         """Loads what of ``tokens``' prefix is on the host back to the device, layer by layer, and locks the prefix."""
-        tokens = _int32(tokens, "tokens")
-        return Load(self._native.load(tokens.data_ptr(), tokens.numel()), self)
+        with _token_ids():
+            return Load(self._native.load(_tokens(tokens)), self)
 
     def alloc(self, tokens: int) -> torch.Tensor:
         """Device slots (int64, CPU) for ``tokens`` new tokens, in whole pages; evicts when the pool is short."""
@@ -183,10 +202,10 @@ class Cache:
         """Inserts ``tokens`` whose KV is in ``slots`` (every slot of the request, in whole pages: the prefix's and the
         new ones); whole pages are cached, the other slots go back to the pool; unlocks ``load``'s prefix. Returns the
         tokens that were on the device already."""
-        tokens = _int32(tokens, "tokens")
         slots = self._check_slots(slots)
         native = None if load is None else load._native
-        return self._native.insert(native, tokens.data_ptr(), tokens.numel(), slots.data_ptr(), slots.numel())
+        with _token_ids():
+            return self._native.insert(native, _tokens(tokens), slots.data_ptr(), slots.numel())
 
     def release(self, load: Load, slots=()) -> None:
         """Unlocks ``load``'s prefix without inserting (a request dropped) and gives back ``slots`` (its new ones)."""

@@ -46,7 +46,7 @@ class _Step:
         self.k, self.v = k, v
         self.new = new.to(device, non_blocking=True)
         self.all = torch.cat([prefix, new]).to(device, non_blocking=True)
-        self.load = load if load is not None and load.loaded else None
+        self.load = load if load is not None and getattr(load, "loaded", 1) else None
         queries, keys = len(new), len(prefix) + len(new)
         # query i (position len(prefix) + i) sees every key up to its own position
         self.mask = None if queries == 1 else torch.ones(queries, keys, dtype=torch.bool, device=device).tril(len(prefix))
@@ -66,7 +66,8 @@ class _Step:
 @dataclass
 class Served:
     """What one request got: the greedy tokens, the logits of the prompt's computed tokens (``[computed, vocab]``),
-    how much of the prompt was cached (on the device, loaded back), and the time to its first token."""
+    how much of the prompt was cached (on the device, loaded back), the time to its first token, and the device slots
+    of the cached prefix and of the whole sequence whose KV it holds (prompt and new tokens but the last)."""
 
     tokens: list[int]
     logits: torch.Tensor
@@ -75,6 +76,7 @@ class Served:
     prefetched: bool
     ttft_s: float
     prefix_slots: torch.Tensor = field(repr=False)
+    sequence_slots: torch.Tensor = field(repr=False)
 
 
 class Engine:
@@ -96,20 +98,37 @@ class Engine:
         self.cache = Cache(config, self.k, self.v)
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], start: int, prefix: torch.Tensor, new: torch.Tensor, load: Load | None):
-        """Logits of ``tokens[start:]`` (positions ``start..``), their KV written into ``new``, the prefix's read
-        from ``prefix``."""
+    def forward(
+        self,
+        tokens: list[int],
+        start: int,
+        prefix: torch.Tensor,
+        new: torch.Tensor,
+        load,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits of ``tokens[start:]`` (positions ``start..``; only the last with ``last_only``), their KV written
+        into ``new``, the prefix's read from ``prefix`` once ``load`` (anything with ``wait_layer``) has it."""
         ids = torch.tensor(tokens[start:], device=self.device).unsqueeze(0)
         positions = torch.arange(start, len(tokens), device=self.device).unsqueeze(0)
         _ACTIVE.step = _Step(self.k, self.v, prefix, new, load)
         try:
-            return self.model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+            keep = 1 if last_only else 0
+            return self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits[0]
         finally:
             _ACTIVE.step = None
 
-    def serve(self, request_id: str, tokens: list[int], max_new_tokens: int, prefetch_timeout: float = 60.0) -> Served:
+    def serve(
+        self,
+        request_id: str,
+        tokens: list[int],
+        max_new_tokens: int,
+        prefetch_timeout: float = 60.0,
+        all_logits: bool = True,
+    ) -> Served:
         """Runs one request: cached prefix from the device, host or storage, the rest computed, ``max_new_tokens``
-        greedy tokens; the whole sequence is cached afterwards."""
+        greedy tokens; the whole sequence is cached afterwards. Without ``all_logits`` only the last prompt token's
+        logits are computed (what the first token needs)."""
         if not tokens or max_new_tokens < 1:
             raise ValueError("a request has at least one prompt token and one new token")
         started = time.perf_counter()
@@ -122,7 +141,7 @@ class Engine:
         cached = len(load.slots)
         computed = len(tokens) - cached
         fresh = self.cache.alloc(computed + max_new_tokens - 1)
-        logits = self.forward(tokens, cached, load.slots, fresh[:computed], load)
+        logits = self.forward(tokens, cached, load.slots, fresh[:computed], load, last_only=not all_logits)
         generated = [int(logits[-1].argmax())]
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
@@ -132,12 +151,13 @@ class Engine:
         for step in range(max_new_tokens - 1):
             sequence.append(generated[-1])
             slot = fresh[computed + step : computed + step + 1]
-            step_logits = self.forward(sequence, len(sequence) - 1, prefix, slot, None)
+            step_logits = self.forward(sequence, len(sequence) - 1, prefix, slot, None, last_only=True)
             prefix = torch.cat([prefix, slot])
             generated.append(int(step_logits[-1].argmax()))
-        self.cache.insert(sequence, torch.cat([load.slots, fresh]), load)
+        slots = torch.cat([load.slots, fresh])
+        self.cache.insert(sequence, slots, load)
         self.cache.tick()
-        return Served(generated, logits, cached, load.loaded, prefetched, ttft, load.slots)
+        return Served(generated, logits, cached, load.loaded, prefetched, ttft, load.slots, slots[: len(sequence)])
 
     def prefix_kv(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the KV in ``slots``, per layer (K, V)."""

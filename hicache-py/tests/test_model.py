@@ -1,0 +1,268 @@
+"""A real transformers model (a tiny Llama with random weights) computes with KV that hicache brought back.
+
+Multi-turn conversations run through ``hicache.engine.Engine`` with the device (and, every other turn, the host)
+emptied between turns, so each returning conversation's prefix comes back from the host tier (L2) or the file tier
+(L3). A control engine runs the same conversations with a device pool that holds everything: its prefix KV never
+leaves the device. Checks:
+
+- the restored prefix KV is byte-identical to the KV the model wrote into the device slots at the turn before (read
+  before it was pushed out), and to the control's;
+- the new tokens' logits equal the control's exactly, and the greedy continuations are the same tokens;
+- beside a full recompute of the whole prompt with the model's own sdpa attention, the logits agree within float
+  tolerance (the largest difference is printed).
+
+With storage faults (a page file's bytes flipped, another replaced by a directory so its read fails), the prefix is
+usable up to the first bad page, the rest is recomputed, and the output still agrees.
+
+``HICACHE_TEST_DEVICE=cuda`` runs the same on a GPU (the wheel built with the ``cuda`` feature).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import re
+import tempfile
+import unittest
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hicache
+from hicache.cache import Cache
+from hicache.engine import Engine, recompute_logits
+
+PAGE = 16
+TURNS = 4
+CLIENTS = 3
+NEW_TOKENS = 6
+TOLERANCE = 1e-4
+# the same checks on a GPU (with a wheel built with the cuda feature): HICACHE_TEST_DEVICE=cuda
+DEVICE = torch.device(os.environ.get("HICACHE_TEST_DEVICE", "cpu"))
+
+
+def tiny_llama(seed: int):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(config).eval().to(DEVICE)
+
+
+def config(directory: str | None) -> dict:
+    settings = {
+        "page_size": PAGE,
+        "mem_layout": "page_first",
+        "hicache_ratio": 2.0,
+        "prefetch_policy": "wait_complete",
+        "prefetch_threshold": PAGE,
+        "model_name": "tiny-llama",
+    }
+    if directory is not None:
+        settings |= {"storage_backend": "file", "storage_backend_extra_config": {"dir": directory}}
+    return settings
+
+
+def page_file(directory: str, key: str) -> str:
+    (path,) = glob.glob(os.path.join(directory, "hicache-v1", "*", key[:2], f"{key}.page"))
+    return path
+
+
+class Conversations:
+    """Runs CLIENTS conversations of TURNS turns on an engine; prompts grow by fresh random user tokens."""
+
+    def __init__(self, seed: int):
+        rng = random.Random(seed)
+        self.user = [[[rng.randrange(512) for _ in range(rng.randrange(40, 90))] for _ in range(TURNS)]
+                     for _ in range(CLIENTS)]
+
+    def run(self, engine: Engine, between=None) -> dict:
+        """Per (client, turn): the prompt, what was served, the prefix KV as restored, and the KV the model wrote
+        (the whole sequence's, read from the device slots right after the request)."""
+        served, history = {}, [[] for _ in range(CLIENTS)]
+        for turn in range(TURNS):
+            if between is not None and turn > 0:
+                between(turn, history)
+            for client in range(CLIENTS):
+                prompt = history[client] + self.user[client][turn]
+                result = engine.serve(f"c{client}t{turn}", prompt, NEW_TOKENS)
+                restored = engine.prefix_kv(result.prefix_slots)
+                served[client, turn] = (prompt, result, restored, engine.prefix_kv(result.sequence_slots))
+                history[client] = prompt + result.tokens
+        return served
+
+
+def empty_tiers(engine: Engine):
+    """Odd turns come back from the host, even turns from storage."""
+
+    def between(turn, _history):
+        if turn % 2 == 1:
+            engine.empty_device()
+        else:
+            engine.empty_host()
+
+    return between
+
+
+def assert_kv_equal(test, restored, written, cached, what):
+    """Bit for bit (as integers: a NaN equals itself), the first ``cached`` tokens of every layer."""
+    for layer, ((k, v), (written_k, written_v)) in enumerate(zip(restored, written, strict=True)):
+        for name, mine, theirs in (("K", k, written_k), ("V", v, written_v)):
+            test.assertTrue(
+                torch.equal(mine.view(torch.int32), theirs[:cached].view(torch.int32)),
+                f"{what}, layer {layer} {name}: restored KV differs from the KV the model wrote",
+            )
+
+
+def assert_restored_as_written(test, served):
+    for (client, turn), (_prompt, result, restored, _written) in served.items():
+        if turn > 0:
+            written = served[client, turn - 1][3]
+            assert_kv_equal(test, restored, written, result.cached, f"client {client} turn {turn}")
+
+
+class ModelOutputUnchanged(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.model = tiny_llama(seed=random.randrange(1 << 30))
+        cls.conversations = Conversations(seed=random.randrange(1 << 30))
+        # the control: every conversation stays on the device
+        control = Engine(cls.model, config(None), device_tokens=CLIENTS * TURNS * 200 + 1024)
+        cls.control = cls.conversations.run(control)
+        control.cache.close()
+
+    def test_restored_kv_logits_and_tokens_equal_the_device_only_loop(self):
+        with tempfile.TemporaryDirectory() as directory:
+            # room for about two conversations: the third pushes pages to the host on its own
+            engine = Engine(self.model, config(directory), device_tokens=768)
+            served = self.conversations.run(engine, empty_tiers(engine))
+            sources = {"host": 0, "storage": 0}
+            largest = 0.0
+            assert_restored_as_written(self, served)
+            for (client, turn), (prompt, result, restored, _written) in served.items():
+                control_prompt, control, control_kv, _ = self.control[client, turn]
+                self.assertEqual(prompt, control_prompt)
+                self.assertEqual(result.cached, control.cached, f"client {client} turn {turn}: cached prefix")
+                self.assertEqual(result.tokens, control.tokens, f"client {client} turn {turn}: greedy tokens")
+                self.assertTrue(torch.equal(result.logits, control.logits), f"client {client} turn {turn}: logits")
+                assert_kv_equal(self, restored, control_kv, result.cached, f"client {client} turn {turn}, control")
+                if turn > 0:
+                    self.assertEqual(result.loaded, result.cached, "every turn's prefix is loaded back")
+                    sources["host" if turn % 2 == 1 else "storage"] += result.loaded
+                full = recompute_logits(self.model, prompt)[result.cached :]
+                largest = max(largest, float((full - result.logits).abs().max()))
+            stats = engine.cache.stats()
+            engine.cache.close()
+        print(f"\nloaded back: {sources['host']} tokens from the host, {sources['storage']} from storage; "
+              f"largest logit difference to a full recompute: {largest:.3g}")
+        self.assertGreater(sources["host"], 0)
+        self.assertGreater(sources["storage"], 0)
+        self.assertGreater(stats["storage"]["get_hits"], 0)
+        self.assertLess(largest, TOLERANCE)
+
+    def test_bad_pages_are_recomputed_and_the_output_still_agrees(self):
+        with tempfile.TemporaryDirectory() as directory:
+            engine = Engine(self.model, config(directory), device_tokens=768)
+            damaged = {}
+
+            def between(turn, history):
+                if turn != 2:
+                    engine.empty_device()
+                    return
+                engine.empty_host()
+                # client 0: a page's bytes flipped; client 1: a page that cannot be read (a directory in its place)
+                for client, damage in ((0, "flip"), (1, "unreadable")):
+                    whole = len(history[client]) - len(history[client]) % PAGE
+                    keys = hicache.page_keys(history[client][:whole], PAGE)
+                    bad = len(keys) // 2
+                    path = page_file(directory, keys[bad])
+                    if damage == "flip":
+                        with open(path, "r+b") as file:
+                            file.seek(os.path.getsize(path) // 2)
+                            byte = file.read(1)
+                            file.seek(-1, os.SEEK_CUR)
+                            file.write(bytes([byte[0] ^ 0xFF]))
+                    else:
+                        os.remove(path)
+                        os.mkdir(path)
+                    damaged[client] = bad * PAGE
+
+            served = self.conversations.run(engine, between)
+            engine.cache.close()
+        self.assertEqual(len(damaged), 2)
+        assert_restored_as_written(self, served)
+        for (client, turn), (prompt, result, _restored, _written) in served.items():
+            control_prompt, control, _, _ = self.control[client, turn]
+            self.assertEqual(prompt, control_prompt)
+            if turn == 2 and client in damaged:
+                self.assertEqual(result.cached, damaged[client], f"client {client}: usable up to the bad page")
+            else:
+                self.assertEqual(result.cached, control.cached)
+            self.assertEqual(result.tokens, control.tokens, f"client {client} turn {turn}: greedy tokens")
+            full = recompute_logits(self.model, prompt)[result.cached :]
+            self.assertLess(float((full - result.logits).abs().max()), TOLERANCE)
+
+
+class BadInput(unittest.TestCase):
+    def kv(self, layers=2, slots=64, dtype=torch.bfloat16):
+        k = [torch.zeros(slots, 2, 8, dtype=dtype) for _ in range(layers)]
+        v = [torch.zeros(slots, 2, 8, dtype=dtype) for _ in range(layers)]
+        return k, v
+
+    def test_tensors_are_checked_by_name(self):
+        k, v = self.kv()
+        cases = [
+            (TypeError, "v[1]: dtype", k, [v[0], v[1].float()]),
+            (ValueError, "k[1]: shape", [k[0], torch.zeros(32, 2, 8, dtype=torch.bfloat16)], v),
+            (ValueError, "v[0]: not contiguous", k, [v[0].transpose(1, 2).contiguous().transpose(1, 2), v[1]]),
+            (TypeError, "k[0]: dtype torch.int32", [torch.zeros(64, 2, 8, dtype=torch.int32)] * 2,
+             [torch.zeros(64, 2, 8, dtype=torch.int32)] * 2),
+            (ValueError, "v: 1 tensors for 2 layers", k, v[:1]),
+        ]
+        for error, text, keys, values in cases:
+            with self.subTest(text), self.assertRaisesRegex(error, re.escape(text)):
+                Cache({"page_size": 16}, keys, values)
+
+    def test_config_fields_slots_layers_and_closed_use_are_named(self):
+        k, v = self.kv()
+        with self.assertRaisesRegex(ValueError, "page_sise"):
+            Cache({"page_sise": 16}, k, v)
+        cache = Cache({"page_size": 16}, k, v)
+        with self.assertRaisesRegex(ValueError, "slots: 64 is out of range"):
+            cache.insert(list(range(16)), list(range(48, 65)))
+        with self.assertRaisesRegex(ValueError, re.escape("tokens: ids must be in [0, 2^32)")):
+            cache.match([-1])
+        with self.assertRaisesRegex(ValueError, re.escape("tokens: ids must be in [0, 2^32)")):
+            cache.load([1 << 32])
+        with self.assertRaises(TypeError):
+            cache.match(["a"])
+        slots = cache.alloc(16)
+        cache.insert(list(range(16)), slots)
+        cache.drain()
+        cache.evict(64)
+        load = cache.load(list(range(16)))
+        self.assertEqual(load.loaded, 16)
+        with self.assertRaisesRegex(ValueError, "layer: 2 out of range"):
+            load.wait_layer(2)
+        load.wait_layer(1)
+        cache.insert(list(range(16)), load.slots, load)
+        with self.assertRaisesRegex(ValueError, "already inserted or released"):
+            cache.insert(list(range(16)), load.slots, load)
+        with self.assertRaisesRegex(ValueError, "tokens need 5 pages"):
+            cache.alloc(5 * 16)
+        cache.close()
+        with self.assertRaisesRegex(ValueError, "closed"):
+            cache.match([1, 2])
+        with self.assertRaisesRegex(ValueError, "closed"):
+            load.wait_layer(0)
+
+
+if __name__ == "__main__":
+    unittest.main()
