@@ -36,7 +36,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hicache.cache import Cache
-from hicache.engine import Engine
+from hicache.engine import _ACTIVE, Engine, _Step
 
 PAGE = 64
 NEW = 512
@@ -134,13 +134,23 @@ def make_resident(engine: Engine, tokens: list[int]):
     engine.cache.tick()
 
 
-def resident_forward(engine: Engine, prompt: list[int], prefix: int) -> float:
-    """The new tokens' forward pass with the prefix on the device."""
-    make_resident(engine, prompt[:prefix])
-    load = engine.cache.load(prompt[:prefix])
+def resident_forward(engine: Engine, prompt: list[int], prefix: int, prepare: bool = True, beside=None) -> float:
+    """The new tokens' forward pass with the prefix on the device (brought there first, unless it is); ``beside``:
+    another request's load, started just before the pass."""
+    if prepare:
+        make_resident(engine, prompt[:prefix])
+    # (starting it would start ``beside`` too: every queued load starts together)
+    load = engine.cache.load(prompt[:prefix], start=beside is None)
     assert len(load.slots) == prefix and load.loaded == 0, (len(load.slots), load.loaded)
     fresh = engine.cache.alloc(NEW)
-    elapsed = cuda_ms(lambda: engine.forward(prompt, prefix, load.slots, fresh, None, last_only=True))
+    prepared = engine.prepare(prompt, prefix, load.slots, fresh)
+
+    def run():
+        if beside is not None:
+            beside.start()
+        engine.run(prepared, last_only=True)
+
+    elapsed = cuda_ms(run)
     engine.cache.release(load, fresh)
     return elapsed
 
@@ -155,36 +165,44 @@ class _Events:
 
 
 def plain_torch(engine: Engine, prompt: list[int], prefix: int, host_k, host_v) -> float:
-    """A side stream copies the prefix's KV into its slots layer by layer; each layer's attention waits on its event."""
-    make_resident(engine, prompt[:prefix])
-    load = engine.cache.load(prompt[:prefix])
-    slots = load.slots
-    start = int(slots[0])
-    assert torch.equal(slots, torch.arange(start, start + prefix)), "the prefix's slots are one run"
-    fresh = engine.cache.alloc(NEW)
+    """A side stream copies the prefix's KV (pinned, per layer) into per-layer device buffers of the request, one
+    copy per layer and part; each layer's attention waits on its event. The model and attention are the engine's."""
+    heads, dim = engine.k[0].shape[1:]
+    dtype = engine.k[0].dtype
+    keys = [torch.empty(prefix + NEW, heads, dim, dtype=dtype, device=DEVICE) for _ in engine.k]
+    values = [torch.empty(prefix + NEW, heads, dim, dtype=dtype, device=DEVICE) for _ in engine.v]
+    old = torch.arange(prefix)
+    new = torch.arange(prefix, prefix + NEW)
     side = torch.cuda.Stream() if CUDA else None
 
     def run():
         events = []
+        # the pass's inputs first: behind the copies on the copy engine they would wait for the whole prefix
+        ids = torch.tensor(prompt[prefix:], device=DEVICE).unsqueeze(0)
+        positions = torch.arange(prefix, len(prompt), device=DEVICE).unsqueeze(0)
+        step = _Step(keys, values, old, new, _Events(events))
         if not CUDA:
-            for layer in range(len(engine.k)):
-                engine.k[layer][start : start + prefix].copy_(host_k[layer])
-                engine.v[layer][start : start + prefix].copy_(host_v[layer])
+            for layer in range(len(keys)):
+                keys[layer][:prefix].copy_(host_k[layer])
+                values[layer][:prefix].copy_(host_v[layer])
         else:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for layer in range(len(engine.k)):
-                    engine.k[layer][start : start + prefix].copy_(host_k[layer], non_blocking=True)
-                    engine.v[layer][start : start + prefix].copy_(host_v[layer], non_blocking=True)
+                for layer in range(len(keys)):
+                    keys[layer][:prefix].copy_(host_k[layer], non_blocking=True)
+                    values[layer][:prefix].copy_(host_v[layer], non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(side)
                     events.append(event)
-        logits = engine.forward(prompt, prefix, slots, fresh, _Events(events), last_only=True)
-        int(logits[-1].argmax())
+        _ACTIVE.step = step
+        try:
+            with torch.inference_mode():
+                logits = engine.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1).logits
+        finally:
+            _ACTIVE.step = None
+        int(logits[0, -1].argmax())
 
-    elapsed = cuda_ms(run)
-    engine.cache.release(load, fresh)
-    return elapsed
+    return cuda_ms(run)
 
 
 def drop_page_cache() -> bool:
@@ -285,9 +303,11 @@ def main():
         for _ in range(args.repeats + 1):
             alone.append(resident_forward(engine, work.prompts[probe], probe))
             engine.cache.evict(engine.cache.slots)  # the other request's prefix is on the host now
-            other = engine.cache.load(work.other[: work.longest])
+            make_resident(engine, work.prompts[probe][:probe])
+            other = engine.cache.load(work.other[: work.longest], start=False)
             assert other.loaded == work.longest, other.loaded
-            beside.append(resident_forward(engine, work.prompts[probe], probe))
+            # no synchronization here: the forward pass runs while the other prefix loads
+            beside.append(resident_forward(engine, work.prompts[probe], probe, prepare=False, beside=other))
             synchronize()
             engine.cache.release(other)
         report["slowdown"][backend] = {"alone_ms": median(alone[1:]), "beside_load_ms": median(beside[1:]),
@@ -308,6 +328,7 @@ def main():
             if CUDA:
                 torch.cuda.empty_cache()
 
+    print("so far:", json.dumps({"rows": rows, "slowdown": report["slowdown"]}), flush=True)
     # L3: the file tier, on the disk and on tmpfs
     default = "kernel" if "kernel" in backends else backends[0]
     for name, root in (("disk", args.disk_dir), ("tmpfs", "/dev/shm")):

@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use hicache_core::collective::SingleRank;
@@ -38,6 +38,9 @@ use serde::Deserialize;
 
 use crate::backend::PySettings;
 use crate::guard;
+
+/// How long `alloc` waits for device → host copies to be acked before it gives up (they take milliseconds).
+const ACK_DEADLINE: Duration = Duration::from_secs(60);
 
 /// What the Python side says of the engine's device KV.
 #[derive(Debug, Deserialize)]
@@ -145,35 +148,57 @@ impl<E: Engine> Inner<E> {
         }
     }
 
-    /// Matches `tokens`, loads the host part back into slots of the pool and starts the load; the prefix's nodes
-    /// stay locked under the returned handle until it is inserted or released.
-    fn load(&mut self, tokens: &[u32]) -> Result<(u64, Vec<DeviceSlot>, usize, Vec<E::Event>), Error> {
+    /// Matches `tokens` and queues the load of the host part back into slots of the pool ([`start`](Self::start)
+    /// submits it); the prefix's nodes stay locked under the returned handle until it is inserted or released.
+    fn load(&mut self, tokens: &[u32]) -> Result<(u64, Vec<DeviceSlot>, usize), Error> {
         let matched = self.tree.match_prefix(tokens);
         let loaded = self.tree.load_back(matched.last_node, &mut self.slots)?;
         let locked = if loaded.is_empty() { matched.last_device_node } else { matched.last_node };
         self.tree.inc_lock_ref(locked)?;
-        let mut events = Vec::new();
-        if !loaded.is_empty() {
-            let consumer = self.tree.start_loading()?;
-            let layers = self.tree.layers();
-            layers.set_consumer(consumer);
-            events = consumer_events(layers);
-        }
         let handle = self.next_handle;
         self.next_handle += 1;
         self.locked.insert(handle, locked);
         let count = loaded.len();
-        Ok((handle, [matched.device_slots, loaded].concat(), count, events))
+        Ok((handle, [matched.device_slots, loaded].concat(), count))
     }
 
-    /// Slots for `tokens` new tokens, in whole pages, evicting least recently used pages when the pool is short.
+    /// Submits every queued load, layer by layer, as one batch; its per-layer events (none when nothing was queued).
+    fn start(&mut self) -> Result<Vec<E::Event>, Error> {
+        let consumer = self.tree.start_loading()?;
+        let layers = self.tree.layers();
+        layers.set_consumer(consumer);
+        Ok(if consumer.is_some() { consumer_events(layers) } else { Vec::new() })
+    }
+
+    /// Slots for `tokens` new tokens, in whole pages, evicting least recently used pages when the pool is short. A
+    /// page is evicted only once its copy on the host is acked, so when eviction frees too little while writes to
+    /// the host are in flight, this ticks until they are acked (within `ACK_DEADLINE`) and evicts again.
     fn alloc(&mut self, tokens: usize) -> Result<Vec<DeviceSlot>, Error> {
         let pages = tokens.div_ceil(self.page_size);
-        if let Some(slots) = self.slots.alloc_pages(pages) {
-            return Ok(slots);
+        let deadline = Instant::now() + ACK_DEADLINE;
+        loop {
+            if let Some(slots) = self.slots.alloc_pages(pages) {
+                return Ok(slots);
+            }
+            self.tree.evict(pages * self.page_size, &mut self.slots)?;
+            if let Some(slots) = self.slots.alloc_pages(pages) {
+                return Ok(slots);
+            }
+            let writes = self.tree.controller().outstanding().0;
+            if writes == 0 {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    backend: "host".into(),
+                    operation: "alloc (waiting for writes to the host to be acked)",
+                    waited_ms: ACK_DEADLINE.as_millis() as u64,
+                });
+            }
+            self.tree.tick(&mut SingleRank)?;
+            std::thread::yield_now();
         }
-        self.tree.evict(pages * self.page_size, &mut self.slots)?;
-        self.slots.alloc_pages(pages).ok_or_else(|| Error::InvalidArgument {
+        Err(Error::InvalidArgument {
             field: "tokens",
             reason: format!(
                 "{tokens} tokens need {pages} pages; {} of the device pool's {} are free after eviction (the rest \
@@ -298,11 +323,17 @@ enum Events {
     Cuda(Vec<hicache_cuda::CudaTransferEvent>),
 }
 
+/// The per-layer events of one batch of loads, set when the batch is started (every load queued since the last
+/// start shares them: the batch's layer `i` is every one of its loads' layer `i`).
+type Batch = Arc<OnceLock<Events>>;
+
 /// The cache (`hicache._native.Cache`).
 #[pyclass(frozen, module = "hicache._native", name = "Cache")]
 pub(crate) struct Cache {
     /// `None` once closed.
     tree: Mutex<Option<Tree>>,
+    /// The batch loads join until it is started.
+    batch: Mutex<Batch>,
     closed: Arc<AtomicBool>,
     page_size: usize,
     layers: usize,
@@ -316,7 +347,7 @@ pub(crate) struct Load {
     handle: u64,
     slots: Vec<DeviceSlot>,
     loaded: usize,
-    events: Events,
+    events: Batch,
     closed: Arc<AtomicBool>,
 }
 
@@ -458,6 +489,7 @@ impl Cache {
             };
             Ok(Self {
                 tree: Mutex::new(Some(tree)),
+                batch: Mutex::new(Arc::new(OnceLock::new())),
                 closed: Arc::new(AtomicBool::new(false)),
                 page_size,
                 layers: geometry.layers,
@@ -501,22 +533,27 @@ impl Cache {
         self.with(py, |tree| each!(tree, inner => inner.wait_prefetch(request, deadline)))
     }
 
-    /// Loads what of the tokens' prefix is on the host back to the device and starts the load.
+    /// Queues the load of what of the tokens' prefix is on the host back to the device; `start_load` submits it
+    /// (so the engine can first put what its forward pass needs on the device, ahead of the copies).
     fn load(&self, py: Python<'_>, tokens: Vec<u32>) -> PyResult<Load> {
-        let (handle, slots, loaded, events) = self.with(py, |tree| {
+        let (handle, slots, loaded) = self.with(py, |tree| each!(tree, inner => inner.load(&tokens)))?;
+        let events = lock(&self.batch).clone();
+        Ok(Load { handle, slots, loaded, events, closed: self.closed.clone() })
+    }
+
+    /// Submits every load queued since the last start, layer by layer, on hicache's streams.
+    fn start_load(&self, py: Python<'_>) -> PyResult<()> {
+        let mut batch = lock(&self.batch);
+        let events = self.with(py, |tree| {
             Ok(match tree {
-                Tree::Cpu(inner) => {
-                    let (handle, slots, loaded, events) = inner.load(&tokens)?;
-                    (handle, slots, loaded, Events::Cpu(events))
-                }
+                Tree::Cpu(inner) => Events::Cpu(inner.start()?),
                 #[cfg(feature = "cuda")]
-                Tree::Cuda(inner) => {
-                    let (handle, slots, loaded, events) = inner.load(&tokens)?;
-                    (handle, slots, loaded, Events::Cuda(events))
-                }
+                Tree::Cuda(inner) => Events::Cuda(inner.start()?),
             })
         })?;
-        Ok(Load { handle, slots, loaded, events, closed: self.closed.clone() })
+        let _ = batch.set(events);
+        *batch = Arc::new(OnceLock::new());
+        Ok(())
     }
 
     /// Slots (int32 bytes) for `tokens` new tokens, in whole pages; evicts when the pool is short.
@@ -626,13 +663,15 @@ impl Load {
             if self.closed.load(Ordering::Acquire) {
                 return Err(closed_error());
             }
-            match &self.events {
-                Events::Cpu(events) => match events.get(layer) {
+            match self.events.get() {
+                None if self.loaded == 0 => Ok(()),
+                None => Err(PyValueError::new_err("hicache: load: not started (Cache.start_load)")),
+                Some(Events::Cpu(events)) => match events.get(layer) {
                     Some(event) => py.detach(|| CpuEngine::wait_event(event, stream)).map_err(guard::to_py),
                     None => check_layer(layer, events.len()),
                 },
                 #[cfg(feature = "cuda")]
-                Events::Cuda(events) => match events.get(layer) {
+                Some(Events::Cuda(events)) => match events.get(layer) {
                     Some(event) => hicache_cuda::CudaEngine::wait_event(event, stream).map_err(guard::to_py),
                     None => check_layer(layer, events.len()),
                 },
@@ -640,13 +679,14 @@ impl Load {
         })
     }
 
-    /// The number of layers the load waits can name (0 when nothing was loaded).
+    /// The number of layers the load waits can name (0 before it is started or when nothing was loaded).
     #[getter]
     fn layers(&self) -> usize {
-        match &self.events {
-            Events::Cpu(events) => events.len(),
+        match self.events.get() {
+            None => 0,
+            Some(Events::Cpu(events)) => events.len(),
             #[cfg(feature = "cuda")]
-            Events::Cuda(events) => events.len(),
+            Some(Events::Cuda(events)) => events.len(),
         }
     }
 }

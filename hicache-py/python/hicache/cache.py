@@ -98,9 +98,14 @@ class Load:
 
     def __init__(self, native, cache: Cache):
         self._native = native
+        self._cache = cache
         self._cuda = cache._cuda
         self.slots = _slots(native.slots())
         self.loaded = native.loaded
+
+    def start(self) -> None:
+        """Submits this load (and every other one queued since the last start), layer by layer."""
+        self._cache._native.start_load()
 
     def wait_layer(self, layer: int) -> None:
         """Makes the engine wait until layer ``layer`` is loaded: on the GPU the current torch stream waits for it
@@ -187,10 +192,16 @@ class Cache:
         """Ticks until ``request_id``'s prefetch has joined the cache (True) or ``timeout`` seconds pass (False)."""
         return self._native.wait_prefetch(str(request_id), float(timeout))
 
-    def load(self, tokens) -> Load:
-        """Loads what of ``tokens``' prefix is on the host back to the device, layer by layer, and locks the prefix."""
+    def load(self, tokens, start: bool = True) -> Load:
+        """Loads what of ``tokens``' prefix is on the host back to the device, layer by layer, and locks the prefix.
+        With ``start=False`` the copies wait for ``Load.start()``: an engine puts what its forward pass needs on the
+        device first (indices, token ids), so those small copies do not queue behind the prefix's on the copy
+        engine."""
         with _token_ids():
-            return Load(self._native.load(_tokens(tokens)), self)
+            load = Load(self._native.load(_tokens(tokens)), self)
+        if start:
+            load.start()
+        return load
 
     def alloc(self, tokens: int) -> torch.Tensor:
         """Device slots (int64, CPU) for ``tokens`` new tokens, in whole pages; evicts when the pool is short."""

@@ -8,7 +8,8 @@ attention over them. Positions are passed to the model, so the rotary embedding 
 prefix.
 
 A request (``Engine.serve``): fetch from storage what lies beyond the device and host hit (waiting for it), load the
-host part back to the device, prefill the rest layer by layer beside the load, decode greedily, insert the whole
+host part back to the device (starting its copies once the forward pass's own small inputs are on the device, so
+they do not queue behind the prefix on the copy engine), prefill the rest layer by layer beside the load, decode greedily, insert the whole
 sequence (whole pages), tick. When the device pool is full, least recently used pages move to the host (and on to
 storage) to make room.
 """
@@ -97,7 +98,23 @@ class Engine:
         self.device = device
         self.cache = Cache(config, self.k, self.v)
 
+    def prepare(self, tokens: list[int], start: int, prefix: torch.Tensor, new: torch.Tensor, load=None) -> tuple:
+        """What the forward pass of ``tokens[start:]`` needs on the device: token ids, positions, slot indices."""
+        ids = torch.tensor(tokens[start:], device=self.device).unsqueeze(0)
+        positions = torch.arange(start, len(tokens), device=self.device).unsqueeze(0)
+        return ids, positions, _Step(self.k, self.v, prefix, new, load)
+
     @torch.inference_mode()
+    def run(self, prepared: tuple, last_only: bool = False) -> torch.Tensor:
+        """The forward pass ``prepare`` set up: logits of its tokens (only the last with ``last_only``)."""
+        ids, positions, step = prepared
+        _ACTIVE.step = step
+        try:
+            keep = 1 if last_only else 0
+            return self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits[0]
+        finally:
+            _ACTIVE.step = None
+
     def forward(
         self,
         tokens: list[int],
@@ -109,14 +126,7 @@ class Engine:
     ) -> torch.Tensor:
         """Logits of ``tokens[start:]`` (positions ``start..``; only the last with ``last_only``), their KV written
         into ``new``, the prefix's read from ``prefix`` once ``load`` (anything with ``wait_layer``) has it."""
-        ids = torch.tensor(tokens[start:], device=self.device).unsqueeze(0)
-        positions = torch.arange(start, len(tokens), device=self.device).unsqueeze(0)
-        _ACTIVE.step = _Step(self.k, self.v, prefix, new, load)
-        try:
-            keep = 1 if last_only else 0
-            return self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits[0]
-        finally:
-            _ACTIVE.step = None
+        return self.run(self.prepare(tokens, start, prefix, new, load), last_only)
 
     def serve(
         self,
@@ -137,11 +147,14 @@ class Engine:
         prefetched = self.cache.prefetch(request_id, lookup)
         if prefetched:
             self.cache.wait_prefetch(request_id, prefetch_timeout)
-        load = self.cache.load(lookup)
+        load = self.cache.load(lookup, start=False)
         cached = len(load.slots)
         computed = len(tokens) - cached
         fresh = self.cache.alloc(computed + max_new_tokens - 1)
-        logits = self.forward(tokens, cached, load.slots, fresh[:computed], load, last_only=not all_logits)
+        # the pass's indices go to the device before the prefix's copies, which would hold them up on the copy engine
+        prepared = self.prepare(tokens, cached, load.slots, fresh[:computed], load)
+        load.start()
+        logits = self.run(prepared, last_only=not all_logits)
         generated = [int(logits[-1].argmax())]
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
