@@ -96,7 +96,7 @@ fn setup(
     let host_map = HostLayoutMap::new(geometry, layout, page_size, host_pages).unwrap();
     let device_map = DeviceLayoutMap::new(geometry, slots_total).unwrap();
     // every other case over device regions the caller owns (per layer and part), the rest over the engine's own pool
-    let engine = if seed % 2 == 0 {
+    let engine = if seed.is_multiple_of(2) {
         CpuEngine::new(device_map, host_map, completion).unwrap()
     } else {
         let regions =

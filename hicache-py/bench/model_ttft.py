@@ -74,6 +74,19 @@ def pinned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.pin_memory() if CUDA else tensor
 
 
+def stream_ms(body) -> float:
+    """The time of ``body``'s work on the current stream alone (events on it), not of other streams' work."""
+    if not CUDA:
+        return cuda_ms(body)
+    synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    body()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def cuda_ms(body) -> float:
     synchronize()
     start = time.perf_counter()
@@ -106,12 +119,12 @@ class Workload:
     """Random prompts: per prefix length one prefix and 512 new tokens; new tokens after the same prefix for each
     timed request (what a request inserts must not be cached for the next)."""
 
-    def __init__(self, prefixes, vocab):
+    def __init__(self, prefixes, vocab, other: int | None = None):
         self.vocab = vocab
         self.generator = torch.Generator().manual_seed(1)
         self.prompts = {p: self.random(p + NEW) for p in prefixes}
         # another request's prefix, as long as the longest, loaded beside a request's compute
-        self.longest = max(prefixes)
+        self.longest = other or max(prefixes)
         self.other = self.random(self.longest + NEW)
 
     def random(self, count: int) -> list[int]:
@@ -150,7 +163,9 @@ def resident_forward(engine: Engine, prompt: list[int], prefix: int, prepare: bo
             beside.start()
         engine.run(prepared, last_only=True)
 
-    elapsed = cuda_ms(run)
+    # events on the model's stream: a device-wide synchronize would wait for ``beside``'s copies too
+    elapsed = stream_ms(run)
+    synchronize()
     engine.cache.release(load, fresh)
     return elapsed
 
@@ -235,6 +250,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--disk-dir", default=tempfile.gettempdir())
+    parser.add_argument("--other", type=int, help="the prefix loaded beside the compute (default: the longest)")
     parser.add_argument("--tiny", action="store_true", help="a small model of the same kind (tries the script)")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -243,10 +259,10 @@ def main():
     model = llama_8b(args.layers, args.tiny)
     config_of = model.config
     per_token = 2 * args.layers * config_of.num_key_value_heads * config_of.head_dim * 2
-    work = Workload(prefixes, model.config.vocab_size)
+    work = Workload(prefixes, model.config.vocab_size, args.other)
     # the largest working set on the device: an 8k request beside a 32k load (the rest waits on the host)
     probe = 8192 if 8192 in prefixes else prefixes[0]
-    device_tokens = max(prefixes) + probe + 4 * NEW
+    device_tokens = max(*prefixes, work.longest) + probe + 4 * NEW
     report = {"gpu": torch.cuda.get_device_name() if CUDA else "cpu", "layers": args.layers, "page_size": PAGE, "new_tokens": NEW,
               "prefixes": {}, "slowdown": {}, "overheads": {}}
     rows = {p: {} for p in prefixes}

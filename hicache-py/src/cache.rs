@@ -300,9 +300,9 @@ fn consumer_events<V: TransferEvent>(layers: &LayerDoneCounter<V>) -> Vec<V> {
 
 /// The tree on one of the engines.
 enum Tree {
-    Cpu(Inner<CpuEngine>),
+    Cpu(Box<Inner<CpuEngine>>),
     #[cfg(feature = "cuda")]
-    Cuda(Inner<hicache_cuda::CudaEngine>),
+    Cuda(Box<Inner<hicache_cuda::CudaEngine>>),
 }
 
 /// Runs `$body` with `$inner` the tree's `Inner`, whichever engine it is on.
@@ -475,10 +475,10 @@ impl Cache {
                     let engine =
                         CpuEngine::with_device_regions(device_map, Box::new(regions), host, Completion::Immediate)
                             .map_err(guard::to_py)?;
-                    Tree::Cpu(build(config, engine, storage).map_err(guard::to_py)?)
+                    Tree::Cpu(Box::new(build(config, engine, storage).map_err(guard::to_py)?))
                 }
                 #[cfg(feature = "cuda")]
-                Some(ordinal) => Tree::Cuda(cuda_tree(config, ordinal, &kv, device_map, host, storage)?),
+                Some(ordinal) => Tree::Cuda(Box::new(cuda_tree(config, ordinal, &kv, device_map, host, storage)?)),
                 #[cfg(not(feature = "cuda"))]
                 Some(_) => {
                     return Err(PyValueError::new_err(

@@ -247,8 +247,11 @@ class BadInput(unittest.TestCase):
         cache.insert(list(range(16)), slots)
         cache.drain()
         cache.evict(64)
-        load = cache.load(list(range(16)))
+        load = cache.load(list(range(16)), start=False)
         self.assertEqual(load.loaded, 16)
+        with self.assertRaisesRegex(ValueError, "load: not started"):
+            load.wait_layer(0)
+        load.start()
         with self.assertRaisesRegex(ValueError, "layer: 2 out of range"):
             load.wait_layer(2)
         load.wait_layer(1)
