@@ -11,6 +11,10 @@
 //!
 //! Halfway, the device and host tiers are emptied (as if other work had pushed the conversations out): the next turns
 //! come back from storage. Every byte that comes back is checked against the KV the engine wrote.
+//!
+//! After each request the example waits for its backups to storage (an engine would go on at once): a host page is
+//! pinned until its backup is done, so otherwise how much reaches the host, and then storage, would depend on how
+//! fast the storage thread runs, and so would what the example prints.
 
 use std::error::Error;
 use std::sync::Arc;
@@ -110,9 +114,7 @@ pub(crate) fn run<E: DeviceKv>(
         }
     }
     // let the last backups reach storage
-    while tree.controller().backups_in_flight() > 0 || tree.controller().outstanding() != (0, 0, 0) {
-        tree.tick(&mut SingleRank)?;
-    }
+    settle(tree)?;
     let stats = storage.stats();
     println!(
         "{} requests: {} tokens from the device, {} loaded back from the host or storage, {} computed; \
@@ -187,16 +189,28 @@ fn serve<E: DeviceKv>(
     // the partial last page is not cached (SGLang drops it too): its slots go back to the engine's allocator
     slots.free(&all[aligned..])?;
     tree.dec_lock_ref(locked)?;
-    // 5: one tick per step
+    // 5: one tick per step (and, for a run that does not depend on thread timing, the request's backups done)
     tree.tick(&mut SingleRank)?;
+    settle(tree)?;
     Ok(served)
+}
+
+/// Ticks until every write to the host is acked and every backup to storage is done; an error after a minute.
+fn settle<E: DeviceKv>(tree: &mut HiRadixTree<E>) -> Result<(), Box<dyn Error>> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while tree.controller().backups_in_flight() > 0 || tree.controller().outstanding() != (0, 0, 0) {
+        if std::time::Instant::now() >= deadline {
+            return Err("backups to storage did not finish within a minute".into());
+        }
+        tree.tick(&mut SingleRank)?;
+        std::thread::yield_now();
+    }
+    Ok(())
 }
 
 /// Evicts every unlocked page from the device and the host (once their backups to storage are done).
 fn push_everything_out<E: DeviceKv>(tree: &mut HiRadixTree<E>, slots: &mut PagedSlots) -> Result<(), Box<dyn Error>> {
-    while tree.controller().backups_in_flight() > 0 || tree.controller().outstanding() != (0, 0, 0) {
-        tree.tick(&mut SingleRank)?;
-    }
+    settle(tree)?;
     tree.evict(DEVICE_PAGES * PAGE, slots)?;
     tree.evict_host(HOST_PAGES * PAGE)?;
     Ok(())
