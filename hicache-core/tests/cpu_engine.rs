@@ -112,10 +112,27 @@ fn setup(
     let mut pages = allocator.alloc(host_pages).unwrap();
     pages.shuffle(&mut rng);
     pages.truncate(rng.random_range(1..=host_pages));
-    let mut slots: Vec<DeviceSlot> = (0..slots_total as DeviceSlot).collect();
-    slots.shuffle(&mut rng);
-    slots.truncate(pages.len() * page_size);
+    let slots = random_slots(&mut rng, slots_total, page_size, pages.len());
     Setup { engine, host_map, slots_total, pages, slots, device, rng }
+}
+
+/// `pages` pages of distinct device slots out of `slots_total`: half the time scattered slot by slot, half the time
+/// whole runs of consecutive slots in random order (as a paged allocator hands them out: the engine copies such a
+/// page at once), aligned to pages or one slot off.
+fn random_slots(rng: &mut rand::rngs::StdRng, slots_total: usize, page_size: usize, pages: usize) -> Vec<DeviceSlot> {
+    if rng.random_bool(0.5) {
+        let mut slots: Vec<DeviceSlot> = (0..slots_total as DeviceSlot).collect();
+        slots.shuffle(rng);
+        slots.truncate(pages * page_size);
+        return slots;
+    }
+    let offset = rng.random_range(0..=1);
+    let mut runs: Vec<usize> = (0..(slots_total - offset) / page_size).collect();
+    runs.shuffle(rng);
+    runs[..pages]
+        .iter()
+        .flat_map(|run| (0..page_size).map(move |at| (offset + run * page_size + at) as DeviceSlot))
+        .collect()
 }
 
 proptest! {
@@ -155,9 +172,7 @@ proptest! {
         engine.backup(&slots, &pages, &start).unwrap();
         engine.with_device(|bytes| bytes.fill(DEVICE_POISON));
         // load into other slots than the ones backed up
-        let mut targets: Vec<DeviceSlot> = (0..slots_total as DeviceSlot).collect();
-        targets.shuffle(&mut rng);
-        targets.truncate(slots.len());
+        let targets = random_slots(&mut rng, slots_total, page_size, pages.len());
         for layer in 0..geometry.layers {
             let start = engine.start_event().unwrap();
             let done = engine.load_layer(layer, &pages, &targets, &start).unwrap();

@@ -9,12 +9,15 @@ medians of ``--repeats`` runs:
 - bulk: one host-to-device copy of the prefix's KV (pinned memory), and its GB/s;
 - plain torch: one side stream copies the prefix's KV layer by layer while the model computes, each layer's attention
   waiting on its event (the best a plain PyTorch program does);
-- hicache L2, per io backend: the prefix in hicache's host tier, loaded layer by layer beside the compute;
+- hicache L2, per io backend: the prefix in hicache's host tier, loaded layer by layer beside the compute; and the
+  same load alone (no compute), beside bulk;
 - hicache L3: the prefix only in the file tier (device and host emptied, page cache dropped where allowed), on the
   machine's disk and on tmpfs, beside the raw read speed of the same page files;
 - ideal = max(bulk, compute), and ideal / hicache (1.0 is perfect overlap);
 - the compute slowdown: the 8k request's forward pass alone, and while hicache loads a 32k prefix for another
-  request beside it (per io backend), as a ratio.
+  request beside it (per io backend), as a ratio. The pass is replayed from a CUDA graph, so the GPU, not Python
+  launching kernels, bounds it (eager where capture fails; the report says which), and timed with events on its
+  own stream.
 
 Then the overheads: ``Load.wait_layer`` from Python per layer, and a whole match, load-back and insert per request
 of the cache on the CPU engine.
@@ -75,10 +78,11 @@ def pinned(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def stream_ms(body) -> float:
-    """The time of ``body``'s work on the current stream alone (events on it), not of other streams' work."""
+    """The time of ``body``'s work on the current stream alone (events on it), not of other streams' work (which
+    may still run: only this stream is waited for first)."""
     if not CUDA:
         return cuda_ms(body)
-    synchronize()
+    torch.cuda.current_stream().synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     body()
@@ -147,26 +151,83 @@ def make_resident(engine: Engine, tokens: list[int]):
     engine.cache.tick()
 
 
-def resident_forward(engine: Engine, prompt: list[int], prefix: int, prepare: bool = True, beside=None) -> float:
-    """The new tokens' forward pass with the prefix on the device (brought there first, unless it is); ``beside``:
-    another request's load, started just before the pass."""
-    if prepare:
-        make_resident(engine, prompt[:prefix])
-    # (starting it would start ``beside`` too: every queued load starts together)
-    load = engine.cache.load(prompt[:prefix], start=beside is None)
+def resident_forward(engine: Engine, prompt: list[int], prefix: int) -> float:
+    """The new tokens' forward pass with the prefix on the device (brought there first)."""
+    make_resident(engine, prompt[:prefix])
+    load = engine.cache.load(prompt[:prefix])
     assert len(load.slots) == prefix and load.loaded == 0, (len(load.slots), load.loaded)
     fresh = engine.cache.alloc(NEW)
     prepared = engine.prepare(prompt, prefix, load.slots, fresh)
-
-    def run():
-        if beside is not None:
-            beside.start()
-        engine.run(prepared, last_only=True)
-
-    # events on the model's stream: a device-wide synchronize would wait for ``beside``'s copies too
-    elapsed = stream_ms(run)
+    elapsed = stream_ms(lambda: engine.run(prepared, last_only=True))
     synchronize()
     engine.cache.release(load, fresh)
+    return elapsed
+
+
+def graphed(body):
+    """``body`` captured as a CUDA graph (its replay), or ``body`` itself where capture fails; and whether it was."""
+    if not CUDA:
+        return body, False
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        return graph.replay, True
+    except RuntimeError as error:
+        print(f"CUDA graph capture failed ({error}); timing the eager pass", flush=True)
+        synchronize()
+        return body, False
+
+
+def slowdown(engine: Engine, prompt: list[int], prefix: int, other: list[int], repeats: int) -> dict:
+    """The forward pass of ``prompt``'s new tokens (its ``prefix`` on the device) alone, and while another request's
+    prefix ``other`` loads from the host beside it (started just before the pass), on the model's stream."""
+    make_resident(engine, prompt[:prefix])
+    hold = engine.cache.load(prompt[:prefix])
+    assert len(hold.slots) == prefix and hold.loaded == 0, (len(hold.slots), hold.loaded)
+    fresh = engine.cache.alloc(NEW)
+    prepared = engine.prepare(prompt, prefix, hold.slots, fresh)
+    forward, graph = graphed(lambda: engine.run(prepared, last_only=True))
+    alone, beside = [], []
+    for _ in range(repeats + 1):
+        alone.append(stream_ms(forward))
+        engine.cache.evict(engine.cache.slots)  # the other request's prefix is on the host now (``hold`` is locked)
+        load = engine.cache.load(other)
+        assert load.loaded == len(other), (load.loaded, len(other))
+        # no synchronization here: the pass runs while the other prefix loads
+        beside.append(stream_ms(forward))
+        synchronize()
+        engine.cache.release(load)
+        engine.cache.tick()  # acks the load, which unlocks its pages
+    del forward
+    synchronize()
+    engine.cache.release(hold, fresh)
+    return {"alone_ms": median(alone[1:]), "beside_load_ms": median(beside[1:]),
+            "ratio": median(beside[1:]) / median(alone[1:]), "cuda_graph": graph}
+
+
+def load_alone(engine: Engine, tokens: list[int]) -> float:
+    """hicache's layer-by-layer load of ``tokens`` from the host with nothing beside it: from its start until the
+    model's stream has waited for every layer."""
+    engine.empty_device()
+    load = engine.cache.load(tokens, start=False)
+    assert load.loaded == len(tokens), (load.loaded, len(tokens))
+
+    def body():
+        load.start()
+        for layer in range(engine.cache.layers):
+            load.wait_layer(layer)
+
+    elapsed = stream_ms(body)
+    synchronize()
+    engine.cache.release(load)
+    engine.cache.tick()
     return elapsed
 
 
@@ -247,7 +308,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--prefixes", default="2048,8192,32768")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--disk-dir", default=tempfile.gettempdir())
     parser.add_argument("--other", type=int, help="the prefix loaded beside the compute (default: the longest)")
@@ -312,22 +373,14 @@ def main():
                 assert served.cached == p and served.loaded == p, (served.cached, served.loaded)
                 times.append(served.ttft_s * 1e3)
             rows[p][f"l2_{backend}_ms"] = median(times[1:])
+            loads = [load_alone(engine, prompt[:p]) for _ in range(args.repeats + 1)]
+            rows[p][f"l2_{backend}_load_ms"] = median(loads[1:])
         # the compute slowdown: an 8k request's forward pass alone, and beside a 32k load for another request
         engine.empty_device()
         populate(engine, work.prompts[probe][:probe])
-        alone, beside = [], []
-        for _ in range(args.repeats + 1):
-            alone.append(resident_forward(engine, work.prompts[probe], probe))
-            engine.cache.evict(engine.cache.slots)  # the other request's prefix is on the host now
-            make_resident(engine, work.prompts[probe][:probe])
-            other = engine.cache.load(work.other[: work.longest], start=False)
-            assert other.loaded == work.longest, other.loaded
-            # no synchronization here: the forward pass runs while the other prefix loads
-            beside.append(resident_forward(engine, work.prompts[probe], probe, prepare=False, beside=other))
-            synchronize()
-            engine.cache.release(other)
-        report["slowdown"][backend] = {"alone_ms": median(alone[1:]), "beside_load_ms": median(beside[1:]),
-                                       "ratio": median(beside[1:]) / median(alone[1:])}
+        report["slowdown"][backend] = slowdown(
+            engine, work.prompts[probe], probe, work.other[: work.longest], args.repeats
+        )
         if backend == backends[0]:
             engine.cache.evict(engine.cache.slots)
             load = engine.cache.load(work.other[: work.longest])
@@ -346,7 +399,8 @@ def main():
 
     print("so far:", json.dumps({"rows": rows, "slowdown": report["slowdown"]}), flush=True)
     # L3: the file tier, on the disk and on tmpfs
-    default = "kernel" if "kernel" in backends else backends[0]
+    # the io backend hicache.Cache takes when none is named
+    default = "auto" if "auto" in backends else backends[0]
     for name, root in (("disk", args.disk_dir), ("tmpfs", "/dev/shm")):
         with tempfile.TemporaryDirectory(dir=root) as directory:
             engine = Engine(model, config(default, directory), device_tokens)
@@ -374,6 +428,7 @@ def main():
         row["ideal_ms"] = max(row["bulk_ms"], row["compute_ms"])
         row["plain_torch_of_ideal"] = row["ideal_ms"] / row["plain_torch_ms"]
         for backend in backends:
+            row[f"l2_{backend}_load_of_bulk"] = row["bulk_ms"] / row[f"l2_{backend}_load_ms"]
             row[f"l2_{backend}_of_ideal"] = row["ideal_ms"] / row[f"l2_{backend}_ms"]
             row[f"l2_{backend}_speedup"] = row["recompute_ms"] / row[f"l2_{backend}_ms"]
         report["prefixes"][p] = row
@@ -394,9 +449,14 @@ def main():
         print(" | ".join(cells))
     print(f"raw read of the page files: disk {report['disk_read_gbps']:.2f} GB/s "
           f"(page cache dropped: {report['disk_page_cache_dropped']}), tmpfs {report['tmpfs_read_gbps']:.2f} GB/s")
+    for p in prefixes:
+        loads = ", ".join(f"{b} {rows[p][f'l2_{b}_load_ms']:.1f} ({rows[p][f'l2_{b}_load_of_bulk']:.3f} of bulk)"
+                          for b in backends)
+        print(f"load alone from L2, {p}: {loads}")
     for backend, slow in report["slowdown"].items():
-        print(f"compute beside a 32k load, {backend}: {slow['beside_load_ms']:.1f} ms vs {slow['alone_ms']:.1f} ms "
-              f"alone: {slow['ratio']:.3f}x")
+        how = "CUDA graph" if slow["cuda_graph"] else "eager"
+        print(f"compute beside a {work.longest} load, {backend}: {slow['beside_load_ms']:.2f} ms vs "
+              f"{slow['alone_ms']:.2f} ms alone ({how}): {slow['ratio']:.3f}x")
     print(f"wait_layer from Python: {report['overheads']['wait_layer_us']:.2f} us per layer")
     if args.json:
         with open(args.json, "w") as file:

@@ -9,8 +9,10 @@
 //! CPU engine copies happen when submitted, so the wait returns at once.
 //!
 //! Like the storage backend's, the methods that take addresses are the private half of the package:
-//! `hicache.cache` passes them the addresses of slot tensors it has checked (contiguous, int32, on the CPU). Token
-//! ids come as Python lists of ints (pyo3 names the argument of one that is not in `[0, 2^32)`).
+//! `hicache.cache` passes them the addresses of slot tensors it has checked (contiguous, int64, on the CPU); the
+//! values are checked here. Slots go back to Python as the bytes of an int64 array. Token ids come as [`Tokens`]
+//! (converted once, for a request's several calls) or as Python lists of ints (converted at each call; pyo3 names
+//! the argument of one that is not in `[0, 2^32)`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,7 +35,7 @@ use hicache_core::tree::{HiRadixTree, PrefetchCheck};
 use hicache_core::{Error, HiCacheBuilder};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyByteArray, PyList};
 use serde::Deserialize;
 
 use crate::backend::PySettings;
@@ -223,13 +225,6 @@ impl<E: Engine> Inner<E> {
                 ),
             });
         }
-        let pool = self.tree.controller().engine().device_layout().slots();
-        if let Some(slot) = slots.iter().find(|&&slot| slot as usize >= pool) {
-            return Err(Error::InvalidArgument {
-                field: "slots",
-                reason: format!("slot {slot} is out of range ({pool} slots)"),
-            });
-        }
         let node = handle.map(|handle| self.take_handle(handle)).transpose()?;
         let aligned = tokens.len() - tokens.len() % self.page_size;
         let inserted = self.tree.insert(&tokens[..aligned], &slots[..aligned], &mut self.slots);
@@ -239,6 +234,11 @@ impl<E: Engine> Inner<E> {
         }
         freed.transpose()?;
         inserted
+    }
+
+    /// Slots of the device pool.
+    fn pool_slots(&self) -> usize {
+        self.tree.controller().engine().device_layout().slots()
     }
 
     fn take_handle(&mut self, handle: u64) -> Result<NodeId, Error> {
@@ -355,24 +355,93 @@ fn closed_error() -> PyErr {
     PyValueError::new_err("hicache: the cache is closed")
 }
 
-/// The `u32` values of a contiguous int32 tensor of `length` elements at `address`.
+/// Token ids converted once (`hicache._native.Tokens`): a request's match, load and insert take them without
+/// converting a Python list again at each call.
+#[pyclass(frozen, module = "hicache._native", name = "Tokens")]
+pub(crate) struct Tokens {
+    ids: Arc<[u32]>,
+}
+
+#[pymethods]
+impl Tokens {
+    /// The ids of a sequence of ints, each in `[0, 2^32)`.
+    #[new]
+    fn new(ids: Vec<u32>) -> Self {
+        Self { ids: ids.into() }
+    }
+
+    /// The ids of a contiguous array of `length` integers of `width` bytes (4 or 8) at `address`.
+    ///
+    /// The address is the data of a live CPU tensor that `hicache.cache` checked (dtype, contiguity); each value is
+    /// checked here.
+    #[staticmethod]
+    fn from_address(py: Python<'_>, address: usize, length: usize, width: usize) -> PyResult<Self> {
+        if length == 0 {
+            return Ok(Self { ids: Arc::from([]) });
+        }
+        let ids = py.detach(|| match width {
+            // SAFETY: the method's contract (a checked int32 tensor of `length` elements).
+            4 => Ok(unsafe { std::slice::from_raw_parts(address as *const u32, length) }.into()),
+            // SAFETY: as above, int64.
+            8 => unsafe { std::slice::from_raw_parts(address as *const i64, length) }
+                .iter()
+                .map(|&id| u32::try_from(id).map_err(|_| id))
+                .collect::<Result<Arc<[u32]>, i64>>()
+                .map_err(|id| PyValueError::new_err(format!("hicache: tokens: id {id} is not in [0, 2^32)"))),
+            other => Err(PyValueError::new_err(format!("hicache: tokens: {other}-byte ids (4 or 8)"))),
+        })?;
+        Ok(Self { ids })
+    }
+
+    fn __len__(&self) -> usize {
+        self.ids.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Tokens(<{} ids>)", self.ids.len())
+    }
+}
+
+/// Token ids from [`Tokens`] (shared, not copied), a list (read item by item: a third of pyo3's generic sequence
+/// conversion) or any sequence of ints.
+fn token_ids(tokens: &Bound<'_, PyAny>) -> PyResult<Arc<[u32]>> {
+    if let Ok(tokens) = tokens.cast::<Tokens>() {
+        return Ok(tokens.get().ids.clone());
+    }
+    if let Ok(list) = tokens.cast::<PyList>() {
+        return list.iter().map(|id| id.extract::<u32>()).collect();
+    }
+    Ok(tokens.extract::<Vec<u32>>()?.into())
+}
+
+/// The slots of a contiguous int64 tensor of `length` elements at `address`, each checked to be a slot of a pool
+/// of `pool` slots (named `slots` in the error).
 ///
 /// # Safety
 ///
-/// `address` is the data of a live, contiguous 4-byte integer array of at least `length` elements, not written
+/// `address` is the data of a live, contiguous 8-byte integer array of at least `length` elements, not written
 /// during the call.
-unsafe fn read_u32(address: usize, length: usize) -> Vec<u32> {
+unsafe fn read_slots(address: usize, length: usize, pool: usize) -> Result<Vec<DeviceSlot>, Error> {
     if length == 0 {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     // SAFETY: the function's contract.
-    unsafe { std::slice::from_raw_parts(address as *const u32, length) }.to_vec()
+    let values = unsafe { std::slice::from_raw_parts(address as *const i64, length) };
+    values
+        .iter()
+        .map(|&slot| match usize::try_from(slot) {
+            Ok(index) if index < pool => Ok(index as DeviceSlot),
+            _ => {
+                Err(Error::InvalidArgument { field: "slots", reason: format!("{slot} is out of range ({pool} slots)") })
+            }
+        })
+        .collect()
 }
 
-/// Slots as the bytes of an int32 array (read with `torch.frombuffer`).
-fn slot_bytes<'py>(py: Python<'py>, slots: &[DeviceSlot]) -> Bound<'py, PyBytes> {
-    let bytes: Vec<u8> = slots.iter().flat_map(|slot| slot.to_ne_bytes()).collect();
-    PyBytes::new(py, &bytes)
+/// Slots as the bytes of an int64 array (read in place with `torch.frombuffer`).
+fn slot_bytes<'py>(py: Python<'py>, slots: &[DeviceSlot]) -> Bound<'py, PyByteArray> {
+    let bytes: Vec<u8> = slots.iter().flat_map(|&slot| i64::from(slot).to_ne_bytes()).collect();
+    PyByteArray::new(py, &bytes)
 }
 
 fn deadline(timeout_s: f64, field: &str) -> PyResult<Instant> {
@@ -516,14 +585,20 @@ impl Cache {
     }
 
     /// The matched prefix of the tokens: its device slots (int32 bytes) and the tokens after them on the host.
-    fn match_prefix<'py>(&self, py: Python<'py>, tokens: Vec<u32>) -> PyResult<(Bound<'py, PyBytes>, usize)> {
+    fn match_prefix<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyByteArray>, usize)> {
+        let tokens = token_ids(tokens)?;
         let (slots, host) = self.with(py, |tree| Ok(each!(tree, inner => inner.match_prefix(&tokens))))?;
         Ok((slot_bytes(py, &slots), host))
     }
 
     /// Starts a prefetch from storage of what lies beyond the device and host hit of the tokens; whether one
     /// started (not without storage, for a rest below the threshold, or while one runs for the request).
-    fn prefetch(&self, py: Python<'_>, request: &str, tokens: Vec<u32>) -> PyResult<bool> {
+    fn prefetch(&self, py: Python<'_>, request: &str, tokens: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let tokens = token_ids(tokens)?;
         self.with(py, |tree| each!(tree, inner => inner.prefetch(request, &tokens)))
     }
 
@@ -535,7 +610,8 @@ impl Cache {
 
     /// Queues the load of what of the tokens' prefix is on the host back to the device; `start_load` submits it
     /// (so the engine can first put what its forward pass needs on the device, ahead of the copies).
-    fn load(&self, py: Python<'_>, tokens: Vec<u32>) -> PyResult<Load> {
+    fn load(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Load> {
+        let tokens = token_ids(tokens)?;
         let (handle, slots, loaded) = self.with(py, |tree| each!(tree, inner => inner.load(&tokens)))?;
         let events = lock(&self.batch).clone();
         Ok(Load { handle, slots, loaded, events, closed: self.closed.clone() })
@@ -556,35 +632,44 @@ impl Cache {
         Ok(())
     }
 
-    /// Slots (int32 bytes) for `tokens` new tokens, in whole pages; evicts when the pool is short.
-    fn alloc<'py>(&self, py: Python<'py>, tokens: usize) -> PyResult<Bound<'py, PyBytes>> {
+    /// Slots (int64 bytes) for `tokens` new tokens, in whole pages; evicts when the pool is short.
+    fn alloc<'py>(&self, py: Python<'py>, tokens: usize) -> PyResult<Bound<'py, PyByteArray>> {
         let slots = self.with(py, |tree| each!(tree, inner => inner.alloc(tokens)))?;
         Ok(slot_bytes(py, &slots))
     }
 
-    /// Inserts the tokens with their slots (an int32 array: address, length), whole pages cached, the other slots
+    /// Inserts the tokens with their slots (an int64 array: address, length), whole pages cached, the other slots
     /// given back; unlocks `load`'s prefix. Returns the tokens that were on the device already.
     #[pyo3(signature = (load, tokens, slots, slot_count))]
     fn insert(
         &self,
         py: Python<'_>,
         load: Option<PyRef<'_, Load>>,
-        tokens: Vec<u32>,
+        tokens: &Bound<'_, PyAny>,
         slots: usize,
         slot_count: usize,
     ) -> PyResult<usize> {
-        // SAFETY: the module's contract: a checked int32 tensor.
-        let slots = unsafe { read_u32(slots, slot_count) };
+        let tokens = token_ids(tokens)?;
         let handle = load.map(|load| load.handle);
-        self.with(py, |tree| each!(tree, inner => inner.insert(handle, &tokens, &slots)))
+        self.with(py, |tree| {
+            each!(tree, inner => {
+                // SAFETY: the module's contract: a checked int64 tensor, alive for the call.
+                let slots = unsafe { read_slots(slots, slot_count, inner.pool_slots()) }?;
+                inner.insert(handle, &tokens, &slots)
+            })
+        })
     }
 
-    /// Unlocks `load`'s prefix without inserting, and gives back `slots` (int32: address, length).
+    /// Unlocks `load`'s prefix without inserting, and gives back `slots` (int64: address, length).
     fn release(&self, py: Python<'_>, load: PyRef<'_, Load>, slots: usize, slot_count: usize) -> PyResult<()> {
-        // SAFETY: as in `insert`.
-        let slots = unsafe { read_u32(slots, slot_count) };
         let handle = load.handle;
-        self.with(py, |tree| each!(tree, inner => inner.release(handle, &slots)))
+        self.with(py, |tree| {
+            each!(tree, inner => {
+                // SAFETY: as in `insert`.
+                let slots = unsafe { read_slots(slots, slot_count, inner.pool_slots()) }?;
+                inner.release(handle, &slots)
+            })
+        })
     }
 
     /// One scheduler step: acks, backups to storage, finished prefetches. Returns counters of what it did.
@@ -645,8 +730,8 @@ impl Cache {
 
 #[pymethods]
 impl Load {
-    /// The prefix's device slots (int32 bytes): those that were on the device, then those loaded.
-    fn slots<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+    /// The prefix's device slots (int64 bytes): those that were on the device, then those loaded.
+    fn slots<'py>(&self, py: Python<'py>) -> Bound<'py, PyByteArray> {
         slot_bytes(py, &self.slots)
     }
 

@@ -37,6 +37,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<backend::Backend>()?;
     module.add_class::<cache::Cache>()?;
     module.add_class::<cache::Load>()?;
+    module.add_class::<cache::Tokens>()?;
     module.add("CUDA", cfg!(feature = "cuda"))?;
     Ok(())
 }

@@ -30,7 +30,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hicache
-from hicache.cache import Cache
+from hicache.cache import Cache, token_ids
 from hicache.engine import Engine, recompute_logits
 
 PAGE = 16
@@ -243,8 +243,21 @@ class BadInput(unittest.TestCase):
             cache.load([1 << 32])
         with self.assertRaises(TypeError):
             cache.match(["a"])
+        with self.assertRaisesRegex(ValueError, re.escape("tokens: id -3 is not in [0, 2^32)")):
+            token_ids(torch.tensor([1, -3]))
+        with self.assertRaisesRegex(TypeError, "tokens: dtype torch.float32"):
+            cache.load(torch.tensor([1.0]))
+        with self.assertRaisesRegex(ValueError, "slots: -1 is out of range"):
+            cache.insert(list(range(16)), [-1] + list(range(1, 16)))
+        with self.assertRaisesRegex(TypeError, "slots: dtype torch.float32"):
+            cache.insert(list(range(16)), torch.arange(16.0))
         slots = cache.alloc(16)
-        cache.insert(list(range(16)), slots)
+        # the same ids as a list, a tensor of either width and converted once
+        ids = [token_ids(range(16)), torch.arange(16, dtype=torch.int32), torch.arange(16), list(range(16))]
+        self.assertEqual(len(ids[0]), 16)
+        cache.insert(ids[0], slots)
+        for same in ids:
+            self.assertEqual(cache.match(same).device_slots.tolist(), slots.tolist())
         cache.drain()
         cache.evict(64)
         load = cache.load(list(range(16)), start=False)

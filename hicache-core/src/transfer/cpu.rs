@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{DeviceLayoutMap, TransferEngine, TransferEvent};
 use crate::error::Error;
+use crate::geometry::KvPart;
 use crate::host_memory::HostMemory;
 use crate::host_pool::HostPageId;
 use crate::layout::HostLayoutMap;
@@ -119,10 +120,9 @@ impl State {
                 for layer in 0..geometry.layers {
                     for &part in geometry.parts() {
                         for (index, (&page, page_slots)) in pages.iter().zip(slots.chunks(page_size)).enumerate() {
-                            for (offset, &slot) in page_slots.iter().enumerate() {
-                                let from = device_map.item_offset(slot as usize, layer, part);
-                                runs.push(from, host_map.item_offset(page * page_size + offset, layer, part));
-                                copy.push(from, index, host_map.flat_offset(offset, layer, part), &mut write);
+                            for span in spans(device_map, host_map, page, page_slots, layer, part) {
+                                runs.push(span.device, span.host, span.items);
+                                copy.push(span.device, index, span.flat, span.items * item, &mut write);
                             }
                         }
                     }
@@ -142,10 +142,9 @@ impl State {
                 };
                 for &part in geometry.parts() {
                     for (index, (&page, page_slots)) in pages.iter().zip(slots.chunks(page_size)).enumerate() {
-                        for (offset, &slot) in page_slots.iter().enumerate() {
-                            let to = device_map.item_offset(slot as usize, *layer, part);
-                            runs.push(host_map.item_offset(page * page_size + offset, *layer, part), to);
-                            copy.push(to, index, host_map.flat_offset(offset, *layer, part), &mut read);
+                        for span in spans(device_map, host_map, page, page_slots, *layer, part) {
+                            runs.push(span.host, span.device, span.items);
+                            copy.push(span.device, index, span.flat, span.items * item, &mut read);
                         }
                     }
                 }
@@ -165,6 +164,51 @@ fn locate<S: AsRef<[u8]>>(segments: &[S], flat: usize) -> (usize, usize) {
     (flat / len, flat % len)
 }
 
+/// Items of one page, layer and part that are contiguous in the device pool, the host pool and the flat page alike.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    device: usize,
+    host: usize,
+    flat: usize,
+    items: usize,
+}
+
+/// The items of host page `page` (device slots `page_slots`) for one layer and part, as spans contiguous on every
+/// side: the whole page at once where its slots are consecutive and the host layout keeps its tokens next to each
+/// other (`layer_first`, `page_first_direct`, `page_first` of one layer), else item by item. Every offset is affine
+/// in the token within a page (for one layer and part), so equal strides at the ends mean equal strides throughout.
+fn spans(
+    device_map: DeviceLayoutMap,
+    host_map: HostLayoutMap,
+    page: usize,
+    page_slots: &[DeviceSlot],
+    layer: usize,
+    part: KvPart,
+) -> impl Iterator<Item = Span> {
+    let first = page * host_map.page_size();
+    let item = device_map.geometry().item_bytes();
+    let at = move |offset: usize, slot: DeviceSlot| Span {
+        device: device_map.item_offset(slot as usize, layer, part),
+        host: host_map.item_offset(first + offset, layer, part),
+        flat: host_map.flat_offset(offset, layer, part),
+        items: 1,
+    };
+    let last = page_slots.len().saturating_sub(1);
+    let whole = page_slots.len() > 1 && page_slots.windows(2).all(|pair| pair[1] == pair[0] + 1) && {
+        let (head, tail) = (at(0, page_slots[0]), at(last, page_slots[last]));
+        let length = last * item;
+        [(tail.device, head.device), (tail.host, head.host), (tail.flat, head.flat)]
+            .iter()
+            .all(|&(end, start)| end.wrapping_sub(start) == length)
+    };
+    let (singles, span) = if whole {
+        (0..0, Some(Span { items: page_slots.len(), ..at(0, page_slots[0]) }))
+    } else {
+        (0..page_slots.len(), None)
+    };
+    span.into_iter().chain(singles.map(move |offset| at(offset, page_slots[offset])))
+}
+
 /// Item copies between the device pool and one lease's page segments, merged while both sides continue where the
 /// last item ended (consecutive slots of one segment); `copy(device offset, (page, flat offset), len)` does each.
 struct SegmentCopy {
@@ -182,7 +226,16 @@ impl SegmentCopy {
         Self { item, segment, device: 0, page: 0, flat: 0, len: 0 }
     }
 
-    fn push(&mut self, device: usize, page: usize, flat: usize, copy: &mut dyn FnMut(usize, (usize, usize), usize)) {
+    /// Adds the `len` bytes at `device` and at `flat` of page `page` (whole items, inside one segment).
+    fn push(
+        &mut self,
+        device: usize,
+        page: usize,
+        flat: usize,
+        len: usize,
+        copy: &mut dyn FnMut(usize, (usize, usize), usize),
+    ) {
+        debug_assert!(len.is_multiple_of(self.item) && flat % self.segment + len <= self.segment);
         let continues = self.len > 0
             && device == self.device + self.len
             && page == self.page
@@ -190,11 +243,11 @@ impl SegmentCopy {
             // the run stays inside one segment: segment boundaries fall on multiples of the segment length
             && !flat.is_multiple_of(self.segment);
         if continues {
-            self.len += self.item;
+            self.len += len;
             return;
         }
         self.flush(copy);
-        (self.device, self.page, self.flat, self.len) = (device, page, flat, self.item);
+        (self.device, self.page, self.flat, self.len) = (device, page, flat, len);
     }
 
     fn flush(&mut self, copy: &mut dyn FnMut(usize, (usize, usize), usize)) {
@@ -223,14 +276,15 @@ impl Runs {
         Self { item, from: 0, to: 0, len: 0, items: 0, runs: 0 }
     }
 
-    fn push(&mut self, from: usize, to: usize) {
-        self.items += 1;
+    /// Adds `items` items contiguous on both sides, from `from` to `to`.
+    fn push(&mut self, from: usize, to: usize, items: usize) {
+        self.items += items as u64;
         if self.len > 0 && from == self.from + self.len && to == self.to + self.len {
-            self.len += self.item;
+            self.len += items * self.item;
             return;
         }
         self.finish();
-        (self.from, self.to, self.len) = (from, to, self.item);
+        (self.from, self.to, self.len) = (from, to, items * self.item);
     }
 
     fn finish(&mut self) {

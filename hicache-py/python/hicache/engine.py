@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from hicache.cache import Cache, Load
+from hicache.cache import Cache, Load, token_ids
 
 _ACTIVE = threading.local()
 
@@ -143,7 +143,7 @@ class Engine:
             raise ValueError("a request has at least one prompt token and one new token")
         started = time.perf_counter()
         # at least the last prompt token is computed: its logits give the first new token
-        lookup = tokens[:-1]
+        lookup = token_ids(tokens[:-1])
         prefetched = self.cache.prefetch(request_id, lookup)
         if prefetched:
             self.cache.wait_prefetch(request_id, prefetch_timeout)
