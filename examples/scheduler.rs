@@ -198,14 +198,7 @@ fn serve<E: DeviceKv>(
 /// Ticks until every write to the host is acked and every backup to storage is done; an error after a minute.
 fn settle<E: DeviceKv>(tree: &mut HiRadixTree<E>) -> Result<(), Box<dyn Error>> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while tree.controller().backups_in_flight() > 0 || tree.controller().outstanding() != (0, 0, 0) {
-        if std::time::Instant::now() >= deadline {
-            return Err("backups to storage did not finish within a minute".into());
-        }
-        tree.tick(&mut SingleRank)?;
-        std::thread::yield_now();
-    }
-    Ok(())
+    Ok(tree.drain(&mut SingleRank, deadline, &mut |_| {})?)
 }
 
 /// Evicts every unlocked page from the device and the host (once their backups to storage are done).

@@ -6,6 +6,7 @@ mod backends;
 mod cleanup;
 mod commands;
 mod exit;
+mod input;
 mod memory;
 mod metrics;
 mod progress;

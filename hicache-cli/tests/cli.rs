@@ -937,8 +937,52 @@ fn replay_verifies_every_byte_under_injected_storage_faults_and_counts_them() {
     assert!(stalled["prefetch_stop_reasons"]["stalled"].as_u64().unwrap_or(0) > 0, "{stalled}");
     assert_usage_error(
         &hicache(&["replay", "--storage-read-deadline", "0"], ""),
-        "--storage-read-deadline 0 must be a number of seconds above 0",
+        "--storage-read-deadline 0.0 must be a number of seconds in (0, 86400]",
     );
+}
+
+#[test]
+fn input_files_are_read_within_a_size_limit() {
+    assert_usage_error(&hicache(&["config", "check", "/dev/zero"], ""), "/dev/zero is larger than 1 MiB");
+    assert_usage_error(&hicache(&["hash", "--page-size", "4", "/dev/zero"], ""), "/dev/zero is larger than 256 MiB");
+    assert_usage_error(
+        &hicache(&["store", "ls", "--backend", "file", "--dir", "/tmp", "--config", "/dev/zero"], ""),
+        "/dev/zero is larger than 1 MiB",
+    );
+}
+
+#[test]
+fn out_of_range_flags_are_refused_at_once_by_name() {
+    // each would have panicked (a duration past `Duration::MAX`), run for ever, or waited a minute for ranks that
+    // never come
+    let cases: [(&[&str], &str); 7] = [
+        (
+            &["--storage-read-deadline", "1e300"],
+            "--storage-read-deadline 1e300 must be a number of seconds in (0, 86400]",
+        ),
+        (
+            &["--fault-latency-us", "18446744073709551615"],
+            "--fault-latency-us 18446744073709551615 is not in [0, 60000000]",
+        ),
+        (&["--fault-hang-ms", "600001"], "--fault-hang-ms 600001 is not in [0, 600000]"),
+        (&["--tp-size", "100000"], "--tp-size 100000 is not in [1, 256]"),
+        (&["--max-parallel", "2000000"], "--max-parallel 2000000 is not in [1, 1048576]"),
+        (
+            &["--processes", "--process-rank", "5", "--process-dir", "/tmp", "--tp-size", "2"],
+            "--process-rank 5 is not a rank of --tp-size 2",
+        ),
+        (&["--processes", "--process-rank", "1", "--tp-size", "2"], "--process-rank and --process-dir come together"),
+    ];
+    for (flags, needle) in cases {
+        let started = std::time::Instant::now();
+        assert_usage_error(&hicache(&[&["replay"], flags].concat(), ""), needle);
+        assert!(started.elapsed() < std::time::Duration::from_secs(20), "{flags:?} took {:?}", started.elapsed());
+    }
+    let config = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(config.path(), r#"{"storage_read_deadline_s": 1e308}"#).unwrap();
+    let output = hicache(&["config", "check", config.path().to_str().unwrap()], "");
+    assert_ne!(output.status.code(), Some(0), "{}", stderr(&output));
+    assert!(stderr(&output).contains("storage_read_deadline_s"), "{}", stderr(&output));
 }
 
 #[test]

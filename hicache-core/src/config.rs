@@ -39,6 +39,10 @@ pub enum IoBackend {
     Auto,
 }
 
+/// The longest duration a config field may give (a day): longer ones are mistakes, and would overflow a
+/// `Duration` where they are used.
+pub const MAX_SECONDS: f64 = 86_400.0;
+
 /// Which storage tier backs the host pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -212,14 +216,14 @@ impl HiCacheConfig {
             ("prefetch_timeout_per_ki_token_s", self.prefetch_timeout_per_ki_token_s),
             ("prefetch_timeout_max_s", self.prefetch_timeout_max_s),
         ] {
-            if !(value >= 0.0 && value.is_finite()) {
-                return bad(field, format!("{value} must be a finite number of seconds ≥ 0"));
+            if !(0.0..=MAX_SECONDS).contains(&value) {
+                return bad(field, format!("{value:?} must be a number of seconds in [0, {MAX_SECONDS}] (a day)"));
             }
         }
-        if !(self.storage_read_deadline_s > 0.0 && self.storage_read_deadline_s.is_finite()) {
+        if !(self.storage_read_deadline_s > 0.0 && self.storage_read_deadline_s <= MAX_SECONDS) {
             return bad(
                 "storage_read_deadline_s",
-                format!("{} must be a finite number of seconds above 0", self.storage_read_deadline_s),
+                format!("{:?} must be a number of seconds in (0, {MAX_SECONDS}] (a day)", self.storage_read_deadline_s),
             );
         }
         if self.prefetch_timeout_max_s < self.prefetch_timeout_base_s {
@@ -339,6 +343,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn defaults_are_sglang_values() {
@@ -387,6 +392,29 @@ mod tests {
         );
         assert!(message(r#"{"storage_backend_extra_config": [1]}"#).contains("must be a JSON object"));
         assert!(message(r#"{"prefetch_timeout_max_s": 1}"#).contains("below prefetch_timeout_base_s"));
+        // durations are bounded (a day): a huge one would overflow a `Duration` where it is used
+        for field in [
+            "prefetch_timeout_base_s",
+            "prefetch_timeout_per_ki_token_s",
+            "prefetch_timeout_max_s",
+            "storage_read_deadline_s",
+        ] {
+            for value in ["1e300", "86401", "-1"] {
+                // (the largest valid maximum beside it, so that no other check fires first)
+                let max = if field == "prefetch_timeout_max_s" {
+                    String::new()
+                } else {
+                    r#", "prefetch_timeout_max_s": 86400"#.into()
+                };
+                let text = message(&format!(r#"{{"{field}": {value}{max}}}"#));
+                assert!(text.starts_with(&format!("config field `{field}`")), "{field} = {value}: {text}");
+            }
+        }
+        let day = r#"{"prefetch_timeout_base_s": 86400, "prefetch_timeout_per_ki_token_s": 86400,
+            "prefetch_timeout_max_s": 86400, "storage_read_deadline_s": 86400}"#;
+        let config = HiCacheConfig::from_json(day).unwrap();
+        let settings = crate::controller::StorageSettings::from_config(&config, 1 << 20, 1 << 10, false, 0).unwrap();
+        assert_eq!(settings.timeout(usize::MAX), Duration::from_secs(86_400), "the longest prefetch is capped");
         assert!(
             message(r#"{"mem_layout": "page_first", "io_backend": "direct"}"#).starts_with("config field `mem_layout`")
         );

@@ -10,6 +10,7 @@ use hicache_core::collective::SingleRank;
 use hicache_core::config::{PrefetchPolicy, WritePolicy};
 use hicache_core::controller::{CacheController, PrefetchStart, PrefetchStop, StorageSettings};
 use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
+use hicache_core::error::ErrorKind;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PartialPage, page_keys};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
@@ -264,6 +265,31 @@ fn evicted_pages_load_back_byte_for_byte_and_host_eviction_forgets_them() {
 }
 
 #[test]
+fn drain_waits_for_writes_and_backups_within_its_deadline() {
+    let store = MemoryStore::new();
+    let mut rig = rig(WritePolicy::WriteThrough, 8, 16, Some(&store));
+    rig.request(&tokens(1, 5));
+    // the host write happened (the CPU engine copies at once) but its ack, and so the backup, waits for a tick
+    assert!(!rig.tree.is_drained());
+    let error =
+        rig.tree.drain(&mut SingleRank, Instant::now(), &mut |_| panic!("no tick past the deadline")).unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::TimedOut, "{error}");
+    assert!(error.to_string().contains("drain"), "{error}");
+    let (mut ticks, mut backed_up) = (0, 0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    rig.tree
+        .drain(&mut SingleRank, deadline, &mut |summary| {
+            ticks += 1;
+            backed_up += summary.pages_backed_up;
+        })
+        .unwrap();
+    assert!(rig.tree.is_drained());
+    assert!(ticks >= 1);
+    assert_eq!((store.len(), backed_up), (5, 5), "every page stored, each counted once");
+    rig.tree.check_invariants().unwrap();
+}
+
+#[test]
 fn pages_evicted_from_the_host_come_back_from_storage() {
     let store = MemoryStore::new();
     let mut rig = rig(WritePolicy::WriteThrough, 8, 16, Some(&store));
@@ -271,10 +297,8 @@ fn pages_evicted_from_the_host_come_back_from_storage() {
     rig.request(&a);
     let deadline = Instant::now() + Duration::from_secs(10);
     // stored, and the backup taken at a tick (until then its host pages are pinned and cannot be evicted)
-    while store.len() < 5 || rig.tree.controller().backups_in_flight() > 0 {
-        rig.tick();
-        assert!(Instant::now() < deadline);
-    }
+    rig.tree.drain(&mut SingleRank, deadline, &mut |_| {}).unwrap();
+    assert_eq!(store.len(), 5);
     rig.tree.evict(10 * PAGE, &mut rig.device).unwrap();
     assert_eq!(rig.tree.evict_host(10 * PAGE).unwrap(), 5 * PAGE);
     let mut b = a.clone();

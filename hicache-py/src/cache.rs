@@ -255,23 +255,6 @@ impl<E: Engine> Inner<E> {
         self.slots.free(slots)
     }
 
-    /// Ticks until every write to the host is acked and every backup to storage is done, or until `deadline`.
-    fn drain(&mut self, timeout: Duration) -> Result<(), Error> {
-        let deadline = Instant::now() + timeout;
-        while self.tree.controller().backups_in_flight() > 0 || self.tree.controller().outstanding() != (0, 0, 0) {
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    backend: self.storage.as_ref().map_or("host".into(), |storage| storage.name().to_owned()),
-                    operation: "drain (backups still in flight)",
-                    waited_ms: timeout.as_millis() as u64,
-                });
-            }
-            self.tree.tick(&mut SingleRank)?;
-            std::thread::yield_now();
-        }
-        Ok(())
-    }
-
     fn reset(&mut self) {
         self.tree.reset();
         self.slots.clear();
@@ -697,8 +680,8 @@ impl Cache {
 
     /// Ticks until every host write is acked and every backup to storage done; `TimeoutError` at the timeout.
     fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
-        let timeout = deadline(timeout_s, "timeout")? - Instant::now();
-        self.with(py, |tree| each!(tree, inner => inner.drain(timeout)))
+        let deadline = deadline(timeout_s, "timeout")?;
+        self.with(py, |tree| each!(tree, inner => inner.tree.drain(&mut SingleRank, deadline, &mut |_| {})))
     }
 
     /// Empties the device and host tiers (storage keeps its pages); loads not yet inserted are forgotten.

@@ -56,6 +56,9 @@ pub enum FileFormat {
     Native,
 }
 
+/// The most I/O threads a file backend starts (more only contend for the same disk).
+pub const MAX_IO_THREADS: usize = 256;
+
 /// Settings of a file backend.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FileConfig {
@@ -144,8 +147,11 @@ impl FileStorage {
         let namespace = namespace.clone().validated()?;
         // the model goes into file names: checked here
         namespace.file_name_model()?;
-        if config.io_threads == 0 {
-            return Err(Error::InvalidArgument { field: "io_threads", reason: "must be at least 1".into() });
+        if !(1..=MAX_IO_THREADS).contains(&config.io_threads) {
+            return Err(Error::InvalidArgument {
+                field: "io_threads",
+                reason: format!("{} is not in [1, {MAX_IO_THREADS}]", config.io_threads),
+            });
         }
         let sglang_suffix = namespace.sglang_file_suffix();
         let digest = namespace.digest();

@@ -35,8 +35,9 @@ pub(crate) struct BenchStorageArgs {
     /// with O_DIRECT too (so both measure the disk). Needs --page-bytes in whole 4 KiB blocks.
     #[arg(long)]
     direct: bool,
-    /// Threads per batch of the file backend (default: two per core, between 2 and 16).
-    #[arg(long, value_name = "N")]
+    /// Threads per batch of the file backend (default: two per core, between 2 and 16; at most 256, the file
+    /// tier's limit).
+    #[arg(long, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
     io_threads: Option<usize>,
     /// The NIXL plugin (POSIX, GDS_MT, GDS, 3FS; default: SGLang's `auto` choice).
     #[arg(long, value_name = "NAME")]

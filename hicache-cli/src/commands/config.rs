@@ -36,8 +36,7 @@ pub(crate) fn run(command: &ConfigCommand) -> anyhow::Result<()> {
             return Ok(());
         }
     };
-    let text = std::fs::read_to_string(&args.file)
-        .map_err(|error| Usage(format!("cannot read config file {}: {error}", args.file.display())))?;
+    let text = crate::input::read_text(Some(&args.file), "config file", crate::input::CONFIG_LIMIT)?;
     let config = HiCacheConfig::from_json(&text).map_err(|error| Usage(format!("{}: {error}", args.file.display())))?;
     let resolved = serde_json::to_value(&config)?;
     if args.json {

@@ -1,6 +1,6 @@
 //! `hicache hash`: SGLang-compatible page keys of a token sequence.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -96,15 +96,5 @@ fn input_name(input: Option<&PathBuf>) -> String {
 }
 
 fn read_input(input: Option<&PathBuf>) -> anyhow::Result<String> {
-    match input {
-        Some(path) if path.as_os_str() != "-" => std::fs::read_to_string(path)
-            .map_err(|error| Usage(format!("cannot read token file {}: {error}", path.display())).into()),
-        _ => {
-            let mut bytes = Vec::new();
-            std::io::stdin().read_to_end(&mut bytes).context("reading standard input")?;
-            String::from_utf8(bytes).map_err(|error| {
-                Usage(format!("standard input is not text: {error} (give token ids as decimal text)")).into()
-            })
-        }
-    }
+    crate::input::read_text(input.map(PathBuf::as_path), "token file", crate::input::TOKENS_LIMIT)
 }

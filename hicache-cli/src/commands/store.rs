@@ -222,8 +222,7 @@ enum Mode {
 fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
     let config = match &args.config {
         Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|error| Usage(format!("cannot read config {}: {error}", path.display())))?;
+            let text = crate::input::read_text(Some(path), "config", crate::input::CONFIG_LIMIT)?;
             Some(HiCacheConfig::from_json(&text).with_context(|| format!("config {}", path.display()))?)
         }
         None => None,
@@ -312,8 +311,7 @@ fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
 fn keys(args: &KeysArgs, page_size: usize) -> anyhow::Result<Vec<PageKey>> {
     let keys = match &args.tokens {
         Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|error| Usage(format!("cannot read token file {}: {error}", path.display())))?;
+            let text = crate::input::read_text(Some(path), "token file", crate::input::TOKENS_LIMIT)?;
             let tokens = parse_tokens(&text).with_context(|| format!("reading tokens from {}", path.display()))?;
             let prior = args.prior.as_deref().map(str::parse::<PageKey>).transpose().context("--prior")?;
             PageHasher::new().page_keys(&tokens, page_size, prior, args.partial.into())?

@@ -21,7 +21,7 @@ use std::time::Duration;
 use anyhow::bail;
 use clap::{Args, ValueEnum};
 use hicache_core::collective::{Collective, InProcessGroup, SingleRank};
-use hicache_core::config::{HiCacheConfig, PrefetchPolicy, WritePolicy};
+use hicache_core::config::{HiCacheConfig, MAX_SECONDS, PrefetchPolicy, WritePolicy};
 use hicache_core::controller::{CacheController, StorageSettings};
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::host_memory::{HostAllocation, HostMemory};
@@ -352,11 +352,14 @@ pub(crate) enum RankGroup<'a> {
     Nccl(hicache_cuda::NcclSettings),
 }
 
+/// The most TP ranks a replay runs (each a thread or a process with pools of its own).
+const MAX_TP_SIZE: u64 = 256;
+
 fn check(args: &ReplayArgs) -> anyhow::Result<()> {
     let usage = |message: String| -> anyhow::Result<()> { Err(Usage(message).into()) };
-    if !(args.storage_read_deadline > 0.0 && args.storage_read_deadline.is_finite()) {
+    if !(args.storage_read_deadline > 0.0 && args.storage_read_deadline <= MAX_SECONDS) {
         return usage(format!(
-            "--storage-read-deadline {} must be a number of seconds above 0",
+            "--storage-read-deadline {:?} must be a number of seconds in (0, {MAX_SECONDS}] (a day)",
             args.storage_read_deadline
         ));
     }
@@ -395,6 +398,27 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
         }
     } else if args.process_rank.is_some() || args.process_dir.is_some() {
         return usage("--process-rank and --process-dir are set by --processes for the ranks it starts".into());
+    }
+    if let Some(rank) = args.process_rank
+        && rank >= args.tp_size
+    {
+        return usage(format!("--process-rank {rank} is not a rank of --tp-size {}", args.tp_size));
+    }
+    if args.process_rank.is_some() != args.process_dir.is_some() {
+        return usage("--process-rank and --process-dir come together (set by --processes)".into());
+    }
+    for (name, value, range) in [
+        ("--tp-size", args.tp_size as u64, 1..=MAX_TP_SIZE),
+        ("--max-parallel", args.max_parallel as u64, 1..=1 << 20),
+        ("--fault-latency-us", args.fault_latency_us, 0..=60_000_000),
+        ("--fault-hang-ms", args.fault_hang_ms, 0..=600_000),
+    ] {
+        if !range.contains(&value) {
+            return usage(format!("{name} {value} is not in [{}, {}]", range.start(), range.end()));
+        }
+    }
+    if args.decode_ms_per_token > MAX_SECONDS * 1e3 {
+        return usage(format!("--decode-ms-per-token {} is more than a day", args.decode_ms_per_token));
     }
     for (name, rate) in [
         ("--fault-fail-rate", args.fault_fail_rate),

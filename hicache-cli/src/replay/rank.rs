@@ -132,6 +132,31 @@ fn tick<E: ReplayEngine>(
     Ok(summary)
 }
 
+/// How long the replay waits for its writes and backups to finish (each backup is bounded by the tier's own
+/// deadlines; this bounds them all together).
+const DRAIN_DEADLINE: Duration = Duration::from_secs(600);
+
+/// Ticks (counted and timed as the loop's own) until every write and backup is done and every ack taken, each
+/// tick's summary absorbed.
+fn drain<E: ReplayEngine>(
+    tree: &mut HiRadixTree<E>,
+    collective: &mut Timed<'_>,
+    outcome: &mut RankOutcome,
+    waiting: &mut [Waiting],
+    digest: &mut DefaultHasher,
+    page: (usize, u64),
+    metrics: Option<&Metrics>,
+) -> anyhow::Result<()> {
+    let mut last = Instant::now();
+    tree.drain(collective, Instant::now() + DRAIN_DEADLINE, &mut |summary| {
+        outcome.ticks += 1;
+        outcome.tick_ns += last.elapsed().as_nanos() as u64;
+        absorb(summary, outcome, waiting, digest, page, metrics);
+        last = Instant::now();
+    })?;
+    Ok(())
+}
+
 /// The replay's knobs that the loop needs.
 #[derive(Clone, Debug)]
 pub(crate) struct LoopSpec {
@@ -251,10 +276,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
         }
         if spec.sync_storage {
             // every rank has the same backups queued, so every rank loops the same number of ticks
-            while tree.controller().backups_in_flight() > 0 || tree.controller().outstanding().0 > 0 {
-                let summary = tick(tree, collective, &mut outcome)?;
-                absorb(&summary, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics);
-            }
+            drain(tree, collective, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics)?;
         }
         now += step_compute + spec.decode_ms_per_token * workload.spec.output_length as f64 / 1000.0;
         for request in ran {
@@ -266,10 +288,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
         }
     }
     // wind down: every backup to storage finished, every ack taken (the same condition on every rank)
-    while tree.controller().backups_in_flight() > 0 || tree.controller().outstanding() != (0, 0, 0) {
-        let summary = tick(tree, collective, &mut outcome)?;
-        absorb(&summary, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics);
-    }
+    drain(tree, collective, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics)?;
     outcome.seconds = started.elapsed().as_secs_f64();
     (outcome.collectives, outcome.collective_ns) = (collective.calls, collective.nanos);
     for round in outcome.rounds.clone() {

@@ -326,6 +326,14 @@ impl<E: TransferEngine> CacheController<E> {
         Some(entry.shared.progress.completed() as usize)
     }
 
+    /// The read error that stopped this rank's fetch for `request_id`'s pending prefetch, once one has (the pages
+    /// read before it stay fetched).
+    pub fn prefetch_failure(&self, request_id: &str) -> Option<String> {
+        let storage = self.storage.as_ref()?;
+        let entry = storage.prefetches.get(storage.requests.get(request_id)?)?;
+        entry.shared.failure.get().cloned()
+    }
+
     /// Prefetches not finished, including those whose pages are still draining.
     pub fn prefetches_in_flight(&self) -> usize {
         self.storage.as_ref().map_or(0, |storage| storage.prefetches.len())

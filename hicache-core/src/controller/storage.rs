@@ -107,7 +107,8 @@ impl StorageSettings {
     /// The `timeout` policy's limit for a prefetch of `tokens`: base + per-1K × tokens / 1024, capped.
     pub fn timeout(&self, tokens: usize) -> Duration {
         let extra = self.timeout_per_ki_token.as_secs_f64() * tokens as f64 / 1024.0;
-        (self.timeout_base + Duration::from_secs_f64(extra)).min(self.timeout_max)
+        let extra = Duration::try_from_secs_f64(extra).unwrap_or(Duration::MAX);
+        self.timeout_base.saturating_add(extra).min(self.timeout_max)
     }
 }
 

@@ -205,6 +205,42 @@ impl<E: TransferEngine> HiRadixTree<E> {
         Ok(summary)
     }
 
+    /// Whether nothing is in flight: every device → host write acked, every backup to storage finished and taken,
+    /// every load acked. (A backup to storage is submitted when its host write is acked, so no page is queued for
+    /// storage then either.)
+    pub fn is_drained(&self) -> bool {
+        self.controller.backups_in_flight() == 0 && self.controller.outstanding() == (0, 0, 0)
+    }
+
+    /// Ticks until [`is_drained`](Self::is_drained), handing `each` every tick's summary; an engine calls it to know
+    /// that what it inserted has reached the host and storage. Ranks of a TP group call it together: the condition
+    /// reads what each tick reduced, so they tick the same number of times.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when `deadline` passes first (naming `drain`); the tick's errors.
+    pub fn drain(
+        &mut self,
+        collective: &mut dyn Collective,
+        deadline: std::time::Instant,
+        each: &mut dyn FnMut(&TickSummary),
+    ) -> Result<(), Error> {
+        let started = std::time::Instant::now();
+        while !self.is_drained() {
+            if std::time::Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    backend: if self.controller.backups_in_flight() > 0 { "storage" } else { "host" }.to_owned(),
+                    operation: "drain (writes or backups still in flight)",
+                    waited_ms: started.elapsed().as_millis() as u64,
+                });
+            }
+            let summary = self.tick(collective)?;
+            each(&summary);
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
     fn write_acked(&mut self, node_ids: &[NodeId]) {
         for id in node_ids {
             if let Some(locked) = self.ongoing_writes.remove(id)
