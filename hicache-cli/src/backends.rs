@@ -39,7 +39,6 @@ pub(crate) struct BackendOptions {
     /// Directory of file-like backends; else the backend's environment variable, else its default.
     pub(crate) dir: Option<PathBuf>,
     /// File layout.
-    #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
     pub(crate) format: FileFormatArg,
     /// Read and write the file backend's page files with O_DIRECT when the host memory is aligned.
     #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
@@ -60,10 +59,6 @@ pub(crate) struct BackendOptions {
     #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
     pub(crate) read_only: bool,
     /// Settings of the networked backends.
-    #[cfg_attr(
-        not(any(feature = "mooncake", feature = "3fs")),
-        expect(dead_code, reason = "read only by the Mooncake and 3FS backends")
-    )]
     pub(crate) network: NetworkArgs,
     /// The config file's `storage_backend_extra_config`, used where `--extra-config` is not given.
     #[cfg_attr(
@@ -119,12 +114,62 @@ impl NetworkArgs {
     }
 }
 
-/// Opens `name` for `namespace`.
+/// Refuses what does nothing with backend `name` (`None`: no storage tier), rather than run as if it did:
+/// `--extra-config` that is not a JSON object, or that has keys for a backend that reads none (every backend but
+/// Mooncake and 3FS takes its settings as flags); `--key-scheme` and `--sglang-release` for any backend but
+/// Mooncake, `--sglang-release` without `--key-scheme sglang` (checked with Mooncake's own config); `--format
+/// sglang` for any backend but the file tier.
+///
+/// # Errors
+///
+/// [`Usage`] naming the option.
+pub(crate) fn check_options(
+    name: Option<BackendName>,
+    format: FileFormatArg,
+    network: &NetworkArgs,
+) -> anyhow::Result<()> {
+    let backend = name.map_or_else(|| "none".to_owned(), |name| crate::value_name(&name));
+    if let Some(text) = &network.extra_config {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|error| Usage(format!("--extra-config is not JSON: {error}")))?;
+        let Some(object) = value.as_object() else {
+            return Err(Usage("--extra-config must be a JSON object".into()).into());
+        };
+        let reads_extra = matches!(name, Some(BackendName::Mooncake | BackendName::ThreeFs));
+        if let (false, Some(key)) = (reads_extra, object.keys().next()) {
+            return Err(Usage(format!(
+                "--extra-config key `{key}` does nothing with --backend {backend} (only mooncake and 3fs read an \
+                 extra config; the other backends take flags: --dir, --capacity, --io-threads, ...)"
+            ))
+            .into());
+        }
+    }
+    if name != Some(BackendName::Mooncake) {
+        for (flag, given) in
+            [("--key-scheme", network.key_scheme.is_some()), ("--sglang-release", network.sglang_release.is_some())]
+        {
+            if given {
+                return Err(
+                    Usage(format!("{flag} does nothing with --backend {backend} (Mooncake's keys only)")).into()
+                );
+            }
+        }
+    }
+    if format == FileFormatArg::Sglang && name != Some(BackendName::File) {
+        return Err(
+            Usage(format!("--format sglang does nothing with --backend {backend} (the file tier's layout)")).into()
+        );
+    }
+    Ok(())
+}
+
+/// Opens `name` for `namespace`, after [`check_options`].
 pub(crate) fn open(
     name: BackendName,
     namespace: &StorageNamespace,
     options: &BackendOptions,
 ) -> anyhow::Result<Box<dyn StorageBackend>> {
+    check_options(Some(name), options.format, &options.network)?;
     match name {
         BackendName::Memory => Ok(Box::new(MemoryStorage::new(namespace))),
         BackendName::File => open_file(namespace, options),

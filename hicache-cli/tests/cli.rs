@@ -942,6 +942,30 @@ fn replay_verifies_every_byte_under_injected_storage_faults_and_counts_them() {
 }
 
 #[test]
+fn options_that_do_nothing_with_the_backend_are_refused() {
+    let cases: [(&[&str], &str); 7] = [
+        (&["--backend", "file", "--extra-config", "{oops"], "--extra-config is not JSON"),
+        (
+            &["--backend", "file", "--extra-config", r#"{"dir": 1}"#],
+            "--extra-config key `dir` does nothing with --backend file",
+        ),
+        (
+            &["--backend", "memory", "--extra-config", r#"{"x": 1}"#],
+            "--extra-config key `x` does nothing with --backend memory",
+        ),
+        (&["--backend", "none", "--extra-config", "[1]"], "--extra-config must be a JSON object"),
+        (&["--backend", "memory", "--format", "sglang"], "--format sglang does nothing with --backend memory"),
+        (&["--backend", "file", "--key-scheme", "sglang"], "--key-scheme does nothing with --backend file"),
+        (&["--backend", "none", "--sglang-release", "0.5.2"], "--sglang-release does nothing with --backend none"),
+    ];
+    for (flags, needle) in cases {
+        assert_usage_error(&hicache(&[&["replay"], flags].concat(), ""), needle);
+    }
+    let empty = replay_json(&["--clients", "2", "--rounds", "1", "--backend", "file", "--extra-config", "{}"]);
+    assert_eq!(empty["verified"], true, "an empty extra config is no setting at all");
+}
+
+#[test]
 fn input_files_are_read_within_a_size_limit() {
     assert_usage_error(&hicache(&["config", "check", "/dev/zero"], ""), "/dev/zero is larger than 1 MiB");
     assert_usage_error(&hicache(&["hash", "--page-size", "4", "/dev/zero"], ""), "/dev/zero is larger than 256 MiB");

@@ -399,6 +399,14 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
     } else if args.process_rank.is_some() || args.process_dir.is_some() {
         return usage("--process-rank and --process-dir are set by --processes for the ranks it starts".into());
     }
+    // (the other backends are checked where they are opened)
+    match args.backend {
+        ReplayBackend::None => crate::backends::check_options(None, args.format, &args.network)?,
+        ReplayBackend::Memory => {
+            crate::backends::check_options(Some(BackendName::Memory), args.format, &args.network)?;
+        }
+        _ => {}
+    }
     if let Some(rank) = args.process_rank
         && rank >= args.tp_size
     {
