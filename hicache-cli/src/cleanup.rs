@@ -41,6 +41,14 @@ impl Drop for TempFolder {
     }
 }
 
+/// Removes `folder` (another process's) if this process is stopped by a signal; nothing on a normal exit. A rank of
+/// `replay --processes` registers its launcher's folders: when the launcher is killed, the kernel stops its ranks
+/// with SIGTERM (the parent-death signal), and they remove what the launcher could not.
+pub(crate) fn remove_on_signal(folder: PathBuf) {
+    install_handler();
+    lock().push(folder);
+}
+
 fn lock() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
     FOLDERS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

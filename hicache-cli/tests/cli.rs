@@ -1009,6 +1009,56 @@ fn out_of_range_flags_are_refused_at_once_by_name() {
     assert!(stderr(&output).contains("storage_read_deadline_s"), "{}", stderr(&output));
 }
 
+/// Processes whose command line mentions `needle` (the ranks of one launcher, by its temporary folder).
+fn processes_mentioning(needle: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline"))
+            && String::from_utf8_lossy(&cmdline).contains(needle)
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+#[test]
+fn ranks_end_with_their_launcher_and_remove_its_folders() {
+    for signal in [libc::SIGKILL, libc::SIGTERM] {
+        let temp = tempfile::tempdir().unwrap();
+        let needle = temp.path().to_str().unwrap().to_owned();
+        let mut launcher = Command::new(env!("CARGO_BIN_EXE_hicache"))
+            .args(["replay", "--processes", "--tp-size", "2", "--clients", "400", "--rounds", "6"])
+            .env("TMPDIR", temp.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        // both ranks run and write pages into the launcher's storage folder
+        // (the ranks' command lines name folders in TMPDIR; the launcher's does not)
+        while processes_mentioning(&needle).len() < 2 || everything(temp.path()).len() < 6 {
+            assert!(std::time::Instant::now() < deadline, "the ranks did not start");
+            assert!(launcher.try_wait().unwrap().is_none(), "the replay ended before the signal");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        // SAFETY: kill(2) on our own child's pid
+        assert_eq!(unsafe { libc::kill(launcher.id() as i32, signal) }, 0);
+        launcher.wait().unwrap();
+        // the ranks get SIGTERM from the kernel and remove the folders: wait for that, bounded
+        while !processes_mentioning(&needle).is_empty() || !everything(temp.path()).is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "after signal {signal}: ranks {:?} still run, left behind: {:?}",
+                processes_mentioning(&needle),
+                everything(temp.path())
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+}
+
 #[test]
 fn a_replay_stopped_by_a_signal_removes_its_temporary_directory() {
     let temp = tempfile::tempdir().unwrap();

@@ -194,6 +194,9 @@ pub(crate) struct ReplayArgs {
     /// Internal (set by --processes): the folder where the ranks meet and leave their outcomes.
     #[arg(long, hide = true, value_name = "PATH")]
     process_dir: Option<PathBuf>,
+    /// Internal (set by --processes): the launcher's temporary storage folder, removed by a rank stopped by a signal.
+    #[arg(long, hide = true, value_name = "PATH")]
+    process_temp: Option<PathBuf>,
     /// Serve Prometheus metrics at this address while the replay runs (`GET /metrics`; port 0 picks one, and the
     /// address is printed on stderr).
     #[arg(long, value_name = "HOST:PORT")]
@@ -396,7 +399,7 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
         if args.metrics_addr.is_some() {
             return usage("--metrics-addr is not served with --processes".into());
         }
-    } else if args.process_rank.is_some() || args.process_dir.is_some() {
+    } else if args.process_rank.is_some() || args.process_dir.is_some() || args.process_temp.is_some() {
         return usage("--process-rank and --process-dir are set by --processes for the ranks it starts".into());
     }
     // (the other backends are checked where they are opened)

@@ -3,8 +3,14 @@
 //! controller and storage, joins the group (NCCL on GPU r with `--engine cuda`, a local socket with the CPU engine),
 //! runs the workload and leaves its outcome in the meeting folder; the launcher compares the ranks' decisions and
 //! prints the report as the threaded replay does. A rank that fails stops the others (its error is on stderr).
+//!
+//! The ranks end with their launcher, however it ends: each is started with the parent-death signal set to SIGTERM,
+//! so when the launcher exits or is killed (SIGKILL included) the kernel stops the ranks, and their signal handler
+//! removes the launcher's temporary folders (the meeting folder and the storage folder it made), which a killed
+//! launcher cannot. A launcher stopped by SIGTERM, SIGINT or SIGHUP removes them itself.
 
 use std::ffi::OsString;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -22,13 +28,31 @@ pub(super) fn launch(args: &ReplayArgs, storage: &SharedStorage) -> anyhow::Resu
     let meeting = crate::cleanup::TempFolder::new("hicache-replay-ranks-")?;
     let mut base: Vec<OsString> = std::env::args_os().skip(1).collect();
     if let SharedStorage::Backend { _temp: Some(temp), .. } = storage {
-        // the ranks share the launcher's temporary storage folder
+        // the ranks share the launcher's temporary storage folder (and remove it if the launcher is killed)
         base.extend(["--dir".into(), temp.path().as_os_str().to_owned()]);
+        base.extend(["--process-temp".into(), temp.path().as_os_str().to_owned()]);
     }
+    let launcher = std::process::id();
     let program = std::env::current_exe().context("finding the hicache program")?;
     let mut children: Vec<Option<Child>> = Vec::new();
     for rank in 0..args.tp_size {
-        let child = Command::new(&program)
+        let mut command = Command::new(&program);
+        // SAFETY: between fork and exec the closure makes only async-signal-safe calls (prctl, getppid). The
+        // parent-death signal follows the thread that forked, this (the launcher's main) thread, which outlives
+        // the ranks.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // the launcher may have died before the signal was set
+                if libc::getppid() as u32 != launcher {
+                    return Err(std::io::Error::other("the launcher ended before its rank started"));
+                }
+                Ok(())
+            });
+        }
+        let child = command
             .args(&base)
             .args([
                 "--process-rank".into(),
@@ -93,6 +117,11 @@ fn outcome_path(dir: &Path, rank: usize) -> std::path::PathBuf {
 
 /// One rank, in its own process: joins the group, runs, and leaves its outcome in `dir`.
 pub(super) fn run_rank(args: &ReplayArgs, rank: usize, dir: &Path, storage: &SharedStorage) -> anyhow::Result<()> {
+    // stopped by the parent-death signal (the launcher is gone): the launcher's folders go with this rank
+    crate::cleanup::remove_on_signal(dir.to_owned());
+    if let Some(temp) = &args.process_temp {
+        crate::cleanup::remove_on_signal(temp.clone());
+    }
     let nothing = |_: u64| {};
     let outcome = match args.engine {
         EngineName::Cpu => {
