@@ -5,6 +5,11 @@
 //! `Accept` header names it, as Prometheus's does, else the Prometheus text format 0.0.4 (`text/plain`), which has
 //! no `# EOF` and no `# UNIT` lines and names a counter's family after its `_total` samples.
 //!
+//! The endpoint is a small HTTP/1.1 responder over a `TcpListener` (one request per connection, then closed): two
+//! threads answer, 64 connections may wait for them, each has 5 s to send its request and take the answer, and
+//! connections beyond those are closed at once. Idle or half-open connections cost no thread and no memory past
+//! that bound (an HTTP library's thread per connection did: 577 threads for 600 half-open connections).
+//!
 //! Metric names (counters get `_total`): `hicache_requests`, `hicache_prompt_tokens`, `hicache_hit_tokens{tier}`
 //! (l1, l2, l3), `hicache_transfer_bytes{path}` (device_to_host, host_to_device, host_to_storage, storage_to_host),
 //! `hicache_prefetched_tokens`, `hicache_backed_up_tokens`, `hicache_prefetch_stops{reason}`, and the histograms
@@ -150,34 +155,92 @@ pub(crate) fn serve(addr: &str, metrics: Arc<Metrics>) -> anyhow::Result<SocketA
         ))
         .into());
     }
-    let server = tiny_http::Server::http(addr)
-        .map_err(|error| anyhow::anyhow!("{error}"))
-        .with_context(|| format!("--metrics-addr {addr}: cannot listen"))?;
-    let bound = server.server_addr().to_ip().context("--metrics-addr: not an IP address")?;
+    let listener =
+        std::net::TcpListener::bind(addr).with_context(|| format!("--metrics-addr {addr}: cannot listen"))?;
+    let bound = listener.local_addr().context("--metrics-addr: the bound address")?;
+    // a fixed number of threads answers, each connection within a deadline; connections past what they can take
+    // wait in a bounded queue, then are closed unanswered: a scraper that never sends (or a flood of them) costs no
+    // thread and no memory beyond these
+    let (queue, connections) = std::sync::mpsc::sync_channel::<std::net::TcpStream>(SCRAPE_QUEUE);
+    let connections = Arc::new(std::sync::Mutex::new(connections));
+    for worker in 0..SCRAPE_THREADS {
+        let (connections, metrics) = (connections.clone(), metrics.clone());
+        std::thread::Builder::new().name(format!("hicache-metrics-{worker}")).spawn(move || {
+            loop {
+                let next = connections.lock().unwrap_or_else(std::sync::PoisonError::into_inner).recv();
+                let Ok(stream) = next else { return };
+                // a scraper that hung up or stalled is not our failure
+                let _ = answer(stream, &metrics);
+            }
+        })?;
+    }
     std::thread::Builder::new().name("hicache-metrics".into()).spawn(move || {
-        let openmetrics: tiny_http::Header =
-            "Content-Type: application/openmetrics-text; version=1.0.0; charset=utf-8".parse().expect("a valid header");
-        let text: tiny_http::Header =
-            "Content-Type: text/plain; version=0.0.4; charset=utf-8".parse().expect("a valid header");
-        for request in server.incoming_requests() {
-            let response = if request.url() == "/metrics" {
-                let wants_openmetrics = request.headers().iter().any(|header| {
-                    header.field.equiv("Accept") && header.value.as_str().contains("application/openmetrics-text")
-                });
-                if wants_openmetrics {
-                    tiny_http::Response::from_string(metrics.render()).with_header(openmetrics.clone())
-                } else {
-                    tiny_http::Response::from_string(text_format(&metrics.render())).with_header(text.clone())
-                }
-            } else {
-                tiny_http::Response::from_string("see /metrics\n").with_status_code(404)
-            };
-            // a scraper that hung up is not our failure
-            let _ = request.respond(response);
+        for stream in listener.incoming().flatten() {
+            // a full queue: closed at once (dropped)
+            let _ = queue.try_send(stream);
         }
     })?;
     eprintln!("hicache: metrics at http://{bound}/metrics");
     Ok(bound)
+}
+
+/// Threads answering scrapes.
+const SCRAPE_THREADS: usize = 2;
+
+/// Connections waiting for one of them; more are closed.
+const SCRAPE_QUEUE: usize = 64;
+
+/// How long a connection may take to send its request and take the answer.
+const SCRAPE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The largest request head read.
+const REQUEST_LIMIT: u64 = 16 << 10;
+
+/// Reads one HTTP request head (within the deadline and the size limit) and answers it: `GET /metrics` in the format
+/// its `Accept` header asks for, 404 for any other path, 400 for what is not a request; then closes.
+fn answer(stream: std::net::TcpStream, metrics: &Metrics) -> std::io::Result<()> {
+    use std::io::{BufRead as _, Read as _, Write as _};
+    stream.set_read_timeout(Some(SCRAPE_DEADLINE))?;
+    stream.set_write_timeout(Some(SCRAPE_DEADLINE))?;
+    let started = std::time::Instant::now();
+    let mut reader = std::io::BufReader::new((&stream).take(REQUEST_LIMIT));
+    let mut head = Vec::new();
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line)? == 0 || started.elapsed() > SCRAPE_DEADLINE {
+            break;
+        }
+        if line.trim_end().is_empty() {
+            break;
+        }
+        head.push(line.trim_end().to_owned());
+    }
+    let mut words = head.first().map(|line| line.split_whitespace()).into_iter().flatten();
+    let (method, path) = (words.next(), words.next());
+    let (status, content_type, body) = match (method, path) {
+        (Some("GET"), Some("/metrics")) => {
+            let wants_openmetrics = head.iter().skip(1).any(|line| {
+                line.split_once(':').is_some_and(|(name, value)| {
+                    name.trim().eq_ignore_ascii_case("accept") && value.contains("application/openmetrics-text")
+                })
+            });
+            if wants_openmetrics {
+                ("200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.render())
+            } else {
+                ("200 OK", "text/plain; version=0.0.4; charset=utf-8", text_format(&metrics.render()))
+            }
+        }
+        (Some(_), Some(_)) => ("404 Not Found", "text/plain; charset=utf-8", "see /metrics\n".to_owned()),
+        _ => ("400 Bad Request", "text/plain; charset=utf-8", "not an HTTP request\n".to_owned()),
+    };
+    let mut stream = &stream;
+    write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )?;
+    stream.write_all(body.as_bytes())?;
+    stream.flush()
 }
 
 /// OpenMetrics text as the Prometheus text format 0.0.4: without `# EOF` and `# UNIT`, and with each counter's

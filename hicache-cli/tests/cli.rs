@@ -405,6 +405,20 @@ fn metrics_are_served_while_a_replay_runs() {
     let (content_type, body) = scrape_accepting(&addr, None);
     assert!(content_type.starts_with("text/plain; version=0.0.4"), "{content_type}");
     assert!(!body.contains("# EOF") && body.contains("# TYPE hicache_requests_total counter"), "{body}");
+    // connections that never send cost no thread each: past the few the endpoint serves and queues, they are closed
+    let threads = || {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+        status.lines().find_map(|line| line.strip_prefix("Threads:")).unwrap().trim().parse::<usize>().unwrap()
+    };
+    let before = threads();
+    let silent: Vec<std::net::TcpStream> = (0..600).map(|_| std::net::TcpStream::connect(&addr).unwrap()).collect();
+    // the last was accepted after all the others, beyond the queue: the endpoint closes it (wait for that, bounded)
+    let last = silent.last().unwrap();
+    last.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    assert_eq!(std::io::Read::read(&mut &*last, &mut [0; 16]).expect("closed, not timed out"), 0, "closed unanswered");
+    assert!(threads() <= before + 1, "{} threads with 600 idle connections, {before} before", threads());
+    drop(silent);
+    assert!(scrape(&addr).contains("hicache_requests_total"), "served again once they are gone");
     // the rest of the run is not needed
     child.kill().unwrap();
     child.wait().unwrap();
