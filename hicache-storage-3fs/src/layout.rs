@@ -6,13 +6,16 @@
 //! and the footer after them, and takes the page only when the footer names the key and generation it was given. A
 //! page that another writer took over while it was being read then fails the check (its new footer was written
 //! before its new bytes, so a footer read after the bytes sees it), and a reader never takes another key's bytes.
+//! The footer also holds a checksum of the page's bytes (XXH3-64): bytes changed beneath the tier (another program
+//! writing the file, a torn write, a bad disk) fail as `Corrupt` and count as a miss, never as a hit.
 
 use hicache_core::hash::PageKey;
 
 /// Bytes of one footer.
 pub const FOOTER_BYTES: usize = 64;
 
-const MAGIC: [u8; 8] = *b"HCF3FSv1";
+/// (`v1` footers, without a checksum, read as no footer: their pages miss and are written again.)
+const MAGIC: [u8; 8] = *b"HCF3FSv2";
 const ALIGN: u64 = 4096;
 
 /// The pages and footers of one data file.
@@ -66,30 +69,43 @@ pub struct Footer {
     pub namespace: [u8; 8],
     /// The generation the metadata gave the writer.
     pub generation: u64,
+    /// XXH3-64 of the page's bytes.
+    pub checksum: u64,
 }
 
 impl Footer {
-    /// The footer's bytes: magic, generation (little-endian), namespace digest, key, zero padding.
+    /// The footer's bytes: magic, generation (little-endian), namespace digest, key, checksum (little-endian).
     pub fn encode(&self) -> [u8; FOOTER_BYTES] {
         let mut bytes = [0u8; FOOTER_BYTES];
         bytes[..8].copy_from_slice(&MAGIC);
         bytes[8..16].copy_from_slice(&self.generation.to_le_bytes());
         bytes[16..24].copy_from_slice(&self.namespace);
         bytes[24..56].copy_from_slice(self.key.as_bytes());
+        bytes[56..].copy_from_slice(&self.checksum.to_le_bytes());
         bytes
     }
 
     /// Reads a footer; `None` for bytes that are not one (never written, or damaged).
     pub fn decode(bytes: &[u8]) -> Option<Self> {
-        if bytes.len() != FOOTER_BYTES || bytes[..8] != MAGIC || bytes[56..].iter().any(|&byte| byte != 0) {
+        if bytes.len() != FOOTER_BYTES || bytes[..8] != MAGIC {
             return None;
         }
         Some(Self {
             generation: u64::from_le_bytes(bytes[8..16].try_into().ok()?),
             namespace: bytes[16..24].try_into().ok()?,
             key: PageKey::from_bytes(bytes[24..56].try_into().ok()?),
+            checksum: u64::from_le_bytes(bytes[56..].try_into().ok()?),
         })
     }
+}
+
+/// The checksum a footer holds of a page whose bytes are `segments`, in order.
+pub fn checksum<'a>(segments: impl IntoIterator<Item = &'a [u8]>) -> u64 {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for segment in segments {
+        hasher.update(segment);
+    }
+    hasher.digest()
 }
 
 #[cfg(test)]
@@ -116,8 +132,10 @@ mod tests {
         }
 
         #[test]
-        fn footers_round_trip(key in any::<[u8; 32]>(), namespace in any::<[u8; 8]>(), generation in any::<u64>()) {
-            let footer = Footer { key: PageKey::from_bytes(key), namespace, generation };
+        fn footers_round_trip(
+            key in any::<[u8; 32]>(), namespace in any::<[u8; 8]>(), generation in any::<u64>(), checksum in any::<u64>(),
+        ) {
+            let footer = Footer { key: PageKey::from_bytes(key), namespace, generation, checksum };
             prop_assert_eq!(Footer::decode(&footer.encode()), Some(footer));
         }
     }
@@ -125,8 +143,11 @@ mod tests {
     #[test]
     fn what_is_not_a_footer_is_refused() {
         assert_eq!(Footer::decode(&[0u8; FOOTER_BYTES]), None);
-        let mut bytes = Footer { key: PageKey::from_bytes([7; 32]), namespace: [1; 8], generation: 3 }.encode();
-        bytes[60] = 1;
+        let mut bytes =
+            Footer { key: PageKey::from_bytes([7; 32]), namespace: [1; 8], generation: 3, checksum: 9 }.encode();
+        bytes[..8].copy_from_slice(b"HCF3FSv1");
+        assert_eq!(Footer::decode(&bytes), None, "a footer of the format before checksums");
+        bytes[0] ^= 1;
         assert_eq!(Footer::decode(&bytes), None);
         assert_eq!(Footer::decode(&bytes[..32]), None);
     }

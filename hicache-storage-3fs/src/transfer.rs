@@ -13,7 +13,7 @@ use hicache_core::host_memory::MemoryRegion;
 use hicache_core::storage::{FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, scatter};
 
 use crate::Hf3fsStorage;
-use crate::layout::{FOOTER_BYTES, Footer};
+use crate::layout::{FOOTER_BYTES, Footer, checksum};
 use crate::metadata::Located;
 use crate::usrbio::{Iov, Library, Ring, Stuck};
 
@@ -281,7 +281,7 @@ impl Hf3fsStorage {
         }
         if !read {
             // footers first, then (where bounced) the bytes gathered into the bounce iov
-            self.footer_phase(lane, &chunk, &mut results, false)?;
+            let _ = self.footer_phase(lane, &chunk, &mut results, false)?;
             if let Some(bounce) = lane.bounce.as_mut() {
                 let bytes = bounce.bytes_mut();
                 for (item, &slot) in chunk.iter().zip(&slots) {
@@ -299,13 +299,31 @@ impl Hf3fsStorage {
         }
         self.data_phase(lane, &chunk, &slots, registered, &mut results, read)?;
         if read {
-            self.footer_phase(lane, &chunk, &mut results, true)?;
+            let checksums = self.footer_phase(lane, &chunk, &mut results, true)?;
             if let Some(bounce) = lane.bounce.as_mut() {
                 let bytes = bounce.bytes_mut();
                 for ((item, &slot), result) in chunk.iter_mut().zip(&slots).zip(&results) {
                     if let (None, Pages::Read(segments), Ok(())) = (&item.pieces, &mut item.pages, result) {
                         scatter(&bytes[slot * page_bytes..(slot + 1) * page_bytes], segments);
                         self.stats.record_staging(page_bytes);
+                    }
+                }
+            }
+            // the bytes as read (in place, or scattered from the bounce iov) against the checksum their writer put
+            // in the footer
+            for ((item, result), &wanted) in chunk.iter().zip(results.iter_mut()).zip(&checksums) {
+                if let (Ok(()), Pages::Read(segments)) = (&*result, &item.pages) {
+                    let found = checksum(segments.iter().map(|segment| &segment[..]));
+                    if found != wanted {
+                        *result = Err(failure(
+                            FailureKind::Corrupt,
+                            format!(
+                                "page {} of {}: its bytes do not match its footer's checksum (changed beneath the \
+                                 tier)",
+                                item.page.index,
+                                self.path.display()
+                            ),
+                        ));
                     }
                 }
             }
@@ -393,20 +411,24 @@ impl Hf3fsStorage {
         Ok(())
     }
 
-    /// The pages' footers: written from, or read into and checked against, what the metadata handed out.
+    /// The pages' footers: written from, or read into and checked against, what the metadata handed out. Reads
+    /// return each page's checksum from its footer (for the pages that passed).
     fn footer_phase(
         &self,
         lane: &mut Lane,
         chunk: &[Work<'_, '_>],
         results: &mut [Result<(), PageFailure>],
         read: bool,
-    ) -> Result<(), Stuck> {
+    ) -> Result<Vec<u64>, Stuck> {
+        let mut checksums = vec![0; chunk.len()];
         let mut expected: Vec<(usize, usize, u64)> = Vec::new();
         {
             let bytes = lane.footers.bytes_mut();
             for (index, item) in chunk.iter().enumerate() {
-                if results[index].is_ok() && !read {
-                    let footer = Footer { key: item.key, namespace: self.digest, generation: item.page.generation };
+                if let (Ok(()), Pages::Write(segments)) = (&results[index], &item.pages) {
+                    let checksum = checksum(segments.iter().map(|segment| &segment[..]));
+                    let footer =
+                        Footer { key: item.key, namespace: self.digest, generation: item.page.generation, checksum };
                     bytes[index * FOOTER_BYTES..(index + 1) * FOOTER_BYTES].copy_from_slice(&footer.encode());
                 }
             }
@@ -434,8 +456,15 @@ impl Hf3fsStorage {
                     continue;
                 }
                 let found = Footer::decode(&bytes[index * FOOTER_BYTES..(index + 1) * FOOTER_BYTES]);
-                let wanted = Footer { key: item.key, namespace: self.digest, generation: item.page.generation };
-                if found != Some(wanted) {
+                let wanted = Footer {
+                    key: item.key,
+                    namespace: self.digest,
+                    generation: item.page.generation,
+                    checksum: found.map_or(0, |footer| footer.checksum),
+                };
+                if let Some(footer) = found.filter(|footer| *footer == wanted) {
+                    checksums[index] = footer.checksum;
+                } else {
                     results[index] = Err(failure(
                         FailureKind::Corrupt,
                         format!(
@@ -453,7 +482,7 @@ impl Hf3fsStorage {
                 }
             }
         }
-        Ok(())
+        Ok(checksums)
     }
 }
 

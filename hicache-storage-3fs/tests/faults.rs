@@ -187,3 +187,31 @@ fn a_page_reused_between_locating_and_reading_is_never_another_keys_bytes() {
         );
     }
 }
+
+#[test]
+fn bytes_overwritten_beneath_the_tier_are_corrupt_never_a_hit() {
+    let mount = Mount::new();
+    let backend = Hf3fsStorage::open(mount.config(FILE_SIZE, None), &mha_namespace(0, 1)).unwrap();
+    let bytes = page_bytes(&backend);
+    let keys = random_keys(3);
+    let pages = random_pages(3, bytes);
+    assert_eq!(put(&backend, &keys, &pages), vec![SetOutcome::Stored; 3]);
+    let (outcomes, read) = fetch(&backend, &keys, bytes, 0);
+    assert_eq!((outcomes, read), (vec![GetOutcome::Hit; 3], pages.clone()));
+    // another program writes one byte into the middle of the second page's bytes (its footer untouched): find the
+    // page by its bytes in the data file
+    let mut file = std::fs::read(backend.data_file()).unwrap();
+    let at = file.windows(bytes).position(|window| window == pages[1].as_slice()).expect("the page in the file");
+    file[at + bytes / 2] ^= 0x40;
+    std::fs::write(backend.data_file(), &file).unwrap();
+    let (outcomes, read) = fetch(&backend, &keys, bytes, 0);
+    assert_eq!((&outcomes[0], &read[0]), (&GetOutcome::Hit, &pages[0]));
+    assert_eq!((&outcomes[2], &read[2]), (&GetOutcome::Hit, &pages[2]));
+    match &outcomes[1] {
+        GetOutcome::Failed(failure) => {
+            assert_eq!(failure.kind, FailureKind::Corrupt, "{failure}");
+            assert!(failure.message.contains("checksum"), "{failure}");
+        }
+        other => panic!("a page changed beneath the tier came back as {other:?}"),
+    }
+}
