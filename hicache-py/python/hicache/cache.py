@@ -53,8 +53,8 @@ def token_ids(ids) -> Tokens:
 
 
 def _tokens(tokens):
-    """Token ids as ``Tokens`` (a tensor's read in place) or a list, which the native side converts (each id an
-    unsigned 32-bit integer)."""
+    """Token ids as ``Tokens`` (a tensor's read straight from its memory) or a list, which the native side converts
+    (each id an unsigned 32-bit integer)."""
     if isinstance(tokens, (Tokens, list)):
         return tokens
     if isinstance(tokens, torch.Tensor):
