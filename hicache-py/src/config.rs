@@ -153,8 +153,9 @@ impl Settings {
             }
         };
         if let Some(key) = fields.keys().next() {
+            // an empty key is named as JSON spells it (found by the fuzz target)
             return Err(ConfigError::value(
-                key.as_str(),
+                if key.is_empty() { "\"\"" } else { key.as_str() },
                 format!(
                     "unknown key for the {} backend (it takes: {})",
                     backend.as_deref().unwrap_or("file"),
@@ -263,6 +264,7 @@ mod tests {
         let wrong_type = |json: &str| Settings::parse(json).unwrap_err().wrong_type;
         assert!(error(r#"{"backend": "s3"}"#).contains("key `backend`: \"s3\" is not"));
         assert!(error(r#"{"capacty": 1}"#).contains("key `capacty`: unknown key for the file backend"));
+        assert!(error(r#"{"": 6}"#).contains(r#"key `""`: unknown key"#));
         assert!(error(r#"{"format": "zip"}"#).contains("key `format`"));
         assert!(error(r#"{"capacity": "1 parsec"}"#).contains("key `capacity`"));
         assert!(error(r#"{"io_threads": 0}"#).contains("key `io_threads`: must be at least 1"));
