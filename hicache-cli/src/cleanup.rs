@@ -1,6 +1,10 @@
 //! Temporary folders that must go however the command ends: on return, on an error, and on SIGINT, SIGTERM or
 //! SIGHUP (a signal handler thread removes every registered folder, then exits with 128 + the signal's number, as a
 //! shell reports a process killed by it). SIGKILL cannot be caught; what it leaves is named so it is recognisable.
+//!
+//! The handler holds the folder list from its first removal to its exit, and the command's own way out, [`close`],
+//! takes the list before it returns: a process that fails on its own while a signal's removal runs (a rank whose
+//! peer was stopped at the same moment) waits for the removal instead of ending it halfway.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, Once};
@@ -49,6 +53,14 @@ pub(crate) fn remove_on_signal(folder: PathBuf) {
     lock().push(folder);
 }
 
+/// Called once, as the command ends on its own: a signal handler already removing folders finishes (and exits the
+/// process with the signal's status) before this returns; a signal that comes after it removes nothing, since the
+/// command is ending and its own guards have removed what they made.
+pub(crate) fn close() {
+    // never unlocked: the process is ending
+    std::mem::forget(lock());
+}
+
 fn lock() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
     FOLDERS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
@@ -59,7 +71,9 @@ fn install_handler() {
         let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]) else { return };
         let spawned = std::thread::Builder::new().name("hicache-signals".into()).spawn(move || {
             if let Some(signal) = signals.forever().next() {
-                for folder in lock().drain(..) {
+                // held until the exit: `close` on another thread waits here
+                let mut folders = lock();
+                for folder in folders.drain(..) {
                     remove_while_written(&folder);
                 }
                 std::process::exit(128 + signal);

@@ -57,11 +57,13 @@ fn main() -> ExitCode {
         Command::Replay(args) => replay::run(&args),
         Command::Store(command) => commands::store::run(&command),
     };
-    match result {
+    let code = match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("hicache: error: {error:#}");
             exit::code_for(&error)
         }
-    }
+    };
+    cleanup::close();
+    code
 }
