@@ -76,7 +76,7 @@ fn install_handler() {
                 for folder in folders.drain(..) {
                     remove_while_written(&folder);
                 }
-                std::process::exit(128 + signal);
+                crate::exit::now(u8::try_from(128 + signal).unwrap_or(u8::MAX));
             }
         });
         drop(spawned);

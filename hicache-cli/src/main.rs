@@ -12,8 +12,6 @@ mod metrics;
 mod progress;
 mod replay;
 
-use std::process::ExitCode;
-
 use clap::{Parser, Subcommand};
 
 /// The name a command-line value is given as (`layer-first`, `3fs`), for messages and JSON results.
@@ -46,7 +44,7 @@ enum Command {
     Config(commands::config::ConfigCommand),
 }
 
-fn main() -> ExitCode {
+fn main() {
     let cli = Cli::parse();
     // the store commands inspect storage an operator looks after: what they skip (an unreadable folder) is said
     metrics::init_tracing(if matches!(cli.command, Command::Store(_)) { "warn" } else { "off" });
@@ -58,12 +56,12 @@ fn main() -> ExitCode {
         Command::Store(command) => commands::store::run(&command),
     };
     let code = match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => 0,
         Err(error) => {
             eprintln!("hicache: error: {error:#}");
             exit::code_for(&error)
         }
     };
     cleanup::close();
-    code
+    exit::now(code)
 }

@@ -12,6 +12,10 @@ use hicache_storage_mooncake::testing::{Master, python_path, store_library, unpa
 /// The environment a `hicache` process needs for the test library: the library, and on a machine without the CUDA
 /// driver the no-device stand-in first on the loader's path.
 fn hicache(args: &[&str]) -> Output {
+    hicache_command(args).output().expect("runs hicache")
+}
+
+fn hicache_command(args: &[&str]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_hicache"));
     command.args(args).env("MOONCAKE_STORE_LIBRARY", store_library()).env_remove("MOONCAKE_MASTER");
     let shim = unpack_dir().join("no-device-cuda-shim");
@@ -19,7 +23,7 @@ fn hicache(args: &[&str]) -> Output {
         let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
         command.env("LD_LIBRARY_PATH", format!("{}:{path}", shim.display()));
     }
-    command.output().expect("runs hicache")
+    command
 }
 
 fn extra_config(master: &Master) -> String {
@@ -152,6 +156,61 @@ fn a_replay_verifies_against_the_master() {
     assert_eq!(report["verified"], true, "{report}");
     assert!(report["tokens_from_l3"].as_u64().unwrap() > 0, "nothing came back from Mooncake: {report}");
     assert_eq!(report["staging_bytes"], 0, "page-first parts move in place: {report}");
+}
+
+#[test]
+fn a_replay_ends_soon_after_its_master_dies_or_stops_and_verifies_what_it_served() {
+    // before, every call waited for Mooncake's own deadline (8 s for a master gone, 30 s for one stopped) and the
+    // queued backups one after another; closing waited ~40 s more to unmount: minutes in all
+    const BOUND: std::time::Duration = std::time::Duration::from_secs(90);
+    for signal in ["KILL", "STOP"] {
+        let master = Master::start();
+        let extra = extra_config(&master).replace("\"global_segment_size\":0", "\"global_segment_size\":268435456");
+        let mut replay = hicache_command(&[
+            "replay",
+            "--backend",
+            "mooncake",
+            "--extra-config",
+            &extra,
+            "--clients",
+            "200",
+            "--rounds",
+            "8",
+            "--json",
+        ])
+        .env("RUST_LOG", "hicache_storage_mooncake=warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+        // read as it comes (Mooncake logs much once the master is gone), so the replay never waits on a full pipe
+        let mut stderr = replay.stderr.take().unwrap();
+        let stderr = std::thread::spawn(move || {
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut stderr, &mut text).unwrap();
+            text
+        });
+        // the replay is writing pages to the master
+        let deadline = std::time::Instant::now() + BOUND;
+        while master.metric("master_batch_put_start_requests_total").unwrap_or(0.0) < 4.0 {
+            assert!(std::time::Instant::now() < deadline, "the replay wrote nothing to the master");
+            assert!(replay.try_wait().unwrap().is_none(), "the replay ended before it wrote");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        master.signal(signal);
+        let signalled = std::time::Instant::now();
+        assert!(replay.try_wait().unwrap().is_none(), "the replay ended before the master went away");
+        let output = replay.wait_with_output().unwrap();
+        let took = signalled.elapsed();
+        assert!(took < BOUND, "after SIG{signal} to the master the replay took {took:?} to end");
+        assert!(output.status.success(), "after SIG{signal}: {:?}", output.status);
+        let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        assert_eq!(report["verified"], true, "after SIG{signal}: {report}");
+        // the outage was met (and from then on calls failed at once)
+        let stderr = stderr.join().unwrap();
+        assert!(stderr.contains("stopped answering"), "after SIG{signal} no call met the outage: {stderr}");
+        drop(master);
+    }
 }
 
 #[test]

@@ -38,8 +38,8 @@ pub struct MooncakeConfig {
     pub scheme: KeyScheme,
     /// `libmooncake_store.so`; `None`: `$MOONCAKE_STORE_LIBRARY`, else the loader's search path.
     pub library: Option<PathBuf>,
-    /// How long opening waits for the master to accept a connection before saying it does not answer (Mooncake's
-    /// own setup retries for about 90 s).
+    /// How long opening may take: the master accepting a connection and the client's setup (Mooncake's own setup
+    /// retries for minutes against a master that is stopped); also how long closing waits for the unmount.
     pub connect_timeout: Duration,
     /// How long a removal waits for readers' leases on an object to run out (Mooncake's default lease is 10 s).
     pub lease_wait: Duration,
@@ -65,7 +65,7 @@ impl MooncakeConfig {
             replicas: 1,
             scheme: KeyScheme::Native,
             library: None,
-            connect_timeout: Duration::from_secs(3),
+            connect_timeout: Duration::from_secs(10),
             lease_wait: Duration::from_secs(11),
             prefer_local_segment: true,
         }
@@ -230,8 +230,52 @@ impl MooncakeConfig {
         if self.local_buffer_size == 0 {
             return invalid("local_buffer_size", "must be above 0".into());
         }
+        if self.global_segment_size != 0 && self.global_segment_size < MIN_SEGMENT_SIZE {
+            return invalid(
+                "global_segment_size",
+                format!(
+                    "{} bytes: a segment is 0 (lend nothing) or at least {MIN_SEGMENT_SIZE} bytes (16 MiB, Mooncake's \
+                     least)",
+                    self.global_segment_size
+                ),
+            );
+        }
+        if let Some(memory) = physical_memory() {
+            for (field, bytes) in
+                [("global_segment_size", self.global_segment_size), ("local_buffer_size", self.local_buffer_size)]
+            {
+                if bytes > memory {
+                    return invalid(
+                        field,
+                        format!("{bytes} bytes is more than this machine's memory ({memory} bytes)"),
+                    );
+                }
+            }
+        }
+        if self.connect_timeout.is_zero() || self.connect_timeout > MAX_WAIT {
+            let ms = self.connect_timeout.as_millis();
+            return invalid("connect_timeout_ms", format!("{ms} must be in [1, {}] (a day)", MAX_WAIT.as_millis()));
+        }
+        if self.lease_wait > MAX_WAIT {
+            let ms = self.lease_wait.as_millis();
+            return invalid("lease_wait_ms", format!("{ms} must be in [0, {}] (a day)", MAX_WAIT.as_millis()));
+        }
         Ok(self)
     }
+}
+
+/// Mooncake's smallest segment (its allocator refuses less).
+const MIN_SEGMENT_SIZE: u64 = 16 << 20;
+
+/// The longest wait a field may name.
+const MAX_WAIT: Duration = Duration::from_secs(86_400);
+
+/// This machine's physical memory in bytes, when the system says.
+fn physical_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|line| line.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 fn rename_field(error: Error, protocol_var: &str) -> Error {
@@ -240,6 +284,8 @@ fn rename_field(error: Error, protocol_var: &str) -> Error {
             let field = match field.as_str() {
                 "protocol" => protocol_var.to_owned(),
                 "master_server_address" => "MOONCAKE_MASTER".to_owned(),
+                "global_segment_size" => "MOONCAKE_GLOBAL_SEGMENT_SIZE".to_owned(),
+                "local_buffer_size" => "MOONCAKE_LOCAL_BUFFER_SIZE".to_owned(),
                 _ => field,
             };
             Error::InvalidConfig { field, reason }
@@ -331,6 +377,8 @@ mod tests {
         assert_eq!(config.device, "");
         assert_eq!(config.scheme, KeyScheme::Sglang { release: SglangRelease::V0_5_23, tag: Some("blue".into()) });
         assert!(config.prefer_local_segment, "the default");
+        let zero = serde_json::json!({"master_server_address": "h:1", "global_segment_size": 0, "lease_wait_ms": 0});
+        assert_eq!(MooncakeConfig::from_json(&zero).unwrap().global_segment_size, 0, "lending nothing is allowed");
         let value = serde_json::json!({"master_server_address": "h:1", "prefer_local_segment": false});
         assert!(!MooncakeConfig::from_json(&value).unwrap().prefer_local_segment);
         for (bad, field) in [
@@ -347,6 +395,12 @@ mod tests {
             ),
             (serde_json::json!({"master_server_address": "h:1", "sglang_release": "0.5.2"}), "key_scheme"),
             (serde_json::json!({"master_server_address": "h:1", "local_buffer_size": "lots"}), "local_buffer_size"),
+            // Mooncake's allocator refuses a segment under 16 MiB; more than the machine has cannot be lent
+            (serde_json::json!({"master_server_address": "h:1", "global_segment_size": "8mb"}), "at least 16777216"),
+            (serde_json::json!({"master_server_address": "h:1", "global_segment_size": "1000000tb"}), "memory"),
+            (serde_json::json!({"master_server_address": "h:1", "local_buffer_size": "900tb"}), "local_buffer_size"),
+            (serde_json::json!({"master_server_address": "h:1", "connect_timeout_ms": 0}), "connect_timeout_ms"),
+            (serde_json::json!({"master_server_address": "h:1", "lease_wait_ms": 1e12 as u64}), "lease_wait_ms"),
         ] {
             let error = MooncakeConfig::from_json(&bad).unwrap_err().to_string();
             assert!(error.contains(field), "{bad}: {error}");

@@ -26,9 +26,11 @@
 //!   namespace's objects by a regular expression over their keys, leases or not (an operator's wipe; a reader in
 //!   flight at that moment may fail). SGLang's `clear` removed every object in the cluster. `list` is not offered:
 //!   the C API cannot enumerate keys.
-//! * **The master.** Opening checks that the master accepts connections within
-//!   [`MooncakeConfig::connect_timeout`] (Mooncake's own setup retries for ~90 s); a master that goes away makes
-//!   calls fail fast (per page, naming its address) and the client reconnects when it is back.
+//! * **The master.** Opening (the master accepting a connection, then the client's setup) ends within
+//!   [`MooncakeConfig::connect_timeout`] (Mooncake's own setup retries for minutes against a stopped master). A
+//!   master that stops answering fails the calls in flight within Mooncake's own RPC deadline, and every later call
+//!   at once (naming its address), until a probe finds it answering again; the client then reconnects. Closing
+//!   waits for the segment's unmount up to the connect timeout.
 //!
 //! The library is Mooncake's C API, loaded at run time ([`sys`]).
 
@@ -576,7 +578,7 @@ impl StorageBackend for MooncakeStorage {
             for key in page {
                 let deadline = Instant::now() + self.config.lease_wait;
                 loop {
-                    match self.client.remove(key) {
+                    match self.client.remove(key).map_err(error)? {
                         0 => any = true,
                         code::OBJECT_NOT_FOUND => {}
                         code::OBJECT_HAS_LEASE if Instant::now() < deadline => {

@@ -75,7 +75,8 @@ pub fn config(master: &Master) -> MooncakeConfig {
         global_segment_size: 0,
         local_buffer_size: 16 << 20,
         library: Some(store_library()),
-        connect_timeout: Duration::from_secs(2),
+        // the setup of a client lending memory takes seconds on a loaded machine
+        connect_timeout: Duration::from_secs(10),
         lease_wait: Duration::from_secs(5),
         ..MooncakeConfig::new(master.address())
     }
@@ -123,6 +124,48 @@ impl Master {
     /// The master's PID.
     pub fn pid(&self) -> Option<u32> {
         self.service.as_ref().map(LoopbackService::pid)
+    }
+
+    /// The value of `name` on the master's metrics page (Prometheus text), `None` when it does not answer or has no
+    /// such metric.
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        use std::io::{Read, Write};
+        let mut stream = TcpStream::connect(("127.0.0.1", self.metrics_port)).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        write!(stream, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
+        // the master keeps the connection open: read the headers, then the body's Content-Length
+        let mut bytes = Vec::new();
+        let mut chunk = [0u8; 65536];
+        loop {
+            let text = String::from_utf8_lossy(&bytes);
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let length = head.lines().find_map(|line| {
+                    let (key, value) = line.split_once(':')?;
+                    key.eq_ignore_ascii_case("content-length").then(|| value.trim().parse::<usize>().ok())?
+                })?;
+                if body.len() >= length {
+                    return body
+                        .lines()
+                        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok());
+                }
+            }
+            let read = stream.read(&mut chunk).ok()?;
+            if read == 0 {
+                return None;
+            }
+            bytes.extend_from_slice(&chunk[..read]);
+        }
+    }
+
+    /// Stops (SIGSTOP) or continues (SIGCONT) the master, as `signal` names it for `kill(1)`.
+    ///
+    /// # Panics
+    ///
+    /// When it is not running or `kill` fails.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.pid().expect("the master runs").to_string();
+        let status = Command::new("kill").args([&format!("-{signal}"), &pid]).status().expect("running kill");
+        assert!(status.success(), "kill -{signal} {pid}");
     }
 
     /// Kills the master (SIGKILL) and reaps it.

@@ -1,5 +1,5 @@
-//! Faults of the real thing: a master that does not answer at open, a master killed mid-run and restarted, objects
-//! evicted between `batch_exists` and `batch_get_into`.
+//! Faults of the real thing: a master that does not answer at open, one stopped (SIGSTOP) before open, a master killed
+//! mid-run and restarted, objects evicted between `batch_exists` and `batch_get_into`.
 
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
@@ -10,7 +10,7 @@ use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::conformance::{fetch, put, random_keys, random_pages};
 use hicache_core::storage::{GetOutcome, SetOutcome, StorageBackend};
-use hicache_storage_mooncake::testing::{Cluster, store_library};
+use hicache_storage_mooncake::testing::{self, Cluster, Master, store_library};
 use hicache_storage_mooncake::{MooncakeConfig, MooncakeStorage};
 
 /// Every call against a master that went away returns within this (Mooncake's client gives up on its own).
@@ -72,9 +72,14 @@ fn a_master_killed_mid_run_fails_calls_fast_and_the_backend_recovers_when_it_is_
     let (keys, pages) = (random_keys(8), random_pages(8, bytes));
     assert_eq!(put(&backend, &keys, &pages), vec![SetOutcome::Stored; 8]);
 
-    cluster.master().kill();
-    let (more_keys, more_pages) = (random_keys(4), random_pages(4, bytes));
     let names_master = |error: &Error| error.to_string().contains(&address);
+    cluster.master().kill();
+    // the first call finds the master gone (within Mooncake's own deadline); every later one fails without trying
+    let first = timed("batch_exists", || backend.batch_exists(&keys));
+    assert!(first.as_ref().is_err_and(names_master) || first == Ok(0), "{first:?}");
+    let at_once = backend.batch_exists(&keys).unwrap_err().to_string();
+    assert!(at_once.contains("not tried") && at_once.contains(&address), "{at_once}");
+    let (more_keys, more_pages) = (random_keys(4), random_pages(4, bytes));
     match timed("batch_set", || {
         backend.batch_set(&more_keys, &more_pages.iter().map(|page| vec![page.as_slice()]).collect::<Vec<_>>())
     }) {
@@ -101,9 +106,11 @@ fn a_master_killed_mid_run_fails_calls_fast_and_the_backend_recovers_when_it_is_
     // the clients mount their segments again on their next contact with the new master
     let deadline = Instant::now() + CALL_DEADLINE;
     let (new_keys, new_pages) = (random_keys(4), random_pages(4, bytes));
+    let segments: Vec<Vec<&[u8]>> = new_pages.iter().map(|page| vec![page.as_slice()]).collect();
     loop {
-        let outcomes = timed("batch_set after the restart", || put(&backend, &new_keys, &new_pages));
-        if outcomes.iter().all(SetOutcome::is_stored) {
+        // calls fail at once (not tried) until a probe finds the master back
+        let outcomes = timed("batch_set after the restart", || backend.batch_set(&new_keys, &segments));
+        if outcomes.as_ref().is_ok_and(|outcomes| outcomes.iter().all(SetOutcome::is_stored)) {
             break;
         }
         assert!(Instant::now() < deadline, "the backend did not recover within {CALL_DEADLINE:?}: {outcomes:?}");
@@ -121,6 +128,45 @@ fn a_master_killed_mid_run_fails_calls_fast_and_the_backend_recovers_when_it_is_
             GetOutcome::Failed(failure) => panic!("{failure}"),
         }
     }
+}
+
+#[test]
+fn a_master_stopped_before_open_fails_the_open_within_the_connect_timeout() {
+    // a stopped master still accepts connections (the kernel does), but answers nothing: Mooncake's setup would wait
+    // for minutes
+    let master = Master::start();
+    master.signal("STOP");
+    let config = MooncakeConfig { connect_timeout: Duration::from_secs(2), ..testing::config(&master) };
+    let started = Instant::now();
+    let Err(error) = MooncakeStorage::open(config, &namespace(4)) else { panic!("opened a stopped master") };
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(2) + CALL_DEADLINE / 2, "the open took {waited:?}");
+    let message = error.to_string();
+    assert!(
+        message.contains("did not set up a client within 2000 ms") && message.contains(&master.address()),
+        "{message}"
+    );
+    // dropping the master kills it (SIGKILL ends a stopped process too)
+}
+
+#[test]
+fn a_backend_whose_master_died_closes_within_the_connect_timeout() {
+    let mut cluster = Cluster::start();
+    let namespace = namespace(4);
+    let bytes = namespace.geometry.bytes_per_page(namespace.page_size);
+    // this client lends memory too, so closing it has a segment to unmount at a master that is gone
+    let config = MooncakeConfig { global_segment_size: 32 << 20, ..cluster.config() };
+    let connect_timeout = config.connect_timeout;
+    let backend = MooncakeStorage::open(config, &namespace).unwrap();
+    let (keys, pages) = (random_keys(4), random_pages(4, bytes));
+    assert_eq!(put(&backend, &keys, &pages), vec![SetOutcome::Stored; 4]);
+    cluster.drop_holder();
+    cluster.master().kill();
+    let _ = timed("batch_exists", || backend.batch_exists(&keys));
+    let started = Instant::now();
+    drop(backend);
+    // Mooncake's own unmount retries against the gone master for about 40 s
+    assert!(started.elapsed() < connect_timeout + CALL_DEADLINE / 3, "closing took {:?}", started.elapsed());
 }
 
 #[test]
