@@ -103,7 +103,15 @@ impl Hf3fsConfig {
         if let Some(entries) = count(object, "entries", 65_536)? {
             config.entries = entries;
         }
-        config.metadata_server_url = string(object, "metadata_server_url")?.filter(|url| !url.is_empty());
+        config.metadata_server_url = string(object, "metadata_server_url")?;
+        if config.metadata_server_url.as_deref() == Some("") {
+            return Err(invalid(
+                "metadata_server_url",
+                "is empty: leave it out for metadata in this process alone, or name a Redis (redis://host:port) that \
+                 every process sharing the files uses"
+                    .into(),
+            ));
+        }
         if let Some(url) = &config.metadata_server_url
             && !(url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("unix://"))
         {
@@ -224,6 +232,7 @@ mod tests {
             (json!({"file_path_prefix": "/p", "numjobs": 0}), "numjobs"),
             (json!({"file_path_prefix": "/p", "entries": -1}), "entries"),
             (json!({"file_path_prefix": "/p", "metadata_server_url": "http://h:18000"}), "metadata_server_url"),
+            (json!({"file_path_prefix": "/p", "metadata_server_url": ""}), "metadata_server_url"),
             (json!({"file_path_prefix": "/p", "io_timeout_s": 0}), "io_timeout_s"),
         ] {
             let error = Hf3fsConfig::from_json(&config).expect_err(&config.to_string());

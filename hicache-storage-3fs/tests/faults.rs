@@ -215,3 +215,50 @@ fn bytes_overwritten_beneath_the_tier_are_corrupt_never_a_hit() {
         other => panic!("a page changed beneath the tier came back as {other:?}"),
     }
 }
+
+/// A loopback listener that answers every connection with `reply` (then closes it), or, with `None`, accepts and
+/// says nothing; its URL. The thread ends with the test process.
+fn fake_server(reply: Option<&'static [u8]>) -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for mut stream in listener.incoming().flatten() {
+            match reply {
+                Some(reply) => {
+                    let mut buffer = [0u8; 1024];
+                    let _ = stream.read(&mut buffer);
+                    let _ = stream.write_all(reply);
+                }
+                None => held.push(stream),
+            }
+        }
+    });
+    url
+}
+
+#[test]
+fn a_server_that_is_not_redis_is_a_one_line_error_saying_so() {
+    let url = fake_server(Some(
+        b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: 11\r\n\r\nBad Request",
+    ));
+    let error = RedisMetadata::with_timeout(&url, Duration::from_secs(5)).err().expect("not Redis");
+    let text = error.to_string();
+    assert!(!text.contains('\n'), "one line: {text}");
+    assert!(text.contains(&url) && text.contains("is it a Redis server?"), "{text}");
+}
+
+#[test]
+fn a_metadata_call_ends_within_its_timeout_and_says_how_long_it_waited() {
+    // a server that accepts and never answers: connecting and loading the scripts share one deadline
+    let url = fake_server(None);
+    let timeout = Duration::from_secs(1);
+    let started = Instant::now();
+    let error = RedisMetadata::with_timeout(&url, timeout).err().expect("no answer");
+    let took = started.elapsed();
+    let Error::Timeout { waited_ms, .. } = &error else { panic!("{error}") };
+    assert!(*waited_ms >= 1000 && u128::from(*waited_ms) <= took.as_millis(), "said {waited_ms} ms, took {took:?}");
+    // each of the several scripts waited the whole timeout before
+    assert!(took < timeout * 2 + Duration::from_millis(500), "took {took:?} for a {timeout:?} timeout");
+}

@@ -457,6 +457,7 @@ fn probe_master(master: &str, timeout: Duration) -> Result<(), String> {
         .to_socket_addrs()
         .map_err(|error| format!("the Mooncake master address {master:?} does not resolve: {error}"))?
         .collect();
+    let started = Instant::now();
     let mut last = None;
     for address in &addresses {
         match TcpStream::connect_timeout(address, timeout) {
@@ -464,10 +465,16 @@ fn probe_master(master: &str, timeout: Duration) -> Result<(), String> {
             Err(error) => last = Some(error),
         }
     }
+    // say how long it waited only when it waited (a refused connection fails at once)
+    let reason = match last {
+        None => "no address".to_owned(),
+        Some(error) if error.kind() == std::io::ErrorKind::TimedOut => {
+            format!("no answer within {} ms", timeout.as_millis())
+        }
+        Some(error) => format!("{error}, after {} ms", started.elapsed().as_millis()),
+    };
     Err(format!(
-        "the Mooncake master at {master} does not answer ({}; waited {} ms); start one (`cargo xtask mooncake` runs \
-         one on loopback) or set MOONCAKE_MASTER / master_server_address",
-        last.map_or_else(|| "no address".to_owned(), |error| error.to_string()),
-        timeout.as_millis()
+        "the Mooncake master at {master} does not answer ({reason}); start one (`cargo xtask mooncake` runs one on \
+         loopback) or set MOONCAKE_MASTER / master_server_address"
     ))
 }

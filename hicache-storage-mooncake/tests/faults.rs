@@ -41,6 +41,8 @@ fn a_master_that_does_not_answer_is_a_one_line_error() {
     let message = error.to_string();
     assert!(!message.contains('\n'), "one line: {message}");
     assert!(message.contains(&format!("127.0.0.1:{port}")) && message.contains("does not answer"), "{message}");
+    // refused at once: it says so, not that it waited the timeout
+    assert!(message.contains("refused") && !message.contains("within"), "{message}");
 }
 
 #[test]

@@ -12,7 +12,7 @@
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hicache_core::Error;
 use redis::{Connection, Value};
@@ -87,44 +87,62 @@ impl RedisMetadata {
             idle: Mutex::new(Vec::new()),
             round_trips: AtomicU64::new(0),
         };
-        let connection = metadata.open_connection()?;
+        let started = Instant::now();
+        let connection = metadata.open_connection(started, started + timeout)?;
         metadata.give_back(connection);
         Ok(metadata)
     }
 
-    fn failure(&self, what: &str, error: &redis::RedisError) -> Error {
+    /// The error of a call that began at `started`: a timeout says how long the call waited in all; any other
+    /// failure is one line (a server that is not Redis answers with text the parser quotes over several lines).
+    fn failure(&self, what: &str, error: &redis::RedisError, started: Instant) -> Error {
         if error.is_timeout() {
             return Error::Timeout {
                 backend: format!("3fs metadata at {}", self.url),
                 operation: "a metadata call",
-                waited_ms: self.timeout.as_millis() as u64,
+                waited_ms: started.elapsed().as_millis() as u64,
             };
         }
-        Error::storage("3fs", format!("metadata at {}: {what}: {error}", self.url))
+        let text = error.to_string().split_whitespace().collect::<Vec<_>>().join(" ");
+        let hint = if matches!(error.kind(), redis::ErrorKind::Parse) {
+            " (the server there does not speak Redis's protocol: is it a Redis server?)"
+        } else {
+            ""
+        };
+        Error::storage("3fs", format!("metadata at {}: {what}: {text}{hint}", self.url))
     }
 
-    fn open_connection(&self) -> Result<Connection, Error> {
+    /// What is left of the call's `timeout` at `deadline`, as a socket timeout (never zero, which means none).
+    fn left(deadline: Instant) -> Duration {
+        deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
+    }
+
+    fn open_connection(&self, started: Instant, deadline: Instant) -> Result<Connection, Error> {
         let mut connection = self
             .client
-            .get_connection_with_timeout(self.timeout)
-            .map_err(|error| self.failure("cannot connect", &error))?;
-        connection.set_read_timeout(Some(self.timeout)).map_err(|error| self.failure("read timeout", &error))?;
-        connection.set_write_timeout(Some(self.timeout)).map_err(|error| self.failure("write timeout", &error))?;
+            .get_connection_with_timeout(Self::left(deadline))
+            .map_err(|error| self.failure("cannot connect", &error, started))?;
+        connection
+            .set_write_timeout(Some(self.timeout))
+            .map_err(|error| self.failure("write timeout", &error, started))?;
         for source in SCRIPTS {
+            connection
+                .set_read_timeout(Some(Self::left(deadline)))
+                .map_err(|error| self.failure("read timeout", &error, started))?;
             redis::cmd("SCRIPT")
                 .arg("LOAD")
                 .arg(source)
                 .query::<String>(&mut connection)
-                .map_err(|error| self.failure("loading its scripts", &error))?;
+                .map_err(|error| self.failure("loading its scripts", &error, started))?;
         }
         Ok(connection)
     }
 
-    fn take(&self) -> Result<Connection, Error> {
+    fn take(&self, started: Instant, deadline: Instant) -> Result<Connection, Error> {
         let idle = self.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop();
         match idle {
             Some(connection) => Ok(connection),
-            None => self.open_connection(),
+            None => self.open_connection(started, deadline),
         }
     }
 
@@ -132,11 +150,17 @@ impl RedisMetadata {
         self.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(connection);
     }
 
-    /// Runs one command on a pooled connection; a connection that failed (or lost its scripts) is dropped.
-    fn query_raw(&self, command: &redis::Cmd) -> Result<Result<Value, redis::RedisError>, Error> {
-        let mut connection = self.take()?;
+    /// Runs one command on a pooled connection, the whole call (a new connection included) within the timeout; a
+    /// connection that failed (or lost its scripts) is dropped. The error of the call is returned with the time it
+    /// began.
+    fn query_raw(&self, command: &redis::Cmd) -> Result<Result<Value, (redis::RedisError, Instant)>, Error> {
+        let started = Instant::now();
+        let deadline = started + self.timeout;
+        let mut connection = self.take(started, deadline)?;
         self.round_trips.fetch_add(1, Ordering::Relaxed);
-        let result = command.query::<Value>(&mut connection);
+        let result = connection
+            .set_read_timeout(Some(Self::left(deadline)))
+            .and_then(|()| command.query::<Value>(&mut connection));
         let healthy = match &result {
             Ok(_) => true,
             Err(error) => {
@@ -147,11 +171,11 @@ impl RedisMetadata {
         if healthy {
             self.give_back(connection);
         }
-        Ok(result)
+        Ok(result.map_err(|error| (error, started)))
     }
 
     fn query(&self, what: &str, command: &redis::Cmd) -> Result<Value, Error> {
-        self.query_raw(command)?.map_err(|error| self.failure(what, &error))
+        self.query_raw(command)?.map_err(|(error, started)| self.failure(what, &error, started))
     }
 
     fn run(&self, op: Op, space: &Space, args: &[&str]) -> Result<Value, Error> {
@@ -174,7 +198,7 @@ impl RedisMetadata {
             Op::List => "list",
             Op::Counts => "counts",
         };
-        self.query_raw(&command)?.map_err(|error| {
+        self.query_raw(&command)?.map_err(|(error, started)| {
             let text = error.to_string();
             match text.find("HICACHE_MISMATCH") {
                 Some(at) => {
@@ -182,10 +206,10 @@ impl RedisMetadata {
                         text[at..].split(|c: char| !c.is_ascii_digit()).filter_map(|word| word.parse().ok()).collect();
                     match numbers.as_slice() {
                         [pages, bytes, ..] => super::mismatch(space, *pages, *bytes),
-                        _ => self.failure(what, &error),
+                        _ => self.failure(what, &error, started),
                     }
                 }
-                None => self.failure(what, &error),
+                None => self.failure(what, &error, started),
             }
         })
     }
