@@ -291,7 +291,7 @@ impl Client {
         let status =
             unsafe { (self.api().batch_is_exist)(self.raw(), pointers.as_ptr(), keys.len(), results.as_mut_ptr()) };
         self.check("batch_is_exist", status)?;
-        self.observe_each("batch_is_exist", results.into_iter().map(i64::from).collect())
+        Ok(self.observe_each("batch_is_exist", results.into_iter().map(i64::from).collect()))
     }
 
     /// Writes object `i` from `sizes[i]` bytes at `buffers[i]`; per key 0 or an error code.
@@ -333,7 +333,7 @@ impl Client {
             )
         };
         self.check("batch_put_from", status)?;
-        self.observe_each("batch_put_from", results.into_iter().map(i64::from).collect())
+        Ok(self.observe_each("batch_put_from", results.into_iter().map(i64::from).collect()))
     }
 
     /// Reads object `i` into `sizes[i]` bytes at `buffers[i]`; per key the bytes read or an error code.
@@ -366,7 +366,7 @@ impl Client {
             )
         };
         self.check("batch_get_into", status)?;
-        self.observe_each("batch_get_into", results)
+        Ok(self.observe_each("batch_get_into", results))
     }
 
     /// Removes one object: 0, or an error code (`OBJECT_NOT_FOUND`, `OBJECT_HAS_LEASE`, ...).
@@ -400,11 +400,11 @@ impl Client {
     }
 
     /// The per-object statuses of `call`, after marking the master down when one says it did not answer.
-    fn observe_each(&self, call: &str, statuses: Vec<i64>) -> Result<Vec<i64>, String> {
-        if let Some(&status) = statuses.iter().find(|&&status| matches!(status, code::RPC_FAIL | code::RPC_TIMEOUT)) {
+    fn observe_each(&self, call: &str, statuses: Vec<i64>) -> Vec<i64> {
+        for &status in &statuses {
             self.observe(call, status);
         }
-        Ok(statuses)
+        statuses
     }
 
     fn check(&self, call: &str, status: c_int) -> Result<(), String> {

@@ -157,7 +157,8 @@ impl Master {
         }
     }
 
-    /// Stops (SIGSTOP) or continues (SIGCONT) the master, as `signal` names it for `kill(1)`.
+    /// Sends the master `signal`, named as `kill(1)` takes it (`STOP`, `CONT`, `KILL`); it stays this value's to
+    /// reap.
     ///
     /// # Panics
     ///

@@ -5,8 +5,9 @@
 //! LRU clock), `free` (freed pages, oldest first), `gen` (each page's generation), `keys` (key → `index:generation`),
 //! `lru` (key → last use) and `reserved` (page → generation of its open reservation).
 //!
-//! Connections are pooled; each has read and write timeouts of [`RedisMetadata::with_timeout`]'s deadline (5 s by
-//! default), so a Redis that stops answering fails calls in bounded time with an error naming its URL, and a
+//! Connections are pooled; each call (a new connection and its script loads included) ends within
+//! [`RedisMetadata::with_timeout`]'s timeout (5 s by default), so a Redis that stops answering fails calls in bounded
+//! time with an error naming its URL and how long it waited, and a
 //! connection that failed is dropped and made again on the next call (service resumes when Redis is back). Scripts
 //! are loaded on each new connection, so the operations themselves are one `EVALSHA` each.
 
@@ -87,8 +88,7 @@ impl RedisMetadata {
             idle: Mutex::new(Vec::new()),
             round_trips: AtomicU64::new(0),
         };
-        let started = Instant::now();
-        let connection = metadata.open_connection(started, started + timeout)?;
+        let connection = metadata.open_connection(Instant::now())?;
         metadata.give_back(connection);
         Ok(metadata)
     }
@@ -112,22 +112,23 @@ impl RedisMetadata {
         Error::storage("3fs", format!("metadata at {}: {what}: {text}{hint}", self.url))
     }
 
-    /// What is left of the call's `timeout` at `deadline`, as a socket timeout (never zero, which means none).
-    fn left(deadline: Instant) -> Duration {
-        deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
+    /// What is left of the timeout of a call that began at `started`, as a socket timeout (never zero, which means
+    /// none).
+    fn left(&self, started: Instant) -> Duration {
+        self.timeout.saturating_sub(started.elapsed()).max(Duration::from_millis(1))
     }
 
-    fn open_connection(&self, started: Instant, deadline: Instant) -> Result<Connection, Error> {
+    fn open_connection(&self, started: Instant) -> Result<Connection, Error> {
         let mut connection = self
             .client
-            .get_connection_with_timeout(Self::left(deadline))
+            .get_connection_with_timeout(self.left(started))
             .map_err(|error| self.failure("cannot connect", &error, started))?;
         connection
             .set_write_timeout(Some(self.timeout))
             .map_err(|error| self.failure("write timeout", &error, started))?;
         for source in SCRIPTS {
             connection
-                .set_read_timeout(Some(Self::left(deadline)))
+                .set_read_timeout(Some(self.left(started)))
                 .map_err(|error| self.failure("read timeout", &error, started))?;
             redis::cmd("SCRIPT")
                 .arg("LOAD")
@@ -138,11 +139,11 @@ impl RedisMetadata {
         Ok(connection)
     }
 
-    fn take(&self, started: Instant, deadline: Instant) -> Result<Connection, Error> {
+    fn take(&self, started: Instant) -> Result<Connection, Error> {
         let idle = self.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop();
         match idle {
             Some(connection) => Ok(connection),
-            None => self.open_connection(started, deadline),
+            None => self.open_connection(started),
         }
     }
 
@@ -155,11 +156,10 @@ impl RedisMetadata {
     /// began.
     fn query_raw(&self, command: &redis::Cmd) -> Result<Result<Value, (redis::RedisError, Instant)>, Error> {
         let started = Instant::now();
-        let deadline = started + self.timeout;
-        let mut connection = self.take(started, deadline)?;
+        let mut connection = self.take(started)?;
         self.round_trips.fetch_add(1, Ordering::Relaxed);
         let result = connection
-            .set_read_timeout(Some(Self::left(deadline)))
+            .set_read_timeout(Some(self.left(started)))
             .and_then(|()| command.query::<Value>(&mut connection));
         let healthy = match &result {
             Ok(_) => true,
