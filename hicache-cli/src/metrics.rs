@@ -12,7 +12,10 @@
 //!
 //! Metric names (counters get `_total`): `hicache_requests`, `hicache_prompt_tokens`, `hicache_hit_tokens{tier}`
 //! (l1, l2, l3), `hicache_transfer_bytes{path}` (device_to_host, host_to_device, host_to_storage, storage_to_host),
-//! `hicache_prefetched_tokens`, `hicache_backed_up_tokens`, `hicache_prefetch_stops{reason}`, and the histograms
+//! `hicache_prefetched_tokens`, `hicache_backed_up_tokens`, `hicache_prefetch_stops{reason}`,
+//! `hicache_prefetch_unfulfilled_tokens{reason}` (tokens storage held that a prefetch did not bring, by why it
+//! stopped: SGLang's `storage_prefetch_unfulfilled_tokens_total`; `recompute_faster` when the cost plan chose to
+//! compute them), and the histograms
 //! `hicache_prefetch_gbps` (one observation per prefetch that brought pages) and `hicache_load_gbps` (per
 //! load-back).
 
@@ -53,6 +56,7 @@ pub(crate) struct Metrics {
     prefetched_tokens: Counter,
     backed_up_tokens: Counter,
     prefetch_stops: Family<Reason, Counter>,
+    prefetch_unfulfilled_tokens: Family<Reason, Counter>,
     prefetch_gbps: Histogram,
     load_gbps: Histogram,
 }
@@ -79,6 +83,7 @@ impl Metrics {
             prefetched_tokens: Counter::default(),
             backed_up_tokens: Counter::default(),
             prefetch_stops: Family::default(),
+            prefetch_unfulfilled_tokens: Family::default(),
             prefetch_gbps: Histogram::new(buckets()),
             load_gbps: Histogram::new(buckets()),
         };
@@ -90,6 +95,11 @@ impl Metrics {
         registry.register("prefetched_tokens", "Tokens prefetched from storage", metrics.prefetched_tokens.clone());
         registry.register("backed_up_tokens", "Tokens written to storage", metrics.backed_up_tokens.clone());
         registry.register("prefetch_stops", "Prefetches finished, by reason", metrics.prefetch_stops.clone());
+        registry.register(
+            "prefetch_unfulfilled_tokens",
+            "Tokens storage held that prefetches did not bring, by reason",
+            metrics.prefetch_unfulfilled_tokens.clone(),
+        );
         registry.register("prefetch_gbps", "Bandwidth of prefetches that brought pages", metrics.prefetch_gbps.clone());
         registry.register("load_gbps", "Bandwidth of host-to-device load-backs", metrics.load_gbps.clone());
         metrics
@@ -113,9 +123,14 @@ impl Metrics {
         self.transfer_bytes.get_or_create(&Path { path }).inc_by(bytes);
     }
 
-    pub(crate) fn prefetch(&self, reason: &str, tokens: usize, bytes: u64, seconds: f64) {
+    pub(crate) fn prefetch(&self, reason: &str, tokens: usize, unfulfilled: usize, bytes: u64, seconds: f64) {
         self.prefetch_stops.get_or_create(&Reason { reason: reason.to_owned() }).inc();
         self.prefetched_tokens.inc_by(tokens as u64);
+        if unfulfilled > 0 {
+            self.prefetch_unfulfilled_tokens
+                .get_or_create(&Reason { reason: reason.to_owned() })
+                .inc_by(unfulfilled as u64);
+        }
         if bytes > 0 && seconds > 0.0 {
             self.prefetch_gbps.observe(bytes as f64 / seconds / 1e9);
         }

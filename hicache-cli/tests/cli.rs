@@ -212,9 +212,14 @@ fn tokens(report: &Value, tier: &str) -> u64 {
     report[format!("tokens_from_{tier}")].as_u64().unwrap()
 }
 
+/// The replay's own compute is simulated at a fixed rate while storage runs at this machine's real speed: on a
+/// loaded machine the cost plan may rightly compute what a starved file tier would bring. Tests of what the tiers
+/// serve fetch every hit whole (`--fetch-whole-hits`); the plan has tests of its own.
+const WHOLE: &str = "--fetch-whole-hits";
+
 #[test]
 fn replay_by_default_serves_hits_from_every_tier_and_verifies_every_byte() {
-    let report = replay_json(&[]);
+    let report = replay_json(&[WHOLE]);
     assert_eq!(report["verified"], true, "{report}");
     assert!(report["verified_bytes"].as_u64().unwrap() > 0);
     for tier in ["l1", "l2", "l3"] {
@@ -239,8 +244,16 @@ fn replay_by_default_serves_hits_from_every_tier_and_verifies_every_byte() {
 fn replay_moves_storage_pages_in_place_under_every_write_policy() {
     for policy in ["write-through", "write-through-selective", "write-back"] {
         // a small host pool: pages go to the file tier and come back from it
-        let report =
-            replay_json(&["--clients", "24", "--host-tokens", "20480", "--sync-storage", "--write-policy", policy]);
+        let report = replay_json(&[
+            "--clients",
+            "24",
+            "--host-tokens",
+            "20480",
+            "--sync-storage",
+            "--write-policy",
+            policy,
+            WHOLE,
+        ]);
         assert_eq!(report["verified"], true, "{policy}: {report}");
         // the result records what it was run with
         let parameters = &report["parameters"];
@@ -279,7 +292,7 @@ fn replay_runs_with_the_host_pool_in_shared_memory() {
 #[test]
 fn with_a_small_host_pool_storage_serves_what_the_host_evicted() {
     // --sync-storage: backups finish before the next batch, so the comparison does not depend on thread timing
-    let small = ["--clients", "24", "--host-tokens", "20480", "--sync-storage", "--backend"];
+    let small = ["--clients", "24", "--host-tokens", "20480", "--sync-storage", WHOLE, "--backend"];
     let without = replay_json(&[&small[..], &["none"]].concat());
     let with = replay_json(&[&small[..], &["memory"]].concat());
     assert_eq!(tokens(&without, "l3"), 0);
@@ -301,7 +314,7 @@ fn four_tp_ranks_replay_in_lockstep() {
 
 #[test]
 fn tp_ranks_as_processes_replay_in_lockstep_and_a_failing_rank_stops_the_run() {
-    let report = replay_json(&["--tp-size", "2", "--processes"]);
+    let report = replay_json(&["--tp-size", "2", "--processes", WHOLE]);
     assert_eq!((report["tp_size"].as_u64(), report["processes"].as_bool()), (Some(2), Some(true)), "{report}");
     assert_eq!(report["lockstep"], true, "{report}");
     assert_eq!(report["verified"], true);
@@ -680,6 +693,7 @@ fn bench_storage_and_store_run_on_nixl_when_compiled_in() {
         "--host-tokens",
         "20480",
         "--sync-storage",
+        WHOLE,
     ]);
     assert!(output.status.success(), "{}", stderr(&output));
     let report: Value = serde_json::from_str(&stdout(&output)).expect("a JSON object");
@@ -898,6 +912,7 @@ fn replay_verifies_every_byte_under_injected_storage_faults_and_counts_them() {
         "0.05",
         "--fault-latency-us",
         "50",
+        WHOLE,
     ]);
     assert_eq!(report["verified"], true, "{report}");
     assert_eq!(report["lockstep"], true, "the ranks saw different faults and still decided the same: {report}");
@@ -946,6 +961,7 @@ fn replay_verifies_every_byte_under_injected_storage_faults_and_counts_them() {
         "400",
         "--storage-read-deadline",
         "0.05",
+        WHOLE,
     ]);
     assert_eq!(stalled["verified"], true, "{stalled}");
     assert!(stalled["prefetch_stop_reasons"]["stalled"].as_u64().unwrap_or(0) > 0, "{stalled}");
@@ -953,6 +969,26 @@ fn replay_verifies_every_byte_under_injected_storage_faults_and_counts_them() {
         &hicache(&["replay", "--storage-read-deadline", "0"], ""),
         "--storage-read-deadline 0.0 must be a number of seconds in (0, 86400]",
     );
+}
+
+#[test]
+fn replay_computes_what_a_slow_tier_would_bring_later() {
+    // 20 MB/s: a page of 128 KiB reads in 6.5 ms at least and computes in 1.3 ms (25 000 tokens/s); once a read is
+    // measured, every hit is computed instead
+    let slow = replay_json(&["--fault-read-mbps", "20"]);
+    assert_eq!(slow["verified"], true, "{slow}");
+    let plans = &slow["prefetch_plans"];
+    assert!(plans["decisions"]["recompute_faster"].as_u64().unwrap_or(0) > 0, "{plans}");
+    assert!(plans["tokens_recomputed"].as_u64().unwrap() > 0, "{plans}");
+    assert!(slow["prefetch_stop_reasons"]["recompute_faster"].as_u64().unwrap_or(0) > 0, "{slow}");
+    let rates = &plans["agreed_rates"];
+    assert!(rates["storage_read_gbps"].as_f64().unwrap() <= 0.02, "the cap bounds the measured rate: {rates}");
+    assert!((rates["prefill_tokens_per_s"].as_f64().unwrap() / 25_000.0 - 1.0).abs() < 1e-6, "{rates}");
+    assert_eq!(slow["parameters"]["fault_read_mbps"], 20);
+    // SGLang's way, for comparison: no plan
+    let whole = replay_json(&["--fault-read-mbps", "20", WHOLE]);
+    assert_eq!(whole["prefetch_plans"]["decisions"], serde_json::json!({}), "{whole}");
+    assert!(whole["prefetch_stop_reasons"].get("recompute_faster").is_none(), "{whole}");
 }
 
 #[test]

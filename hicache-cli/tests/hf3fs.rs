@@ -23,7 +23,7 @@ fn a_replay_verifies_with_redis_metadata_and_moves_a_shared_memory_pool_in_place
     let shm = tempfile::tempdir().unwrap();
     for (layout, host_shm) in [("layer-first", None), ("page-first", Some(shm.path().to_str().unwrap()))] {
         let mut args = vec!["replay", "--backend", "3fs", "--dir", dir, "--extra-config", &extra, "--json"];
-        args.extend(["--tp-size", "2", "--layout", layout]);
+        args.extend(["--tp-size", "2", "--layout", layout, "--fetch-whole-hits"]);
         if let Some(shm) = host_shm {
             args.extend(["--host-shm", shm]);
         }

@@ -150,7 +150,18 @@ fn a_replay_verifies_against_the_master() {
     let extra = extra_config(&master);
     // the replay's own client lends the memory: objects live in its segment
     let extra = extra.replace("\"global_segment_size\":0", "\"global_segment_size\":268435456");
-    let output = hicache(&["replay", "--backend", "mooncake", "--extra-config", &extra, "--clients", "40", "--json"]);
+    // every hit fetched whole: what comes back is what this test checks, not whether the plan would read it
+    let output = hicache(&[
+        "replay",
+        "--backend",
+        "mooncake",
+        "--extra-config",
+        &extra,
+        "--clients",
+        "40",
+        "--json",
+        "--fetch-whole-hits",
+    ]);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     assert_eq!(report["verified"], true, "{report}");

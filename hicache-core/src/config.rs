@@ -43,6 +43,12 @@ pub enum IoBackend {
 /// `Duration` where they are used.
 pub const MAX_SECONDS: f64 = 86_400.0;
 
+/// The largest prefill rate a config may give (tokens per second).
+pub const MAX_TOKENS_PER_S: f64 = 1e9;
+
+/// The largest transfer rate a config may give (GB/s).
+pub const MAX_GBPS: f64 = 1e4;
+
 /// Which storage tier backs the host pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -135,6 +141,17 @@ pub struct HiCacheConfig {
     /// The file tier's capacity: bytes of page files one namespace may hold in its directory, across every process
     /// sharing it (least recently used pages go first; SGLang's file backend `max_size`); 0 for none.
     pub storage_capacity_bytes: u64,
+    /// Fetch only what is faster to bring than to compute: a storage hit is fetched as far as the expected time to
+    /// first token is lowest, by measured rates (the `cost` module); off: every hit is fetched whole, as SGLang does.
+    /// The plan needs the engine's compute rate: until the engine reports a prefill (or
+    /// `prior_prefill_tokens_per_s` gives one), hits are fetched whole.
+    pub prefetch_by_cost: bool,
+    /// The engine's prefill tokens per second (with no prefix) assumed until it reports its own; 0: unknown.
+    pub prior_prefill_tokens_per_s: f64,
+    /// Storage → host GB/s (10^9 bytes) assumed until reads are measured.
+    pub prior_storage_read_gbps: f64,
+    /// Host → device GB/s assumed until loads are measured.
+    pub prior_load_gbps: f64,
 }
 
 impl Default for HiCacheConfig {
@@ -161,6 +178,10 @@ impl Default for HiCacheConfig {
             write_through_selective_threshold: 2,
             storage_write_bytes_per_s: 0,
             storage_capacity_bytes: 0,
+            prefetch_by_cost: true,
+            prior_prefill_tokens_per_s: 0.0,
+            prior_storage_read_gbps: 1.0,
+            prior_load_gbps: 10.0,
         }
     }
 }
@@ -234,6 +255,19 @@ impl HiCacheConfig {
                     self.prefetch_timeout_max_s, self.prefetch_timeout_base_s
                 ),
             );
+        }
+        if !(0.0..=MAX_TOKENS_PER_S).contains(&self.prior_prefill_tokens_per_s) {
+            return bad(
+                "prior_prefill_tokens_per_s",
+                format!("{:?} must be in [0, {MAX_TOKENS_PER_S}] (0: unknown)", self.prior_prefill_tokens_per_s),
+            );
+        }
+        for (field, value) in
+            [("prior_storage_read_gbps", self.prior_storage_read_gbps), ("prior_load_gbps", self.prior_load_gbps)]
+        {
+            if !(value > 0.0 && value <= MAX_GBPS) {
+                return bad(field, format!("{value:?} must be a rate in GB/s in (0, {MAX_GBPS}]"));
+            }
         }
         if self.storage_batch_pages == 0 {
             return bad("storage_batch_pages", "must be at least 1".into());

@@ -25,6 +25,7 @@ mod builder;
 pub mod collective;
 pub mod config;
 pub mod controller;
+pub mod cost;
 pub mod device_slots;
 pub mod error;
 pub mod geometry;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use hicache_core::collective::{Collective, InProcessGroup, SingleRank};
 use hicache_core::config::PrefetchPolicy;
-use hicache_core::controller::{CacheController, PrefetchStart, StorageSettings};
+use hicache_core::controller::{CacheController, PrefetchStart, PrefetchStop, StorageSettings};
 use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PartialPage, page_keys};
@@ -45,17 +45,23 @@ struct Decisions {
     states: Vec<Vec<PageState>>,
     /// This rank's own view of each result: (local hit tokens, local fetched tokens); may differ across ranks.
     local: Vec<(usize, usize)>,
+    /// Each result's cost plan: pages to fetch.
+    plans: Vec<Option<usize>>,
+    /// Each result's stop reason; may differ across ranks (a read that failed here is `Failed` here only).
+    stops: Vec<PrefetchStop>,
 }
 
 struct Script {
     seed: u64,
     policy: PrefetchPolicy,
     rounds: usize,
+    /// Fetch by cost, each rank reporting prefills of its own speed (so their rates differ and must be agreed).
+    by_cost: bool,
 }
 
 /// Runs the scheduler script on one rank; panics on any broken invariant.
 fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<MemoryStore>) -> Decisions {
-    let rank = collective.rank();
+    let (rank, ranks) = (collective.rank(), collective.world_size());
     let mut namespace = StorageNamespace::single_rank("lockstep", geometry(), HostLayout::PageFirst, PAGE);
     namespace.tp_rank = rank;
     namespace.tp_size = collective.world_size();
@@ -76,6 +82,8 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
         backup_skip: false,
         write_bytes_per_s: 0,
         tick_slots: 4,
+        by_cost: script.by_cost,
+        priors: hicache_core::cost::Priors::UNKNOWN,
     };
     let mut controller = CacheController::new(engine, PAGE, HOST_PAGES, DEVICE_PAGES, LAYERS)
         .unwrap()
@@ -88,7 +96,13 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
         (0..8u32).map(|sequence| (0..(PAGE * 6) as u32).map(|token| sequence * 1000 + token).collect()).collect();
     let mut evictable: Vec<HostPageId> = Vec::new(); // backed-up host pages the script owns
     let mut pending: Vec<String> = Vec::new();
-    let mut decisions = Decisions { prefetches: Vec::new(), states: Vec::new(), local: Vec::new() };
+    let mut decisions = Decisions {
+        prefetches: Vec::new(),
+        states: Vec::new(),
+        local: Vec::new(),
+        plans: Vec::new(),
+        stops: Vec::new(),
+    };
     let mut writes: VecDeque<Vec<u32>> = VecDeque::new(); // device slots of writes not yet acked
     let mut slots_of_engine = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap(); // the engine's device slot allocator
     let mut request = 0;
@@ -116,6 +130,8 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
             pending.retain(|id| *id != done.request_id);
             decisions.prefetches.push((done.request_id.clone(), done.explanation.fetched_tokens));
             decisions.local.push((done.explanation.local_hit_tokens, done.explanation.local_fetched_tokens));
+            decisions.plans.push(done.explanation.plan.map(|plan| plan.fetch_pages));
+            decisions.stops.push(done.explanation.stop.clone());
             assert_eq!(done.host_pages.len() * PAGE, done.explanation.fetched_tokens);
             evictable.extend(done.host_pages);
         }
@@ -123,14 +139,28 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
         decisions.states.push(controller.host().states().to_vec());
     };
 
-    for _ in 0..script.rounds {
+    for round in 0..script.rounds {
         // this rank's faults for the next calls
         faulty.set_plan(FaultPlan {
-            latency: local.random_bool(0.3).then(|| Duration::from_micros(local.random_range(0..400))),
+            latency: (!script.by_cost && local.random_bool(0.3))
+                .then(|| Duration::from_micros(local.random_range(0..400))),
             fail_call: local.random_bool(0.2).then(|| faulty.calls() + local.random_range(1..6)),
             partial_batch: local.random_bool(0.1).then_some(1),
+            // by cost: in the second half, a tier this rank reads at 20 kB/s to 2 MB/s (a page of 64 bytes in 32 µs
+            // to 3.2 ms), the last rank at 20 kB/s: once it has measured a read, every rank plans with it (the
+            // slowest rank's rates) and computes rather than reads
+            read_bytes_per_s: match (script.by_cost && round >= script.rounds / 2, rank + 1 == ranks) {
+                (false, _) => 0,
+                (true, true) => 20_000,
+                (true, false) => local.random_range(20_000..2_000_000),
+            },
             ..FaultPlan::default()
         });
+        if script.by_cost {
+            // this rank's engine: a prefill of 64 tokens at a speed of its own, from 20 to 200 µs a page of 2
+            let tokens_per_s = local.random_range(1e4..1e5);
+            controller.observe_prefill(64, 0, Duration::from_secs_f64(64.0 / tokens_per_s));
+        }
         // the scheduler's choices
         if shared.random_bool(0.5) {
             let sequence = &sequences[shared.random_range(0..sequences.len())];
@@ -147,7 +177,8 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
             let sequence = &sequences[shared.random_range(0..sequences.len())];
             request += 1;
             let id = format!("r{request}");
-            if let PrefetchStart::Started(_) = controller.prefetch(&id, sequence, None).unwrap() {
+            let cached = shared.random_range(0..4096);
+            if let PrefetchStart::Started(_) = controller.prefetch_after(&id, sequence, None, cached).unwrap() {
                 pending.push(id);
             }
         }
@@ -229,7 +260,7 @@ fn four_ranks_with_random_faults_decide_the_same_and_never_hang() {
         (3, PrefetchPolicy::Timeout),
         (4, PrefetchPolicy::BestEffort),
     ] {
-        let decisions = run_group(&Script { seed, policy, rounds: 150 }, 4);
+        let decisions = run_group(&Script { seed, policy, rounds: 150, by_cost: false }, 4);
         let kept = decisions[0].prefetches.iter().filter(|(_, tokens)| *tokens > 0).count();
         assert!(kept >= 3, "{policy}: only {kept} prefetches kept pages");
         // the faults made the ranks see different things, so agreeing took the reduction
@@ -237,6 +268,32 @@ fn four_ranks_with_random_faults_decide_the_same_and_never_hang() {
             .any(|index| decisions.iter().any(|rank| rank.local[index] != decisions[0].local[index]));
         assert!(differs, "{policy}: every rank saw the same hits and fetches; the faults did nothing");
         for (rank, rank_decisions) in decisions.iter().enumerate().skip(1) {
+            assert_eq!(rank_decisions.prefetches, decisions[0].prefetches, "{policy}: rank {rank} differs");
+            assert_eq!(rank_decisions.states, decisions[0].states, "{policy}: rank {rank}'s allocator differs");
+        }
+    }
+}
+
+#[test]
+fn four_ranks_that_measure_different_rates_make_the_same_cost_plans() {
+    for (seed, policy) in
+        [(5, PrefetchPolicy::WaitComplete), (6, PrefetchPolicy::Timeout), (7, PrefetchPolicy::BestEffort)]
+    {
+        let decisions = run_group(&Script { seed, policy, rounds: 150, by_cost: true }, 4);
+        // the plans went both ways: some hits were worth reading, some were computed instead
+        let fetched = decisions[0]
+            .prefetches
+            .iter()
+            .zip(&decisions[0].plans)
+            .filter(|((_, kept), plan)| *kept > 0 && plan.is_some());
+        assert!(fetched.count() > 0, "{policy}: no plan fetched anything: {:?}", decisions[0].plans);
+        assert!(
+            decisions[0].stops.contains(&PrefetchStop::RecomputeFaster),
+            "{policy}: no plan chose to compute: {:?}",
+            decisions[0].stops
+        );
+        for (rank, rank_decisions) in decisions.iter().enumerate().skip(1) {
+            assert_eq!(rank_decisions.plans, decisions[0].plans, "{policy}: rank {rank}'s plans differ");
             assert_eq!(rank_decisions.prefetches, decisions[0].prefetches, "{policy}: rank {rank} differs");
             assert_eq!(rank_decisions.states, decisions[0].states, "{policy}: rank {rank}'s allocator differs");
         }
@@ -251,6 +308,6 @@ proptest! {
     #[test]
     fn random_scripts_return_every_page(seed in any::<u64>(), policy in 0usize..3) {
         let policy = [PrefetchPolicy::BestEffort, PrefetchPolicy::WaitComplete, PrefetchPolicy::Timeout][policy];
-        run_rank(&Script { seed, policy, rounds: 60 }, &mut SingleRank, &MemoryStore::new());
+        run_rank(&Script { seed, policy, rounds: 60, by_cost: seed % 2 == 0 }, &mut SingleRank, &MemoryStore::new());
     }
 }

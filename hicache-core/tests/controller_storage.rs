@@ -58,6 +58,8 @@ fn settings(policy: PrefetchPolicy) -> StorageSettings {
         backup_skip: false,
         write_bytes_per_s: 0,
         tick_slots: 8,
+        by_cost: false,
+        priors: hicache_core::cost::Priors::UNKNOWN,
     }
 }
 
@@ -840,5 +842,104 @@ fn a_host_pool_too_small_for_the_hit_keeps_what_fits_and_says_why() {
     let done = prefetch_result(&mut rig, "s");
     assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::HostPoolFull, 0));
     assert_eq!(rig.host().available(), 1);
+    assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
+}
+
+/// Settings that fetch by cost, with these priors (storage bytes per second, prefill tokens per second).
+fn by_cost(policy: PrefetchPolicy, storage_read_bytes_per_s: f64, prefill_tokens_per_s: f64) -> StorageSettings {
+    StorageSettings {
+        by_cost: true,
+        priors: hicache_core::cost::Priors {
+            storage_read_bytes_per_s,
+            storage_call_s: 0.0,
+            load_bytes_per_s: 1e10,
+            prefill_tokens_per_s: Some(prefill_tokens_per_s),
+        },
+        ..settings(policy)
+    }
+}
+
+#[test]
+fn a_hit_slower_to_read_than_to_compute_is_not_fetched_and_a_fast_one_is_fetched_whole() {
+    let store = MemoryStore::new();
+    let (prompt, expected) = seed_storage(&store, 11, 6);
+    // 6 pages of 128 bytes at 1 kB/s: 0.77 s to read; 24 tokens at a million tokens/s: 24 µs to compute
+    let storage = Arc::new(FaultyStorage::new(memory(&store, 0, 1), FaultPlan::default()));
+    let mut rig =
+        controller(storage.clone(), by_cost(PrefetchPolicy::WaitComplete, 1e3, 1e6), Arc::new(SystemClock::new()));
+    rig.prefetch("slow", &prompt, None).unwrap();
+    rig.finish_prefetch("slow");
+    let done = prefetch_result(&mut rig, "slow");
+    assert_eq!(done.explanation.stop, PrefetchStop::RecomputeFaster);
+    assert_eq!((done.explanation.tp_min_hit_tokens, done.host_pages.len()), (6 * PAGE, 0));
+    let plan = done.explanation.plan.expect("a plan was made");
+    assert_eq!((plan.fetch_pages, plan.reason), (0, hicache_core::cost::PlanReason::RecomputeFaster));
+    assert!(plan.recompute < plan.fetch_all, "{plan:?}");
+    assert_eq!(storage.stats().get_hits, 0, "nothing was read");
+    assert_eq!(rig.host().available(), HOST_PAGES);
+    assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
+
+    // the same hit, with storage at 1 GB/s and compute at a thousand tokens/s: all of it, byte for byte
+    let mut rig =
+        controller(storage.clone(), by_cost(PrefetchPolicy::WaitComplete, 1e9, 1e3), Arc::new(SystemClock::new()));
+    rig.prefetch("fast", &prompt, None).unwrap();
+    rig.finish_prefetch("fast");
+    let done = prefetch_result(&mut rig, "fast");
+    assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::Complete, 6));
+    assert_eq!(done.explanation.plan.map(|plan| plan.reason), Some(hicache_core::cost::PlanReason::FetchAll));
+    assert_eq!(host_bytes(&rig, &done.host_pages), expected);
+    assert!(done.explanation.read_time > Duration::ZERO);
+}
+
+#[test]
+fn without_a_compute_rate_a_hit_is_fetched_whole_and_the_engine_report_gives_one() {
+    let store = MemoryStore::new();
+    let (prompt, _) = seed_storage(&store, 12, 6);
+    let mut settings = by_cost(PrefetchPolicy::WaitComplete, 1e3, 1.0);
+    settings.priors.prefill_tokens_per_s = None;
+    let mut rig = controller(Arc::new(memory(&store, 0, 1)), settings, Arc::new(SystemClock::new()));
+    rig.prefetch("unknown", &prompt, None).unwrap();
+    rig.finish_prefetch("unknown");
+    let done = prefetch_result(&mut rig, "unknown");
+    assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::Complete, 6));
+    assert_eq!(done.explanation.plan.map(|plan| plan.reason), Some(hicache_core::cost::PlanReason::NoComputeRate));
+    rig.evict_host(&done.host_pages).unwrap();
+    // the engine reports its prefill (4096 tokens in 100 µs); the next tick agrees on it
+    rig.observe_prefill(4096, 0, Duration::from_micros(100));
+    rig.tick(&mut SingleRank).unwrap();
+    let rates = rig.agreed_rates().unwrap();
+    let tokens_per_s = 1.0 / rates.prefill_s_per_token.expect("reported");
+    assert!((tokens_per_s / 40.96e6 - 1.0).abs() < 1e-3, "{rates:?}");
+}
+
+#[test]
+fn the_scheduler_stops_waiting_for_pages_that_compute_faster_than_they_arrive() {
+    let store = MemoryStore::new();
+    let (prompt, expected) = seed_storage(&store, 13, 6);
+    let gated = Arc::new(Gated::new(memory(&store, 0, 1)));
+    // the priors say storage is fast (1 GB/s against a million tokens/s): the whole hit is reserved
+    let mut rig =
+        controller(gated.clone(), by_cost(PrefetchPolicy::WaitComplete, 1e9, 1e6), Arc::new(SystemClock::new()));
+    rig.prefetch("r", &prompt, None).unwrap();
+    tick_until(&mut rig, |rig, _| rig.host().available() == HOST_PAGES - 6);
+    // the first batch (2 pages, 256 bytes) takes at least 50 ms: 5 kB/s at most, measured
+    gated.gets.await_caller();
+    std::thread::sleep(Duration::from_millis(50));
+    gated.open(1);
+    tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(2 * PAGE));
+    // the fetch thread waits at the gate with the second batch; the request is wanted now, and the 4 pages left
+    // would take 100 ms to read against 16 µs to compute: stop waiting, keep the 2 that came
+    rig.finish_prefetch("r");
+    let done = prefetch_result(&mut rig, "r");
+    assert_eq!(done.explanation.stop, PrefetchStop::RecomputeFaster);
+    assert_eq!((done.host_pages.len(), done.explanation.fetched_tokens), (2, 2 * PAGE));
+    assert_eq!(host_bytes(&rig, &done.host_pages), expected[..2 * rig.engine().host_map().page_bytes()]);
+    let rates = rig.agreed_rates().unwrap();
+    assert!(rates.storage_read_bytes_per_s < 6e3, "the measured rate replaced the prior: {rates:?}");
+    // the tail comes back once the reader is done with it
+    gated.open(10);
+    tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
+    assert_eq!(rig.host().available(), HOST_PAGES - 2);
+    rig.host().check_invariants().unwrap();
     assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
 }

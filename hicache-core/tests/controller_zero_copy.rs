@@ -166,6 +166,8 @@ fn settings() -> StorageSettings {
         backup_skip: false,
         write_bytes_per_s: 0,
         tick_slots: 8,
+        by_cost: false,
+        priors: hicache_core::cost::Priors::UNKNOWN,
     }
 }
 

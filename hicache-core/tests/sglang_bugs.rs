@@ -66,6 +66,8 @@ fn controller_with(
                 backup_skip: false,
                 write_bytes_per_s: 0,
                 tick_slots: 4,
+                by_cost: false,
+                priors: hicache_core::cost::Priors::UNKNOWN,
             };
             controller.with_storage(storage, settings, Arc::new(SystemClock::new())).unwrap()
         }

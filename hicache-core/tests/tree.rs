@@ -56,6 +56,8 @@ fn rig(policy: WritePolicy, device_pages: usize, host_pages: usize, store: Optio
             backup_skip: false,
             write_bytes_per_s: 0,
             tick_slots: 8,
+            by_cost: false,
+            priors: hicache_core::cost::Priors::UNKNOWN,
         };
         controller = controller
             .with_storage(

@@ -113,6 +113,8 @@ def config(io_backend: str, directory: str | None = None) -> dict:
         "prefetch_threshold": PAGE,
         "model_name": "llama-3.1-8b-random",
         "storage_batch_pages": 128,
+        # this script measures the tiers themselves: every hit fetched whole (bench/cost_ttft.py measures the plan)
+        "prefetch_by_cost": False,
     }
     if directory is not None:
         settings |= {"storage_backend": "file", "storage_backend_extra_config": {"dir": directory}}

@@ -148,7 +148,13 @@ impl PySettings {
                 return Err(ConfigError::value("backend", "this build of hicache has no Mooncake backend").into());
             }
         };
-        Ok(storage)
+        Ok(match self.settings.throttle_read_bytes_per_s {
+            Some(read_bytes_per_s) => {
+                let plan = hicache_core::storage::FaultPlan { read_bytes_per_s, ..Default::default() };
+                Box::new(hicache_core::storage::FaultyStorage::new(storage, plan))
+            }
+            None => storage,
+        })
     }
 }
 

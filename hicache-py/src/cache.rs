@@ -585,6 +585,17 @@ impl Cache {
         self.with(py, |tree| each!(tree, inner => inner.prefetch(request, &tokens)))
     }
 
+    /// The engine computed `tokens` after a prefix of `prefix` tokens in `seconds`: its prefill, which the cache
+    /// weighs against bringing pages from storage (until it is told, a storage hit is fetched whole).
+    fn observe_prefill(&self, py: Python<'_>, tokens: usize, prefix: usize, seconds: f64) -> PyResult<()> {
+        let elapsed = std::time::Duration::try_from_secs_f64(seconds)
+            .map_err(|_| PyValueError::new_err(format!("hicache: `seconds` {seconds} is not a duration")))?;
+        self.with(py, |tree| {
+            each!(tree, inner => inner.tree.observe_prefill(tokens, prefix, elapsed));
+            Ok(())
+        })
+    }
+
     /// Waits (ticking) until `request`'s prefetch has joined the tree: true, or false at the timeout.
     fn wait_prefetch(&self, py: Python<'_>, request: &str, timeout_s: f64) -> PyResult<bool> {
         let deadline = deadline(timeout_s, "timeout")?;

@@ -8,6 +8,8 @@
 //!   names and raw bytes of SGLang's own `HiCacheFile`, so both read one directory), `capacity` (bytes, or text such
 //!   as `"200gb"`; least recently used pages are removed beyond it), `io_threads`, `direct_io`;
 //! - Mooncake: SGLang's Mooncake keys (`master_server_address`, `protocol`, ...; see the Mooncake crate);
+//! - `throttle_read_gbps`: for measurements, every storage get takes at least its bytes' time at this rate (GB/s,
+//!   10^9 bytes): a slow tier on a fast machine, any tier;
 //! - `pool`: what the host pool SGLang registers must be (`page_size`, `layout`, `dtype`, `layer_num`, `head_num`,
 //!   `head_dim`, `kv_lora_rank`, `qk_rope_head_dim`), checked at registration.
 //!
@@ -112,6 +114,8 @@ pub struct Settings {
     pub tier: Tier,
     /// What the host pool must be.
     pub pool: PoolExpectation,
+    /// Storage gets held to this many bytes per second (measurements); `None`: not held.
+    pub throttle_read_bytes_per_s: Option<u64>,
 }
 
 impl Settings {
@@ -139,11 +143,21 @@ impl Settings {
         }
         let backend: Option<String> = take(&mut fields, "backend")?;
         let pool = take::<PoolExpectation>(&mut fields, "pool")?.unwrap_or_default();
+        let throttle_read_bytes_per_s = match take::<f64>(&mut fields, "throttle_read_gbps")? {
+            None => None,
+            Some(gbps) if gbps > 0.0 && gbps <= 1e4 => Some((gbps * 1e9) as u64),
+            Some(gbps) => {
+                return Err(ConfigError::value(
+                    "throttle_read_gbps",
+                    format!("{gbps} is not a rate in (0, 10000] GB/s"),
+                ));
+            }
+        };
         let tier = match backend.as_deref().unwrap_or("file") {
             "memory" => Tier::Memory,
             "file" => Tier::File(file_settings(&mut fields)?),
             "mooncake" => {
-                return Ok(Self { tier: Tier::Mooncake(Value::Object(fields)), pool });
+                return Ok(Self { tier: Tier::Mooncake(Value::Object(fields)), pool, throttle_read_bytes_per_s });
             }
             other => {
                 return Err(ConfigError::value(
@@ -160,13 +174,15 @@ impl Settings {
                     "unknown key for the {} backend (it takes: {})",
                     backend.as_deref().unwrap_or("file"),
                     match tier {
-                        Tier::File(_) => "dir, file_storage_path, format, capacity, io_threads, direct_io, pool",
-                        _ => "pool",
+                        Tier::File(_) => {
+                            "dir, file_storage_path, format, capacity, io_threads, direct_io, throttle_read_gbps, pool"
+                        }
+                        _ => "throttle_read_gbps, pool",
                     }
                 ),
             ));
         }
-        Ok(Self { tier, pool })
+        Ok(Self { tier, pool, throttle_read_bytes_per_s })
     }
 }
 
@@ -247,6 +263,20 @@ mod tests {
         assert_eq!((settings.pool.page_size, settings.pool.layout.as_deref()), (Some(64), Some("page_first")));
         let Tier::File(file) = Settings::parse(r#"{"dir": "/d", "capacity": 4096}"#).unwrap().tier else { panic!() };
         assert_eq!((file.sglang_format, file.capacity_bytes), (false, Some(4096)));
+    }
+
+    #[test]
+    fn any_tier_can_be_throttled_for_measurements() {
+        for backend in ["file", "memory", "mooncake"] {
+            let json = format!(r#"{{"backend": "{backend}", "throttle_read_gbps": 2.5}}"#);
+            assert_eq!(Settings::parse(&json).unwrap().throttle_read_bytes_per_s, Some(2_500_000_000), "{backend}");
+        }
+        assert_eq!(Settings::parse("{}").unwrap().throttle_read_bytes_per_s, None);
+        for bad in ["0", "-1", "1e5"] {
+            let text = error(&format!(r#"{{"throttle_read_gbps": {bad}}}"#));
+            assert!(text.starts_with("hicache extra_config key `throttle_read_gbps`"), "{bad}: {text}");
+        }
+        assert!(error(r#"{"throttle_read_gbps": "fast"}"#).contains("throttle_read_gbps"));
     }
 
     #[test]

@@ -64,6 +64,8 @@ def config(directory: str | None) -> dict:
         "prefetch_policy": "wait_complete",
         "prefetch_threshold": PAGE,
         "model_name": "tiny-llama",
+        # these tests check what storage brings back; by cost, a tiny model's small prefixes would be computed
+        "prefetch_by_cost": False,
     }
     if directory is not None:
         settings |= {"storage_backend": "file", "storage_backend_extra_config": {"dir": directory}}
@@ -208,6 +210,33 @@ class ModelOutputUnchanged(unittest.TestCase):
             self.assertEqual(result.tokens, control.tokens, f"client {client} turn {turn}: greedy tokens")
             full = recompute_logits(self.model, prompt)[result.cached :]
             self.assertLess(float((full - result.logits).abs().max()), TOLERANCE)
+
+
+    def test_a_tier_slower_than_computing_is_not_read_and_the_output_is_the_same(self):
+        with tempfile.TemporaryDirectory() as directory:
+            settings = config(directory)
+            # by cost: storage said to read at 1 kB/s (and held to 100 kB/s, should the plan read it anyway); the
+            # engine's prefill rate comes from its own passes
+            settings["prefetch_by_cost"] = True
+            settings["prior_storage_read_gbps"] = 1e-6
+            settings["storage_backend_extra_config"]["throttle_read_gbps"] = 1e-4
+            engine = Engine(self.model, settings, device_tokens=768)
+            served = self.conversations.run(engine, empty_tiers(engine))
+            stats = engine.cache.stats()
+            engine.cache.close()
+        storage_turns = 0
+        for (client, turn), (prompt, result, _restored, _written) in served.items():
+            _, control, _, _ = self.control[client, turn]
+            self.assertEqual(result.tokens, control.tokens, f"client {client} turn {turn}: greedy tokens")
+            full = recompute_logits(self.model, prompt)[result.cached :]
+            self.assertLess(float((full - result.logits).abs().max()), TOLERANCE)
+            if turn > 0 and turn % 2 == 0:
+                # the host was emptied: storage held the prefix, and computing it was faster
+                self.assertEqual((result.cached, result.loaded), (0, 0), f"client {client} turn {turn}")
+                storage_turns += 1
+        self.assertGreater(storage_turns, 0)
+        self.assertEqual(stats["storage"]["get_hits"], 0, "nothing was read from storage")
+        self.assertGreater(stats["storage"]["exists_hits"], 0, "storage held the prefixes")
 
 
 class BadInput(unittest.TestCase):

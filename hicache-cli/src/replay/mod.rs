@@ -170,6 +170,14 @@ pub(crate) struct ReplayArgs {
     /// Fault injection: microseconds added to every storage call.
     #[arg(long, default_value_t = 0, value_name = "US")]
     fault_latency_us: u64,
+    /// Fault injection: a storage get takes at least the time its bytes need at this many MB/s (10^6 bytes): a slow
+    /// tier. 0: no cap.
+    #[arg(long, default_value_t = 0, value_name = "MBPS")]
+    fault_read_mbps: u64,
+    /// Fetch every storage hit whole, as SGLang does, instead of only as far as bringing it is faster than computing
+    /// it (the cost plan, which takes the compute model's rate as the engine's).
+    #[arg(long)]
+    fetch_whole_hits: bool,
     /// Fault injection: the probability that a storage call hangs for --fault-hang-ms and then fails as timed out.
     #[arg(long, default_value_t = 0.0, value_name = "P")]
     fault_hang_rate: f64,
@@ -423,6 +431,7 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
         ("--max-parallel", args.max_parallel as u64, 1..=1 << 20),
         ("--fault-latency-us", args.fault_latency_us, 0..=60_000_000),
         ("--fault-hang-ms", args.fault_hang_ms, 0..=600_000),
+        ("--fault-read-mbps", args.fault_read_mbps, 0..=100_000_000),
     ] {
         if !range.contains(&value) {
             return usage(format!("{name} {value} is not in [{}, {}]", range.start(), range.end()));
@@ -595,6 +604,7 @@ fn run_on<E: device::ReplayEngine>(
         },
         prefetch_threshold: args.prefetch_threshold,
         storage_read_deadline_s: args.storage_read_deadline,
+        prefetch_by_cost: !args.fetch_whole_hits,
         ..HiCacheConfig::default()
     };
     if let Some(backend) = &backend {
@@ -650,6 +660,7 @@ fn fault_plan(args: &ReplayArgs, rank: usize) -> Option<FaultPlan> {
         hang_ppm: ppm(args.fault_hang_rate),
         hang_for: Duration::from_millis(args.fault_hang_ms),
         seed: args.fault_seed.wrapping_add(rank as u64),
+        read_bytes_per_s: args.fault_read_mbps.saturating_mul(1_000_000),
         ..FaultPlan::default()
     };
     (plan != FaultPlan { seed: plan.seed, hang_for: plan.hang_for, ..FaultPlan::default() }).then_some(plan)

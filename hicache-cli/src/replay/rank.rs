@@ -74,12 +74,41 @@ pub(crate) struct RankOutcome {
     pub(crate) prefetch_errors: u64,
     /// What the fault injection did, when asked for.
     pub(crate) injected: Option<hicache_core::storage::FaultCounts>,
+    /// Prefetch plans by what they decided (`fetch_all`, `fetch_part`, `recompute_faster`, `no_compute_rate`).
+    pub(crate) plans: BTreeMap<String, usize>,
+    /// Tokens storage held for a request that the cost plan left to compute (all ranks agree on it).
+    pub(crate) tokens_recomputed_by_plan: u64,
+    /// Requests whose storage reads took longer than computing what they brought would have: the cost plan chose
+    /// wrong for them (measured, not estimated: their read time against the compute model).
+    pub(crate) slower_than_recompute: u64,
+    /// The rates the ranks agreed on at the end (the slowest rank's).
+    pub(crate) agreed_rates: Option<AgreedRates>,
     /// Controller ticks, and the time spent in them.
     pub(crate) ticks: u64,
     pub(crate) tick_ns: u64,
     /// Collectives entered, and the time spent in them (inside the ticks).
     pub(crate) collectives: u64,
     pub(crate) collective_ns: u64,
+}
+
+/// The cost model's rates, as the report gives them.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub(crate) struct AgreedRates {
+    pub(crate) storage_read_gbps: f64,
+    pub(crate) storage_call_us: f64,
+    pub(crate) load_gbps: f64,
+    pub(crate) prefill_tokens_per_s: Option<f64>,
+}
+
+impl From<hicache_core::cost::Rates> for AgreedRates {
+    fn from(rates: hicache_core::cost::Rates) -> Self {
+        Self {
+            storage_read_gbps: rates.storage_read_bytes_per_s / 1e9,
+            storage_call_us: rates.storage_call_s * 1e6,
+            load_gbps: rates.load_bytes_per_s / 1e9,
+            prefill_tokens_per_s: rates.prefill_s_per_token.map(|seconds| 1.0 / seconds),
+        }
+    }
 }
 
 /// A collective that counts its calls and the time spent in them.
@@ -300,6 +329,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
         + outcome.pages_storage_to_host;
     outcome.digest = digest.finish();
     outcome.tree = tree.stats().clone();
+    outcome.agreed_rates = tree.controller().agreed_rates().map(AgreedRates::from);
     outcome.copies = tree.controller().engine().copies();
     Ok(outcome)
 }
@@ -409,6 +439,18 @@ fn run_request<E: ReplayEngine>(
     let from_l3 = request.prefetched_tokens.min(loaded.len());
     let uncached = prompt.len() - cached.min(prompt.len());
     let compute_s = uncached as f64 / spec.prefill_tokens_per_s;
+    // the engine tells the cache what its compute and loads cost (the cost model's measurements)
+    if uncached > 0 {
+        tree.observe_prefill(uncached, cached, Duration::from_secs_f64(compute_s));
+    }
+    if !loaded.is_empty() {
+        let bytes = (tree.controller().engine().pool_map().geometry().bytes_per_token() * loaded.len()) as u64;
+        tree.observe_load(bytes, Duration::from_secs_f64(load_s));
+    }
+    // the storage reads this request waited for, against computing what they brought
+    if from_l3 > 0 && request.prefetch_wait.as_secs_f64() > from_l3 as f64 / spec.prefill_tokens_per_s {
+        outcome.slower_than_recompute += 1;
+    }
     // up to the prefill: matching, load-back and the layer waits; the byte check is the replay's, not the cache's
     let cache_time = request.prefetch_wait + before_prefill.saturating_sub(checking);
     let tally = Tally {
@@ -454,13 +496,19 @@ fn absorb(
     }
     for (explanation, new_tokens) in &summary.prefetches {
         *outcome.stop_reasons.entry(stop_name(explanation).to_owned()).or_default() += 1;
+        if let Some(plan) = &explanation.plan {
+            *outcome.plans.entry(plan.reason.name().to_owned()).or_default() += 1;
+        }
+        if explanation.stop == PrefetchStop::RecomputeFaster {
+            outcome.tokens_recomputed_by_plan += (explanation.tp_min_hit_tokens - explanation.fetched_tokens) as u64;
+        }
         outcome.prefetch_errors += u64::from(explanation.error.is_some());
         outcome.pages_storage_to_host += (explanation.fetched_tokens / page) as u64;
         if let Some(request) = waiting.iter_mut().find(|request| request.id == explanation.request_id) {
-            // a prefetch that brought pages is on the request's critical path; one revoked after its query overlaps
-            // the request's time in the queue
+            // the storage reads of a prefetch that brought pages are on the request's critical path; the hit query
+            // overlaps the request's time in the queue (as a revoked prefetch's does)
             if explanation.fetched_tokens > 0 {
-                request.prefetch_wait = explanation.elapsed;
+                request.prefetch_wait = explanation.read_time;
             }
             request.prefetched_tokens = *new_tokens;
         }
@@ -476,7 +524,9 @@ fn record_tick(metrics: &Metrics, summary: &TickSummary, page: usize, page_bytes
     for (explanation, _) in &summary.prefetches {
         let bytes = (explanation.fetched_tokens / page) as u64 * page_bytes;
         metrics.moved(DataPath::StorageToHost, bytes);
-        metrics.prefetch(stop_name(explanation), explanation.fetched_tokens, bytes, explanation.elapsed.as_secs_f64());
+        let unfulfilled = explanation.tp_min_hit_tokens.saturating_sub(explanation.fetched_tokens);
+        let seconds = explanation.elapsed.as_secs_f64();
+        metrics.prefetch(stop_name(explanation), explanation.fetched_tokens, unfulfilled, bytes, seconds);
     }
 }
 
@@ -491,6 +541,7 @@ pub(crate) fn stop_name(explanation: &PrefetchExplanation) -> &'static str {
         PrefetchStop::Revoked => "revoked",
         PrefetchStop::HostPoolFull => "host_pool_full",
         PrefetchStop::Complete => "complete",
+        PrefetchStop::RecomputeFaster => "recompute_faster",
         PrefetchStop::CutOff => "cut_off",
         PrefetchStop::TimedOut => "timed_out",
         PrefetchStop::Stalled => "stalled",

@@ -87,6 +87,8 @@ struct Parameters {
     fault_hang_rate: f64,
     fault_hang_ms: u64,
     fault_seed: u64,
+    fault_read_mbps: u64,
+    fetch_whole_hits: bool,
 }
 
 fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
@@ -126,6 +128,8 @@ fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
         fault_hang_rate: args.fault_hang_rate,
         fault_hang_ms: args.fault_hang_ms,
         fault_seed: args.fault_seed,
+        fault_read_mbps: args.fault_read_mbps,
+        fetch_whole_hits: args.fetch_whole_hits,
     }
 }
 
@@ -147,6 +151,8 @@ struct Report {
     bytes: Paths<u64>,
     gbps: Paths<f64>,
     prefetch_stop_reasons: BTreeMap<String, usize>,
+    /// What the cost plans decided, rank 0 (the same on every rank).
+    prefetch_plans: PlanReport,
     /// Bytes the storage backends of all ranks copied through an intermediate buffer (0: every byte moved straight
     /// between the host pool and storage).
     staging_bytes: u64,
@@ -171,6 +177,20 @@ struct Report {
     /// The collectives of the controller's ticks (rank 0, and the slowest rank's cost).
     collectives: CollectiveCost,
     rounds: Vec<RoundReport>,
+}
+
+/// What the cost plans decided and how they came out.
+#[derive(Debug, Serialize)]
+struct PlanReport {
+    /// Plans by decision: `fetch_all`, `fetch_part`, `recompute_faster`, `no_compute_rate`.
+    decisions: BTreeMap<String, usize>,
+    /// Tokens storage held that were computed instead.
+    tokens_recomputed: u64,
+    /// Requests whose storage reads took longer than computing the tokens they brought (all ranks).
+    slower_than_recompute: u64,
+    /// The rates the ranks agreed on at the end of the run (the slowest rank's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    agreed_rates: Option<super::rank::AgreedRates>,
 }
 
 /// What the ranks' agreement cost per controller tick.
@@ -262,6 +282,12 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
         bytes,
         gbps,
         prefetch_stop_reasons: first.stop_reasons.clone(),
+        prefetch_plans: PlanReport {
+            decisions: first.plans.clone(),
+            tokens_recomputed: first.tokens_recomputed_by_plan,
+            slower_than_recompute: outcomes.iter().map(|outcome| outcome.slower_than_recompute).sum(),
+            agreed_rates: first.agreed_rates.clone(),
+        },
         staging_bytes: outcomes.iter().filter_map(|outcome| outcome.storage).map(|stats| stats.staging_bytes).sum(),
         storage_failures: StorageFailures {
             backup_pages_failed: outcomes.iter().map(|outcome| outcome.pages_backup_failed).sum(),
@@ -382,6 +408,26 @@ fn print_text(description: &str, report: &Report) {
             "  (not_in_storage: storage held none of the prompt, as for every first turn; revoked: it held fewer \
              tokens than the threshold)"
         );
+    }
+    let plans = &report.prefetch_plans;
+    if !plans.decisions.is_empty() {
+        let decisions: Vec<String> =
+            plans.decisions.iter().map(|(decision, count)| format!("{decision} {count}")).collect();
+        println!(
+            "prefetch plans: {}; {} stored tokens computed instead; {} requests slower than recomputing",
+            decisions.join(", "),
+            plans.tokens_recomputed,
+            plans.slower_than_recompute
+        );
+        if let Some(rates) = &plans.agreed_rates {
+            println!(
+                "  rates agreed: storage read {:.3} GB/s + {:.0} µs per call, load {:.2} GB/s, prefill {}",
+                rates.storage_read_gbps,
+                rates.storage_call_us,
+                rates.load_gbps,
+                rates.prefill_tokens_per_s.map_or_else(|| "unknown".into(), |rate| format!("{rate:.0} tokens/s"))
+            );
+        }
     }
     println!(
         "evicted: {} tokens device → host, {} from the host, {} dropped from the device without a host copy",

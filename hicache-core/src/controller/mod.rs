@@ -29,6 +29,7 @@ use std::sync::Arc;
 
 use rustc_hash::FxHashMap as HashMap;
 
+use crate::cost::{CostModel, Rates};
 use crate::error::Error;
 use crate::hash::PageKey;
 use crate::host_memory::{Access, HostMemory};
@@ -106,6 +107,10 @@ struct StorageHalf {
     ledger: ReleaseLedger,
     /// Host pages backups to storage are reading, with how many backups read each.
     pins: HashMap<HostPageId, u32>,
+    /// This rank's measured rates.
+    cost: CostModel,
+    /// The rates every rank agreed on at the last tick (the slowest rank's): the only ones decisions use.
+    agreed: Rates,
 }
 
 impl std::fmt::Debug for StorageHalf {
@@ -213,7 +218,12 @@ impl<E: TransferEngine> CacheController<E> {
             });
         }
         let workers = storage::Workers::start(storage, self.memory.clone(), &settings)?;
+        let cost = CostModel::new(settings.priors, settings.batch_pages);
+        // until the first tick, the priors (the same config on every rank)
+        let agreed = cost.rates();
         self.storage = Some(StorageHalf {
+            cost,
+            agreed,
             capacity: PrefetchCapacity::with_limit(settings.capacity_tokens),
             settings,
             clock,
@@ -230,6 +240,26 @@ impl<E: TransferEngine> CacheController<E> {
     /// The page size in tokens.
     pub fn page_size(&self) -> usize {
         self.page_size
+    }
+
+    /// The engine computed `tokens` after a prefix of `prefix` tokens in `elapsed` (its prefill, for the cost model
+    /// that decides how much of a storage hit to fetch: [`crate::cost`]). Without a storage tier nothing is kept.
+    pub fn observe_prefill(&mut self, tokens: usize, prefix: usize, elapsed: std::time::Duration) {
+        if let Some(storage) = &mut self.storage {
+            storage.cost.observe_prefill(tokens, prefix, elapsed);
+        }
+    }
+
+    /// A load of `bytes` from the host to the device took `elapsed` (for the cost model).
+    pub fn observe_load(&mut self, bytes: u64, elapsed: std::time::Duration) {
+        if let Some(storage) = &mut self.storage {
+            storage.cost.observe_load(bytes, elapsed);
+        }
+    }
+
+    /// The rates every TP rank agreed on at the last tick, which prefetch plans use; `None` without storage.
+    pub fn agreed_rates(&self) -> Option<Rates> {
+        self.storage.as_ref().map(|storage| storage.agreed)
     }
 
     /// Whether a storage tier is attached.

@@ -34,6 +34,7 @@ use super::storage::{PrefetchExplanation, PrefetchShared, PrefetchStop};
 use super::{Ack, BackupReport, CacheController};
 use crate::collective::{Collective, ReduceOp};
 use crate::config::PrefetchPolicy;
+use crate::cost::{ENCODED, Hit, Plan, Rates, plan};
 use crate::error::Error;
 use crate::hash::PageKey;
 use crate::host_pool::HostPageId;
@@ -42,8 +43,9 @@ use crate::transfer::TransferEngine;
 
 /// Values per prefetch slot in the tick's collective.
 const SLOT_VALUES: usize = 6;
-/// Counters before the slots: completed writes, completed backups.
-const HEADER: usize = 2;
+/// Values before the slots: completed writes, completed backups, then the rates of the cost model (each negated, so
+/// the MIN is the slowest rank's).
+const HEADER: usize = 2 + ENCODED;
 
 /// The answer of [`CacheController::prefetch`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -110,6 +112,12 @@ pub(super) struct PrefetchEntry {
     admitted: u64,
     /// The host pool could not hold the whole hit: fewer pages were reserved.
     capped: bool,
+    /// Tokens the request had before the prefetch's (device and host), and its prompt's: what a cost plan weighs.
+    cached_tokens: usize,
+    prompt_tokens: usize,
+    /// The cost plan fetched less than the hit, or the scheduler stopped waiting for the rest because computing it
+    /// was expected to be faster.
+    cost_cut: bool,
     /// The scheduler stopped waiting for the hit query (its policy, or an abort): why; only the part agreed before
     /// is fetched.
     query_cut: Option<PrefetchStop>,
@@ -231,6 +239,22 @@ impl<E: TransferEngine> CacheController<E> {
         tokens: &[u32],
         last_key: Option<PageKey>,
     ) -> Result<PrefetchStart, Error> {
+        self.prefetch_after(request_id, tokens, last_key, 0)
+    }
+
+    /// As [`prefetch`](Self::prefetch), for a request that has `cached_tokens` before `tokens` (on the device and
+    /// the host): the cost plan weighs computing the hit after them ([`crate::cost`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`prefetch`](Self::prefetch).
+    pub fn prefetch_after(
+        &mut self,
+        request_id: &str,
+        tokens: &[u32],
+        last_key: Option<PageKey>,
+        cached_tokens: usize,
+    ) -> Result<PrefetchStart, Error> {
         let Some(storage) = &mut self.storage else { return Ok(PrefetchStart::Refused(PrefetchStop::NoStorage)) };
         if storage.requests.contains_key(request_id) {
             return Err(Error::InvalidArgument {
@@ -262,6 +286,9 @@ impl<E: TransferEngine> CacheController<E> {
             elapsed: Duration::ZERO,
             stop: PrefetchStop::Revoked,
             error: None,
+            plan: None,
+            query_time: Duration::ZERO,
+            read_time: Duration::ZERO,
         };
         storage.requests.insert(request_id.to_owned(), op);
         storage.prefetches.insert(
@@ -279,6 +306,9 @@ impl<E: TransferEngine> CacheController<E> {
                 progress_mark: (0, started_at),
                 admitted: whole as u64,
                 capped: false,
+                cached_tokens,
+                prompt_tokens: cached_tokens + tokens.len(),
+                cost_cut: false,
                 query_cut: None,
                 explanation,
             },
@@ -366,6 +396,12 @@ impl<E: TransferEngine> CacheController<E> {
         let mut ops = Vec::new();
         if let Some(storage) = &mut self.storage {
             values[1] = storage.backups.iter().take_while(|backup| backup.shared.done.is_set()).count() as i64;
+            for read in storage.workers.take_reads() {
+                storage.cost.observe_read(read.calls, read.bytes, read.elapsed);
+            }
+            for (value, rate) in values[2..HEADER].iter_mut().zip(storage.cost.rates().encode()) {
+                *value = -rate;
+            }
             let now = storage.clock.now();
             for (op, entry) in storage.prefetches.iter_mut().filter(|(_, entry)| entry.in_collective()).take(slots) {
                 if entry.timed_out && entry.wanted {
@@ -405,6 +441,10 @@ impl<E: TransferEngine> CacheController<E> {
         collective.all_reduce(&mut values, ReduceOp::Min)?;
         tracing::trace!(writes = values[0], backups = values[1], prefetch_slots = ops.len(), "tick reduced");
 
+        if let Some(storage) = &mut self.storage {
+            let slowest: [i64; ENCODED] = std::array::from_fn(|index| -values[2 + index]);
+            storage.agreed = Rates::decode(&slowest, storage.settings.batch_pages);
+        }
         let mut report = TickReport { write_acks: Vec::new(), backups: Vec::new(), prefetches: Vec::new() };
         report.write_acks = self.take_write_acks(values[0] as usize)?;
         report.backups = self.take_backups(values[1] as usize)?;
@@ -428,8 +468,13 @@ impl<E: TransferEngine> CacheController<E> {
                     self.reserve_agreed(op, &mut entry, slot.hit_pages as usize)?;
                     None
                 }
-                Stage::Fetching { .. } => {
+                Stage::Fetching { ref pages, .. } => {
                     entry.timed_out = !slot.in_time;
+                    if !slot.last && self.waiting_costs_more(&entry, pages.len(), slot.fetched_tokens as usize) {
+                        // every rank sees the same reduced count and rates: every rank stops here
+                        entry.cost_cut = true;
+                        entry.shared.progress.terminate();
+                    }
                     if entry.stalled {
                         // reads already queued end with their last job; the ones stuck hold their pages until
                         // they return (the tail is freed only when the fetch thread is quiet)
@@ -460,6 +505,11 @@ impl<E: TransferEngine> CacheController<E> {
     /// is known), and queue their reads. Every rank sees the same minimum and the same allocator, so every rank
     /// reserves the same pages.
     fn reserve_agreed(&mut self, op: OpId, entry: &mut PrefetchEntry, agreed_pages: usize) -> Result<(), Error> {
+        // by cost: only what the plan for the hit found so far would fetch (reads queued now cannot be taken back)
+        let planned = self.storage.as_ref().expect("storage").settings.by_cost.then(|| {
+            let hit = self.hit_for(entry, agreed_pages, 0);
+            plan(&self.storage.as_ref().expect("storage").agreed, &hit, 0).fetch_pages
+        });
         let storage = self.storage.as_mut().expect("storage");
         let Stage::Querying { pages, keys } = &mut entry.stage else {
             unreachable!("reserve_agreed is called on querying prefetches")
@@ -467,6 +517,10 @@ impl<E: TransferEngine> CacheController<E> {
         // only the scheduler's own state decides (the same on every rank), never a flag an I/O thread sees first
         let cut_off = entry.wanted && storage.settings.policy == PrefetchPolicy::BestEffort;
         if entry.aborted || cut_off || agreed_pages * self.page_size < storage.settings.prefetch_threshold {
+            return Ok(());
+        }
+        let agreed_pages = planned.map_or(agreed_pages, |planned| planned.max(pages.len()));
+        if agreed_pages * self.page_size < storage.settings.prefetch_threshold {
             return Ok(());
         }
         let count = agreed_pages.saturating_sub(pages.len()).min(self.host.available());
@@ -549,7 +603,12 @@ impl<E: TransferEngine> CacheController<E> {
             // reads of the agreed hit are under way (so it reached the threshold): what arrives is resolved
             Some(_) => Vec::new(),
             None => {
-                let wanted = hit_pages - pages.len();
+                let planned = self.plan_hit(entry, hit_pages, pages.len());
+                if planned * self.page_size < threshold && pages.is_empty() {
+                    entry.explanation.stop = PrefetchStop::RecomputeFaster;
+                    return Ok(Some(self.finish_entry(entry, Vec::new(), Vec::new())));
+                }
+                let wanted = planned - pages.len();
                 if self.host.available() < wanted {
                     let short = wanted - self.host.available();
                     evict_host(self, short);
@@ -572,6 +631,42 @@ impl<E: TransferEngine> CacheController<E> {
         Ok(None)
     }
 
+    /// The hit as a cost plan sees it: `pages` of it, the first `arrived` of them in host memory already.
+    fn hit_for(&self, entry: &PrefetchEntry, pages: usize, arrived: usize) -> Hit {
+        Hit {
+            cached_tokens: entry.cached_tokens,
+            pages,
+            page_tokens: self.page_size,
+            page_bytes: self.memory.page_bytes() as u64,
+            prompt_tokens: entry.prompt_tokens.max(entry.cached_tokens + pages * self.page_size),
+            arrived_pages: arrived,
+        }
+    }
+
+    /// Pages of a hit of `hit_pages` (every rank's) to fetch, `reserved` of them already on their way: all of them,
+    /// or as the cost plan says (recorded in the explanation) when prefetching by cost.
+    fn plan_hit(&self, entry: &mut PrefetchEntry, hit_pages: usize, reserved: usize) -> usize {
+        let storage = self.storage.as_ref().expect("storage");
+        if !storage.settings.by_cost {
+            return hit_pages;
+        }
+        let planned: Plan = plan(&storage.agreed, &self.hit_for(entry, hit_pages, 0), reserved);
+        entry.explanation.plan = Some(planned);
+        entry.cost_cut = planned.fetch_pages < hit_pages;
+        planned.fetch_pages
+    }
+
+    /// Whether the scheduler, wanting the request now, should stop waiting for the rest of its `reserved` pages,
+    /// `fetched_tokens` of them fetched on every rank: computing the rest is expected to be faster.
+    fn waiting_costs_more(&self, entry: &PrefetchEntry, reserved: usize, fetched_tokens: usize) -> bool {
+        let storage = self.storage.as_ref().expect("storage");
+        if !(storage.settings.by_cost && entry.wanted) || entry.aborted || entry.shared.progress.is_terminated() {
+            return false;
+        }
+        let arrived = (fetched_tokens / self.page_size).min(reserved);
+        plan(&storage.agreed, &self.hit_for(entry, reserved, arrived), arrived).fetch_pages < reserved
+    }
+
     /// Every rank's count is final: the minimum is the result.
     fn resolve(&mut self, entry: &mut PrefetchEntry, slot: Slot) -> Result<Option<PrefetchDone>, Error> {
         if !(entry.wanted || entry.aborted) {
@@ -592,12 +687,16 @@ impl<E: TransferEngine> CacheController<E> {
             PrefetchStop::Aborted
         } else if let Some(stop) = entry.query_cut.clone().filter(|_| kept == pages.len()) {
             stop
+        } else if kept == pages.len() && entry.cost_cut {
+            PrefetchStop::RecomputeFaster
         } else if kept == pages.len() && entry.capped {
             PrefetchStop::HostPoolFull
         } else if kept == pages.len() {
             PrefetchStop::Complete
         } else if failure.is_some() {
             PrefetchStop::Failed
+        } else if entry.cost_cut {
+            PrefetchStop::RecomputeFaster
         } else if local > kept * self.page_size {
             PrefetchStop::TpMinimum
         } else if entry.stalled {
@@ -637,6 +736,9 @@ impl<E: TransferEngine> CacheController<E> {
     fn finish_entry(&mut self, entry: &mut PrefetchEntry, pages: Vec<HostPageId>, keys: Vec<PageKey>) -> PrefetchDone {
         let storage = self.storage.as_mut().expect("storage");
         entry.explanation.elapsed = storage.clock.now().saturating_sub(entry.started_at);
+        entry.explanation.query_time = entry.shared.hit.get().map_or(entry.explanation.elapsed, |hit| hit.elapsed);
+        entry.explanation.read_time =
+            Duration::from_nanos(entry.shared.read_ns.load(std::sync::atomic::Ordering::Relaxed));
         storage.requests.remove(&entry.request_id);
         let explanation = &entry.explanation;
         tracing::debug!(

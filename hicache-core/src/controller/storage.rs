@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use super::hit_query::storage_hit_query_with;
 use crate::config::{HiCacheConfig, PrefetchPolicy};
+use crate::cost::{Plan, Priors};
 use crate::error::Error;
 use crate::hash::{PageHasher, PageKey};
 use crate::host_memory::{HostMemory, MemoryRegion};
@@ -65,6 +66,10 @@ pub struct StorageSettings {
     pub write_bytes_per_s: u64,
     /// Prefetch operations reduced per tick (the fixed shape of the tick's collective); later ones wait a tick.
     pub tick_slots: usize,
+    /// Fetch a hit only as far as bringing it is faster than computing it ([`crate::cost`]).
+    pub by_cost: bool,
+    /// The rates assumed until measured.
+    pub priors: Priors,
 }
 
 impl StorageSettings {
@@ -101,6 +106,14 @@ impl StorageSettings {
             backup_skip: mla && tp_rank != 0,
             write_bytes_per_s: config.storage_write_bytes_per_s,
             tick_slots: DEFAULT_TICK_SLOTS,
+            by_cost: config.prefetch_by_cost,
+            priors: Priors {
+                storage_read_bytes_per_s: config.prior_storage_read_gbps * 1e9,
+                storage_call_s: 0.0,
+                load_bytes_per_s: config.prior_load_gbps * 1e9,
+                prefill_tokens_per_s: (config.prior_prefill_tokens_per_s > 0.0)
+                    .then_some(config.prior_prefill_tokens_per_s),
+            },
         })
     }
 
@@ -130,6 +143,10 @@ pub enum PrefetchStop {
     HostPoolFull,
     /// Every hit page arrived on every rank.
     Complete,
+    /// Computing the pages was expected to be faster than bringing them ([`crate::cost`]): part or none of the hit
+    /// was fetched (the plan in [`PrefetchExplanation::plan`] says why), or the scheduler stopped waiting for the
+    /// rest.
+    RecomputeFaster,
     /// `best_effort`: the scheduler took the request before every page arrived.
     CutOff,
     /// `timeout`: the limit passed on some rank before every page arrived.
@@ -172,6 +189,13 @@ pub struct PrefetchExplanation {
     pub stop: PrefetchStop,
     /// This rank's storage error, if one ended the query or the fetch.
     pub error: Option<String>,
+    /// The cost plan the hit was fetched by, when one was made: pages fetched and computed, and the expected times
+    /// of the plan, of fetching the whole hit and of computing it.
+    pub plan: Option<Plan>,
+    /// This rank's hit query: from its start until it ended (or until the scheduler stopped waiting for it).
+    pub query_time: Duration,
+    /// This rank's storage reads of the pages this prefetch kept and those it dropped: the time spent in them.
+    pub read_time: Duration,
 }
 
 /// Outcome of one page of a backup to storage, on this rank.
@@ -219,6 +243,8 @@ pub(super) struct HitFound {
     pub(super) pages: usize,
     /// The storage error that ended the query early, if any.
     pub(super) error: Option<String>,
+    /// How long the query took.
+    pub(super) elapsed: Duration,
 }
 
 /// A prefetch as the I/O threads and the scheduler share it.
@@ -234,6 +260,8 @@ pub(super) struct PrefetchShared {
     pub(super) quiet: Latch,
     /// The read error that stopped the fetch, if any.
     pub(super) failure: OnceLock<String>,
+    /// Nanoseconds the fetch thread spent in storage reads for this prefetch.
+    pub(super) read_ns: std::sync::atomic::AtomicU64,
 }
 
 impl PrefetchShared {
@@ -296,6 +324,7 @@ pub(super) struct Workers {
     storage: Arc<dyn StorageBackend>,
     region: MemoryRegion,
     registered: bool,
+    reads: Arc<Mutex<Vec<ReadSample>>>,
 }
 
 impl std::fmt::Debug for Workers {
@@ -310,6 +339,16 @@ struct Io {
     host: Arc<HostMemory>,
     page_size: usize,
     batch_pages: usize,
+    reads: Arc<Mutex<Vec<ReadSample>>>,
+}
+
+/// Storage calls an I/O thread made for a prefetch: how many, the bytes they brought (0 for a hit query's
+/// existence checks, which measure a call's fixed cost) and their time.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ReadSample {
+    pub(super) calls: usize,
+    pub(super) bytes: u64,
+    pub(super) elapsed: Duration,
 }
 
 impl Workers {
@@ -319,8 +358,14 @@ impl Workers {
         settings: &StorageSettings,
     ) -> Result<Self, Error> {
         let region = host.region();
-        let io =
-            Io { storage: storage.clone(), host, page_size: settings.page_size, batch_pages: settings.batch_pages };
+        let reads = Arc::new(Mutex::new(Vec::new()));
+        let io = Io {
+            storage: storage.clone(),
+            host,
+            page_size: settings.page_size,
+            batch_pages: settings.batch_pages,
+            reads: reads.clone(),
+        };
         let (query, query_jobs) = channel();
         let (fetch, fetch_jobs) = channel();
         let (backup, backup_jobs) = channel();
@@ -359,6 +404,7 @@ impl Workers {
             storage,
             region,
             registered: false,
+            reads,
         };
         // on failure, dropping `workers` stops the threads (no job was sent yet)
         workers.storage.register_host_memory(&workers.region)?;
@@ -378,6 +424,11 @@ impl Workers {
 
     pub(super) fn backup(&self, shared: Arc<BackupShared>, pages: Vec<HostPageId>, keys: Vec<PageKey>) {
         send(&self.backup, BackupJob { shared, pages, keys });
+    }
+
+    /// The reads the fetch thread made since the last call.
+    pub(super) fn take_reads(&self) -> Vec<ReadSample> {
+        std::mem::take(&mut *self.reads.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
     }
 }
 
@@ -416,6 +467,7 @@ fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
     let mut hasher = PageHasher::new();
     for job in jobs {
         let shared = &job.shared;
+        let started = std::time::Instant::now();
         let error = if shared.progress.is_terminated() {
             None
         } else {
@@ -437,10 +489,18 @@ fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
             query.err()
         };
         let pages = shared.found_pages();
+        let elapsed = started.elapsed();
+        if error.is_none() && !job.tokens.is_empty() {
+            // the query asks batch by batch until a batch is not all there
+            let asked = job.tokens.len() / io.page_size;
+            let calls = (pages / io.batch_pages + 1).min(asked.div_ceil(io.batch_pages));
+            let sample = ReadSample { calls, bytes: 0, elapsed };
+            io.reads.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(sample);
+        }
         if let Some(error) = &error {
             tracing::warn!(backend = io.storage.name(), %error, pages, "storage hit query failed; the hit ends there");
         }
-        let _ = shared.hit.set(HitFound { pages, error });
+        let _ = shared.hit.set(HitFound { pages, error, elapsed });
     }
 }
 
@@ -454,6 +514,7 @@ fn run_fetches(io: &Io, jobs: Receiver<FetchJob>) {
             }
             let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();
             // the lease ends with this block: the batch's pages are returned before their tokens are counted
+            let started = std::time::Instant::now();
             let (arrived, failure) = match io.host.lend_write(&indices) {
                 Ok(mut lease) => match guarded(|| io.storage.batch_get(keys, &mut lease.pages_mut())) {
                     Ok(outcomes) => {
@@ -469,6 +530,13 @@ fn run_fetches(io: &Io, jobs: Receiver<FetchJob>) {
                 },
                 Err(error) => (0, Some(error.to_string())),
             };
+            let elapsed = started.elapsed();
+            shared.read_ns.fetch_add(elapsed.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+            if arrived > 0 {
+                let bytes = (arrived * io.host.page_bytes()) as u64;
+                let sample = ReadSample { calls: 1, bytes, elapsed };
+                io.reads.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(sample);
+            }
             if arrived > 0 && shared.progress.increment((arrived * io.page_size) as u64).is_err() {
                 break;
             }

@@ -42,6 +42,9 @@ pub struct FaultPlan {
     pub hang_for: Duration,
     /// Seed of the random draws of the rates above.
     pub seed: u64,
+    /// A get takes at least the time its hit pages' bytes need at this many bytes per second (a slow tier);
+    /// 0 for no cap.
+    pub read_bytes_per_s: u64,
 }
 
 /// What a [`FaultyStorage`] injected so far.
@@ -210,6 +213,7 @@ impl<S: StorageBackend> StorageBackend for FaultyStorage<S> {
 
     fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
         super::check_batch(keys.len(), pages.len())?;
+        let started = Instant::now();
         let plan = self.enter("batch_get")?;
         let passed = plan.partial_batch.unwrap_or(keys.len()).min(keys.len());
         let mut outcomes = self.inner.batch_get(&keys[..passed], &mut pages[..passed])?;
@@ -234,6 +238,16 @@ impl<S: StorageBackend> StorageBackend for FaultyStorage<S> {
                     *byte ^= 0xa5;
                 }
             }
+        }
+        if plan.read_bytes_per_s > 0 {
+            let bytes: usize = outcomes
+                .iter()
+                .zip(pages.iter())
+                .filter(|(outcome, _)| **outcome == GetOutcome::Hit)
+                .map(|(_, page)| page.iter().map(|segment| segment.len()).sum::<usize>())
+                .sum();
+            let floor = Duration::from_secs_f64(bytes as f64 / plan.read_bytes_per_s as f64);
+            std::thread::sleep(floor.saturating_sub(started.elapsed()));
         }
         Ok(outcomes)
     }
@@ -378,6 +392,16 @@ mod tests {
         assert_eq!(storage.injected().failed_calls, 1);
         storage.set_plan(FaultPlan::default());
         assert_eq!(storage.batch_exists(&keys).unwrap(), 2);
+    }
+
+    #[test]
+    fn a_read_cap_makes_a_get_take_its_bytes_time() {
+        // 2 hit pages of 4 bytes at 256 bytes/s: at least 31.25 ms
+        let (storage, keys) = filled(FaultPlan { read_bytes_per_s: 256, ..FaultPlan::default() }, 2);
+        let started = Instant::now();
+        let (outcomes, buffers) = read_all(&storage, &keys);
+        assert!(started.elapsed() >= Duration::from_micros(31_250), "{:?}", started.elapsed());
+        assert_eq!((outcomes, buffers), (vec![GetOutcome::Hit; 2], vec![[0u8; PAGE], [1u8; PAGE]]));
     }
 
     #[test]

@@ -53,6 +53,8 @@ pub fn controller_over(
         backup_skip: false,
         write_bytes_per_s: 0,
         tick_slots: 8,
+        by_cost: false,
+        priors: crate::cost::Priors::UNKNOWN,
     };
     CacheController::new(engine, page, host_pages, device_pages, geometry.layers)?.with_storage(
         storage,

@@ -136,13 +136,32 @@ impl<E: TransferEngine> HiRadixTree<E> {
     ) -> Result<PrefetchStart, Error> {
         self.live(last_host_node)?;
         let last_key: Option<PageKey> = self.node(last_host_node).hashes.last().copied();
-        let start = self.controller.prefetch(request_id, tokens, last_key)?;
+        // the tokens on the path to the node: what the request has before the prefetch's
+        let mut cached_tokens = 0;
+        let mut walk = Some(last_host_node);
+        while let Some(id) = walk {
+            cached_tokens += self.node(id).key.len();
+            walk = self.node(id).parent;
+        }
+        let start = self.controller.prefetch_after(request_id, tokens, last_key, cached_tokens)?;
         if let PrefetchStart::Started(_) = start {
             self.node_mut(last_host_node).host_ref += 1;
             let whole = tokens.len() - tokens.len() % self.page_size;
             self.ongoing_prefetches.insert(request_id.to_owned(), (last_host_node, tokens[..whole].to_vec()));
         }
         Ok(start)
+    }
+
+    /// The engine computed `tokens` after a prefix of `prefix` tokens in `elapsed`: its prefill, which the cost
+    /// model weighs against bringing pages from storage ([`crate::cost`]; until the engine reports, or the config
+    /// gives `prior_prefill_tokens_per_s`, every storage hit is fetched whole).
+    pub fn observe_prefill(&mut self, tokens: usize, prefix: usize, elapsed: std::time::Duration) {
+        self.controller.observe_prefill(tokens, prefix, elapsed);
+    }
+
+    /// A load of `bytes` from the host to the device took `elapsed` (for the cost model).
+    pub fn observe_load(&mut self, bytes: u64, elapsed: std::time::Duration) {
+        self.controller.observe_load(bytes, elapsed);
     }
 
     /// Whether `request_id` can be scheduled; a pending prefetch is asked to stop (by policy), and the request

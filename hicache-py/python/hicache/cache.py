@@ -210,6 +210,13 @@ class Cache:
         with _token_ids():
             return self._native.prefetch(str(request_id), _tokens(tokens))
 
+    def observe_prefill(self, tokens: int, prefix: int, seconds: float) -> None:
+        """Tells the cache that the engine computed ``tokens`` tokens after a prefix of ``prefix`` tokens in
+        ``seconds``. The cache weighs its storage hits against this rate and fetches a hit only as far as bringing
+        it is faster than computing it; until told (or given ``prior_prefill_tokens_per_s`` in the config), it
+        fetches every hit whole."""
+        self._native.observe_prefill(int(tokens), int(prefix), float(seconds))
+
     def wait_prefetch(self, request_id: str, timeout: float = 30.0) -> bool:
         """Ticks until ``request_id``'s prefetch has joined the cache (True) or ``timeout`` seconds pass (False)."""
         return self._native.wait_prefetch(str(request_id), float(timeout))

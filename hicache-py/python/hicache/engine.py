@@ -153,12 +153,18 @@ class Engine:
         fresh = self.cache.alloc(computed + max_new_tokens - 1)
         # the pass's indices go to the device before the prefix's copies, which would hold them up on the copy engine
         prepared = self.prepare(tokens, cached, load.slots, fresh[:computed], load)
+        computing = time.perf_counter()
         load.start()
         logits = self.run(prepared, last_only=not all_logits)
         generated = [int(logits[-1].argmax())]
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        ttft = time.perf_counter() - started
+        now = time.perf_counter()
+        ttft = now - started
+        if not load.loaded:
+            # nothing was loaded beside it: the pass's time is the prefill's, which the cache weighs storage hits
+            # against
+            self.cache.observe_prefill(computed, cached, now - computing)
         sequence = list(tokens)
         prefix = torch.cat([load.slots, fresh[:computed]])
         for step in range(max_new_tokens - 1):

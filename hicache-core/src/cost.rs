@@ -1,0 +1,568 @@
+//! What bringing a page costs against computing it: rates measured online per tier and direction, and the plan that
+//! picks how much of a storage hit to fetch so that the first token comes soonest.
+//!
+//! A storage hit of `N` pages, after `cached` tokens the request already has (device and host), for a prompt of
+//! `prompt` tokens, can be served by fetching its first `k` pages (`0 ≤ k ≤ N`) and computing the rest. The expected
+//! time to first token of that choice is
+//!
+//! ```text
+//! T(k) = F(k) + max(H(k), C(cached + k·P → prompt))
+//! ```
+//!
+//! where `F(k)` is the storage read of the `k` pages not in host memory yet (a per-call latency for each batch of [`Rates::batch_pages`] plus
+//! the bytes at the read rate; `F(0) = 0`), `H(k)` the load of those pages to the device, which runs layer by layer
+//! beside the compute of the rest (so only the longer of the two counts), and `C(a → b)` the prefill of tokens `a..b`
+//! after a prefix of `a` tokens: `α·(b − a) + β·(b² − a²)/2`, a cost per token plus attention's cost per token of
+//! prefix. [`plan`] evaluates every `k` and takes the smallest `T`; on a tie, the larger `k` (less compute), so a
+//! faster tier never fetches fewer pages.
+//!
+//! The rates come from [`CostModel`]: priors from the config until measurements exist, then decayed averages of what
+//! the storage threads, the loads and the engine's prefills report. A decision must be the same on every TP rank,
+//! so the controller reduces each rank's rates over the TP group at its tick (the slowest rank's, [`Rates::encode`])
+//! and plans with the reduced values only.
+
+use std::time::Duration;
+
+/// The rates a plan is made with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rates {
+    /// Storage → host: seconds per storage call (its fixed cost).
+    pub storage_call_s: f64,
+    /// Storage → host: bytes per second.
+    pub storage_read_bytes_per_s: f64,
+    /// Host → device: bytes per second.
+    pub load_bytes_per_s: f64,
+    /// Prefill: seconds per token with no prefix (`α`); `None` while the engine's compute is unknown: then no
+    /// plan is made and a hit is fetched whole.
+    pub prefill_s_per_token: Option<f64>,
+    /// Prefill: seconds each token adds per token of prefix before it (`β`, attention).
+    pub prefill_s_per_token_per_prefix: f64,
+    /// Pages per storage call.
+    pub batch_pages: usize,
+}
+
+/// What a hit is, for a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hit {
+    /// Tokens the request has before the hit (on the device and the host).
+    pub cached_tokens: usize,
+    /// Pages storage holds after them.
+    pub pages: usize,
+    /// Tokens per page.
+    pub page_tokens: usize,
+    /// Bytes of one page on this rank.
+    pub page_bytes: u64,
+    /// The prompt's tokens (at least `cached_tokens + pages · page_tokens`).
+    pub prompt_tokens: usize,
+    /// The hit's first pages already in host memory: they cost no read.
+    pub arrived_pages: usize,
+}
+
+/// Why a plan fetches what it fetches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanReason {
+    /// The engine's compute is not known yet (no prior, no report): the whole hit is fetched.
+    NoComputeRate,
+    /// Fetching the whole hit is the fastest.
+    FetchAll,
+    /// Fetching part of the hit and computing the rest is the fastest.
+    FetchPart,
+    /// Computing the whole hit is faster than fetching any of it.
+    RecomputeFaster,
+}
+
+impl PlanReason {
+    /// The name used in reports and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::NoComputeRate => "no_compute_rate",
+            Self::FetchAll => "fetch_all",
+            Self::FetchPart => "fetch_part",
+            Self::RecomputeFaster => "recompute_faster",
+        }
+    }
+}
+
+/// A plan for one hit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// Pages to fetch: the hit's first ones.
+    pub fetch_pages: usize,
+    /// Why.
+    pub reason: PlanReason,
+    /// The expected time to first token of the plan, of fetching the whole hit and of computing all of it (zero
+    /// when the compute rate is unknown).
+    pub expected: Duration,
+    /// As `expected`, fetching the whole hit.
+    pub fetch_all: Duration,
+    /// As `expected`, fetching nothing.
+    pub recompute: Duration,
+}
+
+impl Rates {
+    /// Seconds to compute tokens `from..to` after a prefix of `from` tokens (zero when the compute is unknown).
+    pub fn compute_s(&self, from: usize, to: usize) -> f64 {
+        let Some(alpha) = self.prefill_s_per_token else { return 0.0 };
+        let (from, to) = (from as f64, to.max(from) as f64);
+        alpha * (to - from) + self.prefill_s_per_token_per_prefix * (to * to - from * from) / 2.0
+    }
+
+    /// Seconds to read `pages` pages of `page_bytes` from storage.
+    pub fn fetch_s(&self, pages: usize, page_bytes: u64) -> f64 {
+        if pages == 0 {
+            return 0.0;
+        }
+        let calls = pages.div_ceil(self.batch_pages.max(1)) as f64;
+        calls * self.storage_call_s + (pages as u64 * page_bytes) as f64 / self.storage_read_bytes_per_s
+    }
+
+    /// Seconds to load `pages` pages of `page_bytes` to the device.
+    pub fn load_s(&self, pages: usize, page_bytes: u64) -> f64 {
+        (pages as u64 * page_bytes) as f64 / self.load_bytes_per_s
+    }
+
+    /// Expected time to first token when the hit's first `fetch` pages are fetched and the rest computed.
+    pub fn ttft_s(&self, hit: &Hit, fetch: usize) -> f64 {
+        let computed_from = hit.cached_tokens + fetch * hit.page_tokens;
+        self.fetch_s(fetch.saturating_sub(hit.arrived_pages), hit.page_bytes)
+            + self.load_s(fetch, hit.page_bytes).max(self.compute_s(computed_from, hit.prompt_tokens))
+    }
+
+    /// The rates as integers for the tick's collective, in units where larger is slower, so that a MAX over the
+    /// ranks is the slowest rank's (the collective reduces with MIN: the caller negates): nanoseconds per call,
+    /// picoseconds per byte read and loaded, picoseconds per token, attoseconds per token per prefix token
+    /// (0: unknown).
+    pub fn encode(&self) -> [i64; ENCODED] {
+        let scaled = |value: f64, unit: f64| (value * unit).round().clamp(0.0, i64::MAX as f64) as i64;
+        [
+            scaled(self.storage_call_s, 1e9),
+            scaled(1.0 / self.storage_read_bytes_per_s, 1e12),
+            scaled(1.0 / self.load_bytes_per_s, 1e12),
+            self.prefill_s_per_token.map_or(0, |alpha| scaled(alpha, 1e12).max(1)),
+            scaled(self.prefill_s_per_token_per_prefix, 1e18),
+        ]
+    }
+
+    /// The rates [`encode`](Self::encode) gave (reduced over the ranks), with `batch_pages`.
+    pub fn decode(values: &[i64; ENCODED], batch_pages: usize) -> Self {
+        // a zero time per byte would be an infinite rate: one picosecond per byte (1 TB/s) is the fastest kept
+        let per_byte = |value: i64| 1e12 / value.max(1) as f64;
+        Self {
+            storage_call_s: values[0] as f64 / 1e9,
+            storage_read_bytes_per_s: per_byte(values[1]),
+            load_bytes_per_s: per_byte(values[2]),
+            prefill_s_per_token: (values[3] > 0).then(|| values[3] as f64 / 1e12),
+            prefill_s_per_token_per_prefix: values[4] as f64 / 1e18,
+            batch_pages,
+        }
+    }
+}
+
+/// Values [`Rates::encode`] puts in the tick's collective.
+pub const ENCODED: usize = 5;
+
+/// The plan for `hit` with `rates`, fetching at least `at_least` pages (already on their way); see the module docs.
+pub fn plan(rates: &Rates, hit: &Hit, at_least: usize) -> Plan {
+    let at_least = at_least.min(hit.pages);
+    let seconds = |fetch: usize| Duration::from_secs_f64(rates.ttft_s(hit, fetch).clamp(0.0, 1e9));
+    if rates.prefill_s_per_token.is_none() {
+        return Plan {
+            fetch_pages: hit.pages,
+            reason: PlanReason::NoComputeRate,
+            expected: Duration::ZERO,
+            fetch_all: Duration::ZERO,
+            recompute: Duration::ZERO,
+        };
+    }
+    // the last minimum: on a tie the larger fetch
+    let mut best = (at_least, rates.ttft_s(hit, at_least));
+    for fetch in candidates(rates, hit, at_least) {
+        let ttft = rates.ttft_s(hit, fetch);
+        if ttft < best.1 || (ttft == best.1 && fetch > best.0) {
+            best = (fetch, ttft);
+        }
+    }
+    let reason = match best.0 {
+        fetch if fetch == hit.pages => PlanReason::FetchAll,
+        0 => PlanReason::RecomputeFaster,
+        _ => PlanReason::FetchPart,
+    };
+    Plan {
+        fetch_pages: best.0,
+        reason,
+        expected: seconds(best.0),
+        fetch_all: seconds(hit.pages),
+        recompute: seconds(0),
+    }
+}
+
+/// The fetch counts (from `at_least` to the hit's pages) where `T` can be least: between two of them `T` is concave
+/// or linear. The read `F` is linear between the starts of its calls (a call every `batch_pages` pages after the
+/// arrived ones); the load `H` is linear and grows, the compute of the rest `C` is concave (its cost per token grows
+/// with the prefix) and shrinks, so `max(H, C)` is `C` up to their crossing and `H` after it. On a concave or linear
+/// stretch the least value is at one of its ends. Sorted, without repeats; `O(pages / batch_pages)` of them, so
+/// a plan costs that many evaluations, not one per page.
+fn candidates(rates: &Rates, hit: &Hit, at_least: usize) -> Vec<usize> {
+    let (low, high) = (at_least, hit.pages);
+    let mut points = vec![low, high];
+    let batch = rates.batch_pages.max(1);
+    let arrived = hit.arrived_pages;
+    let mut start = arrived;
+    while start <= high {
+        points.extend([start, start + 1]);
+        start += batch;
+    }
+    // the first count where the load is no shorter than the compute of the rest (the difference only grows)
+    let crossed = |fetch: usize| {
+        rates.load_s(fetch, hit.page_bytes)
+            >= rates.compute_s(hit.cached_tokens + fetch * hit.page_tokens, hit.prompt_tokens)
+    };
+    let (mut below, mut above) = (low, high);
+    if !crossed(low) && crossed(high) {
+        while above - below > 1 {
+            let middle = below + (above - below) / 2;
+            if crossed(middle) {
+                above = middle;
+            } else {
+                below = middle;
+            }
+        }
+        points.extend([below, above]);
+    }
+    points.retain(|point| (low..=high).contains(point));
+    points.sort_unstable();
+    points.dedup();
+    points
+}
+
+/// Decayed sums of one linear fit `seconds ≈ a·x + b·y` (or `a·x` alone), the newest samples weighing most.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Fit {
+    xx: f64,
+    xy: f64,
+    yy: f64,
+    xs: f64,
+    ys: f64,
+    samples: u64,
+}
+
+/// Each new sample scales the older ones by this: about the last 32 samples count.
+const DECAY: f64 = 31.0 / 32.0;
+
+impl Fit {
+    fn add(&mut self, x: f64, y: f64, seconds: f64) {
+        for sum in [&mut self.xx, &mut self.xy, &mut self.yy, &mut self.xs, &mut self.ys] {
+            *sum *= DECAY;
+        }
+        self.xx += x * x;
+        self.xy += x * y;
+        self.yy += y * y;
+        self.xs += x * seconds;
+        self.ys += y * seconds;
+        self.samples += 1;
+    }
+
+    /// `b` alone, from samples where `x` was 0 (calls that moved no bytes); `None` without such samples.
+    fn solve_y(&self) -> Option<f64> {
+        (self.samples > 0 && self.xx <= 0.0 && self.yy > 0.0).then(|| (self.ys / self.yy).max(0.0))
+    }
+
+    /// `(a, b)` by least squares, both at least zero; `b` is zero (and `a` fitted alone) when the samples cannot
+    /// tell the two apart.
+    fn solve(&self) -> Option<(f64, f64)> {
+        if self.samples == 0 || self.xx <= 0.0 {
+            return None;
+        }
+        let alone = (self.xs / self.xx, 0.0);
+        let det = self.xx * self.yy - self.xy * self.xy;
+        if det <= 1e-9 * self.xx * self.yy.max(f64::MIN_POSITIVE) {
+            return Some(alone);
+        }
+        let a = (self.xs * self.yy - self.ys * self.xy) / det;
+        let b = (self.xx * self.ys - self.xy * self.xs) / det;
+        if a > 0.0 && b >= 0.0 { Some((a, b)) } else { Some(alone) }
+    }
+}
+
+/// Priors: the rates used until measurements exist (the config's).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Priors {
+    /// Storage → host bytes per second.
+    pub storage_read_bytes_per_s: f64,
+    /// Seconds per storage call.
+    pub storage_call_s: f64,
+    /// Host → device bytes per second.
+    pub load_bytes_per_s: f64,
+    /// Prefill tokens per second with no prefix; `None`: unknown until the engine reports.
+    pub prefill_tokens_per_s: Option<f64>,
+}
+
+impl Priors {
+    /// No compute rate (so no plan until the engine reports one), 1 GB/s storage reads, 10 GB/s loads.
+    pub const UNKNOWN: Self =
+        Self { storage_read_bytes_per_s: 1e9, storage_call_s: 0.0, load_bytes_per_s: 1e10, prefill_tokens_per_s: None };
+}
+
+/// One rank's measured rates.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CostModel {
+    priors: Priors,
+    batch_pages: usize,
+    /// Storage reads: seconds ≈ calls · latency + bytes / rate.
+    reads: Fit,
+    /// Loads: seconds ≈ bytes / rate.
+    loads: Fit,
+    /// Prefills: seconds ≈ α · tokens + β · (tokens · prefix + tokens² / 2).
+    prefills: Fit,
+}
+
+impl CostModel {
+    /// A model that answers with `priors` until it has measurements; storage calls carry `batch_pages` pages.
+    pub fn new(priors: Priors, batch_pages: usize) -> Self {
+        Self { priors, batch_pages, reads: Fit::default(), loads: Fit::default(), prefills: Fit::default() }
+    }
+
+    /// Storage reads of `bytes` in `calls` calls took `elapsed` (`bytes` 0: calls that only ask what storage
+    /// holds, which measure a call's fixed cost).
+    pub fn observe_read(&mut self, calls: usize, bytes: u64, elapsed: Duration) {
+        if calls > 0 {
+            self.reads.add(bytes as f64, calls as f64, elapsed.as_secs_f64());
+        }
+    }
+
+    /// A load of `bytes` to the device took `elapsed`.
+    pub fn observe_load(&mut self, bytes: u64, elapsed: Duration) {
+        if bytes > 0 {
+            self.loads.add(bytes as f64, 0.0, elapsed.as_secs_f64());
+        }
+    }
+
+    /// The engine computed `tokens` after a prefix of `prefix` tokens in `elapsed`.
+    pub fn observe_prefill(&mut self, tokens: usize, prefix: usize, elapsed: Duration) {
+        if tokens > 0 {
+            let tokens = tokens as f64;
+            self.prefills.add(tokens, tokens * prefix as f64 + tokens * tokens / 2.0, elapsed.as_secs_f64());
+        }
+    }
+
+    /// The rates now: measured where measured, else the priors.
+    pub fn rates(&self) -> Rates {
+        let prior_per_byte = 1.0 / self.priors.storage_read_bytes_per_s;
+        // before the first read, the hit queries' calls already tell what a call costs
+        let (read_s_per_byte, call_s) = match self.reads.solve().filter(|(per_byte, _)| *per_byte > 0.0) {
+            Some(fitted) => fitted,
+            None => (prior_per_byte, self.reads.solve_y().unwrap_or(self.priors.storage_call_s)),
+        };
+        let load_s_per_byte = self
+            .loads
+            .solve()
+            .map(|(per_byte, _)| per_byte)
+            .filter(|per_byte| *per_byte > 0.0)
+            .unwrap_or(1.0 / self.priors.load_bytes_per_s);
+        let (alpha, beta) = match self.prefills.solve() {
+            Some((alpha, beta)) => (Some(alpha), beta),
+            None => (self.priors.prefill_tokens_per_s.map(|rate| 1.0 / rate), 0.0),
+        };
+        Rates {
+            storage_call_s: call_s,
+            storage_read_bytes_per_s: 1.0 / read_s_per_byte,
+            load_bytes_per_s: 1.0 / load_s_per_byte,
+            prefill_s_per_token: alpha,
+            prefill_s_per_token_per_prefix: beta,
+            batch_pages: self.batch_pages,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn rates(read_gbps: f64, tokens_per_s: f64) -> Rates {
+        Rates {
+            storage_call_s: 1e-4,
+            storage_read_bytes_per_s: read_gbps * 1e9,
+            load_bytes_per_s: 25e9,
+            prefill_s_per_token: Some(1.0 / tokens_per_s),
+            prefill_s_per_token_per_prefix: 0.0,
+            batch_pages: 128,
+        }
+    }
+
+    fn hit(pages: usize) -> Hit {
+        Hit {
+            cached_tokens: 512,
+            pages,
+            page_tokens: 32,
+            page_bytes: 128 << 10,
+            prompt_tokens: 512 + pages * 32 + 512,
+            arrived_pages: 0,
+        }
+    }
+
+    #[test]
+    fn a_fast_tier_fetches_all_a_slow_one_nothing() {
+        // 128 KiB pages of 32 tokens: 4 KiB a token; at 25 000 tokens/s compute is 102 MB/s of KV
+        let fast = plan(&rates(2.0, 25_000.0), &hit(64), 0);
+        assert_eq!((fast.fetch_pages, fast.reason), (64, PlanReason::FetchAll));
+        assert!(fast.expected < fast.recompute, "{fast:?}");
+        let slow = plan(&rates(0.04, 25_000.0), &hit(64), 0);
+        assert_eq!((slow.fetch_pages, slow.reason), (0, PlanReason::RecomputeFaster));
+        assert_eq!(slow.expected, slow.recompute);
+        // pages already on their way are kept
+        assert_eq!(plan(&rates(0.04, 25_000.0), &hit(64), 5).fetch_pages, 5);
+        // pages that arrived cost nothing more: waiting for the rest of a slow read is not worth it, keeping what
+        // came is
+        let arrived = Hit { arrived_pages: 40, ..hit(64) };
+        assert_eq!(plan(&rates(0.04, 25_000.0), &arrived, 40).fetch_pages, 40);
+        assert_eq!(plan(&rates(2.0, 25_000.0), &arrived, 40).fetch_pages, 64);
+    }
+
+    #[test]
+    fn without_a_compute_rate_the_hit_is_fetched_whole() {
+        let unknown = Rates { prefill_s_per_token: None, ..rates(0.001, 1.0) };
+        let planned = plan(&unknown, &hit(10), 0);
+        assert_eq!((planned.fetch_pages, planned.reason), (10, PlanReason::NoComputeRate));
+    }
+
+    #[test]
+    fn a_slow_load_makes_part_of_a_hit_worth_fetching() {
+        // storage reads at once; the load (1 GB/s: 1.05 ms a page) runs beside the compute of the rest (1 ms a page):
+        // the best is to load about half and compute the other half at the same time
+        let rates = Rates {
+            storage_call_s: 0.0,
+            storage_read_bytes_per_s: 1e15,
+            load_bytes_per_s: 1e9,
+            prefill_s_per_token: Some(1e-5),
+            prefill_s_per_token_per_prefix: 0.0,
+            batch_pages: 8,
+        };
+        let hit = Hit {
+            cached_tokens: 0,
+            pages: 100,
+            page_tokens: 100,
+            page_bytes: 1 << 20,
+            prompt_tokens: 10_000,
+            arrived_pages: 0,
+        };
+        let planned = plan(&rates, &hit, 0);
+        assert_eq!((planned.fetch_pages, planned.reason), (49, PlanReason::FetchPart), "{planned:?}");
+        let brute = (0..=hit.pages).map(|fetch| rates.ttft_s(&hit, fetch)).fold(f64::INFINITY, f64::min);
+        assert!((rates.ttft_s(&hit, planned.fetch_pages) - brute).abs() <= 1e-12);
+        assert!(planned.expected < planned.fetch_all && planned.expected < planned.recompute, "{planned:?}");
+    }
+
+    #[test]
+    fn measured_rates_replace_the_priors() {
+        let priors = Priors {
+            storage_read_bytes_per_s: 1e9,
+            storage_call_s: 0.0,
+            load_bytes_per_s: 1e10,
+            prefill_tokens_per_s: None,
+        };
+        let mut model = CostModel::new(priors, 4);
+        assert_eq!(model.rates().prefill_s_per_token, None);
+        assert!((model.rates().storage_read_bytes_per_s / 1e9 - 1.0).abs() < 1e-12);
+        // reads: 1 ms per call plus 2 GB/s, in batches of different sizes
+        for (calls, bytes) in [(1, 1u64 << 20), (2, 8 << 20), (1, 4 << 20), (3, 2 << 20)] {
+            let seconds = calls as f64 * 1e-3 + bytes as f64 / 2e9;
+            model.observe_read(calls, bytes, Duration::from_secs_f64(seconds));
+        }
+        let measured = model.rates();
+        assert!((measured.storage_read_bytes_per_s / 2e9 - 1.0).abs() < 1e-6, "{measured:?}");
+        // a hit query's calls alone (no bytes): the cost of a call, the prior per byte
+        let mut queried = CostModel::new(priors, 4);
+        queried.observe_read(3, 0, Duration::from_millis(6));
+        let rates = queried.rates();
+        assert!((rates.storage_call_s / 2e-3 - 1.0).abs() < 1e-9, "{rates:?}");
+        assert!((rates.storage_read_bytes_per_s / 1e9 - 1.0).abs() < 1e-9, "{rates:?}");
+        assert!((measured.storage_call_s / 1e-3 - 1.0).abs() < 1e-6, "{measured:?}");
+        // prefills: 40 us per token plus 1 ns per token of prefix
+        for (tokens, prefix) in [(512, 0), (512, 4096), (1024, 512), (64, 8192)] {
+            let (n, x) = (tokens as f64, prefix as f64);
+            let seconds = 4e-5 * n + 1e-9 * (n * x + n * n / 2.0);
+            model.observe_prefill(tokens, prefix, Duration::from_secs_f64(seconds));
+        }
+        let measured = model.rates();
+        assert!((measured.prefill_s_per_token.unwrap() / 4e-5 - 1.0).abs() < 1e-6, "{measured:?}");
+        assert!((measured.prefill_s_per_token_per_prefix / 1e-9 - 1.0).abs() < 1e-6, "{measured:?}");
+    }
+
+    fn arb_rates() -> impl Strategy<Value = Rates> {
+        (0.0f64..1e-2, 1e6f64..1e11, 1e8f64..1e11, 1e-7f64..1e-3, 0.0f64..1e-8, 1usize..256).prop_map(
+            |(call, read, load, alpha, beta, batch_pages)| Rates {
+                storage_call_s: call,
+                storage_read_bytes_per_s: read,
+                load_bytes_per_s: load,
+                prefill_s_per_token: Some(alpha),
+                prefill_s_per_token_per_prefix: beta,
+                batch_pages,
+            },
+        )
+    }
+
+    fn arb_hit() -> impl Strategy<Value = Hit> {
+        (0usize..8192, 0usize..2000, 1usize..128, 1u64..1 << 24, 0usize..4096, 0usize..2000).prop_map(
+            |(cached, pages, page_tokens, page_bytes, after, arrived)| Hit {
+                cached_tokens: cached,
+                pages,
+                page_tokens,
+                page_bytes,
+                prompt_tokens: cached + pages * page_tokens + after,
+                arrived_pages: arrived.min(pages),
+            },
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn the_plan_is_the_best_of_every_split(rates in arb_rates(), hit in arb_hit(), at_least in 0usize..2500) {
+            let planned = plan(&rates, &hit, at_least);
+            let floor = at_least.min(hit.pages);
+            prop_assert!(planned.fetch_pages >= floor && planned.fetch_pages <= hit.pages);
+            let chosen = rates.ttft_s(&hit, planned.fetch_pages);
+            // against every count (a relative slack for rounding: the plan evaluates only the candidates)
+            for fetch in floor..=hit.pages {
+                let other = rates.ttft_s(&hit, fetch);
+                prop_assert!(chosen <= other * (1.0 + 1e-9), "fetching {fetch} ({other}) beats the plan's {} ({chosen})", planned.fetch_pages);
+            }
+            // never slower than either extreme it could choose
+            prop_assert!(chosen <= rates.ttft_s(&hit, hit.pages));
+            if floor == 0 {
+                prop_assert!(chosen <= rates.ttft_s(&hit, 0));
+            }
+        }
+
+        #[test]
+        fn a_faster_tier_never_fetches_fewer_pages(
+            rates in arb_rates(), hit in arb_hit(), faster in 1.0f64..100.0, lower_latency in 0.0f64..=1.0,
+        ) {
+            let quicker = Rates {
+                storage_read_bytes_per_s: rates.storage_read_bytes_per_s * faster,
+                storage_call_s: rates.storage_call_s * lower_latency,
+                ..rates
+            };
+            prop_assert!(plan(&quicker, &hit, 0).fetch_pages >= plan(&rates, &hit, 0).fetch_pages);
+        }
+
+        #[test]
+        fn the_reduced_rates_are_the_slowest_ranks(first in arb_rates(), second in arb_rates()) {
+            // each rank encodes its own rates; the collective keeps each value's largest (slowest); both ranks
+            // decode the same integers
+            let (a, b) = (first.encode(), second.encode());
+            let reduced: [i64; ENCODED] = std::array::from_fn(|index| a[index].max(b[index]));
+            let agreed = Rates::decode(&reduced, first.batch_pages);
+            for own in [Rates::decode(&a, first.batch_pages), Rates::decode(&b, first.batch_pages)] {
+                prop_assert!(agreed.storage_call_s >= own.storage_call_s);
+                prop_assert!(agreed.storage_read_bytes_per_s <= own.storage_read_bytes_per_s);
+                prop_assert!(agreed.load_bytes_per_s <= own.load_bytes_per_s);
+                prop_assert!(agreed.prefill_s_per_token >= own.prefill_s_per_token);
+                prop_assert!(agreed.prefill_s_per_token_per_prefix >= own.prefill_s_per_token_per_prefix);
+            }
+            // encoding what was decoded changes nothing: the values survive the next tick's reduction as they are
+            prop_assert_eq!(agreed.encode(), reduced);
+        }
+    }
+}
