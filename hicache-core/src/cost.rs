@@ -84,7 +84,7 @@ impl PlanReason {
 }
 
 /// A plan for one hit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Plan {
     /// Pages to fetch: the hit's first ones.
     pub fetch_pages: usize,
@@ -97,6 +97,8 @@ pub struct Plan {
     pub fetch_all: Duration,
     /// As `expected`, fetching nothing.
     pub recompute: Duration,
+    /// The rates the plan was made with.
+    pub rates: Rates,
 }
 
 impl Rates {
@@ -172,6 +174,7 @@ pub fn plan(rates: &Rates, hit: &Hit, at_least: usize) -> Plan {
             expected: Duration::ZERO,
             fetch_all: Duration::ZERO,
             recompute: Duration::ZERO,
+            rates: *rates,
         };
     }
     // the last minimum: on a tie the larger fetch
@@ -193,6 +196,7 @@ pub fn plan(rates: &Rates, hit: &Hit, at_least: usize) -> Plan {
         expected: seconds(best.0),
         fetch_all: seconds(hit.pages),
         recompute: seconds(0),
+        rates: *rates,
     }
 }
 
@@ -248,6 +252,12 @@ struct Fit {
 
 /// Each new sample scales the older ones by this: about the last 32 samples count.
 const DECAY: f64 = 31.0 / 32.0;
+
+/// Reads measured before a read's slowness against the fit counts ([`CostModel`]'s slack).
+const SLACK_AFTER: u64 = 3;
+
+/// The most a slow read slows the rates plans use: 4×.
+const MAX_SLACK: f64 = 4.0;
 
 impl Fit {
     fn add(&mut self, x: f64, y: f64, seconds: f64) {
@@ -310,6 +320,13 @@ pub struct CostModel {
     batch_pages: usize,
     /// Storage reads: seconds ≈ calls · latency + bytes / rate.
     reads: Fit,
+    /// Reads that moved bytes, measured so far.
+    byte_reads: u64,
+    /// How much slower than the fit recent reads were (at least 1): a read slower than the fit sets it to its ratio,
+    /// and each read or hit query after it takes it back towards 1 by [`DECAY`]. Plans read at the fit's rates divided by it, so
+    /// a tier whose reads vary is judged by its slow ones: a fetch is chosen only when it is faster than computing
+    /// even then.
+    read_slack: f64,
     /// Loads: seconds ≈ bytes / rate.
     loads: Fit,
     /// Prefills: seconds ≈ α · tokens + β · (tokens · prefix + tokens² / 2).
@@ -319,14 +336,49 @@ pub struct CostModel {
 impl CostModel {
     /// A model that answers with `priors` until it has measurements; storage calls carry `batch_pages` pages.
     pub fn new(priors: Priors, batch_pages: usize) -> Self {
-        Self { priors, batch_pages, reads: Fit::default(), loads: Fit::default(), prefills: Fit::default() }
+        Self {
+            priors,
+            batch_pages,
+            reads: Fit::default(),
+            byte_reads: 0,
+            read_slack: 1.0,
+            loads: Fit::default(),
+            prefills: Fit::default(),
+        }
     }
 
     /// Storage reads of `bytes` in `calls` calls took `elapsed` (`bytes` 0: calls that only ask what storage
     /// holds, which measure a call's fixed cost).
     pub fn observe_read(&mut self, calls: usize, bytes: u64, elapsed: Duration) {
-        if calls > 0 {
-            self.reads.add(bytes as f64, calls as f64, elapsed.as_secs_f64());
+        if calls == 0 {
+            return;
+        }
+        if bytes > 0 {
+            // once the fit has a few reads to stand on, how this one compares with it (the first reads say more
+            // about the prior than about the tier); a ratio above MAX_SLACK is taken as MAX_SLACK
+            if self.byte_reads >= SLACK_AFTER {
+                let (per_byte, per_call) = self.fitted_read();
+                let predicted = per_byte * bytes as f64 + per_call * calls as f64;
+                let ratio = if predicted > 0.0 { elapsed.as_secs_f64() / predicted } else { 1.0 };
+                self.read_slack = ratio.clamp(1.0, MAX_SLACK).max(1.0 + (self.read_slack - 1.0) * DECAY);
+            }
+            self.byte_reads += 1;
+        } else {
+            // a hit query's calls: time passes for the tier too, and they keep coming while plans compute rather
+            // than read (so no read would take the slack back), which a tier that got faster needs
+            self.read_slack = 1.0 + (self.read_slack - 1.0) * DECAY;
+        }
+        self.reads.add(bytes as f64, calls as f64, elapsed.as_secs_f64());
+    }
+
+    /// Seconds per byte and per call of storage reads: fitted, else what the queries say a call costs and the prior
+    /// per byte.
+    fn fitted_read(&self) -> (f64, f64) {
+        match self.reads.solve().filter(|(per_byte, _)| *per_byte > 0.0) {
+            Some(fitted) => fitted,
+            None => {
+                (1.0 / self.priors.storage_read_bytes_per_s, self.reads.solve_y().unwrap_or(self.priors.storage_call_s))
+            }
         }
     }
 
@@ -347,12 +399,9 @@ impl CostModel {
 
     /// The rates now: measured where measured, else the priors.
     pub fn rates(&self) -> Rates {
-        let prior_per_byte = 1.0 / self.priors.storage_read_bytes_per_s;
         // before the first read, the hit queries' calls already tell what a call costs
-        let (read_s_per_byte, call_s) = match self.reads.solve().filter(|(per_byte, _)| *per_byte > 0.0) {
-            Some(fitted) => fitted,
-            None => (prior_per_byte, self.reads.solve_y().unwrap_or(self.priors.storage_call_s)),
-        };
+        let (read_s_per_byte, call_s) = self.fitted_read();
+        let (read_s_per_byte, call_s) = (read_s_per_byte * self.read_slack, call_s * self.read_slack);
         let load_s_per_byte = self
             .loads
             .solve()
@@ -488,6 +537,32 @@ mod tests {
         let measured = model.rates();
         assert!((measured.prefill_s_per_token.unwrap() / 4e-5 - 1.0).abs() < 1e-6, "{measured:?}");
         assert!((measured.prefill_s_per_token_per_prefix / 1e-9 - 1.0).abs() < 1e-6, "{measured:?}");
+    }
+
+    #[test]
+    fn a_read_slower_than_the_fit_slows_the_plans_rate_until_reads_are_steady_again() {
+        let mut model = CostModel::new(Priors::UNKNOWN, 4);
+        let steady = |bytes: u64| Duration::from_secs_f64(bytes as f64 / 1e9);
+        for bytes in [1u64 << 20, 2 << 20, 3 << 20, 4 << 20] {
+            model.observe_read(1, bytes, steady(bytes));
+        }
+        assert!((model.rates().storage_read_bytes_per_s / 1e9 - 1.0).abs() < 1e-6);
+        // one read at half the speed: the plans' rate halves at once (the fit itself moves by a 32nd)
+        model.observe_read(1, 4 << 20, steady(8 << 20));
+        let slowed = model.rates().storage_read_bytes_per_s;
+        assert!(slowed < 0.55e9, "{slowed}");
+        // steady reads take it back towards the fit, a little each
+        let mut last = slowed;
+        for _ in 0..64 {
+            model.observe_read(1, 4 << 20, steady(4 << 20));
+            let now = model.rates().storage_read_bytes_per_s;
+            assert!(now >= last, "{now} < {last}");
+            last = now;
+        }
+        assert!(last > 0.85e9, "{last}");
+        // a read 100 times slower slows the plans 4 times at most beyond what it does to the fit
+        model.observe_read(1, 4 << 20, steady(400 << 20));
+        assert_eq!(model.read_slack, MAX_SLACK);
     }
 
     fn arb_rates() -> impl Strategy<Value = Rates> {

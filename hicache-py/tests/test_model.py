@@ -14,6 +14,9 @@ leaves the device. Checks:
 With storage faults (a page file's bytes flipped, another replaced by a directory so its read fails), the prefix is
 usable up to the first bad page, the rest is recomputed, and the output still agrees.
 
+By cost (the engine reporting its own passes), a tier slower than the model's compute is asked what it holds but not
+read: the prompt is computed, and the output agrees the same way.
+
 ``HICACHE_TEST_DEVICE=cuda`` runs the same on a GPU (the wheel built with the ``cuda`` feature).
 """
 

@@ -452,7 +452,13 @@ fn run_request<E: ReplayEngine>(
         outcome.slower_than_recompute += 1;
     }
     // up to the prefill: matching, load-back and the layer waits; the byte check is the replay's, not the cache's
-    let cache_time = request.prefetch_wait + before_prefill.saturating_sub(checking);
+    // the load runs beside the prefill layer by layer (as the layer waits let a GPU engine run it): only what it
+    // takes beyond the prefill counts
+    let load = Duration::from_secs_f64(load_s);
+    let compute = Duration::from_secs_f64(compute_s);
+    let cache_time = request.prefetch_wait
+        + before_prefill.saturating_sub(checking).saturating_sub(load)
+        + load.saturating_sub(compute);
     let tally = Tally {
         requests: 1,
         prompt_tokens: prompt.len(),

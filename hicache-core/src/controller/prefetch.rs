@@ -57,7 +57,7 @@ pub enum PrefetchStart {
 }
 
 /// A prefetch whose result is known on every rank.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PrefetchDone {
     /// The request.
     pub request_id: String,
@@ -750,6 +750,8 @@ impl<E: TransferEngine> CacheController<E> {
             fetched = explanation.fetched_tokens,
             elapsed_ms = explanation.elapsed.as_secs_f64() * 1e3,
             error = explanation.error.as_deref(),
+            planned_pages = explanation.plan.map(|plan| plan.fetch_pages),
+            plan = explanation.plan.map(|plan| plan.reason.name()),
             "prefetch finished"
         );
         if matches!(entry.stage, Stage::Querying { .. }) {

@@ -163,7 +163,7 @@ pub enum PrefetchStop {
 }
 
 /// What happened to one request's prefetch, for logs, metrics and tests.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PrefetchExplanation {
     /// The request.
     pub request_id: String,
@@ -189,8 +189,8 @@ pub struct PrefetchExplanation {
     pub stop: PrefetchStop,
     /// This rank's storage error, if one ended the query or the fetch.
     pub error: Option<String>,
-    /// The cost plan the hit was fetched by, when one was made: pages fetched and computed, and the expected times
-    /// of the plan, of fetching the whole hit and of computing it.
+    /// The cost plan the hit was fetched by, when one was made: pages fetched and computed, why, the expected times
+    /// of the plan, of fetching the whole hit and of computing it, and the rates it used.
     pub plan: Option<Plan>,
     /// This rank's hit query: from its start until it ended (or until the scheduler stopped waiting for it).
     pub query_time: Duration,
