@@ -799,6 +799,10 @@ fn config_check_prints_resolved_values_and_names_bad_fields() {
     let output = hicache(&["config", "check", bad.to_str().unwrap()], "");
     assert_usage_error(&output, "config field `prefetch_policy`: unknown variant `eventually`");
     assert!(stderr(&output).contains("wait_complete"), "the allowed values are listed: {}", stderr(&output));
+    // the tier's extra config is read as the Python package reads it
+    std::fs::write(&bad, r#"{"storage_backend": "file", "storage_backend_extra_config": {"dir": 1}}"#).unwrap();
+    let output = hicache(&["config", "check", bad.to_str().unwrap()], "");
+    assert_usage_error(&output, "config field `storage_backend_extra_config.dir`: invalid type: integer `1`");
     assert_usage_error(
         &hicache(&["config", "check", "/no/such/config.json"], ""),
         "cannot read config file /no/such/config.json",

@@ -300,7 +300,38 @@ impl HiCacheConfig {
         {
             return bad("storage_backend_extra_config", format!("must be a JSON object, found {value}"));
         }
+        self.check_extra_config()?;
         Ok(self)
+    }
+
+    /// The extra config of a tier whose keys hicache reads itself (file, memory, Mooncake: the Python package's
+    /// reader, [`crate::extra_config`]), read as the package opens it: every key known and of its type. Other tiers
+    /// (3FS, NIXL) read theirs when they open.
+    fn check_extra_config(&self) -> Result<(), Error> {
+        let name = match self.storage_backend {
+            Some(StorageBackendKind::File) => "file",
+            Some(StorageBackendKind::Memory) => "memory",
+            Some(StorageBackendKind::Mooncake) => "mooncake",
+            _ => return Ok(()),
+        };
+        let mut fields = match &self.storage_backend_extra_config {
+            Some(serde_json::Value::Object(fields)) => fields.clone(),
+            _ => return Ok(()),
+        };
+        if fields.get("backend").is_some_and(|backend| backend.as_str() != Some(name)) {
+            return Err(Error::InvalidConfig {
+                field: "storage_backend_extra_config.backend".into(),
+                reason: format!("differs from storage_backend ({name})"),
+            });
+        }
+        fields.insert("backend".into(), name.into());
+        match crate::extra_config::Settings::parse(&serde_json::Value::Object(fields).to_string()) {
+            Ok(_) => Ok(()),
+            Err(error) => Err(Error::InvalidConfig {
+                field: format!("storage_backend_extra_config.{}", error.key),
+                reason: error.reason,
+            }),
+        }
     }
 
     /// The threshold the controller applies: max(prefetch threshold, page size).
@@ -425,6 +456,25 @@ mod tests {
                 .contains("storage_backend_extra_config`: not valid JSON")
         );
         assert!(message(r#"{"storage_backend_extra_config": [1]}"#).contains("must be a JSON object"));
+        // a tier's extra config is read as the Python package reads it: keys named, types checked
+        let typed = message(r#"{"storage_backend": "file", "storage_backend_extra_config": {"dir": 1}}"#);
+        assert!(typed.starts_with("config field `storage_backend_extra_config.dir`: invalid type"), "{typed}");
+        let unknown = message(r#"{"storage_backend": "memory", "storage_backend_extra_config": "{\"dir\": \"/d\"}"}"#);
+        assert!(unknown.starts_with("config field `storage_backend_extra_config.dir`: unknown key"), "{unknown}");
+        let other = message(r#"{"storage_backend": "file", "storage_backend_extra_config": {"backend": "memory"}}"#);
+        assert!(
+            other.contains("`storage_backend_extra_config.backend`: differs from storage_backend (file)"),
+            "{other}"
+        );
+        // what the package takes passes; tiers that read their own keys when they open are not read here
+        for good in [
+            r#"{"storage_backend": "file", "storage_backend_extra_config": {"dir": "/d", "capacity": "2gb"}}"#,
+            r#"{"storage_backend": "mooncake", "storage_backend_extra_config": {"master_server_address": "h:1"}}"#,
+            r#"{"storage_backend": "3fs", "storage_backend_extra_config": {"numjobs": 4}}"#,
+            r#"{"storage_backend_extra_config": {"anything": 1}}"#,
+        ] {
+            HiCacheConfig::from_json(good).unwrap_or_else(|error| panic!("{good}: {error}"));
+        }
         assert!(message(r#"{"prefetch_timeout_max_s": 1}"#).contains("below prefetch_timeout_base_s"));
         // durations are bounded (a day): a huge one would overflow a `Duration` where it is used
         for field in [

@@ -28,6 +28,7 @@ pub mod controller;
 pub mod cost;
 pub mod device_slots;
 pub mod error;
+pub mod extra_config;
 pub mod geometry;
 pub mod hash;
 pub mod host_memory;

@@ -55,14 +55,14 @@ impl PySettings {
     #[new]
     pub(crate) fn new(extra_config: &str) -> PyResult<Self> {
         guard::run(|| {
-            let settings = Settings::parse(extra_config)?;
+            let settings = Settings::parse(extra_config).map_err(guard::config_to_py)?;
             if let Tier::File(file) = &settings.tier {
-                check_directory(file)?;
+                check_directory(file).map_err(guard::config_to_py)?;
             }
             Ok(Self {
                 #[cfg(feature = "mooncake")]
                 mooncake: match &settings.tier {
-                    Tier::Mooncake(fields) => Some(mooncake_config(fields)?),
+                    Tier::Mooncake(fields) => Some(mooncake_config(fields).map_err(guard::config_to_py)?),
                     _ => None,
                 },
                 settings,
@@ -89,13 +89,12 @@ impl PySettings {
                 .map_err(|error| PyValueError::new_err(format!("hicache: storage config: {error}")))?;
             let description: PoolDescription = serde_json::from_str(pool)
                 .map_err(|error| PyValueError::new_err(format!("hicache: host pool: {error}")))?;
-            let pool = HostPool::new(&description, &self.settings.pool)?;
+            let pool = HostPool::new(&description, &self.settings.pool).map_err(guard::config_to_py)?;
             if rank.is_mla != pool.map.geometry().is_mla() {
-                return Err(ConfigError::value(
+                return Err(guard::config_to_py(ConfigError::value(
                     "is_mla_model",
                     format!("the storage config says {}, but the host pool holds {} KV", rank.is_mla, description.kind),
-                )
-                .into());
+                )));
             }
             let namespace = StorageNamespace {
                 model: rank.model,
@@ -145,7 +144,8 @@ impl PySettings {
             }
             #[cfg(not(feature = "mooncake"))]
             Tier::Mooncake(_) => {
-                return Err(ConfigError::value("backend", "this build of hicache has no Mooncake backend").into());
+                let error = ConfigError::value("backend", "this build of hicache has no Mooncake backend");
+                return Err(guard::config_to_py(error));
             }
         };
         Ok(match self.settings.throttle_read_bytes_per_s {

@@ -41,12 +41,7 @@ pub(crate) fn to_py(error: Error) -> PyErr {
     }
 }
 
-impl From<ConfigError> for PyErr {
-    fn from(error: ConfigError) -> Self {
-        if error.wrong_type {
-            PyTypeError::new_err(error.to_string())
-        } else {
-            PyValueError::new_err(error.to_string())
-        }
-    }
+/// A bad extra config as Python sees it: `TypeError` for a value of the wrong type, else `ValueError`.
+pub(crate) fn config_to_py(error: ConfigError) -> PyErr {
+    if error.wrong_type { PyTypeError::new_err(error.to_string()) } else { PyValueError::new_err(error.to_string()) }
 }

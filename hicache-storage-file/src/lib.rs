@@ -40,11 +40,8 @@ use hicache_core::storage::{
     StorageStats, check_batch, segments_len, size_mismatch,
 };
 
-/// The environment variable SGLang reads for the directory.
-pub const DIR_ENV: &str = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR";
-
-/// SGLang's default directory.
-pub const DEFAULT_DIR: &str = "/tmp/hicache";
+/// The environment variable SGLang reads for the directory, and SGLang's default directory.
+pub use hicache_core::extra_config::{DEFAULT_DIR, DIR_ENV};
 
 /// Which file layout to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
