@@ -148,7 +148,8 @@ pub struct HiCacheConfig {
     pub prefetch_by_cost: bool,
     /// The engine's prefill tokens per second (with no prefix) assumed until it reports its own; 0: unknown.
     pub prior_prefill_tokens_per_s: f64,
-    /// Storage → host GB/s (10^9 bytes) assumed until reads are measured.
+    /// Storage → host GB/s (10^9 bytes) assumed until reads are measured; 0: unknown (every hit is fetched whole
+    /// until a read is measured).
     pub prior_storage_read_gbps: f64,
     /// Host → device GB/s assumed until loads are measured.
     pub prior_load_gbps: f64,
@@ -180,7 +181,7 @@ impl Default for HiCacheConfig {
             storage_capacity_bytes: 0,
             prefetch_by_cost: true,
             prior_prefill_tokens_per_s: 0.0,
-            prior_storage_read_gbps: 1.0,
+            prior_storage_read_gbps: 0.0,
             prior_load_gbps: 10.0,
         }
     }
@@ -262,12 +263,17 @@ impl HiCacheConfig {
                 format!("{:?} must be in [0, {MAX_TOKENS_PER_S}] (0: unknown)", self.prior_prefill_tokens_per_s),
             );
         }
-        for (field, value) in
-            [("prior_storage_read_gbps", self.prior_storage_read_gbps), ("prior_load_gbps", self.prior_load_gbps)]
-        {
-            if !(value > 0.0 && value <= MAX_GBPS) {
-                return bad(field, format!("{value:?} must be a rate in GB/s in (0, {MAX_GBPS}]"));
-            }
+        if !(0.0..=MAX_GBPS).contains(&self.prior_storage_read_gbps) {
+            return bad(
+                "prior_storage_read_gbps",
+                format!("{:?} must be a rate in GB/s in [0, {MAX_GBPS}] (0: unknown)", self.prior_storage_read_gbps),
+            );
+        }
+        if !(self.prior_load_gbps > 0.0 && self.prior_load_gbps <= MAX_GBPS) {
+            return bad(
+                "prior_load_gbps",
+                format!("{:?} must be a rate in GB/s in (0, {MAX_GBPS}]", self.prior_load_gbps),
+            );
         }
         if self.storage_batch_pages == 0 {
             return bad("storage_batch_pages", "must be at least 1".into());

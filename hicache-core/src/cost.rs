@@ -17,7 +17,8 @@
 //! faster tier never fetches fewer pages.
 //!
 //! The rates come from [`CostModel`]: priors from the config until measurements exist, then decayed averages of what
-//! the storage threads, the loads and the engine's prefills report. A decision must be the same on every TP rank,
+//! the storage threads, the loads and the engine's prefills report. Until both the engine's compute and the tier's
+//! reads are known, every hit is fetched whole (so the tier's reads get measured). A decision must be the same on every TP rank,
 //! so the controller reduces each rank's rates over the TP group at its tick (the slowest rank's, [`Rates::encode`])
 //! and plans with the reduced values only.
 
@@ -28,8 +29,9 @@ use std::time::Duration;
 pub struct Rates {
     /// Storage → host: seconds per storage call (its fixed cost).
     pub storage_call_s: f64,
-    /// Storage → host: bytes per second.
-    pub storage_read_bytes_per_s: f64,
+    /// Storage → host: bytes per second; `None` until a read was measured (and no prior given): then a hit is
+    /// fetched whole, which measures it.
+    pub storage_read_bytes_per_s: Option<f64>,
     /// Host → device: bytes per second.
     pub load_bytes_per_s: f64,
     /// Prefill: seconds per token with no prefix (`α`); `None` while the engine's compute is unknown: then no
@@ -61,8 +63,9 @@ pub struct Hit {
 /// Why a plan fetches what it fetches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PlanReason {
-    /// The engine's compute is not known yet (no prior, no report): the whole hit is fetched.
-    NoComputeRate,
+    /// The engine's compute or the tier's read rate is not known yet (no prior, nothing measured): the whole hit is
+    /// fetched (and its reads measure the tier).
+    Unmeasured,
     /// Fetching the whole hit is the fastest.
     FetchAll,
     /// Fetching part of the hit and computing the rest is the fastest.
@@ -75,7 +78,7 @@ impl PlanReason {
     /// The name used in reports and metrics.
     pub fn name(self) -> &'static str {
         match self {
-            Self::NoComputeRate => "no_compute_rate",
+            Self::Unmeasured => "unmeasured",
             Self::FetchAll => "fetch_all",
             Self::FetchPart => "fetch_part",
             Self::RecomputeFaster => "recompute_faster",
@@ -109,13 +112,14 @@ impl Rates {
         alpha * (to - from) + self.prefill_s_per_token_per_prefix * (to * to - from * from) / 2.0
     }
 
-    /// Seconds to read `pages` pages of `page_bytes` from storage.
+    /// Seconds to read `pages` pages of `page_bytes` from storage (the bytes cost nothing while the rate is unknown).
     pub fn fetch_s(&self, pages: usize, page_bytes: u64) -> f64 {
         if pages == 0 {
             return 0.0;
         }
         let calls = pages.div_ceil(self.batch_pages.max(1)) as f64;
-        calls * self.storage_call_s + (pages as u64 * page_bytes) as f64 / self.storage_read_bytes_per_s
+        let per_byte = self.storage_read_bytes_per_s.map_or(0.0, |rate| 1.0 / rate);
+        calls * self.storage_call_s + (pages as u64 * page_bytes) as f64 * per_byte
     }
 
     /// Seconds to load `pages` pages of `page_bytes` to the device.
@@ -133,12 +137,12 @@ impl Rates {
     /// The rates as integers for the tick's collective, in units where larger is slower, so that a MAX over the
     /// ranks is the slowest rank's (the collective reduces with MIN: the caller negates): nanoseconds per call,
     /// picoseconds per byte read and loaded, picoseconds per token, attoseconds per token per prefix token
-    /// (0: unknown).
+    /// (0: unknown, for the read and the prefill rates).
     pub fn encode(&self) -> [i64; ENCODED] {
         let scaled = |value: f64, unit: f64| (value * unit).round().clamp(0.0, i64::MAX as f64) as i64;
         [
             scaled(self.storage_call_s, 1e9),
-            scaled(1.0 / self.storage_read_bytes_per_s, 1e12),
+            self.storage_read_bytes_per_s.map_or(0, |rate| scaled(1.0 / rate, 1e12).max(1)),
             scaled(1.0 / self.load_bytes_per_s, 1e12),
             self.prefill_s_per_token.map_or(0, |alpha| scaled(alpha, 1e12).max(1)),
             scaled(self.prefill_s_per_token_per_prefix, 1e18),
@@ -151,7 +155,7 @@ impl Rates {
         let per_byte = |value: i64| 1e12 / value.max(1) as f64;
         Self {
             storage_call_s: values[0] as f64 / 1e9,
-            storage_read_bytes_per_s: per_byte(values[1]),
+            storage_read_bytes_per_s: (values[1] > 0).then(|| per_byte(values[1])),
             load_bytes_per_s: per_byte(values[2]),
             prefill_s_per_token: (values[3] > 0).then(|| values[3] as f64 / 1e12),
             prefill_s_per_token_per_prefix: values[4] as f64 / 1e18,
@@ -167,10 +171,10 @@ pub const ENCODED: usize = 5;
 pub fn plan(rates: &Rates, hit: &Hit, at_least: usize) -> Plan {
     let at_least = at_least.min(hit.pages);
     let seconds = |fetch: usize| Duration::from_secs_f64(rates.ttft_s(hit, fetch).clamp(0.0, 1e9));
-    if rates.prefill_s_per_token.is_none() {
+    if rates.prefill_s_per_token.is_none() || rates.storage_read_bytes_per_s.is_none() {
         return Plan {
             fetch_pages: hit.pages,
-            reason: PlanReason::NoComputeRate,
+            reason: PlanReason::Unmeasured,
             expected: Duration::ZERO,
             fetch_all: Duration::ZERO,
             recompute: Duration::ZERO,
@@ -297,8 +301,8 @@ impl Fit {
 /// Priors: the rates used until measurements exist (the config's).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Priors {
-    /// Storage → host bytes per second.
-    pub storage_read_bytes_per_s: f64,
+    /// Storage → host bytes per second; `None`: unknown until a read is measured.
+    pub storage_read_bytes_per_s: Option<f64>,
     /// Seconds per storage call.
     pub storage_call_s: f64,
     /// Host → device bytes per second.
@@ -308,9 +312,13 @@ pub struct Priors {
 }
 
 impl Priors {
-    /// No compute rate (so no plan until the engine reports one), 1 GB/s storage reads, 10 GB/s loads.
-    pub const UNKNOWN: Self =
-        Self { storage_read_bytes_per_s: 1e9, storage_call_s: 0.0, load_bytes_per_s: 1e10, prefill_tokens_per_s: None };
+    /// No compute or read rate (so no plan until both are measured), 10 GB/s loads.
+    pub const UNKNOWN: Self = Self {
+        storage_read_bytes_per_s: None,
+        storage_call_s: 0.0,
+        load_bytes_per_s: 1e10,
+        prefill_tokens_per_s: None,
+    };
 }
 
 /// One rank's measured rates.
@@ -358,7 +366,7 @@ impl CostModel {
             // about the prior than about the tier); a ratio above MAX_SLACK is taken as MAX_SLACK
             if self.byte_reads >= SLACK_AFTER {
                 let (per_byte, per_call) = self.fitted_read();
-                let predicted = per_byte * bytes as f64 + per_call * calls as f64;
+                let predicted = per_byte.unwrap_or(0.0) * bytes as f64 + per_call * calls as f64;
                 let ratio = if predicted > 0.0 { elapsed.as_secs_f64() / predicted } else { 1.0 };
                 self.read_slack = ratio.clamp(1.0, MAX_SLACK).max(1.0 + (self.read_slack - 1.0) * DECAY);
             }
@@ -371,14 +379,15 @@ impl CostModel {
         self.reads.add(bytes as f64, calls as f64, elapsed.as_secs_f64());
     }
 
-    /// Seconds per byte and per call of storage reads: fitted, else what the queries say a call costs and the prior
-    /// per byte.
-    fn fitted_read(&self) -> (f64, f64) {
+    /// Seconds per byte (`None`: unknown) and per call of storage reads: fitted, else the prior per byte and what
+    /// the queries say a call costs.
+    fn fitted_read(&self) -> (Option<f64>, f64) {
         match self.reads.solve().filter(|(per_byte, _)| *per_byte > 0.0) {
-            Some(fitted) => fitted,
-            None => {
-                (1.0 / self.priors.storage_read_bytes_per_s, self.reads.solve_y().unwrap_or(self.priors.storage_call_s))
-            }
+            Some((per_byte, per_call)) => (Some(per_byte), per_call),
+            None => (
+                self.priors.storage_read_bytes_per_s.map(|rate| 1.0 / rate),
+                self.reads.solve_y().unwrap_or(self.priors.storage_call_s),
+            ),
         }
     }
 
@@ -401,7 +410,8 @@ impl CostModel {
     pub fn rates(&self) -> Rates {
         // before the first read, the hit queries' calls already tell what a call costs
         let (read_s_per_byte, call_s) = self.fitted_read();
-        let (read_s_per_byte, call_s) = (read_s_per_byte * self.read_slack, call_s * self.read_slack);
+        let slack = self.read_slack;
+        let (read_s_per_byte, call_s) = (read_s_per_byte.map(|per_byte| per_byte * slack), call_s * slack);
         let load_s_per_byte = self
             .loads
             .solve()
@@ -414,7 +424,7 @@ impl CostModel {
         };
         Rates {
             storage_call_s: call_s,
-            storage_read_bytes_per_s: 1.0 / read_s_per_byte,
+            storage_read_bytes_per_s: read_s_per_byte.map(|per_byte| 1.0 / per_byte),
             load_bytes_per_s: 1.0 / load_s_per_byte,
             prefill_s_per_token: alpha,
             prefill_s_per_token_per_prefix: beta,
@@ -432,7 +442,7 @@ mod tests {
     fn rates(read_gbps: f64, tokens_per_s: f64) -> Rates {
         Rates {
             storage_call_s: 1e-4,
-            storage_read_bytes_per_s: read_gbps * 1e9,
+            storage_read_bytes_per_s: Some(read_gbps * 1e9),
             load_bytes_per_s: 25e9,
             prefill_s_per_token: Some(1.0 / tokens_per_s),
             prefill_s_per_token_per_prefix: 0.0,
@@ -472,8 +482,10 @@ mod tests {
     #[test]
     fn without_a_compute_rate_the_hit_is_fetched_whole() {
         let unknown = Rates { prefill_s_per_token: None, ..rates(0.001, 1.0) };
+        let unmeasured_tier = Rates { storage_read_bytes_per_s: None, ..rates(0.001, 1.0) };
+        assert_eq!(plan(&unmeasured_tier, &hit(10), 0).reason, PlanReason::Unmeasured);
         let planned = plan(&unknown, &hit(10), 0);
-        assert_eq!((planned.fetch_pages, planned.reason), (10, PlanReason::NoComputeRate));
+        assert_eq!((planned.fetch_pages, planned.reason), (10, PlanReason::Unmeasured));
     }
 
     #[test]
@@ -482,7 +494,7 @@ mod tests {
         // the best is to load about half and compute the other half at the same time
         let rates = Rates {
             storage_call_s: 0.0,
-            storage_read_bytes_per_s: 1e15,
+            storage_read_bytes_per_s: Some(1e15),
             load_bytes_per_s: 1e9,
             prefill_s_per_token: Some(1e-5),
             prefill_s_per_token_per_prefix: 0.0,
@@ -506,27 +518,27 @@ mod tests {
     #[test]
     fn measured_rates_replace_the_priors() {
         let priors = Priors {
-            storage_read_bytes_per_s: 1e9,
+            storage_read_bytes_per_s: Some(1e9),
             storage_call_s: 0.0,
             load_bytes_per_s: 1e10,
             prefill_tokens_per_s: None,
         };
         let mut model = CostModel::new(priors, 4);
         assert_eq!(model.rates().prefill_s_per_token, None);
-        assert!((model.rates().storage_read_bytes_per_s / 1e9 - 1.0).abs() < 1e-12);
+        assert!((model.rates().storage_read_bytes_per_s.unwrap() / 1e9 - 1.0).abs() < 1e-12);
         // reads: 1 ms per call plus 2 GB/s, in batches of different sizes
         for (calls, bytes) in [(1, 1u64 << 20), (2, 8 << 20), (1, 4 << 20), (3, 2 << 20)] {
             let seconds = calls as f64 * 1e-3 + bytes as f64 / 2e9;
             model.observe_read(calls, bytes, Duration::from_secs_f64(seconds));
         }
         let measured = model.rates();
-        assert!((measured.storage_read_bytes_per_s / 2e9 - 1.0).abs() < 1e-6, "{measured:?}");
+        assert!((measured.storage_read_bytes_per_s.unwrap() / 2e9 - 1.0).abs() < 1e-6, "{measured:?}");
         // a hit query's calls alone (no bytes): the cost of a call, the prior per byte
         let mut queried = CostModel::new(priors, 4);
         queried.observe_read(3, 0, Duration::from_millis(6));
         let rates = queried.rates();
         assert!((rates.storage_call_s / 2e-3 - 1.0).abs() < 1e-9, "{rates:?}");
-        assert!((rates.storage_read_bytes_per_s / 1e9 - 1.0).abs() < 1e-9, "{rates:?}");
+        assert!((rates.storage_read_bytes_per_s.unwrap() / 1e9 - 1.0).abs() < 1e-9, "{rates:?}");
         assert!((measured.storage_call_s / 1e-3 - 1.0).abs() < 1e-6, "{measured:?}");
         // prefills: 40 us per token plus 1 ns per token of prefix
         for (tokens, prefix) in [(512, 0), (512, 4096), (1024, 512), (64, 8192)] {
@@ -546,16 +558,16 @@ mod tests {
         for bytes in [1u64 << 20, 2 << 20, 3 << 20, 4 << 20] {
             model.observe_read(1, bytes, steady(bytes));
         }
-        assert!((model.rates().storage_read_bytes_per_s / 1e9 - 1.0).abs() < 1e-6);
+        assert!((model.rates().storage_read_bytes_per_s.unwrap() / 1e9 - 1.0).abs() < 1e-6);
         // one read at half the speed: the plans' rate halves at once (the fit itself moves by a 32nd)
         model.observe_read(1, 4 << 20, steady(8 << 20));
-        let slowed = model.rates().storage_read_bytes_per_s;
+        let slowed = model.rates().storage_read_bytes_per_s.unwrap();
         assert!(slowed < 0.55e9, "{slowed}");
         // steady reads take it back towards the fit, a little each
         let mut last = slowed;
         for _ in 0..64 {
             model.observe_read(1, 4 << 20, steady(4 << 20));
-            let now = model.rates().storage_read_bytes_per_s;
+            let now = model.rates().storage_read_bytes_per_s.unwrap();
             assert!(now >= last, "{now} < {last}");
             last = now;
         }
@@ -569,7 +581,7 @@ mod tests {
         (0.0f64..1e-2, 1e6f64..1e11, 1e8f64..1e11, 1e-7f64..1e-3, 0.0f64..1e-8, 1usize..256).prop_map(
             |(call, read, load, alpha, beta, batch_pages)| Rates {
                 storage_call_s: call,
-                storage_read_bytes_per_s: read,
+                storage_read_bytes_per_s: Some(read),
                 load_bytes_per_s: load,
                 prefill_s_per_token: Some(alpha),
                 prefill_s_per_token_per_prefix: beta,
@@ -615,7 +627,7 @@ mod tests {
             rates in arb_rates(), hit in arb_hit(), faster in 1.0f64..100.0, lower_latency in 0.0f64..=1.0,
         ) {
             let quicker = Rates {
-                storage_read_bytes_per_s: rates.storage_read_bytes_per_s * faster,
+                storage_read_bytes_per_s: rates.storage_read_bytes_per_s.map(|rate| rate * faster),
                 storage_call_s: rates.storage_call_s * lower_latency,
                 ..rates
             };

@@ -850,7 +850,7 @@ fn by_cost(policy: PrefetchPolicy, storage_read_bytes_per_s: f64, prefill_tokens
     StorageSettings {
         by_cost: true,
         priors: hicache_core::cost::Priors {
-            storage_read_bytes_per_s,
+            storage_read_bytes_per_s: Some(storage_read_bytes_per_s),
             storage_call_s: 0.0,
             load_bytes_per_s: 1e10,
             prefill_tokens_per_s: Some(prefill_tokens_per_s),
@@ -902,7 +902,7 @@ fn without_a_compute_rate_a_hit_is_fetched_whole_and_the_engine_report_gives_one
     rig.finish_prefetch("unknown");
     let done = prefetch_result(&mut rig, "unknown");
     assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::Complete, 6));
-    assert_eq!(done.explanation.plan.map(|plan| plan.reason), Some(hicache_core::cost::PlanReason::NoComputeRate));
+    assert_eq!(done.explanation.plan.map(|plan| plan.reason), Some(hicache_core::cost::PlanReason::Unmeasured));
     rig.evict_host(&done.host_pages).unwrap();
     // the engine reports its prefill (4096 tokens in 100 µs); the next tick agrees on it
     rig.observe_prefill(4096, 0, Duration::from_micros(100));
@@ -935,7 +935,7 @@ fn the_scheduler_stops_waiting_for_pages_that_compute_faster_than_they_arrive() 
     assert_eq!((done.host_pages.len(), done.explanation.fetched_tokens), (2, 2 * PAGE));
     assert_eq!(host_bytes(&rig, &done.host_pages), expected[..2 * rig.engine().host_map().page_bytes()]);
     let rates = rig.agreed_rates().unwrap();
-    assert!(rates.storage_read_bytes_per_s < 6e3, "the measured rate replaced the prior: {rates:?}");
+    assert!(rates.storage_read_bytes_per_s.unwrap() < 6e3, "the measured rate replaced the prior: {rates:?}");
     // the tail comes back once the reader is done with it
     gated.open(10);
     tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);

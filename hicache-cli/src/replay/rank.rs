@@ -74,7 +74,7 @@ pub(crate) struct RankOutcome {
     pub(crate) prefetch_errors: u64,
     /// What the fault injection did, when asked for.
     pub(crate) injected: Option<hicache_core::storage::FaultCounts>,
-    /// Prefetch plans by what they decided (`fetch_all`, `fetch_part`, `recompute_faster`, `no_compute_rate`).
+    /// Prefetch plans by what they decided (`fetch_all`, `fetch_part`, `recompute_faster`, `unmeasured`).
     pub(crate) plans: BTreeMap<String, usize>,
     /// Tokens storage held for a request that the cost plan left to compute (all ranks agree on it).
     pub(crate) tokens_recomputed_by_plan: u64,
@@ -94,7 +94,7 @@ pub(crate) struct RankOutcome {
 /// The cost model's rates, as the report gives them.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub(crate) struct AgreedRates {
-    pub(crate) storage_read_gbps: f64,
+    pub(crate) storage_read_gbps: Option<f64>,
     pub(crate) storage_call_us: f64,
     pub(crate) load_gbps: f64,
     pub(crate) prefill_tokens_per_s: Option<f64>,
@@ -103,7 +103,7 @@ pub(crate) struct AgreedRates {
 impl From<hicache_core::cost::Rates> for AgreedRates {
     fn from(rates: hicache_core::cost::Rates) -> Self {
         Self {
-            storage_read_gbps: rates.storage_read_bytes_per_s / 1e9,
+            storage_read_gbps: rates.storage_read_bytes_per_s.map(|rate| rate / 1e9),
             storage_call_us: rates.storage_call_s * 1e6,
             load_gbps: rates.load_bytes_per_s / 1e9,
             prefill_tokens_per_s: rates.prefill_s_per_token.map(|seconds| 1.0 / seconds),

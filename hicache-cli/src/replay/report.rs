@@ -182,7 +182,7 @@ struct Report {
 /// What the cost plans decided and how they came out.
 #[derive(Debug, Serialize)]
 struct PlanReport {
-    /// Plans by decision: `fetch_all`, `fetch_part`, `recompute_faster`, `no_compute_rate`.
+    /// Plans by decision: `fetch_all`, `fetch_part`, `recompute_faster`, `unmeasured`.
     decisions: BTreeMap<String, usize>,
     /// Tokens storage held that were computed instead.
     tokens_recomputed: u64,
@@ -421,8 +421,8 @@ fn print_text(description: &str, report: &Report) {
         );
         if let Some(rates) = &plans.agreed_rates {
             println!(
-                "  rates agreed: storage read {:.3} GB/s + {:.0} µs per call, load {:.2} GB/s, prefill {}",
-                rates.storage_read_gbps,
+                "  rates agreed: storage read {} + {:.0} µs per call, load {:.2} GB/s, prefill {}",
+                rates.storage_read_gbps.map_or_else(|| "unknown".into(), |gbps| format!("{gbps:.3} GB/s")),
                 rates.storage_call_us,
                 rates.load_gbps,
                 rates.prefill_tokens_per_s.map_or_else(|| "unknown".into(), |rate| format!("{rate:.0} tokens/s"))

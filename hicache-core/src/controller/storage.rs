@@ -108,7 +108,8 @@ impl StorageSettings {
             tick_slots: DEFAULT_TICK_SLOTS,
             by_cost: config.prefetch_by_cost,
             priors: Priors {
-                storage_read_bytes_per_s: config.prior_storage_read_gbps * 1e9,
+                storage_read_bytes_per_s: (config.prior_storage_read_gbps > 0.0)
+                    .then_some(config.prior_storage_read_gbps * 1e9),
                 storage_call_s: 0.0,
                 load_bytes_per_s: config.prior_load_gbps * 1e9,
                 prefill_tokens_per_s: (config.prior_prefill_tokens_per_s > 0.0)

@@ -49,8 +49,12 @@ class _Step:
         self.all = torch.cat([prefix, new]).to(device, non_blocking=True)
         self.load = load if load is not None and getattr(load, "loaded", 1) else None
         queries, keys = len(new), len(prefix) + len(new)
-        # query i (position len(prefix) + i) sees every key up to its own position
-        self.mask = None if queries == 1 else torch.ones(queries, keys, dtype=torch.bool, device=device).tril(len(prefix))
+        # query i (position len(prefix) + i) sees every key up to its own position; with no prefix that is the plain
+        # causal mask, which sdpa's fused kernels take without a mask tensor (a [queries, keys] one would send a long
+        # prompt down the slow path)
+        self.causal = not len(prefix) and queries > 1
+        full = queries == 1 or self.causal
+        self.mask = None if full else torch.ones(queries, keys, dtype=torch.bool, device=device).tril(len(prefix))
 
     def attend(self, layer, query, key, value, scaling):
         k, v = self.k[layer], self.v[layer]
@@ -60,7 +64,9 @@ class _Step:
             self.load.wait_layer(layer)
         keys = k[self.all].transpose(0, 1).unsqueeze(0).to(query.dtype)
         values = v[self.all].transpose(0, 1).unsqueeze(0).to(query.dtype)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask, scale=scaling, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=self.mask, is_causal=self.causal, scale=scaling, enable_gqa=True
+        )
         return out.transpose(1, 2).contiguous(), None
 
 
