@@ -9,18 +9,18 @@
 //! T(k) = F(k) + max(H(k), C(cached + k·P → prompt))
 //! ```
 //!
-//! where `F(k)` is the storage read of the `k` pages not in host memory yet (a per-call latency for each batch of [`Rates::batch_pages`] plus
-//! the bytes at the read rate; `F(0) = 0`), `H(k)` the load of those pages to the device, which runs layer by layer
-//! beside the compute of the rest (so only the longer of the two counts), and `C(a → b)` the prefill of tokens `a..b`
-//! after a prefix of `a` tokens: `α·(b − a) + β·(b² − a²)/2`, a cost per token plus attention's cost per token of
-//! prefix. [`plan`] evaluates every `k` and takes the smallest `T`; on a tie, the larger `k` (less compute), so a
-//! faster tier never fetches fewer pages.
+//! where `F(k)` is the storage read of the `k` pages not in host memory yet (a per-call latency for each batch of
+//! [`Rates::batch_pages`] plus the bytes at the read rate; `F(0) = 0`), `H(k)` the load of those pages to the device,
+//! which runs layer by layer beside the compute of the rest (so only the longer of the two counts), and `C(a → b)` the
+//! prefill of tokens `a..b` after a prefix of `a` tokens: `α·(b − a) + β·(b² − a²)/2`, a cost per token plus
+//! attention's cost per token of prefix. [`plan`] takes the `k` of the smallest `T` (evaluating only the counts where
+//! it can be least); on a tie, the larger `k` (less compute), so a faster tier never fetches fewer pages.
 //!
 //! The rates come from [`CostModel`]: priors from the config until measurements exist, then decayed averages of what
 //! the storage threads, the loads and the engine's prefills report. Until both the engine's compute and the tier's
-//! reads are known, every hit is fetched whole (so the tier's reads get measured). A decision must be the same on every TP rank,
-//! so the controller reduces each rank's rates over the TP group at its tick (the slowest rank's, [`Rates::encode`])
-//! and plans with the reduced values only.
+//! reads are known, every hit is fetched whole (so the tier's reads get measured). A decision must be the same on
+//! every TP rank, so the controller reduces each rank's rates over the TP group at its tick (the slowest rank's,
+//! [`Rates::encode`]) and plans with the reduced values only.
 
 use std::time::Duration;
 
@@ -265,14 +265,19 @@ const MAX_SLACK: f64 = 4.0;
 
 impl Fit {
     fn add(&mut self, x: f64, y: f64, seconds: f64) {
+        self.add_weighted(x, y, seconds, 1.0);
+    }
+
+    /// A sample counted `weight` times (a weight of `1 / seconds²` fits the relative error).
+    fn add_weighted(&mut self, x: f64, y: f64, seconds: f64, weight: f64) {
         for sum in [&mut self.xx, &mut self.xy, &mut self.yy, &mut self.xs, &mut self.ys] {
             *sum *= DECAY;
         }
-        self.xx += x * x;
-        self.xy += x * y;
-        self.yy += y * y;
-        self.xs += x * seconds;
-        self.ys += y * seconds;
+        self.xx += weight * x * x;
+        self.xy += weight * x * y;
+        self.yy += weight * y * y;
+        self.xs += weight * x * seconds;
+        self.ys += weight * y * seconds;
         self.samples += 1;
     }
 
@@ -402,7 +407,11 @@ impl CostModel {
     pub fn observe_prefill(&mut self, tokens: usize, prefix: usize, elapsed: Duration) {
         if tokens > 0 {
             let tokens = tokens as f64;
-            self.prefills.add(tokens, tokens * prefix as f64 + tokens * tokens / 2.0, elapsed.as_secs_f64());
+            // by relative error: a short pass after a long prefix counts as much as a long prompt computed from
+            // scratch, whose seconds would otherwise outweigh it (and it is the pass a plan weighs)
+            let seconds = elapsed.as_secs_f64().max(1e-6);
+            let attention = tokens * prefix as f64 + tokens * tokens / 2.0;
+            self.prefills.add_weighted(tokens, attention, seconds, 1.0 / (seconds * seconds));
         }
     }
 
