@@ -157,8 +157,9 @@ fn architecture_maps_every_crate_and_names_only_real_paths() {
     }
     let paths = named_paths(&architecture);
     assert!(paths.len() > 10, "ARCHITECTURE.md names only {} paths; is the code map there?", paths.len());
-    for path in paths {
-        assert!(root.join(&path).exists(), "ARCHITECTURE.md names `{path}`, which does not exist");
+    // (paths under target/ are made by `cargo xtask ci`'s own steps, so a checkout has them only after one)
+    for path in paths.iter().filter(|path| !path.starts_with("target/")) {
+        assert!(root.join(path).exists(), "ARCHITECTURE.md names `{path}`, which does not exist");
     }
 }
 
