@@ -506,7 +506,8 @@ fn absorb(
             *outcome.plans.entry(plan.reason.name().to_owned()).or_default() += 1;
         }
         if explanation.stop == PrefetchStop::RecomputeFaster {
-            outcome.tokens_recomputed_by_plan += (explanation.tp_min_hit_tokens - explanation.fetched_tokens) as u64;
+            outcome.tokens_recomputed_by_plan +=
+                explanation.tp_min_hit_tokens.saturating_sub(explanation.fetched_tokens) as u64;
         }
         outcome.prefetch_errors += u64::from(explanation.error.is_some());
         outcome.pages_storage_to_host += (explanation.fetched_tokens / page) as u64;
