@@ -9,6 +9,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
+pub use crate::extra_config::parse_size;
 use crate::layout::HostLayout;
 
 /// When device pages are written to the host (and on to storage).
@@ -92,6 +93,19 @@ macro_rules! display_as_serde_name {
     )*};
 }
 display_as_serde_name!(WritePolicy, IoBackend, StorageBackendKind, PrefetchPolicy);
+
+impl StorageBackendKind {
+    /// The tier by which SGLang's extra config names it to hicache's reader ([`crate::extra_config`]): file,
+    /// memory, Mooncake; `None` for the tiers that read their own keys (3FS, NIXL).
+    pub fn extra_config_tier(self) -> Option<&'static str> {
+        match self {
+            Self::File => Some("file"),
+            Self::Memory => Some("memory"),
+            Self::Mooncake => Some("mooncake"),
+            Self::Hf3fs | Self::Nixl => None,
+        }
+    }
+}
 
 /// Every knob of hicache. Defaults are SGLang 0.5.2's.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -314,30 +328,15 @@ impl HiCacheConfig {
     /// reader, [`crate::extra_config`]), read as the package opens it: every key known and of its type. Other tiers
     /// (3FS, NIXL) read theirs when they open.
     fn check_extra_config(&self) -> Result<(), Error> {
-        let name = match self.storage_backend {
-            Some(StorageBackendKind::File) => "file",
-            Some(StorageBackendKind::Memory) => "memory",
-            Some(StorageBackendKind::Mooncake) => "mooncake",
-            _ => return Ok(()),
+        let Some(tier) = self.storage_backend.and_then(StorageBackendKind::extra_config_tier) else { return Ok(()) };
+        let invalid = |error: crate::extra_config::ConfigError| Error::InvalidConfig {
+            field: format!("storage_backend_extra_config.{}", error.key),
+            reason: error.reason,
         };
-        let mut fields = match &self.storage_backend_extra_config {
-            Some(serde_json::Value::Object(fields)) => fields.clone(),
-            _ => return Ok(()),
-        };
-        if fields.get("backend").is_some_and(|backend| backend.as_str() != Some(name)) {
-            return Err(Error::InvalidConfig {
-                field: "storage_backend_extra_config.backend".into(),
-                reason: format!("differs from storage_backend ({name})"),
-            });
-        }
-        fields.insert("backend".into(), name.into());
-        match crate::extra_config::Settings::parse(&serde_json::Value::Object(fields).to_string()) {
-            Ok(_) => Ok(()),
-            Err(error) => Err(Error::InvalidConfig {
-                field: format!("storage_backend_extra_config.{}", error.key),
-                reason: error.reason,
-            }),
-        }
+        let fields =
+            crate::extra_config::tier_fields(tier, self.storage_backend_extra_config.as_ref()).map_err(invalid)?;
+        crate::extra_config::Settings::parse(&fields.to_string()).map_err(invalid)?;
+        Ok(())
     }
 
     /// The threshold the controller applies: max(prefetch threshold, page size).
@@ -391,24 +390,6 @@ pub fn from_named_fields<T: serde::de::DeserializeOwned>(value: &serde_json::Val
         let field = if path == "." || path.is_empty() { whole.to_owned() } else { path };
         Error::InvalidConfig { field, reason: error.to_string() }
     })
-}
-
-/// Bytes from `4294967296`, `4gb`, `4 GiB`, `512MB`, `16mib`, `64k`: units are powers of 1024, as Mooncake's own
-/// parser reads them.
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let trimmed = text.trim();
-    let split = trimmed.find(|c: char| !c.is_ascii_digit()).unwrap_or(trimmed.len());
-    let (digits, unit) = trimmed.split_at(split);
-    let number: u64 = digits.parse().map_err(|_| format!("{text:?} is not a size (bytes, or e.g. 4gb, 512mb)"))?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        other => return Err(format!("{text:?}: unknown unit {other:?} (b, kb, mb, gb, tb)")),
-    };
-    number.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} overflows 64 bits"))
 }
 
 #[cfg(test)]

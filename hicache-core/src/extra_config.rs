@@ -23,7 +23,6 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use crate::config::parse_size;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
@@ -56,6 +55,42 @@ impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "hicache extra_config key `{}`: {}", self.key, self.reason)
     }
+}
+
+/// Bytes from `4294967296`, `4gb`, `4 GiB`, `512MB`, `16mib`, `64k`: units are powers of 1024, as Mooncake's own
+/// parser reads them.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let split = trimmed.find(|c: char| !c.is_ascii_digit()).unwrap_or(trimmed.len());
+    let (digits, unit) = trimmed.split_at(split);
+    let number: u64 = digits.parse().map_err(|_| format!("{text:?} is not a size (bytes, or e.g. 4gb, 512mb)"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        other => return Err(format!("{text:?}: unknown unit {other:?} (b, kb, mb, gb, tb)")),
+    };
+    number.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} overflows 64 bits"))
+}
+
+/// A config's extra config for `tier` (as [`crate::config::StorageBackendKind::extra_config_tier`] names it): its
+/// fields, with `backend` set to the tier, as [`Settings::parse`] takes them.
+///
+/// # Errors
+///
+/// [`ConfigError`] naming `backend` when the extra config names another tier.
+pub fn tier_fields(tier: &str, extra: Option<&Value>) -> Result<Value, ConfigError> {
+    let mut fields = match extra {
+        Some(Value::Object(fields)) => fields.clone(),
+        _ => Map::new(),
+    };
+    if fields.get("backend").is_some_and(|backend| backend.as_str() != Some(tier)) {
+        return Err(ConfigError::value("backend", format!("differs from storage_backend ({tier})")));
+    }
+    fields.insert("backend".into(), tier.into());
+    Ok(Value::Object(fields))
 }
 
 /// Keys SGLang reads itself; accepted, never used here.

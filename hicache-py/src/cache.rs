@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use hicache_core::collective::SingleRank;
-use hicache_core::config::{HiCacheConfig, StorageBackendKind};
+use hicache_core::config::HiCacheConfig;
 use hicache_core::device_slots::{DeviceSlotAllocator, PagedSlots};
 use hicache_core::geometry::KvGeometry;
 use hicache_core::host_memory::HostMemory;
@@ -467,28 +467,15 @@ fn build<E: Engine>(
 /// `storage_backend_extra_config`), opened for this model's namespace.
 fn open_storage(config: &HiCacheConfig, namespace: &StorageNamespace) -> PyResult<Option<Arc<dyn StorageBackend>>> {
     let Some(kind) = config.storage_backend else { return Ok(None) };
-    let mut extra = match &config.storage_backend_extra_config {
-        Some(serde_json::Value::Object(fields)) => fields.clone(),
-        _ => serde_json::Map::new(),
-    };
-    let name = match kind {
-        StorageBackendKind::File => "file",
-        StorageBackendKind::Memory => "memory",
-        StorageBackendKind::Mooncake => "mooncake",
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "hicache: config field `storage_backend`: {other} is not available from Python (file, memory, \
-                 mooncake)"
-            )));
-        }
-    };
-    if extra.get("backend").is_some_and(|backend| backend.as_str() != Some(name)) {
+    let Some(tier) = kind.extra_config_tier() else {
         return Err(PyValueError::new_err(format!(
-            "hicache: config field `storage_backend_extra_config.backend` differs from `storage_backend` ({name})"
+            "hicache: config field `storage_backend`: {kind} is not available from Python (file, memory, mooncake)"
         )));
-    }
-    extra.insert("backend".into(), name.into());
-    let settings = PySettings::new(&serde_json::Value::Object(extra).to_string())?;
+    };
+    // (a `backend` key naming another tier was refused when the config was validated)
+    let fields = hicache_core::extra_config::tier_fields(tier, config.storage_backend_extra_config.as_ref())
+        .map_err(guard::config_to_py)?;
+    let settings = PySettings::new(&fields.to_string())?;
     Ok(Some(Arc::from(settings.open_tier(namespace)?)))
 }
 
