@@ -336,9 +336,9 @@ pub struct CostModel {
     /// Reads that moved bytes, measured so far.
     byte_reads: u64,
     /// How much slower than the fit recent reads were (at least 1): a read slower than the fit sets it to its ratio,
-    /// and each read or hit query after it takes it back towards 1 by [`DECAY`]. Plans read at the fit's rates divided by it, so
-    /// a tier whose reads vary is judged by its slow ones: a fetch is chosen only when it is faster than computing
-    /// even then.
+    /// and each read or hit query after it takes it back towards 1 by [`DECAY`]. Plans read at the fit's rates
+    /// divided by it, so a tier whose reads vary is judged by its slow ones: a fetch is chosen only when it is faster
+    /// than computing even then.
     read_slack: f64,
     /// Loads: seconds ≈ bytes / rate.
     loads: Fit,
@@ -373,15 +373,20 @@ impl CostModel {
                 let (per_byte, per_call) = self.fitted_read();
                 let predicted = per_byte.unwrap_or(0.0) * bytes as f64 + per_call * calls as f64;
                 let ratio = if predicted > 0.0 { elapsed.as_secs_f64() / predicted } else { 1.0 };
-                self.read_slack = ratio.clamp(1.0, MAX_SLACK).max(1.0 + (self.read_slack - 1.0) * DECAY);
+                self.read_slack = ratio.clamp(1.0, MAX_SLACK).max(self.eased_slack());
             }
             self.byte_reads += 1;
         } else {
             // a hit query's calls: time passes for the tier too, and they keep coming while plans compute rather
             // than read (so no read would take the slack back), which a tier that got faster needs
-            self.read_slack = 1.0 + (self.read_slack - 1.0) * DECAY;
+            self.read_slack = self.eased_slack();
         }
         self.reads.add(bytes as f64, calls as f64, elapsed.as_secs_f64());
+    }
+
+    /// The slack one sample later, taken back towards 1 by [`DECAY`].
+    fn eased_slack(&self) -> f64 {
+        1.0 + (self.read_slack - 1.0) * DECAY
     }
 
     /// Seconds per byte (`None`: unknown) and per call of storage reads: fitted, else the prior per byte and what
@@ -417,7 +422,6 @@ impl CostModel {
 
     /// The rates now: measured where measured, else the priors.
     pub fn rates(&self) -> Rates {
-        // before the first read, the hit queries' calls already tell what a call costs
         let (read_s_per_byte, call_s) = self.fitted_read();
         let slack = self.read_slack;
         let (read_s_per_byte, call_s) = (read_s_per_byte.map(|per_byte| per_byte * slack), call_s * slack);

@@ -506,10 +506,7 @@ impl<E: TransferEngine> CacheController<E> {
     /// reserves the same pages.
     fn reserve_agreed(&mut self, op: OpId, entry: &mut PrefetchEntry, agreed_pages: usize) -> Result<(), Error> {
         // by cost: only what the plan for the hit found so far would fetch (reads queued now cannot be taken back)
-        let planned = self.storage.as_ref().expect("storage").settings.by_cost.then(|| {
-            let hit = self.hit_for(entry, agreed_pages, 0);
-            plan(&self.storage.as_ref().expect("storage").agreed, &hit, 0).fetch_pages
-        });
+        let planned = self.plan_for(entry, agreed_pages, 0, 0).map(|planned| planned.fetch_pages);
         let storage = self.storage.as_mut().expect("storage");
         let Stage::Querying { pages, keys } = &mut entry.stage else {
             unreachable!("reserve_agreed is called on querying prefetches")
@@ -631,26 +628,25 @@ impl<E: TransferEngine> CacheController<E> {
         Ok(None)
     }
 
-    /// The hit as a cost plan sees it: `pages` of it, the first `arrived` of them in host memory already.
-    fn hit_for(&self, entry: &PrefetchEntry, pages: usize, arrived: usize) -> Hit {
-        Hit {
+    /// The cost plan, with the rates every rank agreed on, for `pages` of `entry`'s hit, the first `arrived` of them
+    /// in host memory already, fetching at least `at_least`; `None` when not prefetching by cost.
+    fn plan_for(&self, entry: &PrefetchEntry, pages: usize, arrived: usize, at_least: usize) -> Option<Plan> {
+        let storage = self.storage.as_ref().expect("storage");
+        let hit = Hit {
             cached_tokens: entry.cached_tokens,
             pages,
             page_tokens: self.page_size,
             page_bytes: self.memory.page_bytes() as u64,
             prompt_tokens: entry.prompt_tokens.max(entry.cached_tokens + pages * self.page_size),
             arrived_pages: arrived,
-        }
+        };
+        storage.settings.by_cost.then(|| plan(&storage.agreed, &hit, at_least))
     }
 
     /// Pages of a hit of `hit_pages` (every rank's) to fetch, `reserved` of them already on their way: all of them,
     /// or as the cost plan says (recorded in the explanation) when prefetching by cost.
     fn plan_hit(&self, entry: &mut PrefetchEntry, hit_pages: usize, reserved: usize) -> usize {
-        let storage = self.storage.as_ref().expect("storage");
-        if !storage.settings.by_cost {
-            return hit_pages;
-        }
-        let planned: Plan = plan(&storage.agreed, &self.hit_for(entry, hit_pages, 0), reserved);
+        let Some(planned) = self.plan_for(entry, hit_pages, 0, reserved) else { return hit_pages };
         entry.explanation.plan = Some(planned);
         entry.cost_cut = planned.fetch_pages < hit_pages;
         planned.fetch_pages
@@ -659,12 +655,11 @@ impl<E: TransferEngine> CacheController<E> {
     /// Whether the scheduler, wanting the request now, should stop waiting for the rest of its `reserved` pages,
     /// `fetched_tokens` of them fetched on every rank: computing the rest is expected to be faster.
     fn waiting_costs_more(&self, entry: &PrefetchEntry, reserved: usize, fetched_tokens: usize) -> bool {
-        let storage = self.storage.as_ref().expect("storage");
-        if !(storage.settings.by_cost && entry.wanted) || entry.aborted || entry.shared.progress.is_terminated() {
+        if !entry.wanted || entry.aborted || entry.shared.progress.is_terminated() {
             return false;
         }
         let arrived = (fetched_tokens / self.page_size).min(reserved);
-        plan(&storage.agreed, &self.hit_for(entry, reserved, arrived), arrived).fetch_pages < reserved
+        self.plan_for(entry, reserved, arrived, arrived).is_some_and(|planned| planned.fetch_pages < reserved)
     }
 
     /// Every rank's count is final: the minimum is the result.
