@@ -160,6 +160,11 @@ pub struct HiCacheConfig {
     /// The plan needs the engine's compute rate: until the engine reports a prefill (or
     /// `prior_prefill_tokens_per_s` gives one), hits are fetched whole.
     pub prefetch_by_cost: bool,
+    /// The engine computes a storage hit's head itself while its tail is fetched, when the cost plan finds that
+    /// faster (a *split*: the `cost` module). Only for an engine that does so: it asks
+    /// `HiRadixTree::prefetch_head` for the head and inserts its KV before it asks for the prefetch's result. Needs
+    /// `prefetch_by_cost`.
+    pub prefetch_split: bool,
     /// The engine's prefill tokens per second (with no prefix) assumed until it reports its own; 0: unknown.
     pub prior_prefill_tokens_per_s: f64,
     /// Storage → host GB/s (10^9 bytes) assumed until reads are measured; 0: unknown (every hit is fetched whole
@@ -194,6 +199,7 @@ impl Default for HiCacheConfig {
             storage_write_bytes_per_s: 0,
             storage_capacity_bytes: 0,
             prefetch_by_cost: true,
+            prefetch_split: false,
             prior_prefill_tokens_per_s: 0.0,
             prior_storage_read_gbps: 0.0,
             prior_load_gbps: 10.0,
@@ -288,6 +294,9 @@ impl HiCacheConfig {
                 "prior_load_gbps",
                 format!("{:?} must be a rate in GB/s in (0, {MAX_GBPS}]", self.prior_load_gbps),
             );
+        }
+        if self.prefetch_split && !self.prefetch_by_cost {
+            return bad("prefetch_split", "needs prefetch_by_cost: a split is a plan of the cost model".into());
         }
         if self.storage_batch_pages == 0 {
             return bad("storage_batch_pages", "must be at least 1".into());

@@ -16,6 +16,19 @@
 //! attention's cost per token of prefix. [`plan`] takes the `k` of the smallest `T` (evaluating only the counts where
 //! it can be least); on a tie, the larger `k` (less compute), so a faster tier never fetches fewer pages.
 //!
+//! An engine that can compute a prompt in chunks may also *split* a hit ([`Hit::split`]): it computes the hit's
+//! first `a` pages (the head, which needs nothing from storage) while the other `N − a` (the tail) are read, then
+//! loads the tail beside the compute of the prompt's rest:
+//!
+//! ```text
+//! S(a) = max(C(cached → cached + a·P), F'(N − a)) + max(H(N − a), C(cached + N·P → prompt))
+//! ```
+//!
+//! (`F'` reads the tail: pages that do not start the hit). `S(0)` is fetching the whole hit and `S(N)` computing
+//! all of it. Where the read is about as slow as the compute, the two halves meet in the middle and the first token
+//! comes up to twice as soon as from either alone (the idea of Cake, arXiv 2410.03065). A split is planned only
+//! before any page of the hit is on its way, and taken only when it is strictly faster than the best `T(k)`.
+//!
 //! The rates come from [`CostModel`]: priors from the config until measurements exist, then decayed averages of what
 //! the storage threads, the loads and the engine's prefills report. Until both the engine's compute and the tier's
 //! reads are known, every hit is fetched whole (so the tier's reads get measured). A decision must be the same on
@@ -58,6 +71,8 @@ pub struct Hit {
     pub prompt_tokens: usize,
     /// The hit's first pages already in host memory: they cost no read.
     pub arrived_pages: usize,
+    /// The engine can compute the hit's head while its tail is read (a chunked prefill); see the module docs.
+    pub split: bool,
 }
 
 /// Why a plan fetches what it fetches.
@@ -72,6 +87,8 @@ pub enum PlanReason {
     FetchPart,
     /// Computing the whole hit is faster than fetching any of it.
     RecomputeFaster,
+    /// Computing the hit's head while its tail is fetched is the fastest.
+    Split,
 }
 
 impl PlanReason {
@@ -82,6 +99,7 @@ impl PlanReason {
             Self::FetchAll => "fetch_all",
             Self::FetchPart => "fetch_part",
             Self::RecomputeFaster => "recompute_faster",
+            Self::Split => "split",
         }
     }
 }
@@ -89,7 +107,9 @@ impl PlanReason {
 /// A plan for one hit.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Plan {
-    /// Pages to fetch: the hit's first ones.
+    /// Pages at the hit's start the engine computes while the others are fetched (0 unless the plan splits).
+    pub compute_head_pages: usize,
+    /// Pages to fetch: those after the head (the hit's first ones when it does not split).
     pub fetch_pages: usize,
     /// Why.
     pub reason: PlanReason,
@@ -134,6 +154,17 @@ impl Rates {
             + self.load_s(fetch, hit.page_bytes).max(self.compute_s(computed_from, hit.prompt_tokens))
     }
 
+    /// Expected time to first token when the hit's first `head` pages are computed while the others are fetched
+    /// (nothing of the hit arrived yet), then the others loaded beside the compute of the prompt's rest.
+    pub fn split_ttft_s(&self, hit: &Hit, head: usize) -> f64 {
+        let head = head.min(hit.pages);
+        let tail = hit.pages - head;
+        let head_end = hit.cached_tokens + head * hit.page_tokens;
+        let hit_end = hit.cached_tokens + hit.pages * hit.page_tokens;
+        self.compute_s(hit.cached_tokens, head_end).max(self.fetch_s(tail, hit.page_bytes))
+            + self.load_s(tail, hit.page_bytes).max(self.compute_s(hit_end, hit.prompt_tokens))
+    }
+
     /// The rates as integers for the tick's collective, in units where larger is slower, so that a MAX over the
     /// ranks is the slowest rank's (the collective reduces with MIN: the caller negates): nanoseconds per call,
     /// picoseconds per byte read and loaded, picoseconds per token, attoseconds per token per prefix token
@@ -170,9 +201,10 @@ pub const ENCODED: usize = 5;
 /// The plan for `hit` with `rates`, fetching at least `at_least` pages (already on their way); see the module docs.
 pub fn plan(rates: &Rates, hit: &Hit, at_least: usize) -> Plan {
     let at_least = at_least.min(hit.pages);
-    let seconds = |fetch: usize| Duration::from_secs_f64(rates.ttft_s(hit, fetch).clamp(0.0, 1e9));
+    let seconds = |value: f64| Duration::from_secs_f64(value.clamp(0.0, 1e9));
     if rates.prefill_s_per_token.is_none() || rates.storage_read_bytes_per_s.is_none() {
         return Plan {
+            compute_head_pages: 0,
             fetch_pages: hit.pages,
             reason: PlanReason::Unmeasured,
             expected: Duration::ZERO,
@@ -189,19 +221,70 @@ pub fn plan(rates: &Rates, hit: &Hit, at_least: usize) -> Plan {
             best = (fetch, ttft);
         }
     }
-    let reason = match best.0 {
-        fetch if fetch == hit.pages => PlanReason::FetchAll,
-        0 => PlanReason::RecomputeFaster,
-        _ => PlanReason::FetchPart,
-    };
-    Plan {
+    let mut planned = Plan {
+        compute_head_pages: 0,
         fetch_pages: best.0,
-        reason,
-        expected: seconds(best.0),
-        fetch_all: seconds(hit.pages),
-        recompute: seconds(0),
+        reason: match best.0 {
+            fetch if fetch == hit.pages => PlanReason::FetchAll,
+            0 => PlanReason::RecomputeFaster,
+            _ => PlanReason::FetchPart,
+        },
+        expected: seconds(best.1),
+        fetch_all: seconds(rates.ttft_s(hit, hit.pages)),
+        recompute: seconds(rates.ttft_s(hit, 0)),
         rates: *rates,
+    };
+    if hit.split && at_least == 0 && hit.arrived_pages == 0 {
+        let (head, ttft) = split_candidates(rates, hit)
+            .into_iter()
+            .map(|head| (head, rates.split_ttft_s(hit, head)))
+            .fold((0, f64::INFINITY), |best, next| if next.1 < best.1 { next } else { best });
+        if ttft < best.1 && head > 0 && head < hit.pages {
+            planned.compute_head_pages = head;
+            planned.fetch_pages = hit.pages - head;
+            planned.reason = PlanReason::Split;
+            planned.expected = seconds(ttft);
+        }
     }
+    planned
+}
+
+/// The head lengths (0 to the hit's pages) where the split's `S` can be least. Below the first head whose compute
+/// is no shorter than the tail's read, `S` is the read plus the tail's load or the rest's compute, which never grow
+/// with the head: the least value there is at its end. From it on, `S` is the head's compute (convex: its cost per
+/// token grows with the prefix) plus the larger of the tail's load (linear) and the rest's compute (constant), a
+/// convex sum: its least value is where its step stops falling. Both are found by bisection.
+fn split_candidates(rates: &Rates, hit: &Hit) -> Vec<usize> {
+    let pages = hit.pages;
+    let head_s = |head: usize| rates.compute_s(hit.cached_tokens, hit.cached_tokens + head * hit.page_tokens);
+    // the first head whose compute is no shorter than the tail's read (the difference only grows)
+    let crossed = first(0, pages, |head| head_s(head) >= rates.fetch_s(pages - head, hit.page_bytes));
+    // from there, the first head whose next step does not lower S
+    let rising = first(crossed, pages, |head| {
+        head == pages || rates.split_ttft_s(hit, head + 1) >= rates.split_ttft_s(hit, head)
+    });
+    let mut points = vec![0, pages, crossed.saturating_sub(1), crossed, rising];
+    points.retain(|point| *point <= pages);
+    points.sort_unstable();
+    points.dedup();
+    points
+}
+
+/// The first of `low..=high` where `holds` (false up to a point, true from it on), or `high`.
+fn first(low: usize, high: usize, holds: impl Fn(usize) -> bool) -> usize {
+    let (mut below, mut above) = (low, high);
+    if holds(below) {
+        return below;
+    }
+    while above - below > 1 {
+        let middle = below + (above - below) / 2;
+        if holds(middle) {
+            above = middle;
+        } else {
+            below = middle;
+        }
+    }
+    above
 }
 
 /// The fetch counts (from `at_least` to the hit's pages) where `T` can be least: between two of them `T` is concave
@@ -471,6 +554,7 @@ mod tests {
             page_bytes: 128 << 10,
             prompt_tokens: 512 + pages * 32 + 512,
             arrived_pages: 0,
+            split: false,
         }
     }
 
@@ -502,6 +586,30 @@ mod tests {
     }
 
     #[test]
+    fn a_tier_as_slow_as_the_compute_is_met_in_the_middle() {
+        // a page's read (128 KiB at 102.4 MB/s) takes as long as its compute (32 tokens at 25 000 tokens/s): the
+        // engine computes half the hit while the other half is read, in about half the time of either alone
+        let even = Rates { storage_call_s: 0.0, ..rates(0.1024, 25_000.0) };
+        let split = Hit { cached_tokens: 0, prompt_tokens: 64 * 32 + 1, split: true, ..hit(64) };
+        let planned = plan(&even, &split, 0);
+        assert_eq!(planned.reason, PlanReason::Split, "{planned:?}");
+        assert_eq!(planned.compute_head_pages + planned.fetch_pages, 64);
+        assert!((31..=33).contains(&planned.compute_head_pages), "{planned:?}");
+        let ratio = planned.expected.as_secs_f64() / planned.fetch_all.min(planned.recompute).as_secs_f64();
+        assert!((0.49..0.53).contains(&ratio), "{ratio} {planned:?}");
+        // an engine that cannot split, or a hit whose first pages are on their way, is not split
+        let whole = plan(&even, &Hit { split: false, ..split }, 0);
+        assert_eq!(whole.compute_head_pages, 0);
+        assert_eq!(plan(&even, &split, 1).compute_head_pages, 0);
+        assert_eq!(plan(&even, &Hit { arrived_pages: 1, ..split }, 0).compute_head_pages, 0);
+        // a fast tier is fetched whole, a very slow one not at all: a split only where it is faster
+        assert_eq!(plan(&rates(100.0, 25_000.0), &split, 0).reason, PlanReason::FetchAll);
+        // (at 2 GB/s, computing 3 pages while the other 61 are read beats reading all 64)
+        assert_eq!(plan(&rates(2.0, 25_000.0), &split, 0).compute_head_pages, 3);
+        assert_eq!(plan(&rates(0.001, 25_000.0), &split, 0).reason, PlanReason::RecomputeFaster);
+    }
+
+    #[test]
     fn a_slow_load_makes_part_of_a_hit_worth_fetching() {
         // storage reads at once; the load (1 GB/s: 1.05 ms a page) runs beside the compute of the rest (1 ms a page):
         // the best is to load about half and compute the other half at the same time
@@ -520,6 +628,7 @@ mod tests {
             page_bytes: 1 << 20,
             prompt_tokens: 10_000,
             arrived_pages: 0,
+            split: false,
         };
         let planned = plan(&rates, &hit, 0);
         assert_eq!((planned.fetch_pages, planned.reason), (49, PlanReason::FetchPart), "{planned:?}");
@@ -604,14 +713,16 @@ mod tests {
     }
 
     fn arb_hit() -> impl Strategy<Value = Hit> {
-        (0usize..8192, 0usize..2000, 1usize..128, 1u64..1 << 24, 0usize..4096, 0usize..2000).prop_map(
-            |(cached, pages, page_tokens, page_bytes, after, arrived)| Hit {
+        (0usize..8192, 0usize..2000, 1usize..128, 1u64..1 << 24, 0usize..4096, 0usize..2000, any::<bool>()).prop_map(
+            |(cached, pages, page_tokens, page_bytes, after, arrived, split)| Hit {
                 cached_tokens: cached,
                 pages,
                 page_tokens,
                 page_bytes,
                 prompt_tokens: cached + pages * page_tokens + after,
-                arrived_pages: arrived.min(pages),
+                // a split is planned only before anything arrived: half the hits are such
+                arrived_pages: if split { 0 } else { arrived.min(pages) },
+                split,
             },
         )
     }
@@ -621,8 +732,23 @@ mod tests {
         fn the_plan_is_the_best_of_every_split(rates in arb_rates(), hit in arb_hit(), at_least in 0usize..2500) {
             let planned = plan(&rates, &hit, at_least);
             let floor = at_least.min(hit.pages);
-            prop_assert!(planned.fetch_pages >= floor && planned.fetch_pages <= hit.pages);
-            let chosen = rates.ttft_s(&hit, planned.fetch_pages);
+            let head = planned.compute_head_pages;
+            prop_assert!(head + planned.fetch_pages <= hit.pages);
+            let chosen = if head > 0 {
+                prop_assert!(hit.split && floor == 0 && planned.reason == PlanReason::Split);
+                prop_assert_eq!(head + planned.fetch_pages, hit.pages);
+                rates.split_ttft_s(&hit, head)
+            } else {
+                prop_assert!(planned.fetch_pages >= floor && planned.fetch_pages <= hit.pages);
+                rates.ttft_s(&hit, planned.fetch_pages)
+            };
+            if hit.split && floor == 0 {
+                // against every head
+                for head in 0..=hit.pages {
+                    let other = rates.split_ttft_s(&hit, head);
+                    prop_assert!(chosen <= other * (1.0 + 1e-9), "computing a head of {head} ({other}) beats the plan {planned:?} ({chosen})");
+                }
+            }
             // against every count (a relative slack for rounding: the plan evaluates only the candidates)
             for fetch in floor..=hit.pages {
                 let other = rates.ttft_s(&hit, fetch);

@@ -46,7 +46,7 @@ struct Decisions {
     /// This rank's own view of each result: (local hit tokens, local fetched tokens); may differ across ranks.
     local: Vec<(usize, usize)>,
     /// Each result's cost plan: pages to fetch.
-    plans: Vec<Option<usize>>,
+    plans: Vec<Option<(usize, usize)>>,
     /// Each result's stop reason; may differ across ranks (a read that failed here is `Failed` here only).
     stops: Vec<PrefetchStop>,
 }
@@ -83,6 +83,8 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
         write_bytes_per_s: 0,
         tick_slots: 4,
         by_cost: script.by_cost,
+        // by cost, some hits are split: their heads are the engine's (every rank must plan the same head)
+        split: script.by_cost,
         priors: hicache_core::cost::Priors::UNKNOWN,
     };
     let mut controller = CacheController::new(engine, PAGE, HOST_PAGES, DEVICE_PAGES, LAYERS)
@@ -130,7 +132,9 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
             pending.retain(|id| *id != done.request_id);
             decisions.prefetches.push((done.request_id.clone(), done.explanation.fetched_tokens));
             decisions.local.push((done.explanation.local_hit_tokens, done.explanation.local_fetched_tokens));
-            decisions.plans.push(done.explanation.plan.map(|plan| plan.fetch_pages));
+            decisions.plans.push(done.explanation.plan.map(|plan| (plan.compute_head_pages, plan.fetch_pages)));
+            let head = done.explanation.plan.map_or(0, |plan| plan.compute_head_pages) * PAGE;
+            assert!(done.head_tokens == 0 || done.head_tokens == head, "{} of {head}", done.head_tokens);
             decisions.stops.push(done.explanation.stop.clone());
             assert_eq!(done.host_pages.len() * PAGE, done.explanation.fetched_tokens);
             evictable.extend(done.host_pages);
@@ -280,7 +284,7 @@ fn four_ranks_that_measure_different_rates_make_the_same_cost_plans() {
         [(5, PrefetchPolicy::WaitComplete), (6, PrefetchPolicy::Timeout), (7, PrefetchPolicy::BestEffort)]
     {
         let decisions = run_group(&Script { seed, policy, rounds: 150, by_cost: true }, 4);
-        // the plans went both ways: some hits were worth reading, some were computed instead
+        // the plans went every way: some hits were worth reading, some were computed instead, some split
         let fetched = decisions[0]
             .prefetches
             .iter()
@@ -292,6 +296,8 @@ fn four_ranks_that_measure_different_rates_make_the_same_cost_plans() {
             "{policy}: no plan chose to compute: {:?}",
             decisions[0].stops
         );
+        let splits = decisions[0].plans.iter().filter(|plan| plan.is_some_and(|(head, _)| head > 0)).count();
+        assert!(splits > 0, "{policy}: no plan split a hit: {:?}", decisions[0].plans);
         for (rank, rank_decisions) in decisions.iter().enumerate().skip(1) {
             assert_eq!(rank_decisions.plans, decisions[0].plans, "{policy}: rank {rank}'s plans differ");
             assert_eq!(rank_decisions.prefetches, decisions[0].prefetches, "{policy}: rank {rank} differs");

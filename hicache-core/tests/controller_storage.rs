@@ -59,6 +59,7 @@ fn settings(policy: PrefetchPolicy) -> StorageSettings {
         write_bytes_per_s: 0,
         tick_slots: 8,
         by_cost: false,
+        split: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
     }
 }
@@ -849,6 +850,7 @@ fn a_host_pool_too_small_for_the_hit_keeps_what_fits_and_says_why() {
 fn by_cost(policy: PrefetchPolicy, storage_read_bytes_per_s: f64, prefill_tokens_per_s: f64) -> StorageSettings {
     StorageSettings {
         by_cost: true,
+        split: false,
         priors: hicache_core::cost::Priors {
             storage_read_bytes_per_s: Some(storage_read_bytes_per_s),
             storage_call_s: 0.0,

@@ -167,6 +167,7 @@ fn settings() -> StorageSettings {
         write_bytes_per_s: 0,
         tick_slots: 8,
         by_cost: false,
+        split: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
     }
 }

@@ -67,6 +67,7 @@ fn controller_with(
                 write_bytes_per_s: 0,
                 tick_slots: 4,
                 by_cost: false,
+                split: false,
                 priors: hicache_core::cost::Priors::UNKNOWN,
             };
             controller.with_storage(storage, settings, Arc::new(SystemClock::new())).unwrap()

@@ -37,6 +37,16 @@ struct Rig {
 }
 
 fn rig(policy: WritePolicy, device_pages: usize, host_pages: usize, store: Option<&Arc<MemoryStore>>) -> Rig {
+    rig_with(policy, device_pages, host_pages, store, |settings| settings)
+}
+
+fn rig_with(
+    policy: WritePolicy,
+    device_pages: usize,
+    host_pages: usize,
+    store: Option<&Arc<MemoryStore>>,
+    adjust: impl FnOnce(StorageSettings) -> StorageSettings,
+) -> Rig {
     let device = DeviceLayoutMap::new(geometry(), device_pages * PAGE).unwrap();
     let host = HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, host_pages).unwrap();
     let engine = CpuEngine::new(device, host, Completion::Immediate).unwrap();
@@ -57,12 +67,13 @@ fn rig(policy: WritePolicy, device_pages: usize, host_pages: usize, store: Optio
             write_bytes_per_s: 0,
             tick_slots: 8,
             by_cost: false,
+            split: false,
             priors: hicache_core::cost::Priors::UNKNOWN,
         };
         controller = controller
             .with_storage(
                 Arc::new(MemoryStorage::shared(store.clone(), &namespace)),
-                settings,
+                adjust(settings),
                 Arc::new(SystemClock::new()),
             )
             .unwrap();
@@ -324,6 +335,111 @@ fn pages_evicted_from_the_host_come_back_from_storage() {
     );
     assert_eq!(rig.tree.check_prefetch_progress("b"), PrefetchCheck::Ready);
     assert_eq!(rig.request(&b), Some((0, 5 * PAGE)), "the L3 pages loaded to the device, verified");
+}
+
+/// A rig whose cost plan splits a hit: a page (64 bytes) reads in 2 ms, as long as its compute (2 tokens at 1000
+/// tokens per second).
+fn splitting_rig(store: &Arc<MemoryStore>) -> Rig {
+    rig_with(WritePolicy::WriteThrough, 16, 32, Some(store), |settings| StorageSettings {
+        by_cost: true,
+        split: true,
+        priors: hicache_core::cost::Priors {
+            storage_read_bytes_per_s: Some(64.0 / 2e-3),
+            storage_call_s: 0.0,
+            load_bytes_per_s: 1e10,
+            prefill_tokens_per_s: Some(1000.0),
+        },
+        ..settings
+    })
+}
+
+/// Stores a conversation of `pages` pages and forgets it on the device and the host; returns its tokens.
+fn stored_only(rig: &mut Rig, pages: usize) -> Vec<u32> {
+    let a = tokens(1, pages);
+    rig.request(&a);
+    rig.tree.drain(&mut SingleRank, Instant::now() + Duration::from_secs(10), &mut |_| {}).unwrap();
+    rig.tree.evict(64 * PAGE, &mut rig.device).unwrap();
+    assert_eq!(rig.tree.evict_host(64 * PAGE).unwrap(), pages * PAGE);
+    a
+}
+
+/// Ticks until the split plan of `request` is known; returns its head's tokens.
+fn planned_head(rig: &mut Rig, request: &str) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(head) = rig.tree.prefetch_head(request) {
+            return head;
+        }
+        assert!(rig.tick().prefetches.is_empty(), "the prefetch ended without a split");
+        assert!(Instant::now() < deadline, "no plan");
+    }
+}
+
+/// Waits until the fetch thread has read `tokens` of `request`'s prefetch (the head's compute took as long as the
+/// tail's read, as planned: the scheduler then has no reason to stop waiting), then ticks until the result comes.
+fn prefetch_result(
+    rig: &mut Rig,
+    request: &str,
+    tokens: usize,
+) -> (hicache_core::controller::PrefetchExplanation, usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rig.tree.controller().prefetch_progress(request) != Some(tokens) {
+        assert!(Instant::now() < deadline, "the tail was not read");
+        std::thread::yield_now();
+    }
+    assert_eq!(rig.tree.check_prefetch_progress(request), PrefetchCheck::Waiting);
+    loop {
+        if let Some(done) = rig.tick().prefetches.pop() {
+            return done;
+        }
+        assert!(Instant::now() < deadline, "no result");
+    }
+}
+
+#[test]
+fn a_split_hit_has_its_head_computed_and_its_fetched_tail_hung_below_it() {
+    let store = MemoryStore::new();
+    let mut rig = splitting_rig(&store);
+    let a = stored_only(&mut rig, 10);
+    let mut b = a.clone();
+    b.extend(tokens(2, 1));
+    let matched = rig.tree.match_prefix(&b);
+    assert!(matches!(rig.tree.prefetch_from_storage("b", matched.last_host_node, &b), Ok(PrefetchStart::Started(_))));
+    let head = planned_head(&mut rig, "b");
+    assert!((4 * PAGE..=6 * PAGE).contains(&head), "about half the hit is computed: {head}");
+    // the engine computes the head (its KV from the tokens, as a prefill) and inserts it while the tail is read
+    let slots = rig.device.alloc_pages(head / PAGE).unwrap();
+    rig.fill(&b, 0, &slots);
+    rig.tree.insert(&b[..head], &slots, &mut rig.device).unwrap();
+    let (explanation, new) = prefetch_result(&mut rig, "b", 10 * PAGE - head);
+    let plan = explanation.plan.expect("planned by cost");
+    assert_eq!(plan.reason, hicache_core::cost::PlanReason::Split);
+    assert_eq!((plan.compute_head_pages * PAGE, plan.fetch_pages * PAGE), (head, 10 * PAGE - head));
+    assert_eq!(
+        (explanation.stop, explanation.fetched_tokens, new),
+        (PrefetchStop::Complete, 10 * PAGE - head, 10 * PAGE - head)
+    );
+    rig.tree.check_invariants().unwrap();
+    // the request finds the head on the device and the tail on the host: every byte as computed
+    assert_eq!(rig.request(&b), Some((head, 10 * PAGE - head)));
+}
+
+#[test]
+fn a_split_tail_whose_head_never_came_is_given_back() {
+    let store = MemoryStore::new();
+    let mut rig = splitting_rig(&store);
+    let a = stored_only(&mut rig, 10);
+    let matched = rig.tree.match_prefix(&a);
+    assert!(matches!(rig.tree.prefetch_from_storage("a", matched.last_host_node, &a), Ok(PrefetchStart::Started(_))));
+    let head = planned_head(&mut rig, "a");
+    assert!(head > 0);
+    let free_before = rig.tree.controller().host().available();
+    let (explanation, new) = prefetch_result(&mut rig, "a", 10 * PAGE - head);
+    assert_eq!((explanation.fetched_tokens, new), (10 * PAGE - head, 0), "nothing to hang the tail from");
+    assert!(rig.tree.controller().host().available() > free_before, "the tail's pages are free again");
+    rig.tree.check_invariants().unwrap();
+    // a request the scheduler wants at once (before its plan) is never split: its hit comes whole
+    assert_eq!(rig.request(&a), Some((0, 10 * PAGE)));
 }
 
 #[test]

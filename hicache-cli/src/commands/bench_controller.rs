@@ -85,6 +85,7 @@ pub(crate) fn run(args: &BenchControllerArgs) -> anyhow::Result<()> {
         write_bytes_per_s: 0,
         tick_slots: DEFAULT_TICK_SLOTS,
         by_cost: false,
+        split: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
     };
     let mut controller = CacheController::new(engine, page, HOST_PAGES, DEVICE_PAGES, 1)?.with_storage(

@@ -102,6 +102,7 @@ pub(super) fn run(
         write_bytes_per_s: 0,
         tick_slots: 1,
         by_cost: false,
+        split: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
     };
     let mut controller = CacheController::new(engine, 1, host_pages, device_pages, 1)?.with_storage(

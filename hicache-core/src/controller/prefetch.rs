@@ -61,6 +61,9 @@ pub enum PrefetchStart {
 pub struct PrefetchDone {
     /// The request.
     pub request_id: String,
+    /// Tokens at the start of the prefetch's tokens that were not fetched because the engine computes them (a
+    /// split plan's head): the fetched pages follow them.
+    pub head_tokens: usize,
     /// Host pages holding the fetched tokens, in order, in the backup state; the caller owns them now (insert them
     /// into the tree, or give them back with [`CacheController::evict_host`]).
     pub host_pages: Vec<HostPageId>,
@@ -118,6 +121,8 @@ pub(super) struct PrefetchEntry {
     /// The cost plan fetched less than the hit, or the scheduler stopped waiting for the rest because computing it
     /// was expected to be faster.
     cost_cut: bool,
+    /// Pages at the hit's start that a split plan leaves to the engine: the reserved pages follow them.
+    head_pages: usize,
     /// The scheduler stopped waiting for the hit query (its policy, or an abort): why; only the part agreed before
     /// is fetched.
     query_cut: Option<PrefetchStop>,
@@ -159,19 +164,23 @@ impl PrefetchEntry {
     }
 }
 
-/// Queues the reads of `more` host pages, for the next keys the query found (positions after `pages`), held by
+/// Queues the reads of `more` host pages, for the next keys the query found (positions after the head's pages and
+/// `pages`), held by
 /// operation `op` in the release ledger; `last` when no more reads of this prefetch follow (then `more` may be
 /// empty: the job only marks the prefetch quiet once the earlier ones are done).
+#[expect(clippy::too_many_arguments, reason = "the stage's two lists are borrowed apart from the entry")]
 fn queue_reads(
     storage: &mut super::StorageHalf,
     op: OpId,
     shared: &Arc<PrefetchShared>,
+    head: usize,
     pages: &mut Vec<HostPageId>,
     keys: &mut Vec<PageKey>,
     more: Vec<HostPageId>,
     last: bool,
 ) -> Result<(), Error> {
-    let more_keys = shared.found_keys(pages.len()..pages.len() + more.len());
+    let first = head + pages.len();
+    let more_keys = shared.found_keys(first..first + more.len());
     storage.ledger.extend(op, more.clone())?;
     storage.workers.fetch(shared.clone(), more.clone(), more_keys.clone(), last);
     pages.extend(more);
@@ -309,6 +318,7 @@ impl<E: TransferEngine> CacheController<E> {
                 cached_tokens,
                 prompt_tokens: cached_tokens + tokens.len(),
                 cost_cut: false,
+                head_pages: 0,
                 query_cut: None,
                 explanation,
             },
@@ -354,6 +364,15 @@ impl<E: TransferEngine> CacheController<E> {
         let storage = self.storage.as_ref()?;
         let entry = storage.prefetches.get(storage.requests.get(request_id)?)?;
         Some(entry.shared.progress.completed() as usize)
+    }
+
+    /// Tokens at the start of `request_id`'s pending prefetch that its plan leaves to the engine (a split): the engine
+    /// computes them and inserts their KV before it asks for the result; `None` when there are none (no split, or no
+    /// plan yet).
+    pub fn prefetch_head(&self, request_id: &str) -> Option<usize> {
+        let storage = self.storage.as_ref()?;
+        let entry = storage.prefetches.get(storage.requests.get(request_id)?)?;
+        (entry.head_pages > 0).then_some(entry.head_pages * self.page_size)
     }
 
     /// The read error that stopped this rank's fetch for `request_id`'s pending prefetch, once one has (the pages
@@ -505,8 +524,13 @@ impl<E: TransferEngine> CacheController<E> {
     /// is known), and queue their reads. Every rank sees the same minimum and the same allocator, so every rank
     /// reserves the same pages.
     fn reserve_agreed(&mut self, op: OpId, entry: &mut PrefetchEntry, agreed_pages: usize) -> Result<(), Error> {
-        // by cost: only what the plan for the hit found so far would fetch (reads queued now cannot be taken back)
-        let planned = self.plan_for(entry, agreed_pages, 0, 0).map(|planned| planned.fetch_pages);
+        // by cost: only what the plan for the hit found so far would fetch (reads queued now cannot be taken back);
+        // a split waits for the whole hit (its tail is the hit's end)
+        let planned = self.plan_for(entry, agreed_pages, 0, 0);
+        if planned.is_some_and(|planned| planned.compute_head_pages > 0) {
+            return Ok(());
+        }
+        let planned = planned.map(|planned| planned.fetch_pages);
         let storage = self.storage.as_mut().expect("storage");
         let Stage::Querying { pages, keys } = &mut entry.stage else {
             unreachable!("reserve_agreed is called on querying prefetches")
@@ -525,7 +549,7 @@ impl<E: TransferEngine> CacheController<E> {
             return Ok(());
         }
         let more = self.host.alloc(count).expect("no more than available");
-        queue_reads(storage, op, &entry.shared, pages, keys, more, false)?;
+        queue_reads(storage, op, &entry.shared, 0, pages, keys, more, false)?;
         entry.explanation.reserved_tokens = pages.len() * self.page_size;
         Ok(())
     }
@@ -555,7 +579,7 @@ impl<E: TransferEngine> CacheController<E> {
             entry.explanation.stop = stop;
             return Ok(Some(self.finish_entry(entry, Vec::new(), Vec::new())));
         }
-        queue_reads(storage, entry.explanation.op, &entry.shared, &mut pages, &mut keys, Vec::new(), true)?;
+        queue_reads(storage, entry.explanation.op, &entry.shared, 0, &mut pages, &mut keys, Vec::new(), true)?;
         entry.hold_only(&mut storage.capacity, (pages.len() * self.page_size) as u64)?;
         entry.query_cut = Some(stop);
         entry.stage = Stage::Fetching { pages, keys };
@@ -600,7 +624,8 @@ impl<E: TransferEngine> CacheController<E> {
             // reads of the agreed hit are under way (so it reached the threshold): what arrives is resolved
             Some(_) => Vec::new(),
             None => {
-                let planned = self.plan_hit(entry, hit_pages, pages.len());
+                // a split's head (the hit's first pages) is the engine's: the reads start after it
+                let (head, planned) = self.plan_hit(entry, hit_pages, pages.len());
                 if planned * self.page_size < threshold && pages.is_empty() {
                     entry.explanation.stop = PrefetchStop::RecomputeFaster;
                     return Ok(Some(self.finish_entry(entry, Vec::new(), Vec::new())));
@@ -617,39 +642,45 @@ impl<E: TransferEngine> CacheController<E> {
                     return Ok(Some(self.finish_entry(entry, Vec::new(), Vec::new())));
                 }
                 entry.capped = count < wanted;
+                entry.head_pages = head;
                 self.host.alloc(count).expect("no more than available")
             }
         };
         let storage = self.storage.as_mut().expect("storage");
-        queue_reads(storage, op, &entry.shared, &mut pages, &mut keys, more, true)?;
+        queue_reads(storage, op, &entry.shared, entry.head_pages, &mut pages, &mut keys, more, true)?;
         entry.hold_only(&mut storage.capacity, (pages.len() * self.page_size) as u64)?;
         entry.explanation.reserved_tokens = pages.len() * self.page_size;
         entry.stage = Stage::Fetching { pages, keys };
         Ok(None)
     }
 
-    /// The cost plan, with the rates every rank agreed on, for `pages` of `entry`'s hit, the first `arrived` of them
-    /// in host memory already, fetching at least `at_least`; `None` when not prefetching by cost.
+    /// The cost plan, with the rates every rank agreed on, for `pages` of `entry`'s hit after its head (a split's), the
+    /// first `arrived` of them in host memory already, fetching at least `at_least`; `None` when not prefetching by
+    /// cost. A split is weighed only while the scheduler has not asked for the request (the engine computes the head
+    /// before it does).
     fn plan_for(&self, entry: &PrefetchEntry, pages: usize, arrived: usize, at_least: usize) -> Option<Plan> {
         let storage = self.storage.as_ref().expect("storage");
+        let cached_tokens = entry.cached_tokens + entry.head_pages * self.page_size;
         let hit = Hit {
-            cached_tokens: entry.cached_tokens,
+            cached_tokens,
             pages,
             page_tokens: self.page_size,
             page_bytes: self.memory.page_bytes() as u64,
-            prompt_tokens: entry.prompt_tokens.max(entry.cached_tokens + pages * self.page_size),
+            prompt_tokens: entry.prompt_tokens.max(cached_tokens + pages * self.page_size),
             arrived_pages: arrived,
+            split: storage.settings.split && !entry.wanted && entry.head_pages == 0,
         };
         storage.settings.by_cost.then(|| plan(&storage.agreed, &hit, at_least))
     }
 
-    /// Pages of a hit of `hit_pages` (every rank's) to fetch, `reserved` of them already on their way: all of them,
-    /// or as the cost plan says (recorded in the explanation) when prefetching by cost.
-    fn plan_hit(&self, entry: &mut PrefetchEntry, hit_pages: usize, reserved: usize) -> usize {
-        let Some(planned) = self.plan_for(entry, hit_pages, 0, reserved) else { return hit_pages };
+    /// The pages of a hit of `hit_pages` (every rank's) the engine computes (a split's head) and the pages after them
+    /// to fetch, `reserved` of them already on their way: none and all of them, or as the cost plan says (recorded
+    /// in the explanation) when prefetching by cost.
+    fn plan_hit(&self, entry: &mut PrefetchEntry, hit_pages: usize, reserved: usize) -> (usize, usize) {
+        let Some(planned) = self.plan_for(entry, hit_pages, 0, reserved) else { return (0, hit_pages) };
         entry.explanation.plan = Some(planned);
-        entry.cost_cut = planned.fetch_pages < hit_pages;
-        planned.fetch_pages
+        entry.cost_cut = planned.compute_head_pages + planned.fetch_pages < hit_pages;
+        (planned.compute_head_pages, planned.fetch_pages)
     }
 
     /// Whether the scheduler, wanting the request now, should stop waiting for the rest of its `reserved` pages,
@@ -755,6 +786,7 @@ impl<E: TransferEngine> CacheController<E> {
         }
         PrefetchDone {
             request_id: entry.request_id.clone(),
+            head_tokens: entry.head_pages * self.page_size,
             host_pages: pages,
             keys,
             explanation: entry.explanation.clone(),

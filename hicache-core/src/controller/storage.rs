@@ -68,6 +68,8 @@ pub struct StorageSettings {
     pub tick_slots: usize,
     /// Fetch a hit only as far as bringing it is faster than computing it ([`crate::cost`]).
     pub by_cost: bool,
+    /// The engine computes a split hit's head itself ([`crate::cost`]; only with `by_cost`).
+    pub split: bool,
     /// The rates assumed until measured.
     pub priors: Priors,
 }
@@ -107,6 +109,7 @@ impl StorageSettings {
             write_bytes_per_s: config.storage_write_bytes_per_s,
             tick_slots: DEFAULT_TICK_SLOTS,
             by_cost: config.prefetch_by_cost,
+            split: config.prefetch_split,
             priors: Priors {
                 storage_read_bytes_per_s: (config.prior_storage_read_gbps > 0.0)
                     .then_some(config.prior_storage_read_gbps * 1e9),

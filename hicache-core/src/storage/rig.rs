@@ -54,6 +54,7 @@ pub fn controller_over(
         write_bytes_per_s: 0,
         tick_slots: 8,
         by_cost: false,
+        split: false,
         priors: crate::cost::Priors::UNKNOWN,
     };
     CacheController::new(engine, page, host_pages, device_pages, geometry.layers)?.with_storage(

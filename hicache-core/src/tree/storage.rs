@@ -164,6 +164,16 @@ impl<E: TransferEngine> HiRadixTree<E> {
         self.controller.observe_load(bytes, elapsed);
     }
 
+    /// Tokens at the start of `request_id`'s pending prefetch that the engine computes itself: a split plan
+    /// ([`crate::cost`], config `prefetch_split`) fetches only the hit's tail, and the engine computes the head beside
+    /// the reads. The engine inserts the head's KV into the tree (after the request's match) before it calls
+    /// [`check_prefetch_progress`](Self::check_prefetch_progress): the fetched tail joins the tree below it. A tail
+    /// whose head is not in the tree when the result comes is given back. `None`: the whole hit is the prefetch's
+    /// (no split, or no plan yet).
+    pub fn prefetch_head(&self, request_id: &str) -> Option<usize> {
+        self.controller.prefetch_head(request_id)
+    }
+
     /// Whether `request_id` can be scheduled; a pending prefetch is asked to stop (by policy), and the request
     /// waits for the tick that brings the result.
     pub fn check_prefetch_progress(&mut self, request_id: &str) -> PrefetchCheck {
@@ -309,8 +319,9 @@ impl<E: TransferEngine> HiRadixTree<E> {
         Ok(acks.len())
     }
 
-    /// Inserts a prefetch's pages below the node it was asked under; pages of tokens already in the tree are given
-    /// back. Returns the tokens new to the tree.
+    /// Inserts a prefetch's pages below the node it was asked under (below a split's head, which the engine
+    /// inserted); pages of tokens already in the tree are given back, and all of them when the head is not there.
+    /// Returns the tokens new to the tree.
     fn prefetch_done(&mut self, done: PrefetchDone) -> Result<usize, Error> {
         let Some((anchor, tokens)) = self.ongoing_prefetches.remove(&done.request_id) else {
             return Err(Error::Internal(format!("a prefetch result for unknown request {}", done.request_id)));
@@ -319,12 +330,35 @@ impl<E: TransferEngine> HiRadixTree<E> {
         if done.host_pages.is_empty() {
             return Ok(0);
         }
-        let fetched = done.host_pages.len() * self.page_size;
-        let (duplicates, new) = self.insert_host(anchor, &tokens[..fetched], done.host_pages, done.keys);
+        let (head, fetched) = (done.head_tokens, done.host_pages.len() * self.page_size);
+        let Some(below) = self.descend(anchor, &tokens[..head]) else {
+            // the engine did not insert the head (or it is gone): the tail has nothing to hang from
+            self.controller.evict_host(&done.host_pages)?;
+            return Ok(0);
+        };
+        let (duplicates, new) = self.insert_host(below, &tokens[head..head + fetched], done.host_pages, done.keys);
         if !duplicates.is_empty() {
             self.controller.evict_host(&duplicates)?;
         }
         Ok(new)
+    }
+
+    /// The node where `tokens` end below `anchor` (split there if they end inside one), when the tree holds all of
+    /// them (on the device or the host).
+    fn descend(&mut self, anchor: NodeId, tokens: &[u32]) -> Option<NodeId> {
+        let mut node = anchor;
+        let mut rest = tokens;
+        while !rest.is_empty() {
+            let child = *self.node(node).children.get(&self.child_key(rest))?;
+            let prefix = self.match_len(&self.node(child).key, rest);
+            if prefix < self.node(child).key.len() && prefix < rest.len() {
+                // the tokens leave this node's key before its end
+                return None;
+            }
+            node = if prefix < self.node(child).key.len() { self.split(child, prefix) } else { child };
+            rest = &rest[prefix..];
+        }
+        Some(node)
     }
 
     /// Hangs host-only nodes for `tokens` below `anchor`; returns the pages of tokens already there, and the tokens
