@@ -978,11 +978,12 @@ fn replay_verifies_every_byte_under_injected_storage_faults_and_counts_them() {
 #[test]
 fn replay_computes_what_a_slow_tier_would_bring_later() {
     // 20 MB/s: a page of 128 KiB reads in 6.5 ms at least and computes in 1.3 ms (25 000 tokens/s); once a read is
-    // measured, every hit is computed instead
-    let slow = replay_json(&["--fault-read-mbps", "20"]);
+    // measured, every hit is computed instead (without splits)
+    let slow = replay_json(&["--fault-read-mbps", "20", "--no-split"]);
     assert_eq!(slow["verified"], true, "{slow}");
     let plans = &slow["prefetch_plans"];
     assert!(plans["decisions"]["recompute_faster"].as_u64().unwrap_or(0) > 0, "{plans}");
+    assert!(plans["decisions"].get("split").is_none(), "{plans}");
     assert!(plans["tokens_recomputed"].as_u64().unwrap() > 0, "{plans}");
     assert!(slow["prefetch_stop_reasons"]["recompute_faster"].as_u64().unwrap_or(0) > 0, "{slow}");
     let rates = &plans["agreed_rates"];
@@ -993,6 +994,22 @@ fn replay_computes_what_a_slow_tier_would_bring_later() {
     let whole = replay_json(&["--fault-read-mbps", "20", WHOLE]);
     assert_eq!(whole["prefetch_plans"]["decisions"], serde_json::json!({}), "{whole}");
     assert!(whole["prefetch_stop_reasons"].get("recompute_faster").is_none(), "{whole}");
+}
+
+#[test]
+fn replay_splits_a_hit_between_computing_its_head_and_reading_its_tail() {
+    // at 20 MB/s a page reads 5 times slower than it computes: computing the first 5/6 of a hit while the last 1/6
+    // is read beats both computing all of it and reading all of it; the tails come from storage, every byte checked
+    let split = replay_json(&["--fault-read-mbps", "20"]);
+    assert_eq!(split["verified"], true, "{split}");
+    let plans = &split["prefetch_plans"];
+    assert!(plans["decisions"]["split"].as_u64().unwrap_or(0) > 0, "{plans}");
+    assert!(plans["tokens_recomputed"].as_u64().unwrap() > 0, "{plans}");
+    assert!(split["tokens_from_l3"].as_u64().unwrap() > 0, "{split}");
+    assert_eq!(split["parameters"]["no_split"], false);
+    // and in lockstep over two ranks, which plan and split the same
+    let ranks = replay_json(&["--fault-read-mbps", "20", "--tp-size", "2", "--clients", "8"]);
+    assert_eq!((ranks["verified"].clone(), ranks["lockstep"].clone()), (true.into(), true.into()), "{ranks}");
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use hicache_core::collective::SingleRank;
 use hicache_core::config::{PrefetchPolicy, WritePolicy};
-use hicache_core::controller::{CacheController, PrefetchStart, PrefetchStop, StorageSettings};
+use hicache_core::controller::{CacheController, PrefetchHead, PrefetchStart, PrefetchStop, StorageSettings};
 use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::error::ErrorKind;
 use hicache_core::geometry::{KvDtype, KvGeometry};
@@ -367,8 +367,10 @@ fn stored_only(rig: &mut Rig, pages: usize) -> Vec<u32> {
 fn planned_head(rig: &mut Rig, request: &str) -> usize {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        if let Some(head) = rig.tree.prefetch_head(request) {
-            return head;
+        match rig.tree.prefetch_head(request) {
+            PrefetchHead::Compute(head) => return head,
+            PrefetchHead::NotPlanned => {}
+            PrefetchHead::Nothing => panic!("the prefetch was not split"),
         }
         assert!(rig.tick().prefetches.is_empty(), "the prefetch ended without a split");
         assert!(Instant::now() < deadline, "no plan");

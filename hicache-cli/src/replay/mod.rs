@@ -178,6 +178,10 @@ pub(crate) struct ReplayArgs {
     /// it (the cost plan, which takes the compute model's rate as the engine's).
     #[arg(long)]
     fetch_whole_hits: bool,
+    /// Never split a storage hit. By default the engine computes a hit's head while storage reads its tail when the
+    /// cost plan finds that faster (a chunked prefill meeting the reads in the middle).
+    #[arg(long)]
+    no_split: bool,
     /// Fault injection: the probability that a storage call hangs for --fault-hang-ms and then fails as timed out.
     #[arg(long, default_value_t = 0.0, value_name = "P")]
     fault_hang_rate: f64,
@@ -605,6 +609,7 @@ fn run_on<E: device::ReplayEngine>(
         prefetch_threshold: args.prefetch_threshold,
         storage_read_deadline_s: args.storage_read_deadline,
         prefetch_by_cost: !args.fetch_whole_hits,
+        prefetch_split: !args.fetch_whole_hits && !args.no_split,
         ..HiCacheConfig::default()
     };
     if let Some(backend) = &backend {
@@ -638,6 +643,7 @@ fn run_on<E: device::ReplayEngine>(
         prefill_tokens_per_s: args.prefill_tokens_per_s,
         decode_ms_per_token: args.decode_ms_per_token,
         sync_storage: args.sync_storage,
+        split: config.prefetch_split,
     };
     // the engine's allocator of device slots: the rank allocates its prefills from it and lends it to the tree
     let mut device = hicache_core::device_slots::PagedSlots::new(device_pages, page)?;

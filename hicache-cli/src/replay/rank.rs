@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use hicache_core::collective::Collective;
-use hicache_core::controller::{PrefetchExplanation, PrefetchStart, PrefetchStop};
+use hicache_core::controller::{PrefetchExplanation, PrefetchHead, PrefetchStart, PrefetchStop};
 use hicache_core::device_slots::DeviceSlotAllocator;
 use hicache_core::hash::{PageHasher, PartialPage};
 use hicache_core::tree::{HiRadixTree, PrefetchCheck, TickSummary};
@@ -194,6 +194,8 @@ pub(crate) struct LoopSpec {
     pub(crate) decode_ms_per_token: f64,
     /// Wait after each batch until its backups to storage are done (deterministic runs, for comparisons).
     pub(crate) sync_storage: bool,
+    /// The engine computes a split hit's head while storage reads its tail (config `prefetch_split`).
+    pub(crate) split: bool,
 }
 
 struct Waiting {
@@ -203,6 +205,8 @@ struct Waiting {
     prefetch_wait: Duration,
     prefetched_tokens: usize,
     matched_pages: u64,
+    /// A split's head, once computed: tokens computed and the compute model's seconds for them.
+    head: Option<(usize, f64)>,
 }
 
 /// Runs the workload on one rank's tree.
@@ -248,8 +252,14 @@ pub(crate) fn run_rank<E: ReplayEngine>(
                 None => break,
             }
         }
-        for request in waiting.iter().take(spec.max_parallel * 2) {
-            tree.check_prefetch_progress(&request.id);
+        for request in waiting.iter_mut().take(spec.max_parallel * 2) {
+            let head = request.head;
+            ask_for(tree, device, workload, spec, &pattern, layers, &mut hasher, request, &mut outcome)?;
+            if let (None, Some((tokens, seconds))) = (head, request.head) {
+                // the engine computed the head now: its time passes
+                now += seconds;
+                (request.client, request.round, tokens).hash(&mut digest);
+            }
         }
         let summary = tick(tree, collective, &mut outcome)?;
         absorb(&summary, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics);
@@ -260,7 +270,13 @@ pub(crate) fn run_rank<E: ReplayEngine>(
         let mut batch = Vec::new();
         let mut index = 0;
         while index < waiting.len() && batch.len() < spec.max_parallel {
-            if tree.check_prefetch_progress(&waiting[index].id) == PrefetchCheck::Ready {
+            let asked = !spec.split
+                || match tree.prefetch_head(&waiting[index].id) {
+                    PrefetchHead::NotPlanned => false,
+                    PrefetchHead::Compute(_) => waiting[index].head.is_some(),
+                    PrefetchHead::Nothing => true,
+                };
+            if asked && tree.check_prefetch_progress(&waiting[index].id) == PrefetchCheck::Ready {
                 batch.push(waiting.remove(index));
             } else {
                 index += 1;
@@ -354,7 +370,99 @@ fn admit<E: ReplayEngine>(
         let _: PrefetchStart = tree.prefetch_from_storage(&id, matched.last_host_node, &prompt[after..])?;
     }
     let matched_pages = ((matched.device_slots.len() + matched.host_hit_length) / tree.page_size()) as u64;
-    Ok(Waiting { client, round, id, prefetch_wait: Duration::ZERO, prefetched_tokens: 0, matched_pages })
+    Ok(Waiting { client, round, id, prefetch_wait: Duration::ZERO, prefetched_tokens: 0, matched_pages, head: None })
+}
+
+/// The scheduler asks for `request` (its prefetch stops as the policy says, the result comes at a tick). An engine
+/// that splits hits asks only once the plan is known, and computes a split's head first ([`compute_head`]).
+#[expect(clippy::too_many_arguments, reason = "the loop's state, passed apart to keep the borrows disjoint")]
+fn ask_for<E: ReplayEngine>(
+    tree: &mut HiRadixTree<E>,
+    device: &mut dyn DeviceSlotAllocator,
+    workload: &Workload,
+    spec: &LoopSpec,
+    pattern: &KvPattern,
+    layers: usize,
+    hasher: &mut PageHasher,
+    request: &mut Waiting,
+    outcome: &mut RankOutcome,
+) -> anyhow::Result<()> {
+    if spec.split {
+        match tree.prefetch_head(&request.id) {
+            PrefetchHead::NotPlanned => return Ok(()),
+            PrefetchHead::Compute(head)
+                if request.head.is_none()
+                    && !compute_head(
+                        tree, device, workload, spec, pattern, layers, hasher, request, head, outcome,
+                    )? =>
+            {
+                return Ok(());
+            }
+            _ => {}
+        }
+    }
+    tree.check_prefetch_progress(&request.id);
+    Ok(())
+}
+
+/// A split's head: computes the `head` tokens of the request's prompt after those its prefetch hangs from, and
+/// inserts their KV into the tree, while storage reads the tail. False when the device has no room for it now (the
+/// scheduler tries again at its next step).
+#[expect(clippy::too_many_arguments, reason = "the loop's state, passed apart to keep the borrows disjoint")]
+fn compute_head<E: ReplayEngine>(
+    tree: &mut HiRadixTree<E>,
+    device: &mut dyn DeviceSlotAllocator,
+    workload: &Workload,
+    spec: &LoopSpec,
+    pattern: &KvPattern,
+    layers: usize,
+    hasher: &mut PageHasher,
+    request: &mut Waiting,
+    head: usize,
+    outcome: &mut RankOutcome,
+) -> anyhow::Result<bool> {
+    let page = tree.page_size();
+    let upto = request.matched_pages as usize * page + head;
+    let tokens = &workload.prompt(request.client, request.round)[..upto];
+    let keys = hasher.page_keys(tokens, page, None, PartialPage::Drop)?;
+    let matched = tree.match_prefix(tokens);
+    let loaded = tree.load_back(matched.last_node, device)?;
+    let locked = if loaded.is_empty() { matched.last_device_node } else { matched.last_node };
+    tree.inc_lock_ref(locked)?;
+    if !loaded.is_empty() {
+        let consumer = tree.start_loading()?;
+        tree.layers().set_consumer(consumer);
+        for layer in 0..layers {
+            tree.layers().wait_until(layer)?;
+        }
+        outcome.pages_host_to_device += (loaded.len() / page) as u64;
+    }
+    let cached = matched.device_slots.len() + loaded.len();
+    let new_pages = (upto - cached) / page;
+    let mut fresh = device.alloc_pages(new_pages);
+    if fresh.is_none() {
+        let freed = tree.evict(new_pages * page, device)?;
+        outcome.page_ops += (freed / page) as u64;
+        fresh = device.alloc_pages(new_pages);
+    }
+    let Some(fresh) = fresh else {
+        tree.dec_lock_ref(locked)?;
+        return Ok(false);
+    };
+    pattern.fill(tree.controller().engine(), &keys, cached, &fresh)?;
+    let mut slots = matched.device_slots.clone();
+    slots.extend(&loaded);
+    slots.extend(&fresh);
+    tree.insert(tokens, &slots, device)?;
+    tree.dec_lock_ref(locked)?;
+    outcome.page_ops += ((cached + upto) / page + new_pages) as u64;
+    let computed = upto - cached;
+    let seconds = computed as f64 / spec.prefill_tokens_per_s;
+    if computed > 0 {
+        tree.observe_prefill(computed, cached, Duration::from_secs_f64(seconds));
+    }
+    request.head = Some((computed, seconds));
+    Ok(true)
 }
 
 /// Runs one request; `None` when the device pool has no room for it now (it waits for the next step).
@@ -437,6 +545,9 @@ fn run_request<E: ReplayEngine>(
     outcome.page_ops += ((cached + fresh.len() + aligned) / page) as u64;
 
     let from_l3 = request.prefetched_tokens.min(loaded.len());
+    // a split's head is on the device because the request computed it (beside the tail's reads), not a hit
+    let (head_tokens, head_s) = request.head.unwrap_or((0, 0.0));
+    let waited = request.prefetch_wait.max(Duration::from_secs_f64(head_s));
     let uncached = prompt.len() - cached.min(prompt.len());
     let compute_s = uncached as f64 / spec.prefill_tokens_per_s;
     // the engine tells the cache what its compute and loads cost (the cost model's measurements)
@@ -447,8 +558,8 @@ fn run_request<E: ReplayEngine>(
         let bytes = (tree.controller().engine().pool_map().geometry().bytes_per_token() * loaded.len()) as u64;
         tree.observe_load(bytes, Duration::from_secs_f64(load_s));
     }
-    // the storage reads this request waited for, against computing what they brought
-    if from_l3 > 0 && request.prefetch_wait.as_secs_f64() > from_l3 as f64 / spec.prefill_tokens_per_s {
+    // the storage reads this request waited for (beside its head's compute), against computing what they brought
+    if from_l3 > 0 && waited.as_secs_f64() > (head_tokens + from_l3) as f64 / spec.prefill_tokens_per_s {
         outcome.slower_than_recompute += 1;
     }
     // up to the prefill: matching, load-back and the layer waits; the byte check is the replay's, not the cache's
@@ -456,13 +567,12 @@ fn run_request<E: ReplayEngine>(
     // takes beyond the prefill counts
     let load = Duration::from_secs_f64(load_s);
     let compute = Duration::from_secs_f64(compute_s);
-    let cache_time = request.prefetch_wait
-        + before_prefill.saturating_sub(checking).saturating_sub(load)
-        + load.saturating_sub(compute);
+    let cache_time =
+        waited + before_prefill.saturating_sub(checking).saturating_sub(load) + load.saturating_sub(compute);
     let tally = Tally {
         requests: 1,
         prompt_tokens: prompt.len(),
-        from_l1: device_hit.min(prompt.len()),
+        from_l1: device_hit.saturating_sub(head_tokens).min(prompt.len()),
         from_l2: loaded.len() - from_l3,
         from_l3,
         ttft_ms: vec![cache_time.as_secs_f64() * 1000.0 + compute_s * 1000.0],
@@ -508,6 +618,9 @@ fn absorb(
         if explanation.stop == PrefetchStop::RecomputeFaster {
             outcome.tokens_recomputed_by_plan +=
                 explanation.tp_min_hit_tokens.saturating_sub(explanation.fetched_tokens) as u64;
+        } else if let Some(plan) = explanation.plan.filter(|plan| plan.compute_head_pages > 0) {
+            // a split's head: computed beside the tail's reads
+            outcome.tokens_recomputed_by_plan += (plan.compute_head_pages * page) as u64;
         }
         outcome.prefetch_errors += u64::from(explanation.error.is_some());
         outcome.pages_storage_to_host += (explanation.fetched_tokens / page) as u64;

@@ -89,6 +89,7 @@ struct Parameters {
     fault_seed: u64,
     fault_read_mbps: u64,
     fetch_whole_hits: bool,
+    no_split: bool,
 }
 
 fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
@@ -130,6 +131,7 @@ fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
         fault_seed: args.fault_seed,
         fault_read_mbps: args.fault_read_mbps,
         fetch_whole_hits: args.fetch_whole_hits,
+        no_split: args.no_split,
     }
 }
 
@@ -182,9 +184,9 @@ struct Report {
 /// What the cost plans decided and how they came out.
 #[derive(Debug, Serialize)]
 struct PlanReport {
-    /// Plans by decision: `fetch_all`, `fetch_part`, `recompute_faster`, `unmeasured`.
+    /// Plans by decision: `fetch_all`, `fetch_part`, `recompute_faster`, `split`, `unmeasured`.
     decisions: BTreeMap<String, usize>,
-    /// Tokens storage held that were computed instead.
+    /// Tokens storage held that were computed instead (split heads included).
     tokens_recomputed: u64,
     /// Requests whose storage reads took longer than computing the tokens they brought (all ranks).
     slower_than_recompute: u64,

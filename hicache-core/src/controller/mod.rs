@@ -40,7 +40,7 @@ use crate::storage::StorageBackend;
 use crate::transfer::{LayerDoneCounter, SlotBusy, SlotReuse, TransferEngine, TransferEvent};
 
 pub use hit_query::{HitQuery, storage_hit_query, storage_hit_query_with};
-pub use prefetch::{PrefetchDone, PrefetchStart, TickReport};
+pub use prefetch::{PrefetchDone, PrefetchHead, PrefetchStart, TickReport};
 pub use release::{Release, ReleaseLedger};
 pub use storage::{DEFAULT_TICK_SLOTS, PageBackup, PrefetchExplanation, PrefetchStop, StorageSettings};
 

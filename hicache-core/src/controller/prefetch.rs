@@ -56,6 +56,20 @@ pub enum PrefetchStart {
     Refused(PrefetchStop),
 }
 
+/// What a pending prefetch leaves to the engine to compute before it asks for the result
+/// ([`CacheController::prefetch_head`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefetchHead {
+    /// The hit query runs and its plan may still split the hit: an engine that computes heads waits before it
+    /// asks for the result (asking first rules a split out).
+    NotPlanned,
+    /// Nothing: the prefetch fetches from the start of its tokens (or there is no pending prefetch).
+    Nothing,
+    /// A split: the engine computes these first tokens of the prefetch's tokens and inserts their KV, then asks for
+    /// the result.
+    Compute(usize),
+}
+
 /// A prefetch whose result is known on every rank.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PrefetchDone {
@@ -366,13 +380,27 @@ impl<E: TransferEngine> CacheController<E> {
         Some(entry.shared.progress.completed() as usize)
     }
 
-    /// Tokens at the start of `request_id`'s pending prefetch that its plan leaves to the engine (a split): the engine
-    /// computes them and inserts their KV before it asks for the result; `None` when there are none (no split, or no
-    /// plan yet).
-    pub fn prefetch_head(&self, request_id: &str) -> Option<usize> {
-        let storage = self.storage.as_ref()?;
-        let entry = storage.prefetches.get(storage.requests.get(request_id)?)?;
-        (entry.head_pages > 0).then_some(entry.head_pages * self.page_size)
+    /// What `request_id`'s pending prefetch leaves to the engine to compute first: see [`PrefetchHead`]. Only a
+    /// controller whose settings allow a split, and a request the scheduler has not asked for, can answer other
+    /// than `Nothing`.
+    pub fn prefetch_head(&self, request_id: &str) -> PrefetchHead {
+        let Some(storage) = self.storage.as_ref() else { return PrefetchHead::Nothing };
+        let Some(entry) = storage.requests.get(request_id).and_then(|op| storage.prefetches.get(op)) else {
+            return PrefetchHead::Nothing;
+        };
+        let undecided = matches!(&entry.stage, Stage::Querying { pages, .. } if pages.is_empty())
+            && storage.settings.split
+            && storage.settings.by_cost
+            && !entry.wanted
+            && !entry.aborted
+            && !entry.shared.progress.is_terminated();
+        if undecided {
+            PrefetchHead::NotPlanned
+        } else if entry.head_pages > 0 {
+            PrefetchHead::Compute(entry.head_pages * self.page_size)
+        } else {
+            PrefetchHead::Nothing
+        }
     }
 
     /// The read error that stopped this rank's fetch for `request_id`'s pending prefetch, once one has (the pages

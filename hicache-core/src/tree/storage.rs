@@ -6,7 +6,7 @@ use rustc_hash::FxHashMap as HashMap;
 use super::evict::evict_host_nodes;
 use super::{HiRadixTree, Node};
 use crate::collective::Collective;
-use crate::controller::{PrefetchDone, PrefetchExplanation, PrefetchStart};
+use crate::controller::{PrefetchDone, PrefetchExplanation, PrefetchHead, PrefetchStart};
 use crate::device_slots::DeviceSlotAllocator;
 use crate::error::Error;
 use crate::hash::PageKey;
@@ -164,13 +164,13 @@ impl<E: TransferEngine> HiRadixTree<E> {
         self.controller.observe_load(bytes, elapsed);
     }
 
-    /// Tokens at the start of `request_id`'s pending prefetch that the engine computes itself: a split plan
-    /// ([`crate::cost`], config `prefetch_split`) fetches only the hit's tail, and the engine computes the head beside
-    /// the reads. The engine inserts the head's KV into the tree (after the request's match) before it calls
-    /// [`check_prefetch_progress`](Self::check_prefetch_progress): the fetched tail joins the tree below it. A tail
-    /// whose head is not in the tree when the result comes is given back. `None`: the whole hit is the prefetch's
-    /// (no split, or no plan yet).
-    pub fn prefetch_head(&self, request_id: &str) -> Option<usize> {
+    /// What `request_id`'s pending prefetch leaves to the engine to compute first. A split plan ([`crate::cost`],
+    /// config `prefetch_split`) fetches only the hit's tail, and the engine computes the head beside the reads: on
+    /// [`PrefetchHead::Compute`] it inserts the head's KV into the tree (after the request's match) before it calls
+    /// [`check_prefetch_progress`](Self::check_prefetch_progress), and the fetched tail joins the tree below it (a
+    /// tail whose head is not in the tree when the result comes is given back). While the answer is
+    /// [`PrefetchHead::NotPlanned`], such an engine does not ask for the result yet (asking first rules a split out).
+    pub fn prefetch_head(&self, request_id: &str) -> PrefetchHead {
         self.controller.prefetch_head(request_id)
     }
 
