@@ -1,6 +1,7 @@
 """Time to first token of a returning conversation whose prefix is only in storage, with every hit fetched whole
-(SGLang's way) and with hicache's cost plan (a hit fetched only as far as bringing it is faster than computing it),
-beside recomputing the whole prompt, under a real model on one GPU, in one run.
+(SGLang's way), with hicache's cost plan (a hit fetched only as far as bringing it is faster than computing it) and
+with the plan allowed to split a hit (the engine computes its head while storage reads its tail), beside recomputing
+the whole prompt, under a real model on one GPU, in one run.
 
 A Llama-3.1-8B-shaped model (transformers, random weights, bf16) serves a cached prefix (2k, 8k, 32k tokens) and 512
 new tokens through ``hicache.engine.Engine``, the prefix in the file tier on tmpfs only (device and host emptied
@@ -10,7 +11,8 @@ request of each prefix is not timed: it may be the one that measures the tier; b
 once from the device, as a serving engine's device hits teach it the cost of a pass after a prefix); the
 host-to-device rate, which the reference engine does not time, is given (``--load-gbps``). For each prefix and tier it prints
 the medians of ``--repeats`` requests: recompute (the whole prompt through the model's own sdpa attention), whole
-(every hit fetched, then the rest computed), by cost, and by cost against the better of the two.
+(every hit fetched, then the rest computed), by cost, split (by cost, splits allowed), and each of the last two
+against the better of the first two.
 
     python hicache-py/bench/cost_ttft.py --json out.json    # needs hicache built with the cuda feature
 """
@@ -26,9 +28,13 @@ import torch
 from model_ttft import CUDA, DEVICE, NEW, Workload, config, cuda_ms, llama_8b, median, populate
 
 
-def engine_config(directory: str, by_cost: bool, throttle: float | None, load_gbps: float) -> dict:
+MODES = ("whole", "by cost", "split")
+
+
+def engine_config(directory: str, mode: str, throttle: float | None, load_gbps: float) -> dict:
     settings = config("auto", directory)
-    settings["prefetch_by_cost"] = by_cost
+    settings["prefetch_by_cost"] = mode != "whole"
+    settings["prefetch_split"] = mode == "split"
     # the reference engine does not time its loads: the host-to-device rate is given
     settings["prior_load_gbps"] = load_gbps
     if throttle is not None:
@@ -64,9 +70,9 @@ def main():
                 cuda_ms(lambda: model(input_ids=prompt, use_cache=False, logits_to_keep=1)) for _ in range(args.repeats)
             )
     for tier, throttle in (("tmpfs", None), (f"{args.throttle:g} GB/s", args.throttle)):
-        for by_cost in (False, True):
+        for mode in MODES:
             with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
-                engine = Engine(model, engine_config(directory, by_cost, throttle, args.load_gbps), device_tokens)
+                engine = Engine(model, engine_config(directory, mode, throttle, args.load_gbps), device_tokens)
                 for p in prefixes:
                     populate(engine, work.prompts[p][:p])
                     # a returning request while the prefix is still on the device: the engine's pass after a prefix,
@@ -74,16 +80,19 @@ def main():
                     engine.serve(f"resident-{p}", work.returning(p), 1, all_logits=False)
                 engine.cache.drain(600)
                 for p in prefixes:
-                    times, cached = [], []
+                    times, cached, heads = [], [], []
                     for repeat in range(args.repeats + 1):
                         engine.empty_host()
-                        served = engine.serve(f"{tier}-{by_cost}-{p}-{repeat}", work.returning(p), 1, all_logits=False)
+                        served = engine.serve(f"{tier}-{mode}-{p}-{repeat}", work.returning(p), 1, all_logits=False)
                         if repeat > 0:
                             times.append(served.ttft_s * 1e3)
-                            cached.append(served.cached)
-                    name = f"{tier} {'by cost' if by_cost else 'whole'}"
+                            # tokens taken from storage (a split's head is computed)
+                            cached.append(served.cached - served.head)
+                            heads.append(served.head)
+                    name = f"{tier} {mode}"
                     report["prefixes"][p][f"{name} ms"] = median(times)
                     report["prefixes"][p][f"{name} cached"] = median(cached)
+                    report["prefixes"][p][f"{name} head"] = median(heads)
                 engine.cache.close()
                 del engine
                 if CUDA:
@@ -92,14 +101,17 @@ def main():
           f"prefix only in the file tier on tmpfs; medians of {args.repeats}; ms (tokens taken from storage)")
     for tier in ("tmpfs", f"{args.throttle:g} GB/s"):
         print(f"tier: {tier}")
-        print("prefix | recompute | whole | by cost | by cost / min(recompute, whole)")
+        print("prefix | recompute | whole | by cost | split (head computed) | by cost, split / min(recompute, whole)")
         for p in prefixes:
             row = report["prefixes"][p]
-            whole, planned = row[f"{tier} whole ms"], row[f"{tier} by cost ms"]
+            whole, planned, split = (row[f"{tier} {mode} ms"] for mode in MODES)
             best = min(row["recompute_ms"], whole)
             row[f"{tier} by cost of best"] = planned / best
+            row[f"{tier} split of best"] = split / best
             print(f"{p} | {row['recompute_ms']:.1f} | {whole:.1f} ({row[f'{tier} whole cached']:.0f}) | "
-                  f"{planned:.1f} ({row[f'{tier} by cost cached']:.0f}) | {planned / best:.3f}")
+                  f"{planned:.1f} ({row[f'{tier} by cost cached']:.0f}) | "
+                  f"{split:.1f} ({row[f'{tier} split cached']:.0f}, {row[f'{tier} split head']:.0f}) | "
+                  f"{planned / best:.3f}, {split / best:.3f}")
     if args.json:
         with open(args.json, "w") as file:
             json.dump(report, file, indent=1)

@@ -32,6 +32,7 @@ use hicache_core::transfer::{
     Completion, CpuEngine, CpuEvent, DeviceLayoutMap, DeviceRegions, LayerDoneCounter, TransferEngine, TransferEvent,
 };
 use hicache_core::tree::{HiRadixTree, PrefetchCheck};
+use hicache_core::controller::PrefetchHead;
 use hicache_core::{Error, HiCacheBuilder};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -134,6 +135,21 @@ impl<E: Engine> Inner<E> {
         let after = matched.device_slots.len() + matched.host_hit_length;
         let start = self.tree.prefetch_from_storage(request, matched.last_host_node, &tokens[after..])?;
         Ok(matches!(start, hicache_core::controller::PrefetchStart::Started(_)))
+    }
+
+    /// Ticks until `request`'s prefetch plan is known, or until `deadline`: the tokens at the start of the prefetch
+    /// that the engine computes itself (a split's head; 0: none, or no plan by the deadline).
+    fn plan_prefetch(&mut self, request: &str, deadline: Instant) -> Result<usize, Error> {
+        loop {
+            match self.tree.prefetch_head(request) {
+                PrefetchHead::Compute(head) => return Ok(head),
+                PrefetchHead::Nothing => return Ok(0),
+                PrefetchHead::NotPlanned if Instant::now() >= deadline => return Ok(0),
+                PrefetchHead::NotPlanned => {}
+            }
+            self.tree.tick(&mut SingleRank)?;
+            std::thread::yield_now();
+        }
     }
 
     /// Ticks until `request`'s prefetch has joined the tree (true), or until `deadline` (false).
@@ -581,6 +597,13 @@ impl Cache {
             each!(tree, inner => inner.tree.observe_prefill(tokens, prefix, elapsed));
             Ok(())
         })
+    }
+
+    /// Waits (ticking) until `request`'s prefetch plan is known; returns the tokens at its start that the engine
+    /// computes itself (a split, config `prefetch_split`), 0 for none (or no plan by the timeout).
+    fn plan_prefetch(&self, py: Python<'_>, request: &str, timeout_s: f64) -> PyResult<usize> {
+        let deadline = deadline(timeout_s, "timeout")?;
+        self.with(py, |tree| each!(tree, inner => inner.plan_prefetch(request, deadline)))
     }
 
     /// Waits (ticking) until `request`'s prefetch has joined the tree: true, or false at the timeout.

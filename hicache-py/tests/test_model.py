@@ -15,7 +15,9 @@ With storage faults (a page file's bytes flipped, another replaced by a director
 usable up to the first bad page, the rest is recomputed, and the output still agrees.
 
 By cost (the engine reporting its own passes), a tier slower than the model's compute is asked what it holds but not
-read: the prompt is computed, and the output agrees the same way.
+read: the prompt is computed, and the output agrees the same way. With splits, a tier about as fast as the compute
+has its hits split: the engine computes each hit's head while the tail is read, the tail's KV comes back bit for bit,
+and the output agrees the same way.
 
 ``HICACHE_TEST_DEVICE=cuda`` runs the same on a GPU (the wheel built with the ``cuda`` feature).
 """
@@ -27,6 +29,7 @@ import os
 import random
 import re
 import tempfile
+import time
 import unittest
 
 import torch
@@ -240,6 +243,57 @@ class ModelOutputUnchanged(unittest.TestCase):
         self.assertGreater(storage_turns, 0)
         self.assertEqual(stats["storage"]["get_hits"], 0, "nothing was read from storage")
         self.assertGreater(stats["storage"]["exists_hits"], 0, "storage held the prefixes")
+
+    def kv_bytes_per_s(self) -> float:
+        """Bytes of KV the model computes per second on this machine: the median of a few passes of 100 tokens."""
+        config = self.model.config
+        head_dim = config.hidden_size // config.num_attention_heads
+        item = next(self.model.parameters()).element_size()
+        per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * item
+        tokens = list(range(100))
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            recompute_logits(self.model, tokens)
+            if DEVICE.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        return per_token * len(tokens) / sorted(times)[len(times) // 2]
+
+    def test_a_hit_split_between_computing_its_head_and_reading_its_tail_gives_the_same_output(self):
+        with tempfile.TemporaryDirectory() as directory:
+            settings = config(directory)
+            # by cost, with splits: the tier is held to the rate at which the model computes KV here, where
+            # computing a hit's head while its tail is read beats both reading and computing all of it (by a third
+            # for a hit as long as the rest of its prompt)
+            gbps = self.kv_bytes_per_s() / 1e9
+            settings |= {"prefetch_by_cost": True, "prefetch_split": True, "prior_storage_read_gbps": gbps}
+            settings["storage_backend_extra_config"]["throttle_read_gbps"] = gbps
+            engine = Engine(self.model, settings, device_tokens=768)
+            served = self.conversations.run(engine, empty_tiers(engine))
+            engine.cache.close()
+        splits = 0
+        for (client, turn), (prompt, result, restored, _written) in served.items():
+            _, control, control_kv, _ = self.control[client, turn]
+            what = f"client {client} turn {turn}"
+            self.assertEqual(result.tokens, control.tokens, f"{what}: greedy tokens")
+            full = recompute_logits(self.model, prompt)[result.cached :]
+            self.assertLess(float((full - result.logits).abs().max()), TOLERANCE, what)
+            if result.head:
+                splits += 1
+                self.assertTrue(turn > 0 and turn % 2 == 0, f"{what}: a split only of a hit in storage alone")
+                # the head was computed this turn (float-close to the KV written before); the tail that storage
+                # brought is the KV the model wrote, bit for bit
+                tail = result.cached - result.loaded
+                self.assertGreaterEqual(tail, result.head, what)
+                tails = [(k[tail:], v[tail:]) for k, v in restored]
+                written = [(k[tail:], v[tail:]) for k, v in control_kv]
+                assert_kv_equal(self, tails, written, result.loaded, f"{what}, the tail")
+                for (k, v), (control_k, control_v) in zip(restored, control_kv, strict=True):
+                    self.assertLess(float((k[:tail] - control_k[:tail]).abs().max()), TOLERANCE, what)
+                    self.assertLess(float((v[:tail] - control_v[:tail]).abs().max()), TOLERANCE, what)
+        print(f"\nsplit hits: {splits}")
+        self.assertGreater(splits, 0, "no hit was split")
 
 
 class BadInput(unittest.TestCase):

@@ -217,6 +217,13 @@ class Cache:
         fetches every hit whole."""
         self._native.observe_prefill(int(tokens), int(prefix), float(seconds))
 
+    def plan_prefetch(self, request_id: str, timeout: float = 30.0) -> int:
+        """Ticks until ``request_id``'s prefetch plan is known; returns how many tokens at the start of the prefetch
+        the engine computes itself (0: none). With ``prefetch_split`` in the config, the plan may *split* a hit that
+        is slow to read: the engine computes its head (inserting its KV) while storage reads the tail, then waits for
+        the prefetch. Asking for the prefetch (``wait_prefetch``) before the plan is known rules a split out."""
+        return self._native.plan_prefetch(str(request_id), float(timeout))
+
     def wait_prefetch(self, request_id: str, timeout: float = 30.0) -> bool:
         """Ticks until ``request_id``'s prefetch has joined the cache (True) or ``timeout`` seconds pass (False)."""
         return self._native.wait_prefetch(str(request_id), float(timeout))

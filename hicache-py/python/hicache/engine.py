@@ -7,7 +7,8 @@ the current stream), reads the prefix's and the new tokens' KV from the slots an
 attention over them. Positions are passed to the model, so the rotary embedding of the new tokens continues after the
 prefix.
 
-A request (``Engine.serve``): fetch from storage what lies beyond the device and host hit (waiting for it), load the
+A request (``Engine.serve``): fetch from storage what lies beyond the device and host hit (waiting for it; when the
+cache's plan splits the hit, computing its head first while storage reads the tail), load the
 host part back to the device (starting its copies once the forward pass's own small inputs are on the device, so
 they do not queue behind the prefix on the copy engine), prefill the rest layer by layer beside the load, decode greedily, insert the whole
 sequence (whole pages), tick. When the device pool is full, least recently used pages move to the host (and on to
@@ -82,6 +83,7 @@ class Served:
     loaded: int
     prefetched: bool
     ttft_s: float
+    head: int
     prefix_slots: torch.Tensor = field(repr=False)
     sequence_slots: torch.Tensor = field(repr=False)
 
@@ -151,7 +153,11 @@ class Engine:
         # at least the last prompt token is computed: its logits give the first new token
         lookup = token_ids(tokens[:-1])
         prefetched = self.cache.prefetch(request_id, lookup)
+        head = 0
         if prefetched:
+            head = self.cache.plan_prefetch(request_id, prefetch_timeout)
+            if head:
+                self._compute_head(tokens, head)
             self.cache.wait_prefetch(request_id, prefetch_timeout)
         load = self.cache.load(lookup, start=False)
         cached = len(load.slots)
@@ -182,7 +188,26 @@ class Engine:
         slots = torch.cat([load.slots, fresh])
         self.cache.insert(sequence, slots, load)
         self.cache.tick()
-        return Served(generated, logits, cached, load.loaded, prefetched, ttft, load.slots, slots[: len(sequence)])
+        return Served(generated, logits, cached, load.loaded, prefetched, ttft, head, load.slots, slots[: len(sequence)])
+
+    def _compute_head(self, tokens: list[int], head: int) -> None:
+        """A split's head: computes the ``head`` tokens after what the cache held of ``tokens`` when the prefetch
+        started (the device and host hit) and inserts their KV, while storage reads the tail."""
+        match = self.cache.match(token_ids(tokens[:-1]))
+        upto = len(match.device_slots) + match.host_tokens + head
+        load = self.cache.load(token_ids(tokens[:upto]), start=False)
+        cached = len(load.slots)
+        fresh = self.cache.alloc(upto - cached)
+        prepared = self.prepare(tokens[:upto], cached, load.slots, fresh, load)
+        computing = time.perf_counter()
+        load.start()
+        self.run(prepared, last_only=True)
+        if self.device.type == "cuda":
+            # the KV is written before the cache copies it to the host
+            torch.cuda.current_stream().synchronize()
+        if not load.loaded:
+            self.cache.observe_prefill(upto - cached, cached, time.perf_counter() - computing)
+        self.cache.insert(token_ids(tokens[:upto]), torch.cat([load.slots, fresh]), load)
 
     def prefix_kv(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the KV in ``slots``, per layer (K, V)."""
