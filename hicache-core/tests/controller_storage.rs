@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use hicache_core::collective::SingleRank;
 use hicache_core::config::PrefetchPolicy;
 use hicache_core::controller::{
-    CacheController, PageBackup, PrefetchDone, PrefetchStart, PrefetchStop, StorageSettings, TickReport,
+    CacheController, PageBackup, PrefetchDone, PrefetchHead, PrefetchStart, PrefetchStop, StorageSettings, TickReport,
 };
 use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::error::Error;
@@ -944,4 +944,48 @@ fn the_scheduler_stops_waiting_for_pages_that_compute_faster_than_they_arrive() 
     assert_eq!(rig.host().available(), HOST_PAGES - 2);
     rig.host().check_invariants().unwrap();
     assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
+}
+
+#[test]
+fn a_split_waits_for_a_tail_whose_reads_are_expected_to_end_soon() {
+    let store = MemoryStore::new();
+    let (prompt, expected) = seed_storage(&store, 14, 6);
+    // (clock time the engine spent on the head before it asks for the request, whether the scheduler stops waiting)
+    for (head_time, stops) in [(Duration::from_millis(3900), false), (Duration::ZERO, true)] {
+        let gated = Arc::new(Gated::new(memory(&store, 0, 1)));
+        let clock = Arc::new(ManualClock::new());
+        let page_bytes = controller(gated.clone(), settings(PrefetchPolicy::WaitComplete), clock.clone())
+            .engine()
+            .host_map()
+            .page_bytes();
+        // a page reads in 2 s and computes in 1 s: the plan computes 4 pages while the other 2 are read, 4 s each
+        let mut settings = by_cost(PrefetchPolicy::WaitComplete, page_bytes as f64 / 2.0, PAGE as f64);
+        settings.split = true;
+        let mut rig = controller(gated.clone(), settings, clock.clone());
+        rig.prefetch("r", &prompt, None).unwrap();
+        assert_eq!(rig.prefetch_head("r"), PrefetchHead::NotPlanned);
+        tick_until(&mut rig, |rig, _| rig.prefetch_head("r") != PrefetchHead::NotPlanned);
+        assert_eq!(rig.prefetch_head("r"), PrefetchHead::Compute(4 * PAGE));
+        gated.gets.await_caller();
+        clock.advance(head_time);
+        // wanted: after 3.9 s of the 4 the tail's read is expected to take, 0.1 s is left against 2 s to compute
+        // it; at once, the whole 4 s is
+        rig.finish_prefetch("r");
+        if stops {
+            let done = prefetch_result(&mut rig, "r");
+            assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::RecomputeFaster, 0));
+            gated.open(10);
+            tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
+        } else {
+            rig.tick(&mut SingleRank).unwrap();
+            assert_eq!(rig.prefetch_head("r"), PrefetchHead::Compute(4 * PAGE), "still waiting for the tail");
+            gated.open(10);
+            let done = prefetch_result(&mut rig, "r");
+            assert_eq!((done.explanation.stop, done.head_tokens), (PrefetchStop::Complete, 4 * PAGE));
+            assert_eq!(done.explanation.plan.map(|plan| plan.reason), Some(hicache_core::cost::PlanReason::Split));
+            assert_eq!(host_bytes(&rig, &done.host_pages), expected[4 * page_bytes..]);
+        }
+        assert_eq!(rig.host().available(), HOST_PAGES - if stops { 0 } else { 2 });
+        rig.host().check_invariants().unwrap();
+    }
 }

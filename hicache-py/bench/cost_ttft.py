@@ -80,7 +80,7 @@ def main():
                     engine.serve(f"resident-{p}", work.returning(p), 1, all_logits=False)
                 engine.cache.drain(600)
                 for p in prefixes:
-                    times, cached, heads = [], [], []
+                    times, cached, heads, phases = [], [], [], []
                     for repeat in range(args.repeats + 1):
                         engine.empty_host()
                         served = engine.serve(f"{tier}-{mode}-{p}-{repeat}", work.returning(p), 1, all_logits=False)
@@ -89,10 +89,15 @@ def main():
                             # tokens taken from storage (a split's head is computed)
                             cached.append(served.cached - served.head)
                             heads.append(served.head)
+                            phases.append(served.phases)
                     name = f"{tier} {mode}"
                     report["prefixes"][p][f"{name} ms"] = median(times)
                     report["prefixes"][p][f"{name} cached"] = median(cached)
                     report["prefixes"][p][f"{name} head"] = median(heads)
+                    report["prefixes"][p][f"{name} phases ms"] = {
+                        phase: median(step.get(phase, 0.0) * 1e3 for step in phases)
+                        for phase in dict.fromkeys(key for step in phases for key in step)
+                    }
                 engine.cache.close()
                 del engine
                 if CUDA:
@@ -112,6 +117,9 @@ def main():
                   f"{planned:.1f} ({row[f'{tier} by cost cached']:.0f}) | "
                   f"{split:.1f} ({row[f'{tier} split cached']:.0f}, {row[f'{tier} split head']:.0f}) | "
                   f"{planned / best:.3f}, {split / best:.3f}")
+            for mode in MODES:
+                steps = ", ".join(f"{phase} {ms:.1f}" for phase, ms in row[f"{tier} {mode} phases ms"].items())
+                print(f"    {mode}: {steps}")
     if args.json:
         with open(args.json, "w") as file:
             json.dump(report, file, indent=1)

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use hicache_core::collective::SingleRank;
 use hicache_core::config::HiCacheConfig;
+use hicache_core::controller::PrefetchHead;
 use hicache_core::device_slots::{DeviceSlotAllocator, PagedSlots};
 use hicache_core::geometry::KvGeometry;
 use hicache_core::host_memory::HostMemory;
@@ -32,7 +33,6 @@ use hicache_core::transfer::{
     Completion, CpuEngine, CpuEvent, DeviceLayoutMap, DeviceRegions, LayerDoneCounter, TransferEngine, TransferEvent,
 };
 use hicache_core::tree::{HiRadixTree, PrefetchCheck};
-use hicache_core::controller::PrefetchHead;
 use hicache_core::{Error, HiCacheBuilder};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;

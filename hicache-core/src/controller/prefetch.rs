@@ -23,7 +23,7 @@
 //!    #fixed-2).
 //!
 //! The tick's collective has a fixed shape whatever the local state: two counters (write acks, backup acks) and
-//! [`StorageSettings::tick_slots`] prefetch slots of six values, all reduced with one MIN (a MAX is a MIN of the
+//! [`StorageSettings::tick_slots`] prefetch slots of seven values, all reduced with one MIN (a MAX is a MIN of the
 //! negation). Every rank enters it once per tick, so no rank can skip a collective another enters
 //! (docs/sglang.md#fixed-16).
 
@@ -42,7 +42,7 @@ use crate::ops::OpId;
 use crate::transfer::TransferEngine;
 
 /// Values per prefetch slot in the tick's collective.
-const SLOT_VALUES: usize = 6;
+const SLOT_VALUES: usize = 7;
 /// Values before the slots: completed writes, completed backups, then the rates of the cost model (each negated, so
 /// the MIN is the slowest rank's).
 const HEADER: usize = 2 + ENCODED;
@@ -137,6 +137,8 @@ pub(super) struct PrefetchEntry {
     cost_cut: bool,
     /// Pages at the hit's start that a split plan leaves to the engine: the reserved pages follow them.
     head_pages: usize,
+    /// When the reads of the reserved pages were first queued.
+    reads_queued_at: Option<Duration>,
     /// The scheduler stopped waiting for the hit query (its policy, or an abort): why; only the part agreed before
     /// is fetched.
     query_cut: Option<PrefetchStop>,
@@ -215,6 +217,9 @@ struct Slot {
     in_time: bool,
     /// The prefetch made no progress within the read deadline here (reduced: on some rank).
     stalled: bool,
+    /// Microseconds since the reads of the reserved pages were queued (0 before; reduced: the rank that queued
+    /// them last).
+    reading_us: i64,
 }
 
 impl Slot {
@@ -233,6 +238,7 @@ impl Slot {
             } else {
                 2
             },
+            self.reading_us,
         ]);
     }
 
@@ -245,6 +251,7 @@ impl Slot {
             quiet: values[4] == 1,
             in_time: values[5] >= 1,
             stalled: values[5] == 1,
+            reading_us: values[6],
         }
     }
 }
@@ -333,6 +340,7 @@ impl<E: TransferEngine> CacheController<E> {
                 prompt_tokens: cached_tokens + tokens.len(),
                 cost_cut: false,
                 head_pages: 0,
+                reads_queued_at: None,
                 query_cut: None,
                 explanation,
             },
@@ -480,6 +488,9 @@ impl<E: TransferEngine> CacheController<E> {
                         && entry.wanted
                         && now.saturating_sub(entry.started_at) > limit),
                     stalled,
+                    reading_us: entry
+                        .reads_queued_at
+                        .map_or(0, |queued| now.saturating_sub(queued).as_micros().min(i64::MAX as u128) as i64),
                 };
                 slot.write(&mut values[HEADER + ops.len() * SLOT_VALUES..][..SLOT_VALUES]);
                 ops.push(*op);
@@ -517,7 +528,7 @@ impl<E: TransferEngine> CacheController<E> {
                 }
                 Stage::Fetching { ref pages, .. } => {
                     entry.timed_out = !slot.in_time;
-                    if !slot.last && self.waiting_costs_more(&entry, pages.len(), slot.fetched_tokens as usize) {
+                    if !slot.last && self.waiting_costs_more(&entry, pages.len(), slot) {
                         // every rank sees the same reduced count and rates: every rank stops here
                         entry.cost_cut = true;
                         entry.shared.progress.terminate();
@@ -578,6 +589,7 @@ impl<E: TransferEngine> CacheController<E> {
         }
         let more = self.host.alloc(count).expect("no more than available");
         queue_reads(storage, op, &entry.shared, 0, pages, keys, more, false)?;
+        entry.reads_queued_at.get_or_insert(storage.clock.now());
         entry.explanation.reserved_tokens = pages.len() * self.page_size;
         Ok(())
     }
@@ -676,6 +688,7 @@ impl<E: TransferEngine> CacheController<E> {
         };
         let storage = self.storage.as_mut().expect("storage");
         queue_reads(storage, op, &entry.shared, entry.head_pages, &mut pages, &mut keys, more, true)?;
+        entry.reads_queued_at.get_or_insert(storage.clock.now());
         entry.hold_only(&mut storage.capacity, (pages.len() * self.page_size) as u64)?;
         entry.explanation.reserved_tokens = pages.len() * self.page_size;
         entry.stage = Stage::Fetching { pages, keys };
@@ -711,14 +724,30 @@ impl<E: TransferEngine> CacheController<E> {
         (planned.compute_head_pages, planned.fetch_pages)
     }
 
-    /// Whether the scheduler, wanting the request now, should stop waiting for the rest of its `reserved` pages,
-    /// `fetched_tokens` of them fetched on every rank: computing the rest is expected to be faster.
-    fn waiting_costs_more(&self, entry: &PrefetchEntry, reserved: usize, fetched_tokens: usize) -> bool {
-        if !entry.wanted || entry.aborted || entry.shared.progress.is_terminated() {
+    /// Whether the scheduler, wanting the request now, should stop waiting for the rest of its `reserved` pages
+    /// (`slot`: every rank's count of fetched tokens and time spent reading): keeping what arrived and computing the
+    /// rest is expected to be faster than waiting for the rest. The rest is expected when the reads of all the
+    /// reserved pages, at the agreed rates, would end after they were queued; once that time is past, a whole read
+    /// of the pages not arrived from now.
+    fn waiting_costs_more(&self, entry: &PrefetchEntry, reserved: usize, slot: Slot) -> bool {
+        let storage = self.storage.as_ref().expect("storage");
+        if !storage.settings.by_cost || !entry.wanted || entry.aborted || entry.shared.progress.is_terminated() {
             return false;
         }
-        let arrived = (fetched_tokens / self.page_size).min(reserved);
-        self.plan_for(entry, reserved, arrived, arrived).is_some_and(|planned| planned.fetch_pages < reserved)
+        let rates = &storage.agreed;
+        if rates.prefill_s_per_token.is_none() || rates.storage_read_bytes_per_s.is_none() {
+            return false;
+        }
+        let page_bytes = self.memory.page_bytes() as u64;
+        let arrived = (slot.fetched_tokens as usize / self.page_size).min(reserved);
+        let reading = slot.reading_us as f64 / 1e6;
+        let planned = rates.fetch_s(reserved, page_bytes);
+        let rest = if reading < planned { planned - reading } else { rates.fetch_s(reserved - arrived, page_bytes) };
+        let from = entry.cached_tokens + entry.head_pages * self.page_size;
+        let prompt = entry.prompt_tokens.max(from + reserved * self.page_size);
+        let after =
+            |pages: usize| rates.load_s(pages, page_bytes).max(rates.compute_s(from + pages * self.page_size, prompt));
+        after(arrived) < rest + after(reserved)
     }
 
     /// Every rank's count is final: the minimum is the result.

@@ -84,6 +84,10 @@ class Served:
     prefetched: bool
     ttft_s: float
     head: int
+    # seconds of each step up to the first token: ``query`` (the prefetch's start, and its plan when the engine
+    # splits), ``head`` (a split's head computed), ``fetch`` (waiting for the prefetch), ``pass`` (the load and the
+    # prefill of the rest)
+    phases: dict = field(repr=False)
     prefix_slots: torch.Tensor = field(repr=False)
     sequence_slots: torch.Tensor = field(repr=False)
 
@@ -154,11 +158,17 @@ class Engine:
         lookup = token_ids(tokens[:-1])
         prefetched = self.cache.prefetch(request_id, lookup)
         head = 0
+        marks = [started]
         if prefetched:
             head = self.cache.plan_prefetch(request_id, prefetch_timeout)
-            if head:
-                self._compute_head(tokens, head)
+            marks.append(time.perf_counter())
+            head_steps = self._compute_head(tokens, head) if head else {}
+            marks.append(time.perf_counter())
             self.cache.wait_prefetch(request_id, prefetch_timeout)
+        else:
+            head_steps = {}
+            marks += [started, started]
+        marks.append(time.perf_counter())
         load = self.cache.load(lookup, start=False)
         cached = len(load.slots)
         computed = len(tokens) - cached
@@ -173,6 +183,9 @@ class Engine:
             torch.cuda.current_stream().synchronize()
         now = time.perf_counter()
         ttft = now - started
+        marks.append(now)
+        phases = {name: marks[index + 1] - marks[index] for index, name in enumerate(("query", "head", "fetch", "pass"))}
+        phases |= head_steps
         if not load.loaded:
             # nothing was loaded beside it: the pass's time is the prefill's, which the cache weighs storage hits
             # against
@@ -188,11 +201,15 @@ class Engine:
         slots = torch.cat([load.slots, fresh])
         self.cache.insert(sequence, slots, load)
         self.cache.tick()
-        return Served(generated, logits, cached, load.loaded, prefetched, ttft, head, load.slots, slots[: len(sequence)])
+        return Served(
+            generated, logits, cached, load.loaded, prefetched, ttft, head, phases, load.slots, slots[: len(sequence)]
+        )
 
-    def _compute_head(self, tokens: list[int], head: int) -> None:
+    def _compute_head(self, tokens: list[int], head: int) -> dict:
         """A split's head: computes the ``head`` tokens after what the cache held of ``tokens`` when the prefetch
-        started (the device and host hit) and inserts their KV, while storage reads the tail."""
+        started (the device and host hit) and inserts their KV, while storage reads the tail. Returns the seconds of
+        its steps: ``head setup`` (match, load, slots), ``head pass`` (the forward pass), ``head insert``."""
+        started = time.perf_counter()
         match = self.cache.match(token_ids(tokens[:-1]))
         upto = len(match.device_slots) + match.host_tokens + head
         load = self.cache.load(token_ids(tokens[:upto]), start=False)
@@ -205,9 +222,15 @@ class Engine:
         if self.device.type == "cuda":
             # the KV is written before the cache copies it to the host
             torch.cuda.current_stream().synchronize()
+        computed = time.perf_counter()
         if not load.loaded:
-            self.cache.observe_prefill(upto - cached, cached, time.perf_counter() - computing)
+            self.cache.observe_prefill(upto - cached, cached, computed - computing)
         self.cache.insert(token_ids(tokens[:upto]), torch.cat([load.slots, fresh]), load)
+        return {
+            "head setup": computing - started,
+            "head pass": computed - computing,
+            "head insert": time.perf_counter() - computed,
+        }
 
     def prefix_kv(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the KV in ``slots``, per layer (K, V)."""
