@@ -951,7 +951,19 @@ fn a_split_waits_for_a_tail_whose_reads_are_expected_to_end_soon() {
     let store = MemoryStore::new();
     let (prompt, expected) = seed_storage(&store, 14, 6);
     // (clock time the engine spent on the head before it asks for the request, whether the scheduler stops waiting)
-    for (head_time, stops) in [(Duration::from_millis(3900), false), (Duration::ZERO, true)] {
+    let cases = [
+        // after 3.9 s of the 4 the tail's read is expected to take, 0.1 s is left against 2 s to compute it
+        (Duration::from_millis(3900), false),
+        // at once, the whole 4 s is
+        (Duration::ZERO, true),
+        // 0.1 s overdue: expected within 0.1 s more
+        (Duration::from_millis(4100), false),
+        // 3 s overdue: as much again, against 2 s to compute
+        (Duration::from_secs(7), true),
+        // 20 s overdue: no more than a whole read (4 s)
+        (Duration::from_secs(24), true),
+    ];
+    for (head_time, stops) in cases {
         let gated = Arc::new(Gated::new(memory(&store, 0, 1)));
         let clock = Arc::new(ManualClock::new());
         let page_bytes = controller(gated.clone(), settings(PrefetchPolicy::WaitComplete), clock.clone())
@@ -968,8 +980,6 @@ fn a_split_waits_for_a_tail_whose_reads_are_expected_to_end_soon() {
         assert_eq!(rig.prefetch_head("r"), PrefetchHead::Compute(4 * PAGE));
         gated.gets.await_caller();
         clock.advance(head_time);
-        // wanted: after 3.9 s of the 4 the tail's read is expected to take, 0.1 s is left against 2 s to compute
-        // it; at once, the whole 4 s is
         rig.finish_prefetch("r");
         if stops {
             let done = prefetch_result(&mut rig, "r");

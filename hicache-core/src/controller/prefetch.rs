@@ -727,8 +727,9 @@ impl<E: TransferEngine> CacheController<E> {
     /// Whether the scheduler, wanting the request now, should stop waiting for the rest of its `reserved` pages
     /// (`slot`: every rank's count of fetched tokens and time spent reading): keeping what arrived and computing the
     /// rest is expected to be faster than waiting for the rest. The rest is expected when the reads of all the
-    /// reserved pages, at the agreed rates, would end after they were queued; once that time is past, a whole read
-    /// of the pages not arrived from now.
+    /// reserved pages, at the agreed rates, would end after they were queued; once that time is past, as late again
+    /// as they already are (a read just overdue is about to end, a stalled one ever further off), but no later than a
+    /// whole read of the pages not arrived from now.
     fn waiting_costs_more(&self, entry: &PrefetchEntry, reserved: usize, slot: Slot) -> bool {
         let storage = self.storage.as_ref().expect("storage");
         if !storage.settings.by_cost || !entry.wanted || entry.aborted || entry.shared.progress.is_terminated() {
@@ -742,7 +743,11 @@ impl<E: TransferEngine> CacheController<E> {
         let arrived = (slot.fetched_tokens as usize / self.page_size).min(reserved);
         let reading = slot.reading_us as f64 / 1e6;
         let planned = rates.fetch_s(reserved, page_bytes);
-        let rest = if reading < planned { planned - reading } else { rates.fetch_s(reserved - arrived, page_bytes) };
+        let rest = if reading < planned {
+            planned - reading
+        } else {
+            (reading - planned).min(rates.fetch_s(reserved - arrived, page_bytes))
+        };
         let from = entry.cached_tokens + entry.head_pages * self.page_size;
         let prompt = entry.prompt_tokens.max(from + reserved * self.page_size);
         let after =

@@ -23,11 +23,25 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
 from hicache.cache import Cache, Load, token_ids
 
 _ACTIVE = threading.local()
+
+# Which of sdpa's kernels a pass may use. cuDNN's (PyTorch's first choice on Hopper) builds a plan for each new
+# sequence length, measured on an H200: 38 ms on the first causal pass of a length (up to 1 s on the first with a
+# [queries, keys] mask), then faster than the others (a causal layer of 5k tokens 0.42 ms against flash's 0.80; a
+# 33k-token prompt 1.39 s against 1.78 s). An engine sees a new length with nearly every request (a split's head is
+# one by construction), so a pass of fewer than _PLANNED_FROM tokens, which the faster kernel gains less than the
+# plan costs, leaves cuDNN out; a longer one puts it first. Both are set explicitly at each pass: the backends sdpa
+# may use are process-wide state, and leaving it as found proved unreliable (a 33k-token prompt after a short pass
+# ran without cuDNN).
+_PLANNED_FROM = 8192
+_UNPLANNED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_PLANNED = [SDPBackend.CUDNN_ATTENTION, *_UNPLANNED]
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **_kwargs):
@@ -50,12 +64,12 @@ class _Step:
         self.all = torch.cat([prefix, new]).to(device, non_blocking=True)
         self.load = load if load is not None and getattr(load, "loaded", 1) else None
         queries, keys = len(new), len(prefix) + len(new)
-        # query i (position len(prefix) + i) sees every key up to its own position; with no prefix that is the plain
-        # causal mask, which sdpa's fused kernels take without a mask tensor (a [queries, keys] one would send a long
-        # prompt down the slow path)
+        # query i (position len(prefix) + i) sees every key up to its own position: with no prefix the plain causal
+        # mask (is_causal, which every fused kernel takes), after one the causal mask aligned to the lower right
+        # (which flash and memory-efficient attention take as such; a [queries, keys] tensor would send the pass down
+        # the slow path); one query sees every key
         self.causal = not len(prefix) and queries > 1
-        full = queries == 1 or self.causal
-        self.mask = None if full else torch.ones(queries, keys, dtype=torch.bool, device=device).tril(len(prefix))
+        self.mask = causal_lower_right(queries, keys) if len(prefix) and queries > 1 else None
 
     def attend(self, layer, query, key, value, scaling):
         k, v = self.k[layer], self.v[layer]
@@ -123,7 +137,10 @@ class Engine:
         _ACTIVE.step = step
         try:
             keep = 1 if last_only else 0
-            return self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits[0]
+            long = len(step.new) >= _PLANNED_FROM
+            with sdpa_kernel(_PLANNED if long else _UNPLANNED, set_priority=long):
+                output = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+            return output.logits[0]
         finally:
             _ACTIVE.step = None
 
