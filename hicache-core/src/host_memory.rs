@@ -13,7 +13,7 @@
 //! * a [`WriteLease`] lends them as `&mut [u8]` and excludes every other lease on those pages.
 //!
 //! A lease on a page that conflicts is refused with the page named ([`HostMemory::lend_read`],
-//! [`HostMemory::lend_write`]), or waited for ([`HostMemory::lend_read_waiting`] and its write twin, which the CPU
+//! [`HostMemory::lend_write`]), or waited for (`HostMemory::lend_read_waiting` and its write twin, which the CPU
 //! engine uses as a DMA engine would: its copy happens when the memory is free). The controller's page states
 //! already keep these users apart (a page being fetched is reserved, a page being backed up is pinned); the leases
 //! make that protocol checkable: a bug in it becomes a refused lease naming the page instead of a data race, and the

@@ -17,12 +17,12 @@
 //! | call | from | to |
 //! |---|---|---|
 //! | [`alloc`](HostPageAllocator::alloc) | idle | reserved |
-//! | [`protect_write`](HostPageAllocator::protect_write) (D2H starts) | reserved | protected |
-//! | [`protect_load`](HostPageAllocator::protect_load) (H2D starts) | backup | protected |
-//! | [`complete_io`](HostPageAllocator::complete_io) | protected | synced |
-//! | [`update_backup`](HostPageAllocator::update_backup) (device copy evicted) | synced | backup |
-//! | [`update_prefetch`](HostPageAllocator::update_prefetch) (prefetched page inserted) | reserved | backup |
-//! | [`update_synced`](HostPageAllocator::update_synced) (fresh device copy) | any but idle | synced |
+//! | `protect_write` (D2H starts) | reserved | protected |
+//! | `protect_load` (H2D starts) | backup | protected |
+//! | `complete_io` | protected | synced |
+//! | `update_backup` (device copy evicted) | synced | backup |
+//! | `update_prefetch` (prefetched page inserted) | reserved | backup |
+//! | `update_synced` (fresh device copy) | any but idle | synced |
 //! | [`free`](HostPageAllocator::free) | any but idle | idle |
 
 use std::fmt;

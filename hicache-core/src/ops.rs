@@ -102,8 +102,8 @@ impl CacheOperation {
 
 /// A completed-token counter with a terminate flag, shared by an I/O worker and the scheduler.
 ///
-/// The worker calls [`increment`](Self::increment) after the pages' bytes are in host memory; the increment is a
-/// release, and [`terminate`](Self::terminate) and [`completed`](Self::completed) are acquires, so a reader that sees
+/// The worker calls `increment` after the pages' bytes are in host memory; the increment is a
+/// release, and `terminate` and `completed` are acquires, so a reader that sees
 /// `n` completed tokens also sees their bytes. Once terminated, no increment succeeds: the count read at termination
 /// is final. One word holds both, so the flag and the count change together.
 #[derive(Default)]

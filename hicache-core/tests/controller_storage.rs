@@ -15,6 +15,7 @@ use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::error::Error;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PageKey, PartialPage, page_keys};
+use hicache_core::host_memory::MemoryRegion;
 use hicache_core::host_pool::{HostPageId, PageState};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
@@ -277,15 +278,30 @@ struct Gated {
     inner: MemoryStorage,
     gets: Gate,
     queries: Option<Gate>,
+    /// Host memory regions told and not forgotten.
+    registered: Mutex<usize>,
+    forgotten: Condvar,
 }
 
 impl Gated {
     fn new(inner: MemoryStorage) -> Self {
-        Self { inner, gets: Gate::default(), queries: None }
+        Self { inner, gets: Gate::default(), queries: None, registered: Mutex::new(0), forgotten: Condvar::new() }
     }
 
     fn with_query_gate(inner: MemoryStorage) -> Self {
-        Self { inner, gets: Gate::default(), queries: Some(Gate::default()) }
+        Self { queries: Some(Gate::default()), ..Self::new(inner) }
+    }
+
+    fn registered(&self) -> usize {
+        *self.registered.lock().unwrap()
+    }
+
+    /// Waits (real time, bounded) until every region told was forgotten.
+    fn await_forgotten(&self) {
+        let registered = self.registered.lock().unwrap();
+        let (registered, _) =
+            self.forgotten.wait_timeout_while(registered, Duration::from_secs(20), |count| *count > 0).unwrap();
+        assert_eq!(*registered, 0, "the host pool was not forgotten");
     }
 
     fn open(&self, batches: usize) {
@@ -328,6 +344,16 @@ impl StorageBackend for Gated {
 
     fn stats(&self) -> StorageStats {
         self.inner.stats()
+    }
+
+    fn register_host_memory(&self, _region: &MemoryRegion) -> Result<(), Error> {
+        *self.registered.lock().unwrap() += 1;
+        Ok(())
+    }
+
+    fn unregister_host_memory(&self, _region: &MemoryRegion) {
+        *self.registered.lock().unwrap() -= 1;
+        self.forgotten.notify_all();
     }
 }
 
@@ -998,4 +1024,33 @@ fn a_split_waits_for_a_tail_whose_reads_are_expected_to_end_soon() {
         assert_eq!(rig.host().available(), HOST_PAGES - if stops { 0 } else { 2 });
         rig.host().check_invariants().unwrap();
     }
+}
+
+#[test]
+fn closing_leaves_a_storage_call_that_never_returns_and_the_pool_is_forgotten_once_it_does() {
+    let store = MemoryStore::new();
+    let (prompt, _) = seed_storage(&store, 15, 6);
+    // with nothing in flight, closing forgets the host pool before it returns
+    let gated = Arc::new(Gated::new(memory(&store, 0, 1)));
+    let rig = controller(gated.clone(), settings(PrefetchPolicy::WaitComplete), Arc::new(SystemClock::new()));
+    assert_eq!(gated.registered(), 1);
+    drop(rig);
+    assert_eq!(gated.registered(), 0);
+    // the fetch thread is inside a get that does not return; closing waits the read deadline (2 s) for it
+    let gated = Arc::new(Gated::new(memory(&store, 0, 1)));
+    let settings = StorageSettings { read_deadline: Duration::from_secs(2), ..settings(PrefetchPolicy::WaitComplete) };
+    let mut rig = controller(gated.clone(), settings, Arc::new(SystemClock::new()));
+    rig.prefetch("r", &prompt, None).unwrap();
+    tick_until(&mut rig, |rig, _| rig.host().available() == HOST_PAGES - 6);
+    gated.gets.await_caller();
+    let (closed, close) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(rig);
+        closed.send(()).unwrap();
+    });
+    close.recv_timeout(Duration::from_secs(60)).expect("closing ends at its deadline");
+    // the get in flight may still write into the host pool: the backend keeps it until the call returns
+    assert_eq!(gated.registered(), 1);
+    gated.open(10);
+    gated.await_forgotten();
 }

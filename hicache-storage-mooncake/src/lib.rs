@@ -1,7 +1,7 @@
 //! The Mooncake Store tier: pages as objects in a Mooncake cluster (docs/sglang.md#backends), moved straight from
 //! and into the host pool.
 //!
-//! * **Objects.** One object per page part ([`keys`]): K and V for MHA, the latent for MLA, each the contiguous half
+//! * **Objects.** One object per page part (`keys`): K and V for MHA, the latent for MLA, each the contiguous half
 //!   (or the whole) of the flat page, so a page-first host pool is read and written in place. Where a part is not one
 //!   contiguous range of the caller's memory (a `layer_first` pool), it goes through a staging buffer, counted in
 //!   `staging_bytes`.

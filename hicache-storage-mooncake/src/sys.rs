@@ -2,7 +2,7 @@
 //! and loaded at run time, so hicache builds and runs without Mooncake installed until this backend is opened.
 //!
 //! Every function returns a status and catches C++ exceptions; `char *` arguments are not kept after a call returns.
-//! Negative statuses are Mooncake's error codes ([`code_name`]).
+//! Negative statuses are Mooncake's error codes (`code_name`).
 
 use std::ffi::{c_char, c_int, c_void};
 use std::path::{Path, PathBuf};

@@ -145,6 +145,12 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
             ["clippy"].into_iter().chain(set.iter().copied()).chain(["--locked", "--", "-D", "warnings"]).collect();
         run_program("cargo", &args, &[])?;
     }
+    // the API docs, every feature on, build without a warning (a broken link, a public doc linking a private item)
+    run_program(
+        "cargo",
+        &["doc", "--workspace", "--all-features", "--no-deps", "--locked"],
+        &[("RUSTDOCFLAGS", "-D warnings")],
+    )?;
     // NVRTC, so that the transfer kernels are compiled for every GPU architecture (no GPU needed)
     let nvrtc_dir = nvrtc::prepare()?;
     let library_path = match std::env::var("LD_LIBRARY_PATH") {

@@ -23,9 +23,9 @@
 //!    #fixed-2).
 //!
 //! The tick's collective has a fixed shape whatever the local state: two counters (write acks, backup acks) and
-//! [`StorageSettings::tick_slots`] prefetch slots of seven values, all reduced with one MIN (a MAX is a MIN of the
-//! negation). Every rank enters it once per tick, so no rank can skip a collective another enters
-//! (docs/sglang.md#fixed-16).
+//! [`StorageSettings::tick_slots`](super::StorageSettings::tick_slots) prefetch slots of seven values, all reduced
+//! with one MIN (a MAX is a MIN of the negation). Every rank enters it once per tick, so no rank can skip a
+//! collective another enters (docs/sglang.md#fixed-16).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -23,7 +23,7 @@
 //!
 //! The threads never touch the allocators: they report through shared records the scheduler reads at its tick.
 
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -318,17 +318,34 @@ struct BackupJob {
     keys: Vec<PageKey>,
 }
 
-/// The three I/O threads; dropping this closes their channels, joins them and tells the backend to forget the host
-/// pool.
+/// The three I/O threads. Dropping this closes their channels and waits, up to the read deadline, for them to finish
+/// the jobs queued and end (joined); a thread still inside a storage call then is left to end on its own (logged),
+/// so a backend call that never returns cannot hang the process.
 pub(super) struct Workers {
     query: Option<Sender<QueryJob>>,
     fetch: Option<Sender<FetchJob>>,
     backup: Option<Sender<BackupJob>>,
     threads: Vec<JoinHandle<()>>,
+    /// Disconnected once every thread has ended (each holds a sender it never sends on).
+    ended: Receiver<()>,
+    /// How long dropping waits for the threads.
+    close_deadline: Duration,
+    reads: Arc<Mutex<Vec<ReadSample>>>,
+}
+
+/// The host pool told to the backend ([`StorageBackend::register_host_memory`]): the last of the I/O threads to
+/// drop it tells the backend to forget the pool, so no call in flight uses the pool after that, and the pool stays
+/// mapped until then.
+struct Registration {
     storage: Arc<dyn StorageBackend>,
     region: MemoryRegion,
-    registered: bool,
-    reads: Arc<Mutex<Vec<ReadSample>>>,
+    _host: Arc<HostMemory>,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.storage.unregister_host_memory(&self.region);
+    }
 }
 
 impl std::fmt::Debug for Workers {
@@ -344,6 +361,8 @@ struct Io {
     page_size: usize,
     batch_pages: usize,
     reads: Arc<Mutex<Vec<ReadSample>>>,
+    _registration: Arc<Registration>,
+    _ended: Sender<()>,
 }
 
 /// Storage calls an I/O thread made for a prefetch: how many, the bytes they brought (0 for a hit query's
@@ -362,57 +381,58 @@ impl Workers {
         settings: &StorageSettings,
     ) -> Result<Self, Error> {
         let region = host.region();
+        storage.register_host_memory(&region)?;
+        let registration = Arc::new(Registration { storage: storage.clone(), region, _host: host.clone() });
         let reads = Arc::new(Mutex::new(Vec::new()));
+        let (ended_sender, ended) = channel();
         let io = Io {
-            storage: storage.clone(),
+            storage,
             host,
             page_size: settings.page_size,
             batch_pages: settings.batch_pages,
             reads: reads.clone(),
+            _registration: registration,
+            _ended: ended_sender,
         };
         let (query, query_jobs) = channel();
         let (fetch, fetch_jobs) = channel();
         let (backup, backup_jobs) = channel();
+        let bucket = match settings.write_bytes_per_s {
+            0 => None,
+            rate => Some(TokenBucket::new(rate, rate, SystemClock::new().now())?),
+        };
+        // on failure, dropping `workers` stops the threads started (no job was sent yet) and, with the last of them,
+        // the registration
+        let mut workers = Self {
+            query: Some(query),
+            fetch: Some(fetch),
+            backup: Some(backup),
+            threads: Vec::new(),
+            ended,
+            close_deadline: settings.read_deadline,
+            reads,
+        };
         let spawn = |name: &str, body: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
                 .name(name.into())
                 .spawn(body)
                 .map_err(|error| Error::Internal(format!("cannot start the {name} thread: {error}")))
         };
-        let bucket = match settings.write_bytes_per_s {
-            0 => None,
-            rate => Some(TokenBucket::new(rate, rate, SystemClock::new().now())?),
-        };
-        let threads = vec![
-            spawn(
-                "hicache-query",
-                Box::new({
-                    let io = io.clone();
-                    move || run_queries(&io, query_jobs)
-                }),
-            )?,
-            spawn(
-                "hicache-fetch",
-                Box::new({
-                    let io = io.clone();
-                    move || run_fetches(&io, fetch_jobs)
-                }),
-            )?,
-            spawn("hicache-backup", Box::new(move || run_backups(&io, backup_jobs, bucket)))?,
-        ];
-        let mut workers = Self {
-            query: Some(query),
-            fetch: Some(fetch),
-            backup: Some(backup),
-            threads,
-            storage,
-            region,
-            registered: false,
-            reads,
-        };
-        // on failure, dropping `workers` stops the threads (no job was sent yet)
-        workers.storage.register_host_memory(&workers.region)?;
-        workers.registered = true;
+        workers.threads.push(spawn(
+            "hicache-query",
+            Box::new({
+                let io = io.clone();
+                move || run_queries(&io, query_jobs)
+            }),
+        )?);
+        workers.threads.push(spawn(
+            "hicache-fetch",
+            Box::new({
+                let io = io.clone();
+                move || run_fetches(&io, fetch_jobs)
+            }),
+        )?);
+        workers.threads.push(spawn("hicache-backup", Box::new(move || run_backups(&io, backup_jobs, bucket)))?);
         Ok(workers)
     }
 
@@ -446,12 +466,24 @@ impl Drop for Workers {
         self.query.take();
         self.fetch.take();
         self.backup.take();
-        for thread in self.threads.drain(..) {
-            let _ = thread.join();
+        // nothing is ever sent: the wait ends when the last thread drops its sender, or at the deadline
+        if let Err(RecvTimeoutError::Disconnected) = self.ended.recv_timeout(self.close_deadline) {
+            for thread in self.threads.drain(..) {
+                let _ = thread.join();
+            }
+            return;
         }
-        if self.registered {
-            self.storage.unregister_host_memory(&self.region);
-        }
+        let running: Vec<&str> = self
+            .threads
+            .iter()
+            .filter(|thread| !thread.is_finished())
+            .filter_map(|thread| thread.thread().name())
+            .collect();
+        tracing::warn!(
+            threads = ?running,
+            waited_ms = self.close_deadline.as_millis() as u64,
+            "storage I/O threads still in a storage call at close; left to end on their own"
+        );
     }
 }
 
