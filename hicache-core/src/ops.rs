@@ -102,10 +102,10 @@ impl CacheOperation {
 
 /// A completed-token counter with a terminate flag, shared by an I/O worker and the scheduler.
 ///
-/// The worker calls `increment` after the pages' bytes are in host memory; the increment is a
-/// release, and `terminate` and `completed` are acquires, so a reader that sees
-/// `n` completed tokens also sees their bytes. Once terminated, no increment succeeds: the count read at termination
-/// is final. One word holds both, so the flag and the count change together.
+/// The worker calls `increment` after the pages' bytes are in host memory; the increment is a release, and
+/// `terminate` and [`completed`](Self::completed) are acquires, so a reader that sees `n` completed tokens also sees
+/// their bytes. Once terminated, no increment succeeds: the count read at termination is final. One word holds both,
+/// so the flag and the count change together.
 #[derive(Default)]
 pub struct Progress {
     /// Bit 63: terminated. Bits 0–62: completed tokens.

@@ -194,17 +194,20 @@ fn spans(
         items: 1,
     };
     let last = page_slots.len().saturating_sub(1);
-    let whole = page_slots.len() > 1 && page_slots.windows(2).all(|pair| pair[1] == pair[0] + 1) && {
-        let (head, tail) = (at(0, page_slots[0]), at(last, page_slots[last]));
-        let length = last * item;
-        [(tail.device, head.device), (tail.host, head.host), (tail.flat, head.flat)]
-            .iter()
-            .all(|&(end, start)| end.wrapping_sub(start) == length)
-    };
-    let (singles, span) = if whole {
-        (0..0, Some(Span { items: page_slots.len(), ..at(0, page_slots[0]) }))
-    } else {
-        (0..page_slots.len(), None)
+    let head = page_slots.first().map(|&slot| at(0, slot));
+    // one span when the slots are consecutive and the items continue on every side
+    let span = head.filter(|head| {
+        last > 0 && page_slots.windows(2).all(|pair| pair[1] == pair[0] + 1) && {
+            let tail = at(last, page_slots[last]);
+            let length = last * item;
+            [(tail.device, head.device), (tail.host, head.host), (tail.flat, head.flat)]
+                .iter()
+                .all(|&(end, start)| end.wrapping_sub(start) == length)
+        }
+    });
+    let (singles, span) = match span {
+        Some(head) => (0..0, Some(Span { items: page_slots.len(), ..head })),
+        None => (0..page_slots.len(), None),
     };
     span.into_iter().chain(singles.map(move |offset| at(offset, page_slots[offset])))
 }

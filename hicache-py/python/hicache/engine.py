@@ -37,8 +37,8 @@ _ACTIVE = threading.local()
 # 33k-token prompt 1.39 s against 1.78 s). An engine sees a new length with nearly every request (a split's head is
 # one by construction), so a pass of fewer than _PLANNED_FROM tokens, which the faster kernel gains less than the
 # plan costs, leaves cuDNN out; a longer one puts it first. Both are set explicitly at each pass: the backends sdpa
-# may use are process-wide state, and leaving it as found proved unreliable (a 33k-token prompt after a short pass
-# ran without cuDNN).
+# may use are process-wide state, and leaving it as found proved unreliable (with nothing set for long passes, a
+# 33k-token prompt served after short passes took the 1.78 s of the others).
 _PLANNED_FROM = 8192
 _UNPLANNED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _PLANNED = [SDPBackend.CUDNN_ATTENTION, *_UNPLANNED]
