@@ -29,6 +29,10 @@ pub struct Hf3fsConfig {
     pub metadata_timeout: Duration,
     /// The folder of `libhf3fs_api_shared.so`; `None`: `$HF3FS_LIB_DIR`, else the loader's search path.
     pub library_dir: Option<PathBuf>,
+    /// Whether a read hashes each page's bytes against the checksum in its footer. Off, a page whose footer names its
+    /// key and generation is taken unhashed, so bytes changed beneath the tier are served: for storage that checks
+    /// its own data, and to measure what the check costs.
+    pub verify_checksum: bool,
 }
 
 impl Hf3fsConfig {
@@ -44,6 +48,7 @@ impl Hf3fsConfig {
             io_timeout: Duration::from_secs(30),
             metadata_timeout: Duration::from_secs(5),
             library_dir: None,
+            verify_checksum: true,
         }
     }
 
@@ -78,7 +83,8 @@ impl Hf3fsConfig {
     }
 
     /// Reads the settings from a JSON object with SGLang's keys (`file_path_prefix`, `file_size`, `numjobs`,
-    /// `entries`, `metadata_server_url`) and hicache's (`io_timeout_s`, `metadata_timeout_s`, `library_dir`).
+    /// `entries`, `metadata_server_url`) and hicache's (`io_timeout_s`, `metadata_timeout_s`, `library_dir`,
+    /// `verify_checksum`).
     /// `file_path_prefix` is required; the rest default as in [`new`](Self::new). Sizes are bytes, or text such as
     /// `"64GiB"`.
     ///
@@ -130,11 +136,16 @@ impl Hf3fsConfig {
             config.metadata_timeout = seconds;
         }
         config.library_dir = string(object, "library_dir")?.map(PathBuf::from);
+        match object.get("verify_checksum") {
+            None | Some(Value::Null) => {}
+            Some(Value::Bool(verify)) => config.verify_checksum = *verify,
+            Some(other) => return Err(invalid("verify_checksum", format!("must be true or false, not {other}"))),
+        }
         Ok(config)
     }
 }
 
-const KEYS: [&str; 8] = [
+const KEYS: [&str; 9] = [
     "file_path_prefix",
     "file_size",
     "numjobs",
@@ -143,6 +154,7 @@ const KEYS: [&str; 8] = [
     "io_timeout_s",
     "metadata_timeout_s",
     "library_dir",
+    "verify_checksum",
 ];
 
 fn invalid(key: &str, reason: String) -> Error {
@@ -217,6 +229,9 @@ mod tests {
         let defaults = Hf3fsConfig::from_json(&json!({"file_path_prefix": "/d/h", "file_size": "2GiB"})).unwrap();
         assert_eq!((defaults.file_size, defaults.numjobs, defaults.entries), (2 << 30, 16, 8));
         assert_eq!(defaults.metadata_server_url, None);
+        assert!(defaults.verify_checksum, "reads are checked unless told otherwise");
+        let unchecked = Hf3fsConfig::from_json(&json!({"file_path_prefix": "/d/h", "verify_checksum": false})).unwrap();
+        assert!(!unchecked.verify_checksum);
     }
 
     #[test]
@@ -234,6 +249,7 @@ mod tests {
             (json!({"file_path_prefix": "/p", "metadata_server_url": "http://h:18000"}), "metadata_server_url"),
             (json!({"file_path_prefix": "/p", "metadata_server_url": ""}), "metadata_server_url"),
             (json!({"file_path_prefix": "/p", "io_timeout_s": 0}), "io_timeout_s"),
+            (json!({"file_path_prefix": "/p", "verify_checksum": "no"}), "verify_checksum"),
         ] {
             let error = Hf3fsConfig::from_json(&config).expect_err(&config.to_string());
             assert!(matches!(&error, Error::InvalidConfig { field, .. } if field == key), "{config}: {error}");

@@ -9,6 +9,8 @@
 //! The footer also holds a checksum of the page's bytes (XXH3-64): bytes changed beneath the tier (another program
 //! writing the file, a torn write, a bad disk) fail as `Corrupt` and count as a miss, never as a hit.
 
+use std::hash::Hasher as _;
+
 use hicache_core::hash::PageKey;
 
 /// Bytes of one footer.
@@ -101,11 +103,11 @@ impl Footer {
 
 /// The checksum a footer holds of a page whose bytes are `segments`, in order.
 pub fn checksum<'a>(segments: impl IntoIterator<Item = &'a [u8]>) -> u64 {
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut hasher = twox_hash::XxHash3_64::with_seed(0);
     for segment in segments {
-        hasher.update(segment);
+        hasher.write(segment);
     }
-    hasher.digest()
+    hasher.finish()
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! chunks on the rings in parallel, footers before bytes for writes and after them for reads.
 
 use std::ffi::CStr;
+use std::hash::Hasher as _;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -10,7 +11,7 @@ use std::time::Instant;
 use hicache_core::Error;
 use hicache_core::hash::PageKey;
 use hicache_core::host_memory::MemoryRegion;
-use hicache_core::storage::{FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, scatter};
+use hicache_core::storage::{FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut};
 
 use crate::Hf3fsStorage;
 use crate::layout::{FOOTER_BYTES, Footer, checksum};
@@ -86,6 +87,17 @@ impl Lane {
     }
 }
 
+impl Lane {
+    /// Bounce slot `slot` (of `page_bytes`), whose read has completed.
+    fn bounced(&self, slot: usize, page_bytes: usize) -> &[u8] {
+        let bounce = self.bounce.as_ref().expect("made for bounced pages");
+        assert!((slot + 1) * page_bytes <= bounce.size(), "bounce slot {slot} out of the iov");
+        // SAFETY: within the iov (checked above); the slot's read has completed and nothing writes it while its
+        // chunk runs, so the bytes are not written while borrowed.
+        unsafe { std::slice::from_raw_parts(bounce.base().add(slot * page_bytes), page_bytes) }
+    }
+}
+
 /// A page's bytes in the caller's memory.
 pub(crate) enum Pages<'a, 'b> {
     Read(&'a mut PageSegmentsMut<'b>),
@@ -147,6 +159,40 @@ impl<'a, 'b> Work<'a, 'b> {
     fn requests(&self) -> usize {
         self.pieces.as_ref().map_or(1, Vec::len)
     }
+}
+
+/// Copies `bytes` into the segments in order and, when `hash`, hashes them in the same pass, a cache-sized block at a
+/// time (so the hash reads what the copy is about to read anyway); the checksum a footer would hold of them.
+fn scatter_hashed(bytes: &[u8], segments: &mut [&mut [u8]], hash: bool) -> Option<u64> {
+    const BLOCK: usize = 64 << 10;
+    assert_eq!(bytes.len(), hicache_core::storage::segments_len(segments), "scatter: length mismatch");
+    if !hash {
+        hicache_core::storage::scatter(bytes, segments);
+        return None;
+    }
+    let mut hasher = hash.then(|| twox_hash::XxHash3_64::with_seed(0));
+    let mut rest = bytes;
+    for segment in segments.iter_mut() {
+        let (head, tail) = rest.split_at(segment.len());
+        for (from, to) in head.chunks(BLOCK).zip(segment.chunks_mut(BLOCK)) {
+            if let Some(hasher) = &mut hasher {
+                hasher.write(from);
+            }
+            to.copy_from_slice(from);
+        }
+        rest = tail;
+    }
+    hasher.map(|hasher| hasher.finish())
+}
+
+/// One request on a ring: the page's position in its chunk, the bytes to move, the file offset, and whether it is
+/// the page's footer.
+#[derive(Clone, Copy)]
+struct Request {
+    index: usize,
+    len: usize,
+    offset: u64,
+    footer: bool,
 }
 
 /// Per page of a batch (by position), whether it moved.
@@ -281,7 +327,7 @@ impl Hf3fsStorage {
         }
         if !read {
             // footers first, then (where bounced) the bytes gathered into the bounce iov
-            let _ = self.footer_phase(lane, &chunk, &mut results, false)?;
+            self.write_footers(lane, &chunk, &mut results)?;
             if let Some(bounce) = lane.bounce.as_mut() {
                 let bytes = bounce.bytes_mut();
                 for (item, &slot) in chunk.iter().zip(&slots) {
@@ -297,53 +343,27 @@ impl Hf3fsStorage {
                 }
             }
         }
-        self.data_phase(lane, &chunk, &slots, registered, &mut results, read)?;
         if read {
-            let checksums = self.footer_phase(lane, &chunk, &mut results, true)?;
-            if let Some(bounce) = lane.bounce.as_mut() {
-                let bytes = bounce.bytes_mut();
-                for ((item, &slot), result) in chunk.iter_mut().zip(&slots).zip(&results) {
-                    if let (None, Pages::Read(segments), Ok(())) = (&item.pieces, &mut item.pages, result) {
-                        scatter(&bytes[slot * page_bytes..(slot + 1) * page_bytes], segments);
-                        self.stats.record_staging(page_bytes);
-                    }
-                }
-            }
-            // the bytes as read (in place, or scattered from the bounce iov) against the checksum their writer put
-            // in the footer
-            for ((item, result), &wanted) in chunk.iter().zip(results.iter_mut()).zip(&checksums) {
-                if let (Ok(()), Pages::Read(segments)) = (&*result, &item.pages) {
-                    let found = checksum(segments.iter().map(|segment| &segment[..]));
-                    if found != wanted {
-                        *result = Err(failure(
-                            FailureKind::Corrupt,
-                            format!(
-                                "page {} of {}: its bytes do not match its footer's checksum (changed beneath the \
-                                 tier)",
-                                item.page.index,
-                                self.path.display()
-                            ),
-                        ));
-                    }
-                }
-            }
+            self.read_chunk(lane, &mut chunk, &slots, registered, &mut results)?;
+        } else {
+            let mut requests = Vec::new();
+            self.prepare_bytes(lane, &chunk, &slots, registered, &mut results, &mut requests);
+            self.run_prepared(lane, &requests, &mut results, "write")?;
         }
         Ok(chunk.iter().map(|item| item.position).zip(results).collect())
     }
 
-    /// The pages' bytes, in place or through the bounce iov.
-    fn data_phase(
+    /// Prepares the requests for the pages' bytes, in place or through the bounce iov, adding them to `requests`.
+    fn prepare_bytes(
         &self,
         lane: &mut Lane,
         chunk: &[Work<'_, '_>],
         slots: &[usize],
         registered: &[Registered],
         results: &mut [Result<(), PageFailure>],
-        read: bool,
-    ) -> Result<(), Stuck> {
+        requests: &mut Vec<Request>,
+    ) {
         let page_bytes = self.space.page_bytes as usize;
-        let what = if read { "read" } else { "write" };
-        let mut expected: Vec<(usize, usize, u64)> = Vec::new();
         for (index, item) in chunk.iter().enumerate() {
             if results[index].is_err() {
                 continue;
@@ -352,7 +372,7 @@ impl Hf3fsStorage {
             let prepared = match &item.pieces {
                 Some(pieces) => pieces.iter().try_for_each(|&(iov, address, len, within)| {
                     let offset = base + within as u64;
-                    expected.push((index, len, offset));
+                    requests.push(Request { index, len, offset, footer: false });
                     // SAFETY: the piece lies in the registered iov (planned), in the caller's segments, which this
                     // call borrows until its requests complete.
                     unsafe {
@@ -362,17 +382,17 @@ impl Hf3fsStorage {
                             &self.file,
                             offset,
                             len,
-                            expected.len() - 1,
+                            requests.len() - 1,
                         )
                     }
                 }),
                 None => {
                     let bounce = lane.bounce.as_ref().expect("made for bounced pages");
-                    expected.push((index, page_bytes, base));
+                    requests.push(Request { index, len: page_bytes, offset: base, footer: false });
                     // SAFETY: the slot lies in the lane's bounce iov, used by this lane alone.
                     unsafe {
                         let address = bounce.base().add(slots[index] * page_bytes);
-                        lane.ring.prepare(bounce, address, &self.file, base, page_bytes, expected.len() - 1)
+                        lane.ring.prepare(bounce, address, &self.file, base, page_bytes, requests.len() - 1)
                     }
                 }
             };
@@ -380,48 +400,141 @@ impl Hf3fsStorage {
                 results[index] = Err(failure(FailureKind::Io, error.to_string()));
             }
         }
-        self.run_prepared(lane, &expected, results, what)
     }
 
-    /// Runs the requests prepared on `lane` and checks each against what it was to move (`expected[tag]`: the
-    /// page's position in the chunk, the length, the file offset). A ring that fails as a whole fails every page; a
-    /// stuck one is returned.
-    fn run_prepared(
+    /// Reads a chunk page by page as its requests complete. Once all of a page's bytes are in, they are hashed (those
+    /// that came through the bounce iov in the same pass that copies them to the caller) while the ring goes on with
+    /// later pages, and its footer is read: a footer is always read after the bytes it vouches for. A page is taken
+    /// when its footer names the key and generation located and, with `verify_checksum`, holds the hash of the bytes
+    /// read; the bytes of a page not taken may have reached the caller's memory all the same (as they do in place).
+    fn read_chunk(
         &self,
         lane: &mut Lane,
-        expected: &[(usize, usize, u64)],
+        chunk: &mut [Work<'_, '_>],
+        slots: &[usize],
+        registered: &[Registered],
         results: &mut [Result<(), PageFailure>],
-        what: &str,
     ) -> Result<(), Stuck> {
-        let done = match lane.ring.run(Instant::now() + self.config.io_timeout) {
-            Ok(done) => done?,
-            Err(error) => {
-                for result in results.iter_mut() {
-                    *result = Err(failure(FailureKind::Io, error.to_string()));
+        let page_bytes = self.space.page_bytes as usize;
+        let (started, mut requests) = (Instant::now(), Vec::new());
+        let deadline = started + self.config.io_timeout;
+        self.prepare_bytes(lane, chunk, slots, registered, results, &mut requests);
+        let mut pending = vec![0usize; chunk.len()];
+        for request in &requests {
+            pending[request.index] += 1;
+        }
+        let mut hashes: Vec<Option<u64>> = vec![None; chunk.len()];
+        let mut outstanding = Self::submit(lane, results, 0..chunk.len());
+        while outstanding > 0 {
+            let done = lane.ring.reap(outstanding, 1, started, deadline)?;
+            outstanding -= done.len();
+            let mut footers = Vec::new();
+            for (tag, moved) in done {
+                let Request { index, len, offset, footer } = requests[tag];
+                if results[index].is_ok() {
+                    results[index] = checked(moved, len, if footer { "footer read" } else { "read" }, offset);
                 }
-                return Ok(());
+                if footer {
+                    if results[index].is_ok() {
+                        results[index] = self.take_page(lane, index, &chunk[index], hashes[index]);
+                    }
+                    continue;
+                }
+                pending[index] -= 1;
+                if pending[index] > 0 || results[index].is_err() {
+                    continue;
+                }
+                hashes[index] = match (&chunk[index].pieces, &mut chunk[index].pages) {
+                    (Some(_), Pages::Read(segments)) => {
+                        self.config.verify_checksum.then(|| checksum(segments.iter().map(|segment| &segment[..])))
+                    }
+                    (None, Pages::Read(segments)) => {
+                        self.stats.record_staging(page_bytes);
+                        scatter_hashed(lane.bounced(slots[index], page_bytes), segments, self.config.verify_checksum)
+                    }
+                    (_, Pages::Write(_)) => unreachable!("a read chunk holds reads"),
+                };
+                let offset = self.layout.footer_offset(chunk[index].page.index);
+                requests.push(Request { index, len: FOOTER_BYTES, offset, footer: true });
+                // SAFETY: slot `index` of the lane's footer iov (one per entry; a chunk has at most `entries` pages),
+                // read into by this request alone.
+                let prepared = unsafe {
+                    let address = lane.footers.base().add(index * FOOTER_BYTES);
+                    lane.ring.prepare(&lane.footers, address, &self.file, offset, FOOTER_BYTES, requests.len() - 1)
+                };
+                match prepared {
+                    Ok(()) => footers.push(index),
+                    Err(error) => results[index] = Err(failure(FailureKind::Io, error.to_string())),
+                }
             }
-        };
-        for (tag, moved) in done {
-            let (index, len, offset) = expected[tag];
-            if results[index].is_ok() {
-                results[index] = checked(moved, len, what, offset);
-            }
+            outstanding += Self::submit(lane, results, footers);
         }
         Ok(())
     }
 
-    /// The pages' footers: written from, or read into and checked against, what the metadata handed out. Reads
-    /// return each page's checksum from its footer (for the pages that passed).
-    fn footer_phase(
+    /// Submits what is prepared on `lane`; how many requests. When the ring refuses, `pages` (positions in the
+    /// chunk) fail.
+    fn submit(
+        lane: &mut Lane,
+        results: &mut [Result<(), PageFailure>],
+        pages: impl IntoIterator<Item = usize>,
+    ) -> usize {
+        lane.ring.submit().unwrap_or_else(|error| {
+            for index in pages {
+                if results[index].is_ok() {
+                    results[index] = Err(failure(FailureKind::Io, error.to_string()));
+                }
+            }
+            0
+        })
+    }
+
+    /// Whether a read page, its footer just read into slot `index` of the lane's footer iov, is taken: the footer
+    /// must name the key and generation located and hold `hash`, the hash of the bytes read (`None`: not checked).
+    fn take_page(&self, lane: &Lane, index: usize, item: &Work<'_, '_>, hash: Option<u64>) -> Result<(), PageFailure> {
+        // SAFETY: the slot's footer read has completed; nothing else writes the slot while this chunk runs.
+        let bytes = unsafe { std::slice::from_raw_parts(lane.footers.base().add(index * FOOTER_BYTES), FOOTER_BYTES) };
+        let found = Footer::decode(bytes);
+        let wanted = Footer {
+            key: item.key,
+            namespace: self.digest,
+            generation: item.page.generation,
+            checksum: found.map_or(0, |footer| footer.checksum),
+        };
+        let Some(footer) = found.filter(|footer| *footer == wanted) else {
+            return Err(failure(
+                FailureKind::Corrupt,
+                format!(
+                    "page {} of {} no longer holds this key (generation {} wanted, its footer says {}): reused by \
+                     another writer",
+                    item.page.index,
+                    self.path.display(),
+                    item.page.generation,
+                    found.map_or_else(|| "nothing".to_owned(), |footer| format!("generation {}", footer.generation))
+                ),
+            ));
+        };
+        if hash.is_some_and(|hash| hash != footer.checksum) {
+            return Err(failure(
+                FailureKind::Corrupt,
+                format!(
+                    "page {} of {}: its bytes do not match its footer's checksum (changed beneath the tier)",
+                    item.page.index,
+                    self.path.display()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Writes the pages' footers (key, namespace, generation located, checksum of the bytes to be written).
+    fn write_footers(
         &self,
         lane: &mut Lane,
         chunk: &[Work<'_, '_>],
         results: &mut [Result<(), PageFailure>],
-        read: bool,
-    ) -> Result<Vec<u64>, Stuck> {
-        let mut checksums = vec![0; chunk.len()];
-        let mut expected: Vec<(usize, usize, u64)> = Vec::new();
+    ) -> Result<(), Stuck> {
+        let mut requests = Vec::new();
         {
             let bytes = lane.footers.bytes_mut();
             for (index, item) in chunk.iter().enumerate() {
@@ -438,57 +551,79 @@ impl Hf3fsStorage {
                 continue;
             }
             let offset = self.layout.footer_offset(item.page.index);
-            expected.push((index, FOOTER_BYTES, offset));
+            requests.push(Request { index, len: FOOTER_BYTES, offset, footer: true });
             // SAFETY: slot `index` of the lane's footer iov (it has one per entry; a chunk has at most `entries` pages).
             let prepared = unsafe {
                 let address = lane.footers.base().add(index * FOOTER_BYTES);
-                lane.ring.prepare(&lane.footers, address, &self.file, offset, FOOTER_BYTES, expected.len() - 1)
+                lane.ring.prepare(&lane.footers, address, &self.file, offset, FOOTER_BYTES, requests.len() - 1)
             };
             if let Err(error) = prepared {
                 results[index] = Err(failure(FailureKind::Io, error.to_string()));
             }
         }
-        self.run_prepared(lane, &expected, results, if read { "footer read" } else { "footer write" })?;
-        if read {
-            let bytes = lane.footers.bytes_mut();
-            for (index, item) in chunk.iter().enumerate() {
-                if results[index].is_err() {
-                    continue;
+        self.run_prepared(lane, &requests, results, "footer write")
+    }
+
+    /// Runs the requests prepared on `lane` and checks each against what it was to move (`expected[tag]`: the
+    /// page's position in the chunk, the length, the file offset). A ring that fails as a whole fails every page; a
+    /// stuck one is returned.
+    fn run_prepared(
+        &self,
+        lane: &mut Lane,
+        requests: &[Request],
+        results: &mut [Result<(), PageFailure>],
+        what: &str,
+    ) -> Result<(), Stuck> {
+        let done = match lane.ring.run(Instant::now() + self.config.io_timeout) {
+            Ok(done) => done?,
+            Err(error) => {
+                for result in results.iter_mut() {
+                    *result = Err(failure(FailureKind::Io, error.to_string()));
                 }
-                let found = Footer::decode(&bytes[index * FOOTER_BYTES..(index + 1) * FOOTER_BYTES]);
-                let wanted = Footer {
-                    key: item.key,
-                    namespace: self.digest,
-                    generation: item.page.generation,
-                    checksum: found.map_or(0, |footer| footer.checksum),
-                };
-                if let Some(footer) = found.filter(|footer| *footer == wanted) {
-                    checksums[index] = footer.checksum;
-                } else {
-                    results[index] = Err(failure(
-                        FailureKind::Corrupt,
-                        format!(
-                            "page {} of {} no longer holds this key (generation {} wanted, its footer says {}): \
-                             reused by another writer",
-                            item.page.index,
-                            self.path.display(),
-                            item.page.generation,
-                            found.map_or_else(
-                                || "nothing".to_owned(),
-                                |footer| format!("generation {}", footer.generation)
-                            )
-                        ),
-                    ));
-                }
+                return Ok(());
+            }
+        };
+        for (tag, moved) in done {
+            let Request { index, len, offset, .. } = requests[tag];
+            if results[index].is_ok() {
+                results[index] = checked(moved, len, what, offset);
             }
         }
-        Ok(checksums)
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+
+    proptest! {
+        #[test]
+        fn a_scatter_copies_every_byte_and_hashes_them_as_the_footer_would(
+            bytes in proptest::collection::vec(any::<u8>(), 0..300_000),
+            cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..6),
+        ) {
+            let mut cuts: Vec<usize> = cuts.iter().map(|cut| cut.index(bytes.len() + 1)).collect();
+            cuts.extend([0, bytes.len()]);
+            cuts.sort_unstable();
+            let mut buffer = vec![0xa5u8; bytes.len()];
+            let mut segments: Vec<&mut [u8]> = Vec::new();
+            let mut rest = buffer.as_mut_slice();
+            for pair in cuts.windows(2) {
+                let (head, tail) = rest.split_at_mut(pair[1] - pair[0]);
+                segments.push(head);
+                rest = tail;
+            }
+            prop_assert_eq!(scatter_hashed(&bytes, &mut segments, true), Some(checksum([bytes.as_slice()])));
+            prop_assert_eq!(&buffer, &bytes);
+            buffer.fill(0);
+            let mut whole = [buffer.as_mut_slice()];
+            prop_assert_eq!(scatter_hashed(&bytes, &mut whole, false), None);
+            prop_assert_eq!(&buffer, &bytes);
+        }
+    }
 
     #[test]
     fn a_failed_request_keeps_the_errno_and_a_short_one_is_corrupt() {

@@ -299,29 +299,49 @@ impl Ring {
     /// Submits the prepared requests and waits for all of them until `deadline`; per request its tag and result
     /// (bytes moved or `-errno`).
     pub(crate) fn run(&mut self, deadline: Instant) -> Result<Result<Vec<(usize, i64)>, Stuck>, Error> {
+        let count = self.submit()?;
+        Ok(self.reap(count, count, Instant::now(), deadline))
+    }
+
+    /// Submits the prepared requests; how many.
+    pub(crate) fn submit(&mut self) -> Result<usize, Error> {
         let count = std::mem::take(&mut self.prepared);
         if count == 0 {
-            return Ok(Ok(Vec::new()));
+            return Ok(0);
         }
         // SAFETY: the ring, used by this thread alone.
         let code = unsafe { (self.library.api.hf3fs_submit_ios)(&*self.raw) };
         if code < 0 {
             return Err(storage_error(format!("hf3fs_submit_ios: {}", errno_text(code))));
         }
-        let started = Instant::now();
-        let mut done = Vec::with_capacity(count);
-        let mut completions = vec![sys::hf3fs_cqe::default(); count];
-        while done.len() < count {
+        Ok(count)
+    }
+
+    /// Waits until `deadline` for at least `least` of the `outstanding` submitted requests to complete, and reaps
+    /// every completion there is (at most `outstanding`); per request its tag and result (bytes moved or `-errno`).
+    /// Requests still running at the deadline are `Stuck` (`waited` counts from `started`).
+    pub(crate) fn reap(
+        &mut self,
+        outstanding: usize,
+        least: usize,
+        started: Instant,
+        deadline: Instant,
+    ) -> Result<Vec<(usize, i64)>, Stuck> {
+        let least = least.min(outstanding);
+        let mut done = Vec::with_capacity(outstanding);
+        let mut completions = vec![sys::hf3fs_cqe::default(); outstanding];
+        while done.len() < least {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Ok(Err(Stuck { waited: started.elapsed(), outstanding: count - done.len() }));
+                return Err(Stuck { waited: started.elapsed(), outstanding: outstanding - done.len() });
             }
             let at = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default() + left;
             let timeout = sys::timespec { tv_sec: at.as_secs() as _, tv_nsec: at.subsec_nanos() as _ };
-            let wanted = (count - done.len()) as i32;
-            // SAFETY: `completions` has room for `wanted` entries; the timespec lives through the call.
+            let room = (outstanding - done.len()) as i32;
+            let wanted = (least - done.len()) as i32;
+            // SAFETY: `completions` has room for `room` entries; the timespec lives through the call.
             let reaped = unsafe {
-                (self.library.api.hf3fs_wait_for_ios)(&*self.raw, completions.as_mut_ptr(), wanted, wanted, &timeout)
+                (self.library.api.hf3fs_wait_for_ios)(&*self.raw, completions.as_mut_ptr(), room, wanted, &timeout)
             };
             if reaped == -libc::ETIMEDOUT {
                 continue;
@@ -329,11 +349,11 @@ impl Ring {
             if reaped < 0 {
                 // the requests may still be in flight: as good as stuck
                 tracing::error!("3fs: hf3fs_wait_for_ios: {}", errno_text(reaped));
-                return Ok(Err(Stuck { waited: started.elapsed(), outstanding: count - done.len() }));
+                return Err(Stuck { waited: started.elapsed(), outstanding: outstanding - done.len() });
             }
             done.extend(completions[..reaped as usize].iter().map(|cqe| (cqe.userdata as usize, cqe.result)));
         }
-        Ok(Ok(done))
+        Ok(done)
     }
 }
 

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use hicache_core::Error;
 use hicache_core::storage::conformance::{fetch, mha_namespace, put, random_keys, random_pages};
 use hicache_core::storage::{FailureKind, GetOutcome, SetOutcome, StorageBackend};
-use hicache_storage_3fs::Hf3fsStorage;
 use hicache_storage_3fs::metadata::{Located, PageMetadata, RedisMetadata, Reservation, Space, SpaceCounts};
 use hicache_storage_3fs::testing::{Mount, RedisServer};
+use hicache_storage_3fs::{Hf3fsConfig, Hf3fsStorage};
 
 const FILE_SIZE: u64 = 1 << 20;
 
@@ -190,8 +190,8 @@ fn a_page_reused_between_locating_and_reading_is_never_another_keys_bytes() {
 
 #[test]
 fn bytes_overwritten_beneath_the_tier_are_corrupt_never_a_hit() {
-    let mount = Mount::new();
-    let backend = Hf3fsStorage::open(mount.config(FILE_SIZE, None), &mha_namespace(0, 1)).unwrap();
+    let (mount, namespace) = (Mount::new(), mha_namespace(0, 1));
+    let backend = Hf3fsStorage::open(mount.config(FILE_SIZE, None), &namespace).unwrap();
     let bytes = page_bytes(&backend);
     let keys = random_keys(3);
     let pages = random_pages(3, bytes);
@@ -214,6 +214,14 @@ fn bytes_overwritten_beneath_the_tier_are_corrupt_never_a_hit() {
         }
         other => panic!("a page changed beneath the tier came back as {other:?}"),
     }
+    // with the check turned off, the footer's key and generation still hold, so the changed bytes are served
+    drop(backend);
+    let config = Hf3fsConfig { verify_checksum: false, ..mount.config(FILE_SIZE, None) };
+    let unverified = Hf3fsStorage::open(config, &namespace).unwrap();
+    let (outcomes, read) = fetch(&unverified, &keys, bytes, 0);
+    assert_eq!(outcomes, vec![GetOutcome::Hit; 3]);
+    assert_eq!((&read[0], &read[2]), (&pages[0], &pages[2]));
+    assert_eq!(read[1][bytes / 2], pages[1][bytes / 2] ^ 0x40, "the changed byte, served unchecked");
 }
 
 /// A loopback listener that answers every connection with `reply` (then closes it), or, with `None`, accepts and

@@ -14,11 +14,12 @@
 //! device at a page path is refused instead of blocking.
 
 use std::fs::OpenOptions;
+use std::hash::Hasher as _;
 use std::io::{self, Read as _, Write as _};
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::Path;
 
-use xxhash_rust::xxh3::Xxh3;
+use twox_hash::XxHash3_64;
 
 const MAGIC: [u8; 4] = *b"HCPG";
 /// Version 2: the checksum covers the binding (namespace digest and key) before the page.
@@ -181,7 +182,7 @@ pub(crate) fn read(
                 Err(error) => return Err(error),
             }
             if let Some(hasher) = &mut hasher {
-                hasher.update(chunk);
+                hasher.write(chunk);
             }
         }
     }
@@ -222,26 +223,26 @@ pub(crate) fn check(path: &Path, shape: FileShape, binding: &[u8]) -> io::Result
             }
             Err(error) => return Err(error),
         }
-        hasher.update(chunk);
+        hasher.write(chunk);
         left -= chunk.len();
     }
     check_footer(&mut file, shape, &hasher)
 }
 
 /// A checksum that starts with the page's binding.
-fn bound_hasher(binding: &[u8]) -> Xxh3 {
-    let mut hasher = Xxh3::new();
-    hasher.update(binding);
+fn bound_hasher(binding: &[u8]) -> XxHash3_64 {
+    let mut hasher = XxHash3_64::with_seed(0);
+    hasher.write(binding);
     hasher
 }
 
 /// Reads the footer after the page and compares it with the checksum of what was read.
-fn check_footer(file: &mut std::fs::File, shape: FileShape, hasher: &Xxh3) -> io::Result<Read> {
+fn check_footer(file: &mut std::fs::File, shape: FileShape, hasher: &XxHash3_64) -> io::Result<Read> {
     let mut stored = Box::new(Block([0u8; DIRECT_ALIGN]));
     if file.read_exact(&mut stored.0[..shape.footer_bytes]).is_err() {
         return Ok(Read::Corrupt("footer missing".into()));
     }
-    let computed = footer_block(hasher.digest());
+    let computed = footer_block(hasher.finish());
     if stored.0[..4] != MAGIC {
         return Ok(Read::Corrupt("not a hicache page file (bad magic)".into()));
     }
@@ -307,11 +308,11 @@ pub(crate) fn write_atomic(
         for chunk in page.iter().flat_map(|segment| segment.chunks(CHUNK_BYTES)) {
             file.write_all(chunk)?;
             if let Some(hasher) = &mut hasher {
-                hasher.update(chunk);
+                hasher.write(chunk);
             }
         }
         if let Some(hasher) = hasher {
-            file.write_all(&footer_block(hasher.digest()).0[..shape.footer_bytes])?;
+            file.write_all(&footer_block(hasher.finish()).0[..shape.footer_bytes])?;
         }
         drop(file);
         std::fs::rename(&temp, path)
