@@ -85,9 +85,7 @@ impl Lane {
             entries,
         })
     }
-}
 
-impl Lane {
     /// Bounce slot `slot` (of `page_bytes`), whose read has completed.
     fn bounced(&self, slot: usize, page_bytes: usize) -> &[u8] {
         let bounce = self.bounce.as_ref().expect("made for bounced pages");
@@ -170,19 +168,17 @@ fn scatter_hashed(bytes: &[u8], segments: &mut [&mut [u8]], hash: bool) -> Optio
         hicache_core::storage::scatter(bytes, segments);
         return None;
     }
-    let mut hasher = hash.then(|| twox_hash::XxHash3_64::with_seed(0));
+    let mut hasher = twox_hash::XxHash3_64::with_seed(0);
     let mut rest = bytes;
     for segment in segments.iter_mut() {
         let (head, tail) = rest.split_at(segment.len());
         for (from, to) in head.chunks(BLOCK).zip(segment.chunks_mut(BLOCK)) {
-            if let Some(hasher) = &mut hasher {
-                hasher.write(from);
-            }
+            hasher.write(from);
             to.copy_from_slice(from);
         }
         rest = tail;
     }
-    hasher.map(|hasher| hasher.finish())
+    Some(hasher.finish())
 }
 
 /// One request on a ring: the page's position in its chunk, the bytes to move, the file offset, and whether it is
