@@ -999,13 +999,20 @@ fn replay_computes_what_a_slow_tier_would_bring_later() {
 #[test]
 fn replay_splits_a_hit_between_computing_its_head_and_reading_its_tail() {
     // at 20 MB/s a page reads 5 times slower than it computes: computing the first 5/6 of a hit while the last 1/6
-    // is read beats both computing all of it and reading all of it; the tails come from storage, every byte checked
+    // is read beats both computing all of it and reading all of it; every byte loaded is checked
     let split = replay_json(&["--fault-read-mbps", "20"]);
     assert_eq!(split["verified"], true, "{split}");
     let plans = &split["prefetch_plans"];
     assert!(plans["decisions"]["split"].as_u64().unwrap_or(0) > 0, "{plans}");
     assert!(plans["tokens_recomputed"].as_u64().unwrap() > 0, "{plans}");
-    assert!(split["tokens_from_l3"].as_u64().unwrap() > 0, "{split}");
+    // a split is planned so that its tail lands as its head is done; whether it has (and so whether any tail comes
+    // from storage here) depends on how busy the machine is: a tail running late is computed instead, rightly. The
+    // tail hung below its head is checked with a clock the test moves (hicache-core's tree tests). What does not
+    // depend on timing: no prefetch failed
+    for failed in ["failed", "stalled", "timed_out"] {
+        assert!(split["prefetch_stop_reasons"].get(failed).is_none(), "{failed}: {split}");
+    }
+    assert_eq!(split["storage_failures"]["prefetch_errors"], 0, "{split}");
     assert_eq!(split["parameters"]["no_split"], false);
     // and in lockstep over two ranks, which plan and split the same
     let ranks = replay_json(&["--fault-read-mbps", "20", "--tp-size", "2", "--clients", "8"]);
