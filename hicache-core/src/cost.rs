@@ -34,7 +34,7 @@
 //! The rates come from [`CostModel`]: priors from the config until measurements exist, then decayed averages of what
 //! the storage threads, the loads and the engine's prefills report. Until both the engine's compute and the tier's
 //! reads are known, every hit is fetched whole (so the tier's reads get measured); once the compute is known, the
-//! scheduler does not wait for such reads (the request computes what has not arrived). A decision must be the same on
+//! scheduler waits for such reads no longer than computing what they bring would take. A decision must be the same on
 //! every TP rank, so the controller reduces each rank's rates over the TP group at its tick (the slowest rank's,
 //! [`Rates::encode`]) and plans with the reduced values only.
 

@@ -1056,11 +1056,11 @@ fn closing_leaves_a_storage_call_that_never_returns_and_the_pool_is_forgotten_on
 }
 
 #[test]
-fn reads_that_measure_the_tier_are_not_waited_for_and_measure_it_all_the_same() {
+fn reads_that_measure_the_tier_are_waited_for_no_longer_than_computing_what_they_bring() {
     let store = MemoryStore::new();
     let (prompt, expected) = seed_storage(&store, 16, 6);
-    // whether the reads have all landed when the scheduler asks for the request
-    for landed in [false, true] {
+    // (clock time the reads took before the scheduler asks for the request, whether it stops waiting)
+    for (reading, stops) in [(Duration::from_secs(4), false), (Duration::from_secs(8), true)] {
         let gated = Arc::new(Gated::new(memory(&store, 0, 1)));
         let clock = Arc::new(ManualClock::new());
         // a page computes in 1 s; the tier's read rate is unknown, so the hit of 6 pages is fetched whole
@@ -1070,29 +1070,24 @@ fn reads_that_measure_the_tier_are_not_waited_for_and_measure_it_all_the_same() 
         rig.prefetch("r", &prompt, None).unwrap();
         tick_until(&mut rig, |rig, _| rig.host().available() == HOST_PAGES - 6);
         gated.gets.await_caller();
-        clock.advance(Duration::from_millis(1));
-        if landed {
-            gated.open(10);
-            tick_until(&mut rig, |rig, _| {
-                rig.agreed_rates().is_some_and(|rates| rates.storage_read_bytes_per_s.is_some())
-            });
-        }
+        clock.advance(reading);
+        // wanted: the reads are expected to take as long again as they have, against 6 s to compute the hit
         rig.finish_prefetch("r");
-        let done = prefetch_result(&mut rig, "r");
-        assert_eq!(done.explanation.plan.map(|plan| plan.reason), Some(hicache_core::cost::PlanReason::Unmeasured));
-        if landed {
-            assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::Complete, 6));
-            assert_eq!(host_bytes(&rig, &done.host_pages), expected);
-        } else {
-            // nothing had come: the request computes at once, and the reads it started still measure the tier
+        if stops {
+            let done = prefetch_result(&mut rig, "r");
             assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::RecomputeFaster, 0));
+            assert_eq!(done.explanation.plan.map(|plan| plan.reason), Some(hicache_core::cost::PlanReason::Unmeasured));
             gated.open(10);
             tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
-            tick_until(&mut rig, |rig, _| {
-                rig.agreed_rates().is_some_and(|rates| rates.storage_read_bytes_per_s.is_some())
-            });
+        } else {
+            let tick = rig.tick(&mut SingleRank).unwrap();
+            assert!(tick.prefetches.is_empty(), "still waiting for the reads");
+            gated.open(10);
+            let done = prefetch_result(&mut rig, "r");
+            assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::Complete, 6));
+            assert_eq!(host_bytes(&rig, &done.host_pages), expected);
         }
-        assert_eq!(rig.host().available(), HOST_PAGES - if landed { 6 } else { 0 });
+        assert_eq!(rig.host().available(), HOST_PAGES - if stops { 0 } else { 6 });
         rig.host().check_invariants().unwrap();
     }
 }

@@ -730,8 +730,8 @@ impl<E: TransferEngine> CacheController<E> {
     /// reserved pages, at the agreed rates, would end after they were queued; once that time is past, as late again
     /// as they already are (a read just overdue is about to end, a stalled one ever further off), but no later than a
     /// whole read of the pages not arrived from now. While the tier's read rate is still unknown (the reads that
-    /// measure it), how long they take is anyone's guess: none is waited for. The request computes what has not
-    /// arrived; the reads go on, measure the tier, and their pages serve later requests.
+    /// measure it), as long again as they have taken: the scheduler waits for them about as long as computing the
+    /// pages still missing takes, and no more.
     fn waiting_costs_more(&self, entry: &PrefetchEntry, reserved: usize, slot: Slot) -> bool {
         let storage = self.storage.as_ref().expect("storage");
         if !storage.settings.by_cost || !entry.wanted || entry.aborted || entry.shared.progress.is_terminated() {
@@ -743,12 +743,11 @@ impl<E: TransferEngine> CacheController<E> {
         }
         let page_bytes = self.memory.page_bytes() as u64;
         let arrived = (slot.fetched_tokens as usize / self.page_size).min(reserved);
-        if rates.storage_read_bytes_per_s.is_none() {
-            return arrived < reserved;
-        }
         let reading = slot.reading_us as f64 / 1e6;
         let planned = rates.fetch_s(reserved, page_bytes);
-        let rest = if reading < planned {
+        let rest = if rates.storage_read_bytes_per_s.is_none() {
+            reading
+        } else if reading < planned {
             planned - reading
         } else {
             (reading - planned).min(rates.fetch_s(reserved - arrived, page_bytes))
