@@ -2,7 +2,8 @@
 //! USRBIO mock, from data files in the page cache: the fastest a read gets, so the largest share the check can take)
 //! with `verify_checksum` on and off, alternating; the median of the rounds' ratios.
 //!
-//! `cargo run --release -p hicache-storage-3fs --example checksum_cost` (data files in a temporary folder)
+//! `cargo build -p hicache-usrbio-mock && cargo run --release -p hicache-storage-3fs --example checksum_cost` (data
+//! files in a temporary folder)
 
 use std::time::Instant;
 
