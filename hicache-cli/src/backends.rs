@@ -75,7 +75,7 @@ pub(crate) struct NetworkArgs {
     /// master_server_address, protocol, device_name, global_segment_size, local_buffer_size, metadata_server,
     /// local_hostname, replica_num, key_scheme, sglang_release, extra_backend_tag. 3fs: file_path_prefix,
     /// file_size, numjobs, entries, metadata_server_url (redis://host:port), io_timeout_s, metadata_timeout_s,
-    /// library_dir. Default: the config file's, else SGLang's variables (MOONCAKE_MASTER, ... or
+    /// library_dir, verify_checksum. Default: the config file's, else SGLang's variables (MOONCAKE_MASTER, ... or
     /// MOONCAKE_CONFIG_PATH; SGLANG_HICACHE_HF3FS_CONFIG_PATH).
     #[arg(long, value_name = "JSON")]
     pub(crate) extra_config: Option<String>,
