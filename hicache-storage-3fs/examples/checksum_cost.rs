@@ -15,8 +15,8 @@ use hicache_core::host_memory::{HostAllocation, HostMemory};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::{GetOutcome, PageSegmentsMut, SetOutcome, StorageBackend};
-use hicache_storage_3fs::Hf3fsStorage;
 use hicache_storage_3fs::testing::Mount;
+use hicache_storage_3fs::{Hf3fsConfig, Hf3fsStorage};
 
 /// 64 tokens of Llama-3.1-8B's KV (32 layers, 8 KV heads of 128, bf16): 8 MiB.
 const PAGE_TOKENS: usize = 64;
@@ -29,12 +29,7 @@ fn main() {
     let namespace =
         StorageNamespace::single_rank("checksum-cost", KvGeometry::llama31_8b(), HostLayout::PageFirst, PAGE_TOKENS);
     let open = |verify: bool, numjobs: usize| {
-        let config = hicache_storage_3fs::Hf3fsConfig {
-            numjobs,
-            entries: 8,
-            verify_checksum: verify,
-            ..mount.config(2 << 30, None)
-        };
+        let config = Hf3fsConfig { numjobs, entries: 8, verify_checksum: verify, ..mount.config(2 << 30, None) };
         Hf3fsStorage::open(config, &namespace).expect("opens on the mock mount")
     };
     let writer = open(true, 16);

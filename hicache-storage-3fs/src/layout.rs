@@ -101,9 +101,14 @@ impl Footer {
     }
 }
 
+/// The hash behind a footer's checksum (XXH3-64, seed 0), fed a page's bytes in order.
+pub fn checksum_hasher() -> twox_hash::XxHash3_64 {
+    twox_hash::XxHash3_64::with_seed(0)
+}
+
 /// The checksum a footer holds of a page whose bytes are `segments`, in order.
 pub fn checksum<'a>(segments: impl IntoIterator<Item = &'a [u8]>) -> u64 {
-    let mut hasher = twox_hash::XxHash3_64::with_seed(0);
+    let mut hasher = checksum_hasher();
     for segment in segments {
         hasher.write(segment);
     }

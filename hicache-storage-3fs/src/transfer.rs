@@ -14,7 +14,7 @@ use hicache_core::host_memory::MemoryRegion;
 use hicache_core::storage::{FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut};
 
 use crate::Hf3fsStorage;
-use crate::layout::{FOOTER_BYTES, Footer, checksum};
+use crate::layout::{FOOTER_BYTES, Footer, checksum, checksum_hasher};
 use crate::metadata::Located;
 use crate::usrbio::{Iov, Library, Ring, Stuck};
 
@@ -84,6 +84,14 @@ impl Lane {
             bounce: None,
             entries,
         })
+    }
+
+    /// Footer slot `index`, whose read has completed.
+    fn footer(&self, index: usize) -> &[u8] {
+        assert!((index + 1) * FOOTER_BYTES <= self.footers.size(), "footer slot {index} out of the iov");
+        // SAFETY: within the iov (checked above); the slot's read has completed and nothing writes it while its
+        // chunk runs.
+        unsafe { std::slice::from_raw_parts(self.footers.base().add(index * FOOTER_BYTES), FOOTER_BYTES) }
     }
 
     /// Bounce slot `slot` (of `page_bytes`), whose read has completed.
@@ -168,7 +176,7 @@ fn scatter_hashed(bytes: &[u8], segments: &mut [&mut [u8]], hash: bool) -> Optio
         hicache_core::storage::scatter(bytes, segments);
         return None;
     }
-    let mut hasher = twox_hash::XxHash3_64::with_seed(0);
+    let mut hasher = checksum_hasher();
     let mut rest = bytes;
     for segment in segments.iter_mut() {
         let (head, tail) = rest.split_at(segment.len());
@@ -488,9 +496,7 @@ impl Hf3fsStorage {
     /// Whether a read page, its footer just read into slot `index` of the lane's footer iov, is taken: the footer
     /// must name the key and generation located and hold `hash`, the hash of the bytes read (`None`: not checked).
     fn take_page(&self, lane: &Lane, index: usize, item: &Work<'_, '_>, hash: Option<u64>) -> Result<(), PageFailure> {
-        // SAFETY: the slot's footer read has completed; nothing else writes the slot while this chunk runs.
-        let bytes = unsafe { std::slice::from_raw_parts(lane.footers.base().add(index * FOOTER_BYTES), FOOTER_BYTES) };
-        let found = Footer::decode(bytes);
+        let found = Footer::decode(lane.footer(index));
         let wanted = Footer {
             key: item.key,
             namespace: self.digest,
@@ -560,7 +566,7 @@ impl Hf3fsStorage {
         self.run_prepared(lane, &requests, results, "footer write")
     }
 
-    /// Runs the requests prepared on `lane` and checks each against what it was to move (`expected[tag]`: the
+    /// Runs the requests prepared on `lane` and checks each against what it was to move (`requests[tag]`: the
     /// page's position in the chunk, the length, the file offset). A ring that fails as a whole fails every page; a
     /// stuck one is returned.
     fn run_prepared(
