@@ -176,6 +176,10 @@ struct Report {
     /// Whether each TP rank ran as a process of its own (`--processes`).
     processes: bool,
     lockstep: bool,
+    /// Rank 0's digest of its decisions (the tree's host page states after every tick, every prefetch's fetched
+    /// tokens, every request's sources), in hex: equal on every rank when `lockstep`, and equal across runs that
+    /// decide the same.
+    decision_digest: String,
     /// The collectives of the controller's ticks (rank 0, and the slowest rank's cost).
     collectives: CollectiveCost,
     rounds: Vec<RoundReport>,
@@ -315,6 +319,7 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
         tp_size: args.tp_size,
         processes: args.processes,
         lockstep,
+        decision_digest: format!("{:016x}", first.digest),
         collectives: collective_cost(outcomes),
         rounds: first.rounds.iter().enumerate().map(|(index, tally)| round_report(Some(index), tally)).collect(),
     };

@@ -22,14 +22,15 @@
 mod hit_query;
 mod prefetch;
 mod release;
+mod reserve;
 mod storage;
+mod tick;
+mod tier;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
-use rustc_hash::FxHashMap as HashMap;
-
-use crate::cost::{CostModel, Rates};
+use crate::cost::Rates;
 use crate::error::Error;
 use crate::hash::PageKey;
 use crate::host_memory::{Access, HostMemory};
@@ -38,11 +39,13 @@ use crate::ops::{CacheOperation, DeviceSlot, NodeId, OpId, OpIds};
 use crate::rate_limit::{Clock, PrefetchCapacity};
 use crate::storage::StorageBackend;
 use crate::transfer::{LayerDoneCounter, SlotBusy, SlotReuse, TransferEngine, TransferEvent};
+use tier::{Pool, StorageTier};
 
 pub use hit_query::{HitQuery, storage_hit_query, storage_hit_query_with};
-pub use prefetch::{PrefetchDone, PrefetchHead, PrefetchStart, TickReport};
+pub use prefetch::{PrefetchDone, PrefetchHead, PrefetchStart};
 pub use release::{Release, ReleaseLedger};
 pub use storage::{DEFAULT_TICK_SLOTS, PageBackup, PrefetchExplanation, PrefetchStop, StorageSettings};
+pub use tick::{PausedTick, TickProgress, TickReport};
 
 fn lent_error(host_pages: &[HostPageId], index: usize, how: Access, operation: &'static str) -> Error {
     let page = host_pages.iter().find(|page| page.index() == index).map_or(index.to_string(), ToString::to_string);
@@ -88,42 +91,6 @@ pub struct BackupReport {
 }
 
 #[derive(Debug)]
-struct BackupEntry {
-    op: OpId,
-    node_ids: Vec<NodeId>,
-    host_pages: Vec<HostPageId>,
-    shared: Arc<storage::BackupShared>,
-}
-
-/// The storage tier and everything in flight to or from it.
-struct StorageHalf {
-    settings: StorageSettings,
-    clock: Arc<dyn Clock>,
-    workers: storage::Workers,
-    capacity: PrefetchCapacity,
-    requests: HashMap<String, OpId>,
-    prefetches: BTreeMap<OpId, prefetch::PrefetchEntry>,
-    backups: VecDeque<BackupEntry>,
-    ledger: ReleaseLedger,
-    /// Host pages backups to storage are reading, with how many backups read each.
-    pins: HashMap<HostPageId, u32>,
-    /// This rank's measured rates.
-    cost: CostModel,
-    /// The rates every rank agreed on at the last tick (the slowest rank's): the only ones decisions use.
-    agreed: Rates,
-}
-
-impl std::fmt::Debug for StorageHalf {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StorageHalf")
-            .field("settings", &self.settings)
-            .field("prefetches", &self.prefetches.len())
-            .field("backups", &self.backups.len())
-            .finish_non_exhaustive()
-    }
-}
-
-#[derive(Debug)]
 struct PendingWrite<E> {
     ack: Ack<E>,
     keys: Option<Vec<PageKey>>,
@@ -143,7 +110,7 @@ pub struct CacheController<E: TransferEngine> {
     load_acks: VecDeque<Ack<E::Event>>,
     layers: LayerDoneCounter<E::Event>,
     layer_count: usize,
-    storage: Option<StorageHalf>,
+    storage: Option<StorageTier>,
 }
 
 impl<E: TransferEngine> CacheController<E> {
@@ -217,23 +184,7 @@ impl<E: TransferEngine> CacheController<E> {
                 reason: "storage batches and tick slots must be at least 1".into(),
             });
         }
-        let workers = storage::Workers::start(storage, self.memory.clone(), &settings)?;
-        let cost = CostModel::new(settings.priors, settings.batch_pages);
-        // until the first tick, the priors (the same config on every rank)
-        let agreed = cost.rates();
-        self.storage = Some(StorageHalf {
-            cost,
-            agreed,
-            capacity: PrefetchCapacity::with_limit(settings.capacity_tokens),
-            settings,
-            clock,
-            workers,
-            requests: HashMap::default(),
-            prefetches: BTreeMap::new(),
-            backups: VecDeque::new(),
-            ledger: ReleaseLedger::new(),
-            pins: HashMap::default(),
-        });
+        self.storage = Some(StorageTier::start(storage, self.memory.clone(), settings, clock)?);
         Ok(self)
     }
 
@@ -315,7 +266,7 @@ impl<E: TransferEngine> CacheController<E> {
             });
         }
         let Some(host_pages) = self.host.alloc(device_slots.len() / self.page_size) else { return Ok(None) };
-        let submitted = self.unlent(&host_pages, "write").and_then(|()| {
+        let submitted = tier::unlent(&self.memory, &host_pages, "write").and_then(|()| {
             let start = self.engine.start_event()?;
             self.engine.backup(device_slots, &host_pages, &start)
         });
@@ -367,7 +318,7 @@ impl<E: TransferEngine> CacheController<E> {
             });
         }
         self.host.expect_state(host_pages, "load", crate::host_pool::PageState::Backup)?;
-        self.unlent_for_writing(host_pages, "load")?;
+        tier::unlent_for_writing(&self.memory, host_pages, "load")?;
         self.host.protect_load(host_pages)?;
         let id = self.ids.next_id();
         let op =
@@ -473,44 +424,12 @@ impl<E: TransferEngine> CacheController<E> {
         node_ids: Vec<NodeId>,
     ) -> Result<Option<OpId>, Error> {
         let Some(storage) = &mut self.storage else { return Ok(None) };
-        if keys.len() != host_pages.len() {
-            return Err(Error::InvalidArgument {
-                field: "keys",
-                reason: format!("{} keys for {} host pages", keys.len(), host_pages.len()),
-            });
-        }
-        for &page in host_pages {
-            let state = self.host.state(page)?;
-            if !matches!(state, PageState::Synced | PageState::Backup) {
-                return Err(Error::PageState {
-                    page: page.to_string(),
-                    operation: "backup_to_storage",
-                    expected: "synced or backup".into(),
-                    found: state.to_string(),
-                });
-            }
-        }
-        let op = self.ids.next_id();
-        let shared = Arc::new(storage::BackupShared::new(host_pages.len()));
-        if storage.settings.backup_skip {
-            *shared.pages.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) =
-                vec![PageBackup::Skipped; host_pages.len()];
-            shared.done.set();
-        } else {
-            storage.workers.backup(shared.clone(), host_pages.to_vec(), keys);
-        }
-        for &page in host_pages {
-            *storage.pins.entry(page).or_default() += 1;
-        }
-        storage.backups.push_back(BackupEntry { op, node_ids, host_pages: host_pages.to_vec(), shared });
-        Ok(Some(op))
+        storage.backup(&self.host, &mut self.ids, host_pages, keys, node_ids).map(Some)
     }
 
     /// Backups to storage that are done, counted from the oldest and stopping at the first still running.
     pub fn completed_backups(&self) -> usize {
-        self.storage
-            .as_ref()
-            .map_or(0, |storage| storage.backups.iter().take_while(|backup| backup.shared.done.is_set()).count())
+        self.storage.as_ref().map_or(0, StorageTier::completed_backups)
     }
 
     /// Takes the `count` oldest finished backups (after a TP MIN of [`completed_backups`](Self::completed_backups);
@@ -520,43 +439,21 @@ impl<E: TransferEngine> CacheController<E> {
     ///
     /// [`Error::Internal`] when more are asked for than were submitted.
     pub fn take_backups(&mut self, count: usize) -> Result<Vec<BackupReport>, Error> {
-        let Some(storage) = &mut self.storage else {
-            return if count == 0 { Ok(Vec::new()) } else { Err(Error::Internal("no storage tier".into())) };
-        };
-        if count > storage.backups.len() {
-            return Err(Error::Internal(format!("{count} backups asked for, {} submitted", storage.backups.len())));
+        match &mut self.storage {
+            Some(storage) => storage.take_backups(count),
+            None if count == 0 => Ok(Vec::new()),
+            None => Err(Error::Internal("no storage tier".into())),
         }
-        let mut reports = Vec::with_capacity(count);
-        for backup in storage.backups.drain(..count) {
-            backup.shared.done.wait();
-            for page in &backup.host_pages {
-                if let Some(pins) = storage.pins.get_mut(page) {
-                    *pins -= 1;
-                    if *pins == 0 {
-                        storage.pins.remove(page);
-                    }
-                }
-            }
-            let pages =
-                std::mem::take(&mut *backup.shared.pages.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
-            reports.push(BackupReport {
-                op: backup.op,
-                node_ids: backup.node_ids,
-                host_pages: backup.host_pages,
-                pages,
-            });
-        }
-        Ok(reports)
     }
 
     /// Backups to storage submitted and not yet taken.
     pub fn backups_in_flight(&self) -> usize {
-        self.storage.as_ref().map_or(0, |storage| storage.backups.len())
+        self.storage.as_ref().map_or(0, StorageTier::backups_in_flight)
     }
 
     /// Whether any of `host_pages` is being written to storage (and so cannot be evicted).
     pub fn is_pinned(&self, host_pages: &[HostPageId]) -> bool {
-        self.storage.as_ref().is_some_and(|storage| host_pages.iter().any(|page| storage.pins.contains_key(page)))
+        self.storage.as_ref().is_some_and(|storage| storage.pinned(host_pages).is_some())
     }
 
     /// Takes the `count` oldest load acks; their host pages become synced (host and device hold the same data).
@@ -620,9 +517,7 @@ impl<E: TransferEngine> CacheController<E> {
     /// freed then).
     pub fn evict_host(&mut self, host_pages: &[HostPageId]) -> Result<(), Error> {
         self.host.expect_state(host_pages, "evict_host", PageState::Backup)?;
-        if let Some(storage) = &self.storage
-            && let Some(page) = host_pages.iter().find(|page| storage.pins.contains_key(page))
-        {
+        if let Some(page) = self.storage.as_ref().and_then(|storage| storage.pinned(host_pages)) {
             return Err(Error::PageState {
                 page: page.to_string(),
                 operation: "evict_host",
@@ -630,32 +525,12 @@ impl<E: TransferEngine> CacheController<E> {
                 found: "pinned".into(),
             });
         }
-        self.free_host(host_pages)
+        self.pool().free(host_pages)
     }
 
-    /// Frees host pages, refusing (and freeing none) when one is still lent to a storage thread: a broken protocol
-    /// shows as an error naming the page, never as a page reused under a read or a write.
-    fn free_host(&mut self, host_pages: &[HostPageId]) -> Result<(), Error> {
-        self.unlent(host_pages, "free")?;
-        self.host.free(host_pages)
-    }
-
-    /// Checks that no storage thread holds a lease on `host_pages` (before a device→host write or a free).
-    fn unlent(&self, host_pages: &[HostPageId], operation: &'static str) -> Result<(), Error> {
-        let indices: Vec<usize> = host_pages.iter().map(|page| page.index()).collect();
-        match self.memory.lent(&indices) {
-            None => Ok(()),
-            Some((index, how)) => Err(lent_error(host_pages, index, how, operation)),
-        }
-    }
-
-    /// Checks that no storage thread is writing `host_pages` (before a host→device load, which reads them).
-    fn unlent_for_writing(&self, host_pages: &[HostPageId], operation: &'static str) -> Result<(), Error> {
-        let indices: Vec<usize> = host_pages.iter().map(|page| page.index()).collect();
-        match self.memory.lent_for_writing(&indices) {
-            None => Ok(()),
-            Some(index) => Err(lent_error(host_pages, index, Access::Write, operation)),
-        }
+    /// The host pool as the storage tier's decisions see it.
+    fn pool(&mut self) -> Pool<'_> {
+        Pool { host: &mut self.host, memory: &self.memory, page_size: self.page_size }
     }
 
     /// Waits for every transfer in flight, stops every prefetch and backup and waits until the I/O threads are done
@@ -670,24 +545,7 @@ impl<E: TransferEngine> CacheController<E> {
             let _ = ack.finish.wait();
         }
         if let Some(storage) = &mut self.storage {
-            for entry in storage.prefetches.values_mut() {
-                entry.stop_for_reset(&storage.workers);
-            }
-            for backup in &storage.backups {
-                backup.shared.cancel.store(true, std::sync::atomic::Ordering::Release);
-            }
-            for entry in storage.prefetches.values() {
-                entry.wait_quiet();
-            }
-            for backup in &storage.backups {
-                backup.shared.done.wait();
-            }
-            storage.requests.clear();
-            storage.prefetches.clear();
-            storage.backups.clear();
-            storage.ledger = ReleaseLedger::new();
-            storage.pins.clear();
-            storage.capacity = PrefetchCapacity::with_limit(storage.settings.capacity_tokens);
+            storage.reset();
         }
         self.layers.reset();
         self.write_acks.clear();

@@ -3,11 +3,10 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use rustc_hash::FxHashSet as HashSet;
 
-use super::{HiRadixTree, Node};
+use super::HiRadixTree;
 use crate::config::WritePolicy;
-use crate::controller::CacheController;
 use crate::device_slots::DeviceSlotAllocator;
 use crate::error::Error;
 use crate::ops::NodeId;
@@ -152,45 +151,39 @@ impl<E: TransferEngine> HiRadixTree<E> {
     ///
     /// Controller errors (bugs).
     pub fn evict_host(&mut self, tokens: usize) -> Result<usize, Error> {
-        let evicted = evict_host_nodes(&mut self.nodes, self.root, self.page_size, &mut self.controller, tokens)?;
+        let evicted = self.evict_host_nodes(tokens)?;
         self.stats.host_evicted_tokens += evicted;
         Ok(evicted)
     }
-}
 
-/// [`HiRadixTree::evict_host`] on the tree's parts, so the controller's tick can call it while it holds the
-/// controller.
-pub(super) fn evict_host_nodes<E: TransferEngine>(
-    nodes: &mut HashMap<NodeId, Node>,
-    root: NodeId,
-    page_size: usize,
-    controller: &mut CacheController<E>,
-    tokens: usize,
-) -> Result<usize, Error> {
-    let mut heap: BinaryHeap<Reverse<(u64, NodeId)>> = nodes
-        .iter()
-        .filter(|(id, node)| **id != root && node.children.is_empty())
-        .map(|(id, node)| Reverse((node.last_access, *id)))
-        .collect();
-    let mut evicted = 0;
-    while evicted < tokens {
-        let Some(Reverse((_, id))) = heap.pop() else { break };
-        let node = &nodes[&id];
-        if !node.evicted() || node.host_ref > 0 || node.lock_ref > 0 {
-            continue;
+    fn evict_host_nodes(&mut self, tokens: usize) -> Result<usize, Error> {
+        let mut heap: BinaryHeap<Reverse<(u64, NodeId)>> = self
+            .nodes
+            .iter()
+            .filter(|(id, node)| **id != self.root && node.children.is_empty())
+            .map(|(id, node)| Reverse((node.last_access, *id)))
+            .collect();
+        let mut evicted = 0;
+        while evicted < tokens {
+            let Some(Reverse((_, id))) = heap.pop() else { break };
+            let node = self.node(id);
+            if !node.evicted() || node.host_ref > 0 || node.lock_ref > 0 {
+                continue;
+            }
+            if self.controller.is_pinned(node.host.as_ref().expect("evicted nodes are backed up")) {
+                continue;
+            }
+            let node = self.nodes.remove(&id).expect("live");
+            self.controller.evict_host(node.host.as_ref().expect("backed up"))?;
+            evicted += node.key.len();
+            let parent = node.parent.expect("not the root");
+            let (root, page_size) = (self.root, self.page_size);
+            let entry = self.node_mut(parent);
+            entry.children.remove(&node.key[..page_size]);
+            if parent != root && entry.children.is_empty() && entry.evicted() {
+                heap.push(Reverse((entry.last_access, parent)));
+            }
         }
-        if controller.is_pinned(node.host.as_ref().expect("evicted nodes are backed up")) {
-            continue;
-        }
-        let node = nodes.remove(&id).expect("live");
-        controller.evict_host(node.host.as_ref().expect("backed up"))?;
-        evicted += node.key.len();
-        let parent = node.parent.expect("not the root");
-        let entry = nodes.get_mut(&parent).expect("parents are live");
-        entry.children.remove(&node.key[..page_size]);
-        if parent != root && entry.children.is_empty() && entry.evicted() {
-            heap.push(Reverse((entry.last_access, parent)));
-        }
+        Ok(evicted)
     }
-    Ok(evicted)
 }

@@ -3,10 +3,9 @@
 
 use rustc_hash::FxHashMap as HashMap;
 
-use super::evict::evict_host_nodes;
 use super::{HiRadixTree, Node};
 use crate::collective::Collective;
-use crate::controller::{PrefetchDone, PrefetchExplanation, PrefetchHead, PrefetchStart};
+use crate::controller::{PrefetchDone, PrefetchExplanation, PrefetchHead, PrefetchStart, TickProgress};
 use crate::device_slots::DeviceSlotAllocator;
 use crate::error::Error;
 use crate::hash::PageKey;
@@ -198,13 +197,18 @@ impl<E: TransferEngine> HiRadixTree<E> {
     ///
     /// The collective's errors; controller errors (bugs).
     pub fn tick(&mut self, collective: &mut dyn Collective) -> Result<TickSummary, Error> {
-        let (nodes, root, page_size, stats) = (&mut self.nodes, self.root, self.page_size, &mut self.stats);
-        let report = self.controller.tick_with(collective, &mut |controller, pages| {
-            // a failure here leaves the prefetch without room: it is revoked, and the error shows at the next call
-            if let Ok(evicted) = evict_host_nodes(nodes, root, page_size, controller, pages * page_size) {
-                stats.host_evicted_tokens += evicted;
+        let mut progress = self.controller.begin_tick(collective)?;
+        let report = loop {
+            match progress {
+                TickProgress::Done(report) => break report,
+                TickProgress::NeedsHostPages(paused) => {
+                    // a failure here leaves the prefetch without room: it is revoked, and the error shows at the next
+                    // call
+                    let _ = self.evict_host(paused.pages() * self.page_size);
+                    progress = self.controller.resume_tick(paused)?;
+                }
             }
-        })?;
+        };
         let mut summary = TickSummary {
             writes_acked: report.write_acks.len(),
             pages_written: std::mem::take(&mut self.written_since_tick),
