@@ -7,6 +7,7 @@ use std::time::Duration;
 use hicache_core::collective::{Collective, InProcessGroup, ReduceOp};
 use hicache_core::controller::CacheController;
 use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
+use hicache_core::error::ErrorKind;
 use hicache_core::geometry::{KvDtype, KvGeometry, KvPart};
 use hicache_core::host_pool::PageState;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
@@ -389,8 +390,9 @@ fn a_failed_write_never_marks_its_pages_synced() {
     controller.engine().run_pending();
     assert_eq!(controller.completed_writes(), 2, "a failed copy is finished too");
     let acks = controller.take_write_acks(2).unwrap();
-    let failure = acks[0].failed.as_deref().expect("the first write failed");
-    assert!(failure.contains("failed"), "{failure}");
+    let failure = acks[0].failed.as_ref().expect("the first write failed");
+    assert_eq!(failure.kind(), ErrorKind::Device, "{failure}");
+    assert!(failure.to_string().contains("failed"), "{failure}");
     assert_eq!(acks[0].storage_op, None);
     for page in &failed_pages {
         assert_eq!(controller.host().state(*page).unwrap(), PageState::Idle, "a failed write's page is freed");

@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 use hicache_core::collective::SingleRank;
 use hicache_core::config::PrefetchPolicy;
 use hicache_core::controller::{
-    CacheController, PageBackup, PrefetchDone, PrefetchHead, PrefetchStart, PrefetchStop, StorageSettings, TickReport,
+    CacheController, PageBackup, PrefetchDone, PrefetchHead, PrefetchStart, PrefetchStop, StorageFailure,
+    StorageSettings, TickReport,
 };
 use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
-use hicache_core::error::Error;
+use hicache_core::error::{Error, ErrorKind};
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PageKey, PartialPage, page_keys};
 use hicache_core::host_memory::MemoryRegion;
@@ -22,8 +23,8 @@ use hicache_core::namespace::StorageNamespace;
 use hicache_core::ops::NodeId;
 use hicache_core::rate_limit::{Clock, ManualClock, SystemClock};
 use hicache_core::storage::{
-    FaultPlan, FaultyStorage, GetOutcome, MemoryStorage, MemoryStore, PageSegments, PageSegmentsMut, SetOutcome,
-    StorageBackend, StorageStats,
+    FailureKind, FaultPlan, FaultyStorage, GetOutcome, MemoryStorage, MemoryStore, PageSegments, PageSegmentsMut,
+    SetOutcome, StorageBackend, StorageStats,
 };
 use hicache_core::transfer::{Completion, CpuEngine, CpuEvent, DeviceLayoutMap, TransferEngine};
 use rand::RngExt as _;
@@ -448,7 +449,14 @@ fn a_failed_page_stops_the_fetch_at_that_page() {
     let fetched = done.host_pages.len();
     assert_eq!(fetched, 1, "the page after the failed one is not counted although it may have been read");
     assert_eq!(done.explanation.stop, PrefetchStop::Failed);
-    assert!(done.explanation.error.as_deref().is_some_and(|error| error.contains("page")), "{:?}", done.explanation);
+    // the failure stays typed up to the engine: the page, and the backend's kind for it
+    let failure = done.explanation.error.as_ref().expect("the read failure is explained");
+    assert_eq!(failure.page_kind(), Some(FailureKind::Injected), "{failure}");
+    assert!(
+        matches!(failure, StorageFailure::Page { key, .. } if *key == page_keys(&prompt, PAGE, None, PartialPage::Reject).unwrap()[1]),
+        "{failure}"
+    );
+    assert!(failure.to_string().contains("page"), "{failure}");
     let page_bytes = rig.engine().host_map().page_bytes();
     assert_eq!(host_bytes(&rig, &done.host_pages), expected[..fetched * page_bytes]);
     tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
@@ -519,7 +527,10 @@ fn backups_record_each_page_and_go_on_past_a_failure() {
     let backup = reports.iter().flat_map(|report| &report.backups).next().unwrap();
     let stored: Vec<bool> = backup.pages.iter().map(|page| *page == PageBackup::Stored).collect();
     assert_eq!(stored, [true, true, false, false, true, true]);
-    assert!(matches!(&backup.pages[2], PageBackup::Failed(message) if message.contains("injected failure")));
+    let PageBackup::Failed(failure) = &backup.pages[2] else { panic!("{:?}", backup.pages[2]) };
+    // a whole call failed: its error kind, not a page's
+    assert_eq!((failure.kind(), failure.page_kind()), (ErrorKind::Storage, None), "{failure}");
+    assert!(failure.to_string().contains("injected failure"), "{failure}");
     let reader = memory(&store, 0, 1);
     let present: Vec<bool> = keys.iter().map(|key| reader.exists(key).unwrap()).collect();
     assert_eq!(present, stored);

@@ -16,8 +16,9 @@
 //!
 //! With a storage tier ([`with_storage`](CacheController::with_storage)), a write given page keys goes on to storage
 //! when it is acked, whatever the write policy (SGLang's `write_back` never reaches storage: docs/sglang.md#fixed-3);
-//! its host pages stay *pinned* (not evictable) until the backup is done. Prefetches and the per-tick TP reduction are
-//! in `prefetch.rs`, the I/O threads in `storage.rs`.
+//! its host pages stay *pinned* (not evictable) until the backup is done. The storage half is a type of its own
+//! (`tier.rs`); prefetches are in `prefetch.rs` and `reserve.rs`, the per-tick TP reduction in `tick.rs`, the I/O
+//! threads and the typed [`StorageFailure`] in `storage.rs`.
 
 mod hit_query;
 mod prefetch;
@@ -44,7 +45,7 @@ use tier::{Pool, StorageTier};
 pub use hit_query::{HitQuery, storage_hit_query, storage_hit_query_with};
 pub use prefetch::{PrefetchDone, PrefetchHead, PrefetchStart};
 pub use release::{Release, ReleaseLedger};
-pub use storage::{DEFAULT_TICK_SLOTS, PageBackup, PrefetchExplanation, PrefetchStop, StorageSettings};
+pub use storage::{DEFAULT_TICK_SLOTS, PageBackup, PrefetchExplanation, PrefetchStop, StorageFailure, StorageSettings};
 pub use tick::{PausedTick, TickProgress, TickReport};
 
 fn lent_error(host_pages: &[HostPageId], index: usize, how: Access, operation: &'static str) -> Error {
@@ -72,13 +73,13 @@ pub struct Ack<E> {
     /// The backup to storage this write started when it was acked, if it had keys and there is a storage tier.
     pub storage_op: Option<OpId>,
     /// Why the transfer failed, when it did (a write: its host pages were freed, never marked synced).
-    pub failed: Option<String>,
+    pub failed: Option<Error>,
     /// The events of a load's layers before the last (`finish`); empty for a write. A load failed if any did.
     pub layer_events: Vec<E>,
 }
 
 /// A backup to storage finished on every rank.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct BackupReport {
     /// The operation.
     pub op: OpId,
@@ -387,7 +388,7 @@ impl<E: TransferEngine> CacheController<E> {
                 // the host pages hold unspecified bytes: never synced, never backed up; they go back to the pool
                 tracing::error!(nodes = ?ack.node_ids, "a device → host write failed: {error}");
                 self.host.free(&ack.host_pages)?;
-                ack.failed = Some(error.to_string());
+                ack.failed = Some(error);
                 acks.push(ack);
                 continue;
             }

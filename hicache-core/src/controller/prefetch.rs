@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::CacheController;
-use super::storage::{PrefetchExplanation, PrefetchShared, PrefetchStop, Workers};
+use super::storage::{PrefetchExplanation, PrefetchShared, PrefetchStop, StorageFailure, Workers};
 use super::tier::StorageTier;
 use crate::config::PrefetchPolicy;
 use crate::error::Error;
@@ -367,7 +367,7 @@ impl<E: TransferEngine> CacheController<E> {
 
     /// The read error that stopped this rank's fetch for `request_id`'s pending prefetch, once one has (the pages
     /// read before it stay fetched).
-    pub fn prefetch_failure(&self, request_id: &str) -> Option<String> {
+    pub fn prefetch_failure(&self, request_id: &str) -> Option<StorageFailure> {
         self.storage.as_ref()?.tracked(request_id)?.prefetch.shared.failure.get().cloned()
     }
 

@@ -350,7 +350,7 @@ impl StorageTier {
             tp_min_hit = explanation.tp_min_hit_tokens,
             fetched = explanation.fetched_tokens,
             elapsed_ms = explanation.elapsed.as_secs_f64() * 1e3,
-            error = explanation.error.as_deref(),
+            error = explanation.error.as_ref().map(tracing::field::display),
             planned_pages = explanation.plan.map(|plan| plan.fetch_pages),
             plan = explanation.plan.map(|plan| plan.reason.name()),
             "prefetch finished"

@@ -31,13 +31,13 @@ use std::time::Duration;
 use super::hit_query::storage_hit_query_with;
 use crate::config::{HiCacheConfig, PrefetchPolicy};
 use crate::cost::{Plan, Priors};
-use crate::error::Error;
+use crate::error::{Error, ErrorKind};
 use crate::hash::{PageHasher, PageKey};
 use crate::host_memory::{HostMemory, MemoryRegion};
 use crate::host_pool::HostPageId;
 use crate::ops::{OpId, Progress};
 use crate::rate_limit::{Admission, Clock, SystemClock, TokenBucket};
-use crate::storage::{GetOutcome, SetOutcome, StorageBackend};
+use crate::storage::{FailureKind, GetOutcome, PageFailure, SetOutcome, StorageBackend};
 
 /// How the storage half behaves: SGLang's knobs (all configurable here) and this rank's role.
 #[derive(Clone, Debug, PartialEq)]
@@ -192,7 +192,7 @@ pub struct PrefetchExplanation {
     /// Why it stopped.
     pub stop: PrefetchStop,
     /// This rank's storage error, if one ended the query or the fetch.
-    pub error: Option<String>,
+    pub error: Option<StorageFailure>,
     /// The cost plan the hit was fetched by, when one was made: pages fetched and computed, why, the expected times
     /// of the plan, of fetching the whole hit and of computing it, and the rates it used.
     pub plan: Option<Plan>,
@@ -202,15 +202,75 @@ pub struct PrefetchExplanation {
     pub read_time: Duration,
 }
 
+/// Why storage let this rank down on a page, kept as the backend reported it (rendered to text only when logged),
+/// so an engine can tell a full disk from a timeout: [`kind`](Self::kind), [`page_kind`](Self::page_kind),
+/// [`io_error`](Self::io_error).
+#[derive(Clone, Debug, PartialEq)]
+pub enum StorageFailure {
+    /// The backend's call failed as a whole (also a panic in the backend, as [`Error::Internal`], and a host page
+    /// lease refused, as [`Error::PageState`]).
+    Call(Error),
+    /// The backend reported this page failed.
+    Page {
+        /// The page.
+        key: PageKey,
+        /// The backend's report.
+        failure: PageFailure,
+    },
+    /// A page the hit query found was no longer in storage when it was read.
+    Gone {
+        /// The page.
+        key: PageKey,
+    },
+}
+
+impl StorageFailure {
+    /// The kind of failure: the call's error kind, or [`ErrorKind::Storage`] for one page (its own kind is
+    /// [`page_kind`](Self::page_kind)).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Call(error) => error.kind(),
+            Self::Page { .. } | Self::Gone { .. } => ErrorKind::Storage,
+        }
+    }
+
+    /// What went wrong with the page, when the backend reported one page.
+    pub fn page_kind(&self) -> Option<FailureKind> {
+        match self {
+            Self::Page { failure, .. } => Some(failure.kind),
+            Self::Call(_) | Self::Gone { .. } => None,
+        }
+    }
+
+    /// The `std::io::Error` behind it (ENOSPC for a full disk, EIO, ...), where there is one.
+    pub fn io_error(&self) -> Option<&std::io::Error> {
+        match self {
+            Self::Call(error) => error.io_error(),
+            Self::Page { failure, .. } => failure.io_error(),
+            Self::Gone { .. } => None,
+        }
+    }
+}
+
+impl std::fmt::Display for StorageFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Call(error) => write!(f, "{error}"),
+            Self::Page { key, failure } => write!(f, "page {key}: {failure}"),
+            Self::Gone { key } => write!(f, "page {key} was no longer in storage"),
+        }
+    }
+}
+
 /// Outcome of one page of a backup to storage, on this rank.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum PageBackup {
     /// Written, or already present.
     Stored,
     /// Not written by this rank (MLA: rank 0 writes).
     Skipped,
     /// The write failed.
-    Failed(String),
+    Failed(StorageFailure),
     /// Not attempted: the controller was reset first.
     Cancelled,
 }
@@ -246,7 +306,7 @@ pub(super) struct HitFound {
     /// Leading pages found: all of [`PrefetchShared::found`] (never fewer than were published during the query).
     pub(super) pages: usize,
     /// The storage error that ended the query early, if any.
-    pub(super) error: Option<String>,
+    pub(super) error: Option<StorageFailure>,
     /// How long the query took.
     pub(super) elapsed: Duration,
 }
@@ -263,7 +323,7 @@ pub(super) struct PrefetchShared {
     /// Set by the fetch thread when it is done with the host pages for good.
     pub(super) quiet: Latch,
     /// The read error that stopped the fetch, if any.
-    pub(super) failure: OnceLock<String>,
+    pub(super) failure: OnceLock<StorageFailure>,
     /// Nanoseconds the fetch thread spent in storage reads for this prefetch.
     pub(super) read_ns: std::sync::atomic::AtomicU64,
 }
@@ -487,15 +547,15 @@ impl Drop for Workers {
     }
 }
 
-/// Runs `job`, turning a panic (a bug in a backend) into an error message, so the thread lives on (SGLang's
+/// Runs `job`, turning a panic (a bug in a backend) into an [`Error::Internal`], so the thread lives on (SGLang's
 /// prefetch thread dies on an uncaught `IOError` and no prefetch completes again: docs/sglang.md#fixed-11).
-fn guarded<T>(job: impl FnOnce() -> Result<T, Error>) -> Result<T, String> {
+fn guarded<T>(job: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)) {
-        Ok(result) => result.map_err(|error| error.to_string()),
-        Err(panic) => Err(format!(
+        Ok(result) => result,
+        Err(panic) => Err(Error::Internal(format!(
             "storage backend panicked: {}",
             panic.downcast_ref::<&str>().copied().or(panic.downcast_ref::<String>().map(String::as_str)).unwrap_or("?")
-        )),
+        ))),
     }
 }
 
@@ -522,7 +582,7 @@ fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
                     &mut publish,
                 )
             });
-            query.err()
+            query.err().map(StorageFailure::Call)
         };
         let pages = shared.found_pages();
         let elapsed = started.elapsed();
@@ -555,16 +615,17 @@ fn run_fetches(io: &Io, jobs: Receiver<FetchJob>) {
                 Ok(mut lease) => match guarded(|| io.storage.batch_get(keys, &mut lease.pages_mut())) {
                     Ok(outcomes) => {
                         let arrived = outcomes.iter().take_while(|outcome| **outcome == GetOutcome::Hit).count();
-                        let failure = outcomes.get(arrived).map(|outcome| match outcome {
-                            GetOutcome::Miss => format!("page {} was no longer in storage", keys[arrived]),
-                            GetOutcome::Failed(failure) => format!("page {}: {failure}", keys[arrived]),
-                            GetOutcome::Hit => unreachable!("counted above"),
+                        let key = keys.get(arrived).copied();
+                        let failure = outcomes.get(arrived).zip(key).and_then(|(outcome, key)| match outcome {
+                            GetOutcome::Miss => Some(StorageFailure::Gone { key }),
+                            GetOutcome::Failed(failure) => Some(StorageFailure::Page { key, failure: failure.clone() }),
+                            GetOutcome::Hit => None,
                         });
                         (arrived.min(pages.len()), failure)
                     }
-                    Err(error) => (0, Some(error)),
+                    Err(error) => (0, Some(StorageFailure::Call(error))),
                 },
-                Err(error) => (0, Some(error.to_string())),
+                Err(error) => (0, Some(StorageFailure::Call(error))),
             };
             let elapsed = started.elapsed();
             shared.read_ns.fetch_add(elapsed.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
@@ -605,14 +666,16 @@ fn run_backups(io: &Io, jobs: Receiver<BackupJob>, mut bucket: Option<TokenBucke
             let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();
             let result = match io.host.lend_read(&indices) {
                 Ok(lease) => guarded(|| io.storage.batch_set(keys, &lease.pages())),
-                Err(error) => Err(error.to_string()),
+                Err(error) => Err(error),
             };
             match result {
-                Ok(results) => outcomes.extend(results.into_iter().map(|outcome| match outcome {
+                Ok(results) => outcomes.extend(results.into_iter().zip(keys).map(|(outcome, &key)| match outcome {
                     SetOutcome::Stored | SetOutcome::AlreadyPresent => PageBackup::Stored,
-                    SetOutcome::Failed(failure) => PageBackup::Failed(failure.to_string()),
+                    SetOutcome::Failed(failure) => PageBackup::Failed(StorageFailure::Page { key, failure }),
                 })),
-                Err(error) => outcomes.extend(pages.iter().map(|_| PageBackup::Failed(error.clone()))),
+                Err(error) => {
+                    outcomes.extend(pages.iter().map(|_| PageBackup::Failed(StorageFailure::Call(error.clone()))));
+                }
             }
         }
         let failed = outcomes.iter().filter(|outcome| matches!(outcome, PageBackup::Failed(_))).count();
