@@ -5,6 +5,7 @@
 //! inserts; the loop itself is in `scheduler.rs` (shared with `cuda_engine_loop.rs`).
 //!
 //! `cargo run --example engine_loop`
+#![forbid(unsafe_code)]
 
 #[path = "scheduler.rs"]
 mod scheduler;

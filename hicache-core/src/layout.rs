@@ -47,6 +47,16 @@ impl HostLayout {
         }
     }
 
+    /// The buffer's dimensions, outermost first (`part` is K and V for MHA; MLA has one part): the one description
+    /// of each layout that the CLI's help and the docs repeat.
+    pub const fn dims(self) -> &'static str {
+        match self {
+            Self::LayerFirst => "[part][layer][slot][item]",
+            Self::PageFirst => "[part][slot][layer][item]",
+            Self::PageFirstDirect => "[part][page][layer][token in page][item]",
+        }
+    }
+
     /// Whether each part of a page is one contiguous range of the host buffer.
     pub const fn page_part_is_contiguous(self) -> bool {
         !matches!(self, Self::LayerFirst)

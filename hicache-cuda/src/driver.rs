@@ -216,6 +216,49 @@ impl PinnedBuffer {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// One contiguous `cuMemcpyAsync` of `bytes` between the start of this pool and the start of `scratch`, the
+    /// way `direction` says, queued on `stream` (the caller waits for it): the reference a transfer benchmark
+    /// measures against. The whole pool is leased for writing while the copy is queued, so no storage thread holds
+    /// a page of it then.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `bytes` runs past either buffer; [`Error::PageState`] when a page is lent;
+    /// the driver's errors.
+    pub(crate) fn bulk_copy(
+        &self,
+        scratch: &DeviceBuffer,
+        bytes: usize,
+        direction: BulkDirection,
+        stream: StreamHandle,
+    ) -> Result<(), Error> {
+        if bytes > scratch.len() || bytes > self.len() {
+            return Err(Error::InvalidArgument {
+                field: "bytes",
+                reason: format!("{bytes} bytes, the device buffer has {} and the pool {}", scratch.len(), self.len()),
+            });
+        }
+        let pages: Vec<usize> = (0..self.memory.map().pages()).collect();
+        let _lease = self.memory.lend_write(&pages)?;
+        self.context.bind_to_thread().map_err(driver("bind the context"))?;
+        let (to, from) = match direction {
+            BulkDirection::DeviceToHost => (self.device, scratch.pointer()),
+            BulkDirection::HostToDevice => (scratch.pointer(), self.device),
+        };
+        // SAFETY: both ranges are inside their allocations (checked above); the host pool is registered and mapped
+        // in this context, and leased: no thread reaches its bytes while the lease is held.
+        unsafe { sys::cuMemcpyAsync(to, from, bytes, stream.as_raw().cast()) }.result().map_err(driver("bulk copy"))
+    }
+}
+
+/// Which way [`CudaEngine::bulk_copy`](crate::CudaEngine::bulk_copy) copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BulkDirection {
+    /// From the device buffer into the host pool.
+    DeviceToHost,
+    /// From the host pool into the device buffer.
+    HostToDevice,
 }
 
 impl Drop for PinnedBuffer {

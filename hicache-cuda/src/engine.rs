@@ -18,7 +18,7 @@ use hicache_core::ops::DeviceSlot;
 use hicache_core::transfer::{DeviceLayoutMap, TransferEngine, TransferEvent};
 
 use crate::device::Device;
-use crate::driver::{self, DeviceBuffer, IndexPool, PinnedBuffer, driver};
+use crate::driver::{self, BulkDirection, DeviceBuffer, IndexPool, PinnedBuffer, driver};
 use crate::kernels::TransferKernel;
 use crate::pool::DevicePool;
 use crate::stream::StreamHandle;
@@ -451,6 +451,20 @@ impl CudaEngine {
         // the engine's own streams, of its device's primary context, alive while the engine is
         let handle = |stream: &CudaStream| StreamHandle::from_raw_unchecked(stream.cu_stream());
         (handle(&self.write_stream), handle(&self.load_stream))
+    }
+
+    /// One contiguous copy of `bytes` between the start of the pinned host pool and `scratch`, the way `direction`
+    /// says, on the load stream, waited for: the bulk `cuMemcpyAsync` a transfer benchmark compares the engine's
+    /// kernels with. The pool is leased for writing while the copy is queued; the caller has no transfer of this
+    /// engine in flight (one would be waited for with the copy).
+    ///
+    /// # Errors
+    ///
+    /// As [`PinnedBuffer`]'s bounds and leases; [`Error::Device`] when the copy or the driver failed.
+    pub fn bulk_copy(&self, scratch: &DeviceBuffer, bytes: usize, direction: BulkDirection) -> Result<(), Error> {
+        let (_, load) = self.streams();
+        self.host_pool.bulk_copy(scratch, bytes, direction, load)?;
+        self.synchronize()
     }
 
     /// Waits until every transfer queued so far has finished (both streams).

@@ -17,7 +17,7 @@ mod stream;
 
 pub use collective::{Bootstrap, NcclGroup, NcclSettings, nccl_present};
 pub use device::{Device, driver_present, nvrtc_present};
-pub use driver::{DeviceBuffer, DriverError, PinnedBuffer};
+pub use driver::{BulkDirection, DeviceBuffer, DriverError, PinnedBuffer};
 pub use engine::{
     AutoMinRun, CopyKernel, CudaEngine, CudaTransferEvent, DEFAULT_AUTO_MIN_RUN, LaunchShape, TmaShape, wait_layer_on,
 };

@@ -22,6 +22,7 @@
 //! `clear` and `list` touch this namespace's files only (SGLang's `clear` removes the whole directory); in the
 //! SGLang layout only files directly in the directory whose names match the namespace exactly and whose length is
 //! this namespace's page, never below it.
+#![forbid(unsafe_code)]
 
 mod account;
 mod index;

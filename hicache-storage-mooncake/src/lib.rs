@@ -37,7 +37,7 @@
 mod client;
 mod config;
 mod keys;
-pub mod sys;
+pub(crate) mod sys;
 #[cfg(feature = "testing")]
 pub mod testing;
 

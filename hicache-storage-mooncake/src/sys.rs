@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 /// The environment variable naming the library (`libmooncake_store.so`).
-pub const LIBRARY_ENV: &str = "MOONCAKE_STORE_LIBRARY";
+pub(crate) const LIBRARY_ENV: &str = "MOONCAKE_STORE_LIBRARY";
 
 /// The library's file name, looked up on the loader's search path when no path is given.
-pub const LIBRARY_NAME: &str = "libmooncake_store.so";
+pub(crate) const LIBRARY_NAME: &str = "libmooncake_store.so";
 
 /// `mooncake_replicate_config`: replicas of each object and where they may go.
 #[repr(C)]
@@ -65,7 +65,7 @@ pub(crate) struct Api {
 static LOADED: Mutex<Vec<(PathBuf, &'static Api)>> = Mutex::new(Vec::new());
 
 /// Where the library is looked for: `configured`, else `$MOONCAKE_STORE_LIBRARY`, else the loader's search path.
-pub fn resolve_library(configured: Option<&Path>) -> PathBuf {
+pub(crate) fn resolve_library(configured: Option<&Path>) -> PathBuf {
     configured
         .map(Path::to_path_buf)
         .or_else(|| std::env::var_os(LIBRARY_ENV).filter(|path| !path.is_empty()).map(PathBuf::from))

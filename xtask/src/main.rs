@@ -2,6 +2,7 @@
 //! wheel` (the Python package) and `cargo xtask sglang` (its tests with SGLang's own code).
 //!
 //! Commands are run with argument arrays, never through a shell. Under `CI=true` a step that cannot run fails.
+#![forbid(unsafe_code)]
 
 mod bindgen;
 mod fuzz;

@@ -4,11 +4,10 @@
 use std::time::Instant;
 
 use anyhow::Context as _;
-use cudarc::driver::sys;
 use hicache_core::geometry::KvGeometry;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::transfer::{DeviceLayoutMap, TransferEngine, TransferEvent};
-use hicache_cuda::{CopyKernel, CudaEngine, Device, LaunchShape, TmaShape};
+use hicache_cuda::{BulkDirection, CopyKernel, CudaEngine, Device, LaunchShape, TmaShape};
 
 use hicache_core::config::IoBackend;
 
@@ -151,19 +150,12 @@ pub(crate) fn measure(
 /// One contiguous `cuMemcpyAsync` of `bytes` between the pinned host pool and one device allocation of that size
 /// (the pool may be regions per layer), each way: [device → host, host → device] GB/s, best of `rounds`.
 fn bulk_gbps(engine: &CudaEngine, bytes: usize, rounds: usize) -> anyhow::Result<[f64; 2]> {
-    let (_, stream) = engine.streams();
     let scratch = hicache_cuda::DeviceBuffer::zeroed(engine.device(), bytes)?;
-    let (device, host) = (scratch.pointer(), engine.host_pool().device_pointer());
     let mut best = [0f64; 2];
     for round in 0..=rounds {
-        for (index, (to, from)) in [(host, device), (device, host)].into_iter().enumerate() {
+        for (index, direction) in [BulkDirection::DeviceToHost, BulkDirection::HostToDevice].into_iter().enumerate() {
             let began = Instant::now();
-            // SAFETY: the device range is the scratch allocation of `bytes`; the host range lies inside the pinned
-            // pool (`bytes` is one transfer, the pool holds two); no transfer of the engine is in flight.
-            unsafe { sys::cuMemcpyAsync(to, from, bytes, stream.as_raw().cast()) }
-                .result()
-                .map_err(|error| anyhow::anyhow!("bulk copy: {error:?}"))?;
-            engine.synchronize()?;
+            engine.bulk_copy(&scratch, bytes, direction).context("bulk copy")?;
             if round > 0 {
                 best[index] = best[index].max(bytes as f64 / began.elapsed().as_secs_f64() / 1e9);
             }

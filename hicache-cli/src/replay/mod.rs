@@ -218,15 +218,27 @@ pub(crate) struct ReplayArgs {
     json: bool,
 }
 
-/// Host layouts by name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+/// Host layouts by name; each one's help is its dimensions as the core describes them ([`HostLayout::dims`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum LayoutArg {
-    /// `[layer][part][token][item]`.
     LayerFirst,
-    /// `[part][token][layer][item]`.
     PageFirst,
-    /// `[part][page][layer][token][item]`.
     PageFirstDirect,
+}
+
+impl ValueEnum for LayoutArg {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[Self::LayerFirst, Self::PageFirst, Self::PageFirstDirect]
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        let name = match self {
+            Self::LayerFirst => "layer-first",
+            Self::PageFirst => "page-first",
+            Self::PageFirstDirect => "page-first-direct",
+        };
+        Some(clap::builder::PossibleValue::new(name).help(host_layout(*self).dims()))
+    }
 }
 
 /// Write policies by name.
