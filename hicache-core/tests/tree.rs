@@ -278,6 +278,35 @@ fn evicted_pages_load_back_byte_for_byte_and_host_eviction_forgets_them() {
 }
 
 #[test]
+fn idle_means_no_prefetch_pending_and_no_host_transfer_unacked() {
+    let store = MemoryStore::new();
+    let mut rig = rig(WritePolicy::WriteThrough, 8, 16, Some(&store));
+    assert!(rig.tree.is_idle());
+    rig.request(&tokens(1, 5));
+    // the write's ack waits for a tick
+    assert!(!rig.tree.is_idle());
+    rig.tree.drain(&mut SingleRank, Instant::now() + Duration::from_secs(30), &mut |_| {}).unwrap();
+    assert!(rig.tree.is_idle());
+    // a prefetch pending keeps the tree busy until its result comes at a tick
+    rig.tree.evict(8 * PAGE, &mut rig.device).unwrap();
+    rig.tree.evict_host(8 * PAGE).unwrap();
+    let prompt = tokens(1, 5);
+    let matched = rig.tree.match_prefix(&prompt);
+    let anchor = matched.last_host_node;
+    let start = rig.tree.prefetch_from_storage("r", anchor, &prompt).unwrap();
+    assert!(matches!(start, PrefetchStart::Started(_)), "{start:?}");
+    assert!(!rig.tree.is_idle());
+    rig.tree.check_prefetch_progress("r");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while rig.tree.prefetches_pending() > 0 {
+        assert!(Instant::now() < deadline, "the prefetch never finished");
+        rig.tick();
+    }
+    assert!(rig.tree.is_idle());
+    rig.tree.check_invariants().unwrap();
+}
+
+#[test]
 fn drain_waits_for_writes_and_backups_within_its_deadline() {
     let store = MemoryStore::new();
     let mut rig = rig(WritePolicy::WriteThrough, 8, 16, Some(&store));

@@ -311,7 +311,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
             }
         }
         if ran.is_empty() {
-            if tree.prefetches_pending() == 0 && tree.controller().outstanding() == (0, 0, 0) {
+            if tree.is_idle() {
                 bail!(
                     "the device pool cannot hold the next request (its prompt and answer are {} tokens)",
                     workload.with_answer(waiting[0].client, waiting[0].round).len()

@@ -245,6 +245,13 @@ impl<E: TransferEngine> HiRadixTree<E> {
         self.controller.backups_in_flight() == 0 && self.controller.outstanding() == (0, 0, 0)
     }
 
+    /// Whether nothing the scheduler waits for is in flight: no prefetch pending and no device ↔ host transfer
+    /// queued or unacked (backups to storage may still run: they hold no request back). A scheduler that cannot
+    /// place its next request while the tree is idle never will.
+    pub fn is_idle(&self) -> bool {
+        self.prefetches_pending() == 0 && self.controller.outstanding() == (0, 0, 0)
+    }
+
     /// Ticks until [`is_drained`](Self::is_drained), handing `each` every tick's summary; an engine calls it to know
     /// that what it inserted has reached the host and storage. Ranks of a TP group call it together: the condition
     /// reads what each tick reduced, so they tick the same number of times.
