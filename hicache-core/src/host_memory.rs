@@ -34,7 +34,6 @@ use memmap2::MmapMut;
 
 use crate::error::Error;
 use crate::layout::HostLayoutMap;
-use crate::storage::{PageSegments, PageSegmentsMut};
 use crate::sync::{Condvar, Mutex, MutexGuard};
 
 /// Where a host pool's bytes are allocated.
@@ -444,7 +443,7 @@ impl ReadLease<'_> {
     }
 
     /// Each lent page's segments, in flat page order (what storage I/O takes).
-    pub fn pages(&self) -> Vec<PageSegments<'_>> {
+    pub fn pages(&self) -> Vec<Vec<&[u8]>> {
         (0..self.pages.len()).map(|index| self.page(index)).collect()
     }
 
@@ -453,7 +452,7 @@ impl ReadLease<'_> {
     /// # Panics
     ///
     /// When `index` is not below the number of lent pages.
-    pub fn page(&self, index: usize) -> PageSegments<'_> {
+    pub fn page(&self, index: usize) -> Vec<&[u8]> {
         let base = self.memory.base.as_ptr();
         self.memory
             .segments(self.pages[index])
@@ -487,7 +486,7 @@ impl WriteLease<'_> {
     }
 
     /// Each lent page's segments, mutable, in flat page order (what storage reads land in).
-    pub fn pages_mut(&mut self) -> Vec<PageSegmentsMut<'_>> {
+    pub fn pages_mut(&mut self) -> Vec<Vec<&mut [u8]>> {
         let base = self.memory.base.as_ptr();
         let memory = self.memory;
         self.pages

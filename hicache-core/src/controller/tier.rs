@@ -3,12 +3,15 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
+use std::time::Duration;
 
 use rustc_hash::FxHashMap as HashMap;
 
-use super::prefetch::Tracked;
+use super::prefetch::{Prefetch, PrefetchStart, Reads, Stage, Tracked};
 use super::release::ReleaseLedger;
-use super::storage::{BackupShared, PageBackup, StorageSettings, Workers};
+use super::storage::{
+    BackupShared, PageBackup, PrefetchExplanation, PrefetchShared, PrefetchStop, StorageSettings, Workers,
+};
 use super::{BackupReport, lent_error};
 use crate::cost::{CostModel, Rates};
 use crate::error::Error;
@@ -232,5 +235,82 @@ impl StorageTier {
         self.ledger = ReleaseLedger::new();
         self.pins.clear();
         self.capacity = PrefetchCapacity::with_limit(self.settings.capacity_tokens);
+    }
+}
+
+impl StorageTier {
+    /// Queues the hit query of a prefetch of `tokens` (whole pages) for `request_id`, out of a request of
+    /// `request_tokens` after `cached_tokens`.
+    pub(super) fn start_prefetch(
+        &mut self,
+        ids: &mut OpIds,
+        request_id: &str,
+        tokens: &[u32],
+        last_key: Option<PageKey>,
+        cached_tokens: usize,
+        request_tokens: usize,
+    ) -> Result<PrefetchStart, Error> {
+        if self.requests.contains_key(request_id) {
+            return Err(Error::InvalidArgument {
+                field: "request_id",
+                reason: format!("request {request_id} has a prefetch already"),
+            });
+        }
+        let whole = tokens.len();
+        if whole < self.settings.prefetch_threshold {
+            return Ok(PrefetchStart::Refused(PrefetchStop::BelowThreshold));
+        }
+        if !self.capacity.try_admit(whole as u64) {
+            return Ok(PrefetchStart::Refused(PrefetchStop::CapacityLimited));
+        }
+        let op = ids.next_id();
+        let shared = Arc::new(PrefetchShared::default());
+        self.workers.query(shared.clone(), tokens.to_vec(), last_key);
+        let started_at = self.clock.now();
+        let explanation = PrefetchExplanation {
+            request_id: request_id.to_owned(),
+            op,
+            requested_tokens: whole,
+            threshold: self.settings.prefetch_threshold,
+            local_hit_tokens: 0,
+            tp_min_hit_tokens: 0,
+            reserved_tokens: 0,
+            local_fetched_tokens: 0,
+            fetched_tokens: 0,
+            elapsed: Duration::ZERO,
+            stop: PrefetchStop::Revoked,
+            error: None,
+            plan: None,
+            query_time: Duration::ZERO,
+            read_time: Duration::ZERO,
+        };
+        self.requests.insert(request_id.to_owned(), op);
+        let prefetch = Prefetch {
+            request_id: request_id.to_owned(),
+            tokens: whole,
+            started_at,
+            shared,
+            wanted: false,
+            aborted: false,
+            stalled: false,
+            progress_mark: (0, started_at),
+            admitted: whole as u64,
+            cached_tokens,
+            prompt_tokens: cached_tokens + request_tokens,
+            head_pages: 0,
+            reads_queued_at: None,
+            explanation,
+        };
+        self.prefetches.insert(op, Tracked { prefetch, stage: Stage::Querying(Reads::default()) });
+        Ok(PrefetchStart::Started(op))
+    }
+
+    pub(super) fn tracked(&self, request_id: &str) -> Option<&Tracked> {
+        self.prefetches.get(self.requests.get(request_id)?)
+    }
+
+    pub(super) fn prefetch_mut(&mut self, request_id: &str) -> Option<&mut Prefetch> {
+        let op = self.requests.get(request_id)?;
+        self.prefetches.get_mut(op).map(|tracked| &mut tracked.prefetch)
     }
 }
