@@ -1,5 +1,5 @@
-//! Safe types over the USRBIO functions ([`crate::sys`]): the library loaded once per path, iovs (shared memory the
-//! agent reads and writes), rings of requests, and registered data files.
+//! Safe types over the USRBIO functions (the `sys` module, generated from the header): the library loaded once per
+//! path, iovs (shared memory the agent reads and writes), rings of requests, and registered data files.
 //!
 //! The library is `libhf3fs_api_shared.so` from `$HF3FS_LIB_DIR`, else the loader's search path. A library that
 //! exports `hicache_usrbio_mock` is the workspace's mock (`usrbio-mock/`): it is accepted, said so in the log and in

@@ -299,7 +299,7 @@ impl Client {
     /// # Safety
     ///
     /// Each `[buffers[i], buffers[i] + sizes[i])` is readable and not written until the call returns; after a
-    /// failure that [`sys::is_settled_failure`] does not settle, the transfer may still read it later.
+    /// failure that `sys::is_settled_failure` does not settle, the transfer may still read it later.
     pub(crate) unsafe fn batch_put_from(
         &self,
         keys: &[CString],
@@ -341,7 +341,7 @@ impl Client {
     /// # Safety
     ///
     /// Each `[buffers[i], buffers[i] + sizes[i])` is writable and neither read nor written by anyone else until the
-    /// call returns; after a failure that [`sys::is_settled_failure`] does not settle, the transfer may still write
+    /// call returns; after a failure that `sys::is_settled_failure` does not settle, the transfer may still write
     /// it later.
     pub(crate) unsafe fn batch_get_into(
         &self,

@@ -32,7 +32,7 @@
 //!   at once (naming its address), until a probe finds it answering again; the client then reconnects. Closing
 //!   waits for the segment's unmount up to the connect timeout.
 //!
-//! The library is Mooncake's C API, loaded at run time ([`sys`]).
+//! The library is Mooncake's C API, loaded at run time (the crate's `sys` module).
 
 mod client;
 mod config;
