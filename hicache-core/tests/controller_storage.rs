@@ -1102,3 +1102,41 @@ fn reads_that_measure_the_tier_are_waited_for_no_longer_than_computing_what_they
         rig.host().check_invariants().unwrap();
     }
 }
+
+#[test]
+fn reads_reserved_while_the_query_ran_are_kept_when_too_few_more_pages_fit() {
+    // the agreed part was reserved from a nearly full pool (fewer pages than the threshold) while the query ran;
+    // when the whole hit is known and no more pages fit, those reads are resolved, never dropped with their pages
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
+    let store = MemoryStore::new();
+    let (prompt, expected) = seed_storage(&store, 19, 6);
+    let gated = Arc::new(Gated::with_query_gate(memory(&store, 0, 1)));
+    let mut rig = controller(gated.clone(), settings(PrefetchPolicy::WaitComplete), Arc::new(SystemClock::new()));
+    gated.open(100);
+    let mut owned = Vec::new();
+    while rig.host().available() > 1 {
+        let slots = device.alloc_pages(1).unwrap();
+        let pages = rig.write(&slots, NodeId(9), None).unwrap().unwrap();
+        rig.take_all_write_acks().unwrap();
+        rig.evict_device(&pages).unwrap();
+        device.free(&slots).unwrap();
+        owned.extend(pages);
+    }
+    rig.prefetch("r", &prompt, None).unwrap();
+    // one batch of two pages answered: the one free page is reserved for it and read
+    gated.open_queries(1);
+    tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(PAGE));
+    assert_eq!(rig.host().available(), 0);
+    gated.open_queries(10);
+    rig.finish_prefetch("r");
+    let done = prefetch_result(&mut rig, "r");
+    assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::HostPoolFull, 1));
+    let page_bytes = rig.engine().host_map().page_bytes();
+    assert_eq!(host_bytes(&rig, &done.host_pages), expected[..page_bytes]);
+    rig.evict_host(&done.host_pages).unwrap();
+    tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
+    assert_eq!(rig.host().available(), 1, "every reserved page came back");
+    assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
+    rig.host().check_invariants().unwrap();
+    rig.evict_host(&owned).unwrap();
+}

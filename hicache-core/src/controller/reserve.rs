@@ -173,8 +173,9 @@ impl StorageTier {
         let mut more = Vec::new();
         if let Some(wanted) = wanted {
             let count = wanted.min(pool.host.available());
-            if (reads.pages.len() + count) * pool.page_size < self.settings.prefetch_threshold {
-                // nothing reserved yet (the agreed part would have reached the threshold), and too few fit
+            if reads.pages.is_empty() && count * pool.page_size < self.settings.prefetch_threshold {
+                // nothing reserved yet, and too few fit (pages reserved while the query ran are being read: they
+                // are resolved below whatever their number, never dropped with their reads under way)
                 prefetch.explanation.stop = PrefetchStop::HostPoolFull;
                 return Ok((Stage::Draining(Vec::new()), Some(self.finish(prefetch, pool, Vec::new(), Vec::new()))));
             }
