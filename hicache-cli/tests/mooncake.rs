@@ -205,7 +205,12 @@ fn a_replay_ends_soon_after_its_master_dies_or_stops_and_verifies_what_it_served
         let deadline = std::time::Instant::now() + BOUND;
         while master.metric("master_batch_put_start_requests_total").unwrap_or(0.0) < 4.0 {
             assert!(std::time::Instant::now() < deadline, "the replay wrote nothing to the master");
-            assert!(replay.try_wait().unwrap().is_none(), "the replay ended before it wrote");
+            if let Some(status) = replay.try_wait().unwrap() {
+                let text = stderr.join().unwrap();
+                let tail: String =
+                    text.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+                panic!("the replay ended ({status}) before it wrote:\n{tail}");
+            }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         master.signal(signal);
