@@ -92,8 +92,7 @@ impl StorageTier {
         prefetch.explanation.local_hit_tokens = prefetch.shared.found_pages() * pool.page_size;
         prefetch.explanation.tp_min_hit_tokens = agreed_pages * pool.page_size;
         if reads.pages.is_empty() {
-            prefetch.explanation.stop = stop;
-            return Ok((Stage::Draining(Vec::new()), Some(self.finish(prefetch, pool, Vec::new(), Vec::new()))));
+            return Ok(self.end_empty(prefetch, pool, stop));
         }
         self.queue_reads(op, prefetch, &mut reads, Vec::new(), true)?;
         prefetch.hold_only(&mut self.capacity, (reads.pages.len() * pool.page_size) as u64)?;
@@ -118,50 +117,33 @@ impl StorageTier {
         let end = End::HitKnown { enough: hit_pages * pool.page_size >= threshold };
         if let Some(stop) = prefetch.stop_reason(self.settings.policy, &end) {
             if reads.pages.is_empty() {
-                prefetch.explanation.stop = stop;
-                return Ok(Reserve::Decided(
-                    Stage::Draining(Vec::new()),
-                    Some(self.finish(prefetch, pool, Vec::new(), Vec::new())),
-                ));
+                let (stage, done) = self.end_empty(prefetch, pool, stop);
+                return Ok(Reserve::Decided(stage, done));
             }
             // reads of the agreed hit are under way (so it reached the threshold): what arrives is resolved
             let reservation = Reservation { reads, head: prefetch.head_pages, wanted: None, cost_cut: false };
-            let (stage, done) = self.take_reservation(op, prefetch, reservation, pool)?;
+            let (stage, done) = self.finish_reservation(op, prefetch, reservation, pool)?;
             return Ok(Reserve::Decided(stage, done));
         }
         // a split's head (the hit's first pages) is the engine's: the reads start after it
         let (head, planned, cost_cut) = self.plan_hit(prefetch, pool, hit_pages, reads.pages.len());
         if planned * pool.page_size < threshold && reads.pages.is_empty() {
-            prefetch.explanation.stop = PrefetchStop::RecomputeFaster;
-            return Ok(Reserve::Decided(
-                Stage::Draining(Vec::new()),
-                Some(self.finish(prefetch, pool, Vec::new(), Vec::new())),
-            ));
+            let (stage, done) = self.end_empty(prefetch, pool, PrefetchStop::RecomputeFaster);
+            return Ok(Reserve::Decided(stage, done));
         }
         let wanted = planned - reads.pages.len();
         let reservation = Reservation { reads, head, wanted: Some(wanted), cost_cut };
         if pool.host.available() < wanted {
             return Ok(Reserve::Short(reservation, wanted - pool.host.available()));
         }
-        let (stage, done) = self.take_reservation(op, prefetch, reservation, pool)?;
+        let (stage, done) = self.finish_reservation(op, prefetch, reservation, pool)?;
         Ok(Reserve::Decided(stage, done))
     }
 
-    /// A planned hit after the tick made what room it could ([`Reserve::Short`]): reserve as many pages as the
-    /// pool holds now.
-    pub(super) fn finish_reservation(
-        &mut self,
-        op: OpId,
-        prefetch: &mut Prefetch,
-        reservation: Reservation,
-        pool: &mut Pool<'_>,
-    ) -> Result<(Stage, Option<PrefetchDone>), Error> {
-        self.take_reservation(op, prefetch, reservation, pool)
-    }
-
     /// Reserves what the pool can hold of `reservation` (nothing more when the prefetch stopped) and queues the
-    /// prefetch's last reads; a hit of which too few pages fit ends here.
-    fn take_reservation(
+    /// prefetch's last reads; a hit of which too few pages fit ends here. The tick calls it again after it made
+    /// what room it could for a [`Reserve::Short`].
+    pub(super) fn finish_reservation(
         &mut self,
         op: OpId,
         prefetch: &mut Prefetch,
@@ -176,8 +158,7 @@ impl StorageTier {
             if reads.pages.is_empty() && count * pool.page_size < self.settings.prefetch_threshold {
                 // nothing reserved yet, and too few fit (pages reserved while the query ran are being read: they
                 // are resolved below whatever their number, never dropped with their reads under way)
-                prefetch.explanation.stop = PrefetchStop::HostPoolFull;
-                return Ok((Stage::Draining(Vec::new()), Some(self.finish(prefetch, pool, Vec::new(), Vec::new()))));
+                return Ok(self.end_empty(prefetch, pool, PrefetchStop::HostPoolFull));
             }
             if count < wanted && short.is_none() {
                 short = Some(Short::Capped);
@@ -328,6 +309,17 @@ impl StorageTier {
         let pages = self.ledger.release(&release)?;
         pool.free(&pages)?;
         Ok(Vec::new())
+    }
+
+    /// The prefetch ends at `stop` with no page reserved: its result, and nothing left to drain.
+    fn end_empty(
+        &mut self,
+        prefetch: &mut Prefetch,
+        pool: &Pool<'_>,
+        stop: PrefetchStop,
+    ) -> (Stage, Option<PrefetchDone>) {
+        prefetch.explanation.stop = stop;
+        (Stage::Draining(Vec::new()), Some(self.finish(prefetch, pool, Vec::new(), Vec::new())))
     }
 
     fn finish(
