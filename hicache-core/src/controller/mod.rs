@@ -18,9 +18,10 @@
 //! when it is acked, whatever the write policy (SGLang's `write_back` never reaches storage: docs/sglang.md#fixed-3);
 //! its host pages stay *pinned* (not evictable) until the backup is done. The storage half is a type of its own
 //! (`tier.rs`); prefetches are in `prefetch.rs` and `reserve.rs`, the per-tick TP reduction in `tick.rs`, the I/O
-//! threads and the typed [`StorageFailure`] in `storage.rs`.
+//! threads in `storage.rs`, and what the engine is told (the typed [`StorageFailure`]) in `outcome.rs`.
 
 mod hit_query;
+mod outcome;
 mod prefetch;
 mod release;
 mod reserve;
@@ -43,9 +44,10 @@ use crate::transfer::{LayerDoneCounter, SlotBusy, SlotReuse, TransferEngine, Tra
 use tier::{Pool, StorageTier};
 
 pub use hit_query::{HitQuery, storage_hit_query, storage_hit_query_with};
+pub use outcome::{PageBackup, PrefetchExplanation, PrefetchStop, StorageFailure};
 pub use prefetch::{PrefetchDone, PrefetchHead, PrefetchStart};
 pub use release::{Release, ReleaseLedger};
-pub use storage::{DEFAULT_TICK_SLOTS, PageBackup, PrefetchExplanation, PrefetchStop, StorageFailure, StorageSettings};
+pub use storage::{DEFAULT_TICK_SLOTS, StorageSettings};
 pub use tick::{PausedTick, TickProgress, TickReport};
 
 fn lent_error(host_pages: &[HostPageId], index: usize, how: Access, operation: &'static str) -> Error {

@@ -31,7 +31,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::CacheController;
-use super::storage::{PrefetchExplanation, PrefetchShared, PrefetchStop, StorageFailure, Workers};
+use super::outcome::{PrefetchExplanation, PrefetchStop, StorageFailure};
+use super::storage::{PrefetchShared, Workers};
 use crate::config::PrefetchPolicy;
 use crate::error::Error;
 use crate::hash::PageKey;

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use super::Release;
+use super::outcome::PrefetchStop;
 use super::prefetch::{End, Fetching, Prefetch, PrefetchDone, Reads, Reservation, Reserve, Short, Stage};
-use super::storage::PrefetchStop;
 use super::tier::{Pool, StorageTier};
 use crate::config::PrefetchPolicy;
 use crate::cost::{Hit, Plan, plan};

@@ -7,11 +7,10 @@ use std::time::Duration;
 
 use rustc_hash::FxHashMap as HashMap;
 
+use super::outcome::{PageBackup, PrefetchExplanation, PrefetchStop};
 use super::prefetch::{Prefetch, PrefetchStart, Reads, Stage, Tracked};
 use super::release::ReleaseLedger;
-use super::storage::{
-    BackupShared, PageBackup, PrefetchExplanation, PrefetchShared, PrefetchStop, StorageSettings, Workers,
-};
+use super::storage::{BackupShared, PrefetchShared, StorageSettings, Workers};
 use super::{BackupReport, lent_error};
 use crate::cost::{CostModel, Rates};
 use crate::error::Error;

@@ -11,6 +11,7 @@
 //! ([`CpuEngine`]) does real copies between plain memory buffers: it is the embedded default (no GPU) and the
 //! reference the CUDA engine is tested against.
 
+mod copies;
 mod cpu;
 mod layer_counter;
 
