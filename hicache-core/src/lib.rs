@@ -17,8 +17,8 @@
 //! It maps the host pool's memory through the operating system (`memmap2`), as any allocator does. `unsafe` is
 //! denied except in `hash/sha_ni.rs` (one call into a `#[target_feature]` function after the CPU check), the loom
 //! model of `ops.rs` (loom's cells) and `host_memory.rs` (the pool's bytes lent to threads page by page). The
-//! `testing` feature, for backends' tests only, adds `storage/service.rs`, which asks the kernel (libc's `prctl`) to
-//! stop a test's service when the test dies.
+//! `testing` feature, for tests only, adds [`testing`](mod@testing): the conformance suite, the controller rig and
+//! `testing/service.rs`, which asks the kernel (libc's `prctl`) to stop a test's service when the test dies.
 #![deny(unsafe_code)]
 
 mod builder;
@@ -39,6 +39,8 @@ pub mod ops;
 pub mod rate_limit;
 pub mod storage;
 mod sync;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod tokens;
 pub mod transfer;
 pub mod tree;

@@ -8,7 +8,7 @@ use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore
 /// Backends over one shared store, as processes sharing a cluster.
 struct Shared(Arc<MemoryStore>);
 
-impl hicache_core::storage::conformance::Harness for Shared {
+impl hicache_core::testing::conformance::Harness for Shared {
     fn open(&self, namespace: &StorageNamespace) -> Box<dyn StorageBackend> {
         Box::new(MemoryStorage::shared(self.0.clone(), namespace))
     }
@@ -17,7 +17,7 @@ impl hicache_core::storage::conformance::Harness for Shared {
 /// The same, each backend wrapped in a fault injector whose plan is empty: the wrapper must be transparent.
 struct Wrapped(Arc<MemoryStore>);
 
-impl hicache_core::storage::conformance::Harness for Wrapped {
+impl hicache_core::testing::conformance::Harness for Wrapped {
     fn open(&self, namespace: &StorageNamespace) -> Box<dyn StorageBackend> {
         Box::new(FaultyStorage::new(MemoryStorage::shared(self.0.clone(), namespace), FaultPlan::default()))
     }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use hicache_core::storage::service::{LoopbackService, free_loopback_port};
+use hicache_core::testing::service::{LoopbackService, free_loopback_port};
 
 use crate::Hf3fsConfig;
 use crate::usrbio::{LIB_DIR_ENV, LIBRARY_NAME};

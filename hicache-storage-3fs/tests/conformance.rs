@@ -3,7 +3,7 @@
 
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::StorageBackend;
-use hicache_core::storage::conformance::Harness;
+use hicache_core::testing::conformance::Harness;
 use hicache_storage_3fs::Hf3fsStorage;
 use hicache_storage_3fs::testing::{Mount, RedisServer};
 

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hicache_core::Error;
-use hicache_core::storage::conformance::{fetch, mha_namespace, put, random_keys, random_pages};
 use hicache_core::storage::{FailureKind, GetOutcome, SetOutcome, StorageBackend};
+use hicache_core::testing::conformance::{fetch, mha_namespace, put, random_keys, random_pages};
 use hicache_storage_3fs::metadata::{Located, PageMetadata, RedisMetadata, Reservation, Space, SpaceCounts};
 use hicache_storage_3fs::testing::{Mount, RedisServer};
 use hicache_storage_3fs::{Hf3fsConfig, Hf3fsStorage};

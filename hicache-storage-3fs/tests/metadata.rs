@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 
 use hicache_core::storage::StorageBackend;
-use hicache_core::storage::conformance::{fetch, mha_namespace, put, random_keys, random_pages};
+use hicache_core::testing::conformance::{fetch, mha_namespace, put, random_keys, random_pages};
 use hicache_storage_3fs::Hf3fsStorage;
 use hicache_storage_3fs::metadata::{LocalMetadata, Located, PageMetadata, RedisMetadata, Reservation, Space};
 use hicache_storage_3fs::testing::{Mount, RedisServer};

@@ -6,8 +6,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use hicache_core::hash::{PageKey, page_key};
-use hicache_core::storage::conformance::mha_namespace;
 use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, StorageBackend};
+use hicache_core::testing::conformance::mha_namespace;
 use hicache_storage_3fs::Hf3fsStorage;
 use hicache_storage_3fs::testing::{Mount, RedisServer};
 

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::StorageBackend;
-use hicache_core::storage::conformance::Harness;
+use hicache_core::testing::conformance::Harness;
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 
 /// Backends of every namespace over one directory, as processes sharing it.

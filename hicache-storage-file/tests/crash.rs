@@ -12,8 +12,8 @@ use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PageKey, page_key};
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::conformance::{fetch, put};
 use hicache_core::storage::{FailureKind, GetOutcome, SetOutcome, StorageBackend};
+use hicache_core::testing::conformance::{fetch, put};
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 
 const DIR_ENV: &str = "HICACHE_CRASH_WRITER_DIR";

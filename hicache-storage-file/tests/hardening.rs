@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::conformance::{fetch, put, random_keys, random_pages};
 use hicache_core::storage::{FailureKind, GetOutcome, SetOutcome, StorageBackend};
+use hicache_core::testing::conformance::{fetch, put, random_keys, random_pages};
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 
 /// 1 KiB pages: 1 layer × 1 head × 64 dims of bf16 × K and V × 4 tokens.

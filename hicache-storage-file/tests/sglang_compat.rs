@@ -8,8 +8,8 @@ use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PartialPage, page_keys};
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::conformance::{fetch, put};
 use hicache_core::storage::{GetOutcome, SetOutcome, StorageBackend};
+use hicache_core::testing::conformance::{fetch, put};
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 
 const PAGE_SIZE: usize = 4;

@@ -17,7 +17,7 @@ use std::time::Duration;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::service::{LoopbackService, free_loopback_port};
+use hicache_core::testing::service::{LoopbackService, free_loopback_port};
 
 use crate::{MooncakeConfig, MooncakeStorage};
 

@@ -5,7 +5,7 @@
 
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::StorageBackend;
-use hicache_core::storage::conformance::Harness;
+use hicache_core::testing::conformance::Harness;
 use hicache_storage_mooncake::testing::Cluster;
 use hicache_storage_mooncake::{KeyScheme, MooncakeStorage, SglangRelease};
 
@@ -45,8 +45,8 @@ mod sglang_0_5_2 {
 
     #[test]
     fn models_share_pages_under_0_5_2_keys() {
-        use hicache_core::storage::conformance::{fetch, mha_namespace, put, random_keys, random_pages};
         use hicache_core::storage::{GetOutcome, SetOutcome};
+        use hicache_core::testing::conformance::{fetch, mha_namespace, put, random_keys, random_pages};
         let store = store();
         let one = mha_namespace(0, 1);
         let other = StorageNamespace { model: format!("{}-other", one.model), ..one.clone() };

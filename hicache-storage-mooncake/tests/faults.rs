@@ -8,8 +8,8 @@ use hicache_core::Error;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::conformance::{fetch, put, random_keys, random_pages};
 use hicache_core::storage::{GetOutcome, SetOutcome, StorageBackend};
+use hicache_core::testing::conformance::{fetch, put, random_keys, random_pages};
 use hicache_storage_mooncake::testing::{self, Cluster, Master, store_library};
 use hicache_storage_mooncake::{MooncakeConfig, MooncakeStorage};
 

@@ -7,9 +7,9 @@ use hicache_core::controller::{PageBackup, PrefetchStop};
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::conformance::{random_keys, random_pages};
-use hicache_core::storage::rig::{controller_over, prefetch_back, store_through};
 use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, SetOutcome, StorageBackend};
+use hicache_core::testing::conformance::{random_keys, random_pages};
+use hicache_core::testing::rig::{controller_over, prefetch_back, store_through};
 use hicache_storage_mooncake::MooncakeStorage;
 use hicache_storage_mooncake::testing::Cluster;
 

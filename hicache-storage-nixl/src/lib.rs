@@ -545,7 +545,7 @@ mod test_common;
 mod tests {
     use hicache_core::geometry::{KvDtype, KvGeometry};
     use hicache_core::layout::HostLayout;
-    use hicache_core::storage::conformance::{put, random_keys, random_pages};
+    use hicache_core::testing::conformance::{put, random_keys, random_pages};
 
     use super::*;
 

@@ -6,8 +6,8 @@ mod common;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::conformance::{random_keys, random_pages};
 use hicache_core::storage::{GetOutcome, SetOutcome, StorageBackend};
+use hicache_core::testing::conformance::{random_keys, random_pages};
 use hicache_storage_nixl::{NixlConfig, NixlStorage};
 
 const PAGE: usize = 4096;

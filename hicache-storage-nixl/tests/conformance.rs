@@ -5,7 +5,7 @@ mod common;
 
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::StorageBackend;
-use hicache_core::storage::conformance::Harness;
+use hicache_core::testing::conformance::Harness;
 use hicache_storage_nixl::NixlStorage;
 
 struct Posix {

@@ -10,7 +10,7 @@ use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::StorageBackend;
-use hicache_core::storage::rig::{controller_over, prefetch_back, store_through};
+use hicache_core::testing::rig::{controller_over, prefetch_back, store_through};
 use hicache_storage_nixl::NixlStorage;
 
 /// Pages written and read, in batches of 3.

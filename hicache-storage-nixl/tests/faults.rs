@@ -10,8 +10,8 @@ use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::PageKey;
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::conformance::{fetch, put, random_keys, random_pages};
 use hicache_core::storage::{FailureKind, FaultPlan, FaultyStorage, GetOutcome, SetOutcome, StorageBackend};
+use hicache_core::testing::conformance::{fetch, put, random_keys, random_pages};
 use hicache_storage_nixl::{NixlConfig, NixlStorage, PluginChoice};
 
 /// 4 KiB pages: 2 layers × K/V × 2 heads × 32 × bf16 = 512 bytes a token, 8 tokens.

@@ -13,13 +13,6 @@ mod fault;
 mod memory;
 mod stats;
 
-#[cfg(feature = "testing")]
-pub mod conformance;
-#[cfg(feature = "testing")]
-pub mod rig;
-#[cfg(feature = "testing")]
-pub mod service;
-
 use std::fmt;
 
 pub use fault::{FaultCounts, FaultPlan, FaultyStorage};

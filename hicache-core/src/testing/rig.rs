@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::StorageBackend;
 use crate::collective::SingleRank;
 use crate::config::PrefetchPolicy;
 use crate::controller::{BackupReport, CacheController, PrefetchDone, StorageSettings};
@@ -14,6 +13,7 @@ use crate::layout::HostLayoutMap;
 use crate::namespace::StorageNamespace;
 use crate::ops::NodeId;
 use crate::rate_limit::SystemClock;
+use crate::storage::StorageBackend;
 use crate::transfer::{Completion, CpuEngine, DeviceLayoutMap, TransferEngine};
 
 /// A controller over `storage` for `namespace` (its geometry, layout and page size), with `host_pages` host pages,

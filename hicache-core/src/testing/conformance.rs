@@ -9,12 +9,12 @@ use std::sync::Arc;
 
 use rand::Rng as _;
 
-use super::{FailureKind, GetOutcome, PageSegments, PageSegmentsMut, SetOutcome, StorageBackend};
 use crate::error::Error;
 use crate::geometry::{KvDtype, KvGeometry};
 use crate::hash::{PageKey, page_key};
 use crate::layout::HostLayout;
 use crate::namespace::StorageNamespace;
+use crate::storage::{FailureKind, GetOutcome, PageSegments, PageSegmentsMut, SetOutcome, StorageBackend};
 
 /// Opens backends for the suite.
 pub trait Harness: Send + Sync {
@@ -72,7 +72,7 @@ macro_rules! __storage_conformance_tests {
         $(
             #[test]
             fn $check() {
-                $crate::storage::conformance::$check(&$harness);
+                $crate::testing::conformance::$check(&$harness);
             }
         )*
     };
