@@ -144,7 +144,7 @@ proptest! {
         let Setup { mut engine, host_map, slots_total, pages, slots, device, .. } =
             setup(geometry, layout, page_size, host_pages, seed, Completion::Immediate);
         let start = engine.start_event().unwrap();
-        let done = engine.backup(&slots, &pages, &start).unwrap();
+        let done = engine.write_to_host(&slots, &pages, &start).unwrap();
         prop_assert!(done.is_complete());
         let host = engine.with_host(|bytes| bytes.to_vec());
         for (page, page_slots) in pages.iter().zip(slots.chunks(page_size)) {
@@ -169,7 +169,7 @@ proptest! {
         let Setup { mut engine, slots_total, pages, slots, device, mut rng, .. } =
             setup(geometry, layout, page_size, host_pages, seed, Completion::Immediate);
         let start = engine.start_event().unwrap();
-        engine.backup(&slots, &pages, &start).unwrap();
+        engine.write_to_host(&slots, &pages, &start).unwrap();
         engine.with_device(|bytes| bytes.fill(DEVICE_POISON));
         // load into other slots than the ones backed up
         let targets = random_slots(&mut rng, slots_total, page_size, pages.len());
@@ -213,7 +213,7 @@ fn held_transfers_leave_destinations_alone_until_they_complete() {
         (0..slots_total as DeviceSlot).filter(|slot| !slots.contains(slot)).take(2).collect();
     let start = engine.start_event().unwrap();
     assert!(start.is_complete(), "the caller's CPU work is done when it asks");
-    let backup = engine.backup(slots, pages, &start).unwrap();
+    let backup = engine.write_to_host(slots, pages, &start).unwrap();
     assert!(!backup.is_complete());
     assert!(engine.with_host(|bytes| bytes.iter().all(|&byte| byte == HOST_POISON)), "held: nothing written yet");
     // poison the load targets (the backed-up slots stay as they are: their owner keeps them locked meanwhile)
@@ -255,19 +255,19 @@ fn bad_requests_are_refused_whole() {
     let start = engine.start_event().unwrap();
     let message = |result: Result<_, hicache_core::Error>| result.map(|_| ()).unwrap_err().to_string();
     assert!(
-        message(engine.backup(&slots[..1], &pages[..1], &start))
+        message(engine.write_to_host(&slots[..1], &pages[..1], &start))
             .contains("1 device slots for 1 host pages of 2 tokens")
     );
-    assert!(message(engine.backup(&[0, 999], &pages[..1], &start)).contains("device slot 999 out of range"));
-    assert!(message(engine.backup(&[0, 1, 2, 3], &[pages[0], pages[0]], &start)).contains("listed twice"));
+    assert!(message(engine.write_to_host(&[0, 999], &pages[..1], &start)).contains("device slot 999 out of range"));
+    assert!(message(engine.write_to_host(&[0, 1, 2, 3], &[pages[0], pages[0]], &start)).contains("listed twice"));
     assert!(message(engine.load_layer(0, &pages[..1], &[1, 1], &start)).contains("device slot 1 is listed twice"));
     assert!(message(engine.load_layer(2, &pages[..1], &[0, 1], &start)).starts_with("layer: 2 out of range"));
     let other = setup(geometry, HostLayout::LayerFirst, 2, 3, 10, Completion::Immediate);
     let mut other_engine = other.engine;
     let foreign = other_engine.start_event().unwrap();
-    assert!(message(engine.backup(&[0, 1], &pages[..1], &foreign)).contains("another engine"));
+    assert!(message(engine.write_to_host(&[0, 1], &pages[..1], &foreign)).contains("another engine"));
     let big_pool = HostPageAllocator::new(10).unwrap().alloc(10).unwrap();
-    assert!(message(engine.backup(&[0, 1], &big_pool[9..], &start)).contains("out of range (3 pages)"));
+    assert!(message(engine.write_to_host(&[0, 1], &big_pool[9..], &start)).contains("out of range (3 pages)"));
     assert!(engine.with_host(|bytes| bytes.iter().all(|&byte| byte == HOST_POISON)), "nothing was copied");
     let mla_map =
         HostLayoutMap::new(KvGeometry::mha(2, 1, 4, KvDtype::Bf16).unwrap(), HostLayout::LayerFirst, 2, 3).unwrap();
@@ -296,16 +296,16 @@ fn contiguous_pages_merge_into_one_copy_per_layer_and_part() {
             slots = slots.chunks(page_size).rev().flatten().copied().collect();
         }
         let start = engine.start_event().unwrap();
-        engine.backup(&slots, &host, &start).unwrap().wait().unwrap();
+        engine.write_to_host(&slots, &host, &start).unwrap().wait().unwrap();
         engine.load_layer(1, &host, &slots, &start).unwrap().wait().unwrap();
         let stats = engine.copy_stats();
         let parts = geometry.parts().len() as u64;
         let items = (pages * page_size) as u64 * parts;
-        assert_eq!(stats.backup_items, items * geometry.layers as u64, "{layout:?}");
+        assert_eq!(stats.write_items, items * geometry.layers as u64, "{layout:?}");
         assert_eq!(stats.load_items, items, "{layout:?}");
         let expected = runs_per_layer_part as u64 * parts;
         assert_eq!(stats.load_runs, expected, "{layout:?} reversed {reversed}");
-        assert_eq!(stats.backup_runs, expected * geometry.layers as u64, "{layout:?} reversed {reversed}");
+        assert_eq!(stats.write_runs, expected * geometry.layers as u64, "{layout:?} reversed {reversed}");
     }
 }
 
@@ -317,7 +317,7 @@ fn a_copy_into_a_page_lent_to_storage_waits_for_the_lease() {
     let (pages, slots) = (&pages[..1], &slots[..2]);
     let memory = engine.host_memory();
     let start = engine.start_event().unwrap();
-    let backup = engine.backup(slots, pages, &start).unwrap();
+    let backup = engine.write_to_host(slots, pages, &start).unwrap();
     // a storage thread reads the page (a backup to storage of what it held before)
     let lease = memory.lend_read(&[pages[0].index()]).unwrap();
     let (done, finished) = std::sync::mpsc::channel();

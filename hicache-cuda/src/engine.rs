@@ -1,6 +1,6 @@
 //! The CUDA transfer engine: the core's `TransferEngine` on a GPU, so the controller runs unchanged there.
 //!
-//! Backups run on a write stream, layer loads on a load stream; each waits on a start event recorded on the
+//! Host writes run on a write stream, layer loads on a load stream; each waits on a start event recorded on the
 //! caller's stream (the engine's own, or an engine's stream it was given), so a transfer starts only after the work
 //! the caller submitted before it. A transfer's index arrays live in stream-ordered device memory from the engine's
 //! own pool (which keeps freed memory for the next transfer), freed on the same stream after the kernel, so they
@@ -165,8 +165,8 @@ pub const DEFAULT_AUTO_MIN_RUN: usize = 1 << 20;
 /// The shortest run (bytes of one layer and part) that `auto` gives the copy engine, per direction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AutoMinRun {
-    /// Backups (device → host).
-    pub backup: usize,
+    /// Host writes (device → host).
+    pub write: usize,
     /// Loads (host → device).
     pub load: usize,
 }
@@ -174,14 +174,14 @@ pub struct AutoMinRun {
 impl AutoMinRun {
     /// The same threshold both ways.
     pub const fn uniform(bytes: usize) -> Self {
-        Self { backup: bytes, load: bytes }
+        Self { write: bytes, load: bytes }
     }
 
     /// What the H200 measurements favour (the default): 1 MiB both ways, batched or not. Batching shorter runs
     /// raised scattered page-64 loads to 0.94–0.97 of bulk (kernel: 0.89–0.91), but the first layer of an
     /// 8192-token load then landed after 4.4 ms (page 64: 256 copies per layer) to 14.6 ms (page 16: 1024 copies
     /// per layer) instead of 0.9 ms; by that growth with the copy count, the driver spends ~0.45 µs of the calling
-    /// thread per copy. Layer-by-layer overlap is worth more than the last 5%. Backups: the kernel's 0.93–0.945
+    /// thread per copy. Layer-by-layer overlap is worth more than the last 5%. Host writes: the kernel's 0.93–0.945
     /// beats batched 128 KiB pieces (0.78–0.83).
     pub const MEASURED: Self = Self::uniform(DEFAULT_AUTO_MIN_RUN);
 }
@@ -408,7 +408,7 @@ impl CudaEngine {
         }
         let batched = can_batch && matches!(backend, IoBackend::Batch | IoBackend::Auto);
         let auto_min_run = auto_min_run.unwrap_or_default();
-        if auto_min_run.backup == 0 || auto_min_run.load == 0 {
+        if auto_min_run.write == 0 || auto_min_run.load == 0 {
             return Err(Error::InvalidArgument { field: "auto_min_run", reason: "must be at least 1 byte".into() });
         }
         (self.io_backend, self.auto_min_run, self.batched) = (backend, auto_min_run, batched);
@@ -553,7 +553,7 @@ impl CudaEngine {
         // affine in the token with the same stride for each)
         let first_part = self.device_map.geometry().parts()[0];
         let host = |token: u32| self.host_map.item_offset(token as usize, 0, first_part);
-        let min_run = if to_device { self.auto_min_run.load } else { self.auto_min_run.backup };
+        let min_run = if to_device { self.auto_min_run.load } else { self.auto_min_run.write };
         let mut plan = Plan::default();
         let mut start = 0;
         for end in 1..=pairs.len() {
@@ -752,7 +752,7 @@ impl TransferEngine for CudaEngine {
         Ok(CudaTransferEvent { event: Arc::new(event) })
     }
 
-    fn backup(
+    fn write_to_host(
         &mut self,
         slots: &[DeviceSlot],
         pages: &[HostPageId],

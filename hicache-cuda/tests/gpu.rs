@@ -137,17 +137,17 @@ fn device_bytes(pair: &Pair) -> (Vec<u8>, Vec<u8>) {
     (gpu, pair.cpu.with_device(|device| device.to_vec()))
 }
 
-/// A backup of every layer, then a layer-by-layer load into other slots of a poisoned device pool, on both engines:
+/// A write of every layer, then a layer-by-layer load into other slots of a poisoned device pool, on both engines:
 /// the bytes must match.
 fn check_round_trip(pair: &mut Pair, what: &str) {
     let geometry = *pair.cuda.device_map().geometry();
-    // backup: device → host, all layers
+    // write: device → host, all layers
     let start = pair.cuda.start_event().unwrap();
-    pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
+    pair.cuda.write_to_host(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
     let start = pair.cpu.start_event().unwrap();
-    pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
+    pair.cpu.write_to_host(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
     let (gpu, cpu) = host_bytes(pair);
-    assert!(gpu == cpu, "{what}: backup differs from the CPU engine");
+    assert!(gpu == cpu, "{what}: write differs from the CPU engine");
     assert!(gpu.iter().any(|&byte| byte != HOST_POISON), "{what}: nothing was written");
     // load: host → device, every layer (one launch, or one per layer with copy-engine runs or the TMA kernel), into
     // other slots of a poisoned device pool
@@ -283,9 +283,9 @@ fn a_consumer_that_waits_on_layer_i_sees_layer_i_complete() {
         let mut pair = pair(&device, geometry, HostLayout::LayerFirst, 16, 1024);
         pair.cuda.set_copy_kernel(kernel).unwrap();
         let start = pair.cuda.start_event().unwrap();
-        pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
+        pair.cuda.write_to_host(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
         let start = pair.cpu.start_event().unwrap();
-        pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap();
+        pair.cpu.write_to_host(&pair.slots, &pair.pages, &start).unwrap();
         let poison = vec![DEVICE_POISON; pair.cuda.device_pool().len()];
         pair.cuda.device_pool().write(0, &poison).unwrap();
         pair.cpu.with_device(|bytes| bytes.fill(DEVICE_POISON));
@@ -362,11 +362,11 @@ fn transfers_beside_a_busy_kernel_stay_correct() {
         // SAFETY: `out` holds one float per thread of this grid.
         unsafe { launch.launch(config) }.unwrap();
         let start = pair.cuda.start_event().unwrap();
-        pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
+        pair.cuda.write_to_host(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
         let start = pair.cpu.start_event().unwrap();
-        pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap();
+        pair.cpu.write_to_host(&pair.slots, &pair.pages, &start).unwrap();
         let (gpu, cpu) = host_bytes(&pair);
-        assert!(gpu == cpu, "backup beside the busy kernel");
+        assert!(gpu == cpu, "write beside the busy kernel");
         compute.synchronize().unwrap();
     }
 }
@@ -472,7 +472,7 @@ fn spin_kernel(device: &Device) -> cudarc::driver::CudaFunction {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn a_backup_waits_for_the_work_on_a_lent_caller_stream() {
+fn a_write_waits_for_the_work_on_a_lent_caller_stream() {
     let device = device();
     let spin = spin_kernel(&device);
     let geometry = KvGeometry::mha(4, 8, 128, KvDtype::Bf16).unwrap();
@@ -481,7 +481,7 @@ fn a_backup_waits_for_the_work_on_a_lent_caller_stream() {
     let scratch = DeviceBuffer::zeroed(&device, 4 * 132 * 1024).unwrap();
     let (pool_pointer, pool_bytes) = (pair.cuda.device_pool().region(0, 0).pointer(), pair.cuda.device_pool().len());
     assert!(pair.cuda.device_pool().is_slab(), "one region holds the whole pool");
-    // first with the engine's own caller stream (the control: nothing orders the backup after the compute stream),
+    // first with the engine's own caller stream (the control: nothing orders the write after the compute stream),
     // then with the compute stream lent
     for (lent, fill) in [(false, 0x11u8), (true, 0x22), (true, 0x33)] {
         if lent {
@@ -496,13 +496,13 @@ fn a_backup_waits_for_the_work_on_a_lent_caller_stream() {
             cudarc::driver::LaunchConfig { grid_dim: (132, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: `scratch` holds one float per thread of this grid.
         unsafe { launch.launch(config) }.unwrap();
-        // SAFETY: the range is the engine's device pool; the backup below reads it (ordered after this write only
+        // SAFETY: the range is the engine's device pool; the write below reads it (ordered after this write only
         // when the stream is lent, which is what the test shows).
         unsafe { cudarc::driver::result::memset_d8_async(pool_pointer, fill, pool_bytes, compute.cu_stream()) }
             .unwrap();
-        // with the stream lent, the start event is recorded on it: the backup runs after the kernel and the fill
+        // with the stream lent, the start event is recorded on it: the write runs after the kernel and the fill
         let start = pair.cuda.start_event().unwrap();
-        pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
+        pair.cuda.write_to_host(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
         let host = pair.cuda.host_memory();
         let (map, item) = (*host.map(), geometry.item_bytes());
         let stale = host.with_all_mut(|bytes| {
@@ -520,7 +520,7 @@ fn a_backup_waits_for_the_work_on_a_lent_caller_stream() {
         });
         compute.synchronize().unwrap();
         if lent {
-            assert_eq!(stale, 0, "items the backup copied before the lent stream's fill");
+            assert_eq!(stale, 0, "items the write copied before the lent stream's fill");
         } else {
             eprintln!("control (caller stream not lent): {stale} items copied before the compute stream's fill");
         }
@@ -535,13 +535,13 @@ fn dropping_the_engine_waits_for_its_transfers() {
     let mut pair = pair(&device, geometry, HostLayout::LayerFirst, 16, 1024);
     let host = pair.cuda.host_memory();
     let start = pair.cuda.start_event().unwrap();
-    let event = pair.cuda.backup(&pair.slots, &pair.pages, &start).unwrap();
+    let event = pair.cuda.write_to_host(&pair.slots, &pair.pages, &start).unwrap();
     let start = pair.cpu.start_event().unwrap();
-    pair.cpu.backup(&pair.slots, &pair.pages, &start).unwrap();
+    pair.cpu.write_to_host(&pair.slots, &pair.pages, &start).unwrap();
     let expected = pair.cpu.with_host(|bytes| bytes.to_vec());
-    // dropped with the backup (tens of MB) still in flight: the drop waits for it, then unpins the host pool
+    // dropped with the write (tens of MB) still in flight: the drop waits for it, then unpins the host pool
     drop(pair.cuda);
-    assert!(event.is_complete(), "the backup finished before the engine was gone");
+    assert!(event.is_complete(), "the write finished before the engine was gone");
     let got = host.with_all_mut(|bytes| bytes.to_vec());
     assert!(got == expected, "the host pool after the drop differs from the CPU engine's");
 }

@@ -3,7 +3,7 @@
 //!
 //! Pages are scattered, as in a pool after churn: a load reads a random set of host pages into a random set of
 //! device pages. `load` is host → device, all layers one after another (the forward pass's per-layer loads);
-//! `backup` is device → host, all layers in one transfer. The reference (`bulk_gbps`) is one contiguous copy of
+//! `write` is device → host, all layers in one transfer. The reference (`bulk_gbps`) is one contiguous copy of
 //! the same number of bytes between the same two buffers. The time until the first layer of a load is ready is
 //! printed beside each load.
 
@@ -97,7 +97,7 @@ pub(crate) struct BenchTransferArgs {
     /// --auto-min-run bytes to the copy engine and the rest to the kernel (auto).
     #[arg(long, value_enum)]
     io_backend: Vec<IoBackendArg>,
-    /// GPU: the shortest run (bytes of one layer) `auto` gives the copy engine; backups, and loads unless
+    /// GPU: the shortest run (bytes of one layer) `auto` gives the copy engine; writes, and loads unless
     /// --auto-min-run-load is given (default: 1 MiB).
     #[arg(long, value_name = "B")]
     auto_min_run: Option<usize>,
@@ -111,7 +111,7 @@ pub(crate) struct BenchTransferArgs {
     /// The same as --placement contiguous.
     #[arg(long, conflicts_with = "placement")]
     contiguous: bool,
-    /// GPU: also measure Llama `layer_first` and `page_first` page-64 loads and backups at several block counts,
+    /// GPU: also measure Llama `layer_first` and `page_first` page-64 loads and writes at several block counts,
     /// to find the fewest blocks that reach 90% of bulk.
     #[arg(long)]
     sweep_blocks: bool,
@@ -175,7 +175,7 @@ fn placement(args: &BenchTransferArgs) -> Placement {
     if args.contiguous { Placement::Contiguous } else { args.placement }
 }
 
-/// The `auto` thresholds given on the command line, as (backup, load); `None` each: the engine's defaults.
+/// The `auto` thresholds given on the command line, as (write, load); `None` each: the engine's defaults.
 #[cfg(feature = "cuda")]
 pub(crate) type AutoMinRunArgs = (Option<usize>, Option<usize>);
 
@@ -335,7 +335,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Load and backup figures of one geometry, layout and page size on the CPU engine.
+/// Load and write figures of one geometry, layout and page size on the CPU engine.
 fn measure(
     name: &'static str,
     geometry: KvGeometry,
@@ -363,7 +363,7 @@ fn measure(
     for _ in 0..rounds {
         let start = engine.start_event()?;
         let began = Instant::now();
-        engine.backup(&slots, host_pages, &start)?.wait()?;
+        engine.write_to_host(&slots, host_pages, &start)?.wait()?;
         best[0] = best[0].max(bytes / began.elapsed().as_secs_f64() / 1e9);
         let start = engine.start_event()?;
         let began = Instant::now();
@@ -398,7 +398,7 @@ fn measure(
         kernel: None,
         device_pool: None,
     };
-    Ok(vec![figure("backup", best[0], None), figure("load", best[1], Some(first_layer))])
+    Ok(vec![figure("write", best[0], None), figure("load", best[1], Some(first_layer))])
 }
 
 /// One contiguous copy of `bytes` from the device buffer to the host buffer: the reference.

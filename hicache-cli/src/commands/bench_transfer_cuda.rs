@@ -31,7 +31,7 @@ pub(crate) struct Shape {
     pub(crate) placement: super::placement::Placement,
 }
 
-/// Backup and load figures of one geometry, layout, page size, io backend and block quota on GPU 0.
+/// Write and load figures of one geometry, layout, page size, io backend and block quota on GPU 0.
 pub(crate) fn measure(
     name: &'static str,
     geometry: KvGeometry,
@@ -89,8 +89,8 @@ pub(crate) fn measure(
     };
     let auto_min_run = match auto_min_run {
         (None, None) => None,
-        (backup, load) => Some(hicache_cuda::AutoMinRun {
-            backup: backup.unwrap_or(hicache_cuda::DEFAULT_AUTO_MIN_RUN),
+        (write, load) => Some(hicache_cuda::AutoMinRun {
+            write: write.unwrap_or(hicache_cuda::DEFAULT_AUTO_MIN_RUN),
             load: load.unwrap_or(hicache_cuda::DEFAULT_AUTO_MIN_RUN),
         }),
     };
@@ -105,8 +105,8 @@ pub(crate) fn measure(
     for round in 0..=rounds {
         let start = engine.start_event()?;
         let began = Instant::now();
-        engine.backup(&slots, host_pages, &start)?.wait()?;
-        let backup = bytes as f64 / began.elapsed().as_secs_f64() / 1e9;
+        engine.write_to_host(&slots, host_pages, &start)?.wait()?;
+        let write = bytes as f64 / began.elapsed().as_secs_f64() / 1e9;
         let start = engine.start_event()?;
         let began = Instant::now();
         let events = engine.load_layers(geometry.layers, host_pages, &slots, &start)?;
@@ -117,7 +117,7 @@ pub(crate) fn measure(
         let load = bytes as f64 / began.elapsed().as_secs_f64() / 1e9;
         // the first round warms up (kernel load, page tables) and does not count
         if round > 0 {
-            best = [best[0].max(backup), best[1].max(load)];
+            best = [best[0].max(write), best[1].max(load)];
             first_layer = first_layer.min(layer_zero);
             submit = submit.min(submitted);
         }
@@ -144,7 +144,7 @@ pub(crate) fn measure(
             super::bench_transfer::DevicePoolArg::PerLayer => "per-layer",
         }),
     };
-    Ok(vec![figure("backup", best[0], bulk[0], None), figure("load", best[1], bulk[1], Some(first_layer))])
+    Ok(vec![figure("write", best[0], bulk[0], None), figure("load", best[1], bulk[1], Some(first_layer))])
 }
 
 /// One contiguous `cuMemcpyAsync` of `bytes` between the pinned host pool and one device allocation of that size

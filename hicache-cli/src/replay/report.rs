@@ -312,7 +312,7 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
             let item = super::geometry(args)?.item_bytes() as f64;
             let per = |items: u64, runs: u64| items as f64 * item / runs.max(1) as f64;
             first.copies.map(|copies| CopySizes {
-                device_to_host: per(copies.backup_items, copies.backup_runs),
+                device_to_host: per(copies.write_items, copies.write_runs),
                 host_to_device: per(copies.load_items, copies.load_runs),
             })
         },

@@ -271,7 +271,7 @@ impl<E: TransferEngine> CacheController<E> {
         let Some(host_pages) = self.host.alloc(device_slots.len() / self.page_size) else { return Ok(None) };
         let submitted = tier::unlent(&self.memory, &host_pages, "write").and_then(|()| {
             let start = self.engine.start_event()?;
-            self.engine.backup(device_slots, &host_pages, &start)
+            self.engine.write_to_host(device_slots, &host_pages, &start)
         });
         let finish = match submitted {
             Ok(finish) => finish,

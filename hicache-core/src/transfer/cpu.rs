@@ -1,6 +1,6 @@
 //! The CPU transfer engine: real copies between a device pool and a host pool held in plain memory.
 //!
-//! Two streams, as on the GPU: backups run in order on the write stream, layer loads in order on the load stream. In
+//! Two streams, as on the GPU: host writes run in order on the write stream, layer loads in order on the load stream. In
 //! [`Completion::Immediate`] mode a copy happens when it is submitted. In [`Completion::Manual`] mode it happens only
 //! when a test lets it ([`CpuEngine::complete_next`], [`CpuEngine::run_pending`]) or someone waits on its event, so
 //! tests can hold transfers in flight deterministically: until then the destination keeps its old bytes, and a
@@ -29,7 +29,7 @@ pub enum Completion {
 /// A stream of the engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stream {
-    /// Device → host backups.
+    /// Device → host writes.
     Write = 0,
     /// Host → device layer loads.
     Load = 1,
@@ -37,7 +37,7 @@ pub enum Stream {
 
 #[derive(Debug)]
 enum Work {
-    Backup { slots: Vec<DeviceSlot>, pages: Vec<usize> },
+    Write { slots: Vec<DeviceSlot>, pages: Vec<usize> },
     LoadLayer { layer: usize, pages: Vec<usize>, slots: Vec<DeviceSlot> },
 }
 
@@ -69,10 +69,10 @@ struct State {
 /// Items per run is what a GPU's copy engine would get per copy from the same pages.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CopyStats {
-    /// Items backed up (device → host).
-    pub backup_items: u64,
+    /// Items written to host (device → host).
+    pub write_items: u64,
     /// Runs they merged into.
-    pub backup_runs: u64,
+    pub write_runs: u64,
     /// Items loaded (host → device).
     pub load_items: u64,
     /// Runs they merged into.
@@ -107,7 +107,7 @@ impl State {
         let device = &mut *device;
         let host = &self.memory.host;
         match work {
-            Work::Backup { slots, pages } => {
+            Work::Write { slots, pages } => {
                 // like a DMA engine, the copy waits until no storage thread holds these pages
                 let mut lease = host.lend_write_waiting(pages).expect("pages checked when submitted");
                 let mut host_pages = lease.pages_mut();
@@ -129,8 +129,8 @@ impl State {
                 }
                 copy.flush(&mut write);
                 runs.finish();
-                self.stats.backup_items += runs.items;
-                self.stats.backup_runs += runs.runs;
+                self.stats.write_items += runs.items;
+                self.stats.write_runs += runs.runs;
             }
             Work::LoadLayer { layer, pages, slots } => {
                 let lease = host.lend_read_waiting(pages).expect("pages checked when submitted");
@@ -492,13 +492,18 @@ impl TransferEngine for CpuEngine {
         Ok(CpuEvent { state: self.state.clone(), position: None })
     }
 
-    fn backup(&mut self, slots: &[DeviceSlot], pages: &[HostPageId], after: &CpuEvent) -> Result<CpuEvent, Error> {
+    fn write_to_host(
+        &mut self,
+        slots: &[DeviceSlot],
+        pages: &[HostPageId],
+        after: &CpuEvent,
+    ) -> Result<CpuEvent, Error> {
         let mut state = lock(&self.state);
         let pages = self.check(&state, slots, pages, after)?;
         if let Some(page) = first_repeat(&mut state.seen, pages.iter().copied()) {
             return Err(Error::InvalidArgument { field: "pages", reason: format!("host page {page} is listed twice") });
         }
-        Ok(self.submit(state, Stream::Write, Work::Backup { slots: slots.to_vec(), pages }, after))
+        Ok(self.submit(state, Stream::Write, Work::Write { slots: slots.to_vec(), pages }, after))
     }
 
     fn load_layer(

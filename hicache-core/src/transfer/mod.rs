@@ -1,11 +1,11 @@
 //! Device↔host transfers: what the controller needs from a device, and the device pool's byte map.
 //!
-//! A [`TransferEngine`] copies whole pages between the device KV pool (L1) and the host pool (L2): a **backup**
+//! A [`TransferEngine`] copies whole pages between the device KV pool (L1) and the host pool (L2): a **host write**
 //! copies every layer of some device slots into host pages (device → host), a **layer load** copies one layer of
 //! host pages into device slots (host → device), so the model can use layer *i* while later layers are still in
 //! flight. Each returns a [`TransferEvent`] that can be queried without blocking and waited on. A **start event**,
 //! recorded on the caller's stream before a transfer is submitted, orders the transfer after the caller's earlier
-//! work (the KV a backup reads was written by earlier kernels; the slots a load writes were freed by earlier ones).
+//! work (the KV a host write reads was written by earlier kernels; the slots a load writes were freed by earlier ones).
 //!
 //! Slots and pages pair up in order: host page `i` ↔ device slots `[i·P, (i+1)·P)`. The CPU engine
 //! ([`CpuEngine`]) does real copies between plain memory buffers: it is the embedded default (no GPU) and the
@@ -63,14 +63,18 @@ pub trait TransferEngine: Send {
     ///
     /// [`Error::InvalidArgument`] when the slots are not `page_size` per page or a slot or page is out of range;
     /// nothing is copied then.
-    fn backup(&mut self, slots: &[DeviceSlot], pages: &[HostPageId], after: &Self::Event)
-    -> Result<Self::Event, Error>;
+    fn write_to_host(
+        &mut self,
+        slots: &[DeviceSlot],
+        pages: &[HostPageId],
+        after: &Self::Event,
+    ) -> Result<Self::Event, Error>;
 
     /// Copies layer `layer` of `pages` into `slots` (host → device), after `after`.
     ///
     /// # Errors
     ///
-    /// As [`backup`](Self::backup), and for a layer out of range.
+    /// As [`write_to_host`](Self::write_to_host), and for a layer out of range.
     fn load_layer(
         &mut self,
         layer: usize,

@@ -84,11 +84,11 @@ impl<E: TransferEngine> HiRadixTree<E> {
     /// SGLang: waiting there stalled the scheduler and churned the host pool for less hit rate in replays.) Returns
     /// the tokens written (0: none).
     fn rescue(&mut self, id: NodeId) -> Result<usize, Error> {
-        let mut written = self.write_backup(id, true)?;
+        let mut written = self.write_to_host(id, true)?;
         while written == 0 && self.controller.backups_in_flight() > 0 {
             self.controller.take_backups(1)?;
             self.stats.backup_waits += 1;
-            written = self.write_backup(id, true)?;
+            written = self.write_to_host(id, true)?;
         }
         Ok(written)
     }

@@ -495,14 +495,14 @@ impl<E: TransferEngine> HiRadixTree<E> {
         let entry = self.node_mut(node);
         entry.hit_count += 1;
         if !entry.backed_up() && entry.hit_count >= threshold {
-            self.write_backup(node, false)?;
+            self.write_to_host(node, false)?;
         }
         Ok(())
     }
 
     /// Writes `node`'s device copy to new host pages (and on to storage when it has page keys), evicting host
     /// pages once if the pool is full; returns the tokens written (0 when there was no room).
-    fn write_backup(&mut self, node: NodeId, write_back: bool) -> Result<usize, Error> {
+    fn write_to_host(&mut self, node: NodeId, write_back: bool) -> Result<usize, Error> {
         let entry = self.node(node);
         let slots = entry.device.clone().expect("only resident nodes are written");
         let keys = (!entry.hashes.is_empty()).then(|| entry.hashes.clone());
