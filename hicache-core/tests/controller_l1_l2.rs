@@ -12,7 +12,9 @@ use hicache_core::geometry::{KvDtype, KvGeometry, KvPart};
 use hicache_core::host_pool::PageState;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::ops::{DeviceSlot, NodeId};
-use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, SlotBusy, SlotReuse, Stream, TransferEvent};
+use hicache_core::transfer::{
+    Completion, CpuEngine, DeviceLayoutMap, ProducerSlot, SlotBusy, SlotReuse, Stream, TransferEvent,
+};
 
 const PAGE: usize = 2;
 const LAYERS: usize = 3;
@@ -109,12 +111,12 @@ fn a_fourth_load_waits_or_is_refused_never_asserts() {
         controller
             .load(std::slice::from_ref(page), &device.alloc_pages(1).unwrap(), NodeId(10 + round as u64), None)
             .unwrap();
-        assert_eq!(controller.start_loading(SlotReuse::Refuse).unwrap(), Ok(Some(round)));
+        assert_eq!(ring(controller.start_loading(SlotReuse::Refuse).unwrap()), Ok(Some(round)));
     }
     controller.load(&pages[3..], &device.alloc_pages(pages[3..].len()).unwrap(), NodeId(13), None).unwrap();
-    assert_eq!(controller.start_loading(SlotReuse::Refuse).unwrap(), Err(SlotBusy { slot: 0 }));
+    assert_eq!(ring(controller.start_loading(SlotReuse::Refuse).unwrap()), Err(0));
     assert_eq!(controller.outstanding(), (0, 1, 3), "the refused load stays queued");
-    assert_eq!(controller.start_loading(SlotReuse::Wait).unwrap(), Ok(Some(0)));
+    assert_eq!(ring(controller.start_loading(SlotReuse::Wait).unwrap()), Ok(Some(0)));
     assert_eq!(controller.completed_loads(), 1, "waiting finished the oldest load, and only it");
     assert_eq!(controller.start_loading(SlotReuse::Refuse).unwrap(), Ok(None), "nothing queued");
 }
@@ -419,4 +421,9 @@ fn a_failed_load_is_an_error_for_the_forward_pass_and_the_ack() {
     controller.engine().run_pending();
     let error = controller.take_load_acks(controller.completed_loads()).unwrap_err();
     assert!(error.to_string().contains("load of nodes"), "{error}");
+}
+
+/// A load's start as ring indices: the producer slot it took, or the busy slot it was refused.
+fn ring(started: Result<Option<ProducerSlot>, SlotBusy>) -> Result<Option<usize>, usize> {
+    started.map(|slot| slot.map(ProducerSlot::index)).map_err(|busy| busy.slot.index())
 }

@@ -17,7 +17,7 @@ use hicache_core::namespace::StorageNamespace;
 use hicache_core::ops::NodeId;
 use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore, StorageBackend};
-use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, SlotBusy, SlotReuse, Stream};
+use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, ProducerSlot, SlotBusy, SlotReuse, Stream};
 use hicache_core::tree::{HiRadixTree, TreeSettings};
 
 const PAGE: usize = 2;
@@ -372,7 +372,12 @@ fn item_17_a_fourth_load_waits_or_reports_busy_instead_of_asserting() {
         rig.start_loading(SlotReuse::Refuse).unwrap().unwrap();
     }
     rig.load(&pages[3..], &device.alloc_pages(pages[3..].len()).unwrap(), NodeId(9), None).unwrap();
-    assert_eq!(rig.start_loading(SlotReuse::Refuse).unwrap(), Err(SlotBusy { slot: 0 }));
-    assert_eq!(rig.start_loading(SlotReuse::Wait).unwrap(), Ok(Some(0)));
+    assert_eq!(ring(rig.start_loading(SlotReuse::Refuse).unwrap()), Err(0));
+    assert_eq!(ring(rig.start_loading(SlotReuse::Wait).unwrap()), Ok(Some(0)));
     assert!(rig.engine().complete_next(Stream::Load) || rig.engine().pending().1 == 0);
+}
+
+/// A load's start as ring indices: the producer slot it took, or the busy slot it was refused.
+fn ring(started: Result<Option<ProducerSlot>, SlotBusy>) -> Result<Option<usize>, usize> {
+    started.map(|slot| slot.map(ProducerSlot::index)).map_err(|busy| busy.slot.index())
 }

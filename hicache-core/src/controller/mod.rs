@@ -40,7 +40,7 @@ use crate::host_pool::{HostPageAllocator, HostPageId, PageState};
 use crate::ops::{CacheOperation, DeviceSlot, NodeId, OpId, OpIds};
 use crate::rate_limit::{Clock, PrefetchCapacity};
 use crate::storage::StorageBackend;
-use crate::transfer::{LayerDoneCounter, SlotBusy, SlotReuse, TransferEngine, TransferEvent};
+use crate::transfer::{LayerDoneCounter, ProducerSlot, SlotBusy, SlotReuse, TransferEngine, TransferEvent};
 use tier::{Pool, StorageTier};
 
 pub use hit_query::{HitQuery, storage_hit_query, storage_hit_query_with};
@@ -337,7 +337,7 @@ impl<E: TransferEngine> CacheController<E> {
     ///
     /// `Ok(Err(SlotBusy))` with [`SlotReuse::Refuse`] when the next slot's last load is still in flight (the
     /// queue is kept); `Err` for the engine's errors.
-    pub fn start_loading(&mut self, reuse: SlotReuse) -> Result<Result<Option<usize>, SlotBusy>, Error> {
+    pub fn start_loading(&mut self, reuse: SlotReuse) -> Result<Result<Option<ProducerSlot>, SlotBusy>, Error> {
         if self.load_queue.is_empty() {
             return Ok(Ok(None));
         }

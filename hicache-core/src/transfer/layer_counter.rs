@@ -17,11 +17,30 @@ pub enum SlotReuse {
     Refuse,
 }
 
+/// One slot of the ring: where a merged load records its per-layer events and which the forward pass consumes. Not a
+/// device slot ([`DeviceSlot`](crate::ops::DeviceSlot), a token's place in the device pool): only the ring hands
+/// these out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ProducerSlot(usize);
+
+impl ProducerSlot {
+    /// The slot's place in the ring, `0..LayerDoneCounter::SLOTS`.
+    pub fn index(self) -> usize {
+        self.0
+    }
+}
+
+impl std::fmt::Display for ProducerSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "producer slot {}", self.0)
+    }
+}
+
 /// The next producer slot still has a load in flight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotBusy {
     /// The slot.
-    pub slot: usize,
+    pub slot: ProducerSlot,
 }
 
 /// The ring of producer slots.
@@ -46,13 +65,13 @@ impl<E: TransferEvent> LayerDoneCounter<E> {
     /// # Errors
     ///
     /// [`SlotBusy`] with [`SlotReuse::Refuse`] when the slot's last event is not complete.
-    pub(crate) fn begin_producer(&mut self, reuse: SlotReuse) -> Result<usize, SlotBusy> {
+    pub(crate) fn begin_producer(&mut self, reuse: SlotReuse) -> Result<ProducerSlot, SlotBusy> {
         let slot = self.producer.map_or(0, |slot| (slot + 1) % self.slots.len());
         if let Some(last) = self.slots[slot].last()
             && !last.is_complete()
         {
             match reuse {
-                SlotReuse::Refuse => return Err(SlotBusy { slot }),
+                SlotReuse::Refuse => return Err(SlotBusy { slot: ProducerSlot(slot) }),
                 SlotReuse::Wait => {
                     // the slot is free once its last load ended, well or not (a failed load is reported where its
                     // ack is taken)
@@ -62,21 +81,18 @@ impl<E: TransferEvent> LayerDoneCounter<E> {
         }
         self.slots[slot].clear();
         self.producer = Some(slot);
-        Ok(slot)
+        Ok(ProducerSlot(slot))
     }
 
     /// Records the load's per-layer events in `slot` (layer order; the last one finishes the load).
     ///
-    /// # Panics
-    ///
-    /// When `slot` is not a slot of the ring (a caller bug).
-    pub(crate) fn set_layer_events(&mut self, slot: usize, events: Vec<E>) {
-        self.slots[slot] = events;
+    pub(crate) fn set_layer_events(&mut self, slot: ProducerSlot, events: Vec<E>) {
+        self.slots[slot.0] = events;
     }
 
     /// Makes `slot` the one the forward pass consumes; `None` when the batch loads nothing.
-    pub fn set_consumer(&mut self, slot: Option<usize>) {
-        self.consumer = slot;
+    pub fn set_consumer(&mut self, slot: Option<ProducerSlot>) {
+        self.consumer = slot.map(ProducerSlot::index);
     }
 
     /// Blocks until layer `layer` of the consumer's load is in device memory; at once without a consumer, or when
@@ -154,15 +170,15 @@ mod tests {
         let mut counter = LayerDoneCounter::new();
         for expected in 0..3 {
             let slot = counter.begin_producer(SlotReuse::Refuse).unwrap();
-            assert_eq!(slot, expected);
-            let events = load_all_layers(&mut engine, slot);
+            assert_eq!(slot, ProducerSlot(expected));
+            let events = load_all_layers(&mut engine, expected);
             counter.set_layer_events(slot, events);
         }
         assert!(counter.busy());
         // SGLang asserts here; hicache reports or waits
-        assert_eq!(counter.begin_producer(SlotReuse::Refuse), Err(SlotBusy { slot: 0 }));
+        assert_eq!(counter.begin_producer(SlotReuse::Refuse), Err(SlotBusy { slot: ProducerSlot(0) }));
         assert_eq!(engine.pending(), (0, 12), "refusing changed nothing");
-        assert_eq!(counter.begin_producer(SlotReuse::Wait), Ok(0));
+        assert_eq!(counter.begin_producer(SlotReuse::Wait), Ok(ProducerSlot(0)));
         assert_eq!(engine.pending(), (0, 8), "waiting completed slot 0's load, and only it");
     }
 
@@ -182,6 +198,6 @@ mod tests {
         counter.reset();
         assert!(events.iter().all(TransferEvent::is_complete), "reset quiesces");
         assert!(!counter.busy());
-        assert_eq!(counter.begin_producer(SlotReuse::Refuse), Ok(0), "and starts the ring again");
+        assert_eq!(counter.begin_producer(SlotReuse::Refuse), Ok(ProducerSlot(0)), "and starts the ring again");
     }
 }

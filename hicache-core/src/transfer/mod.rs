@@ -16,7 +16,7 @@ mod cpu;
 mod layer_counter;
 
 pub use cpu::{Completion, CopyStats, CpuEngine, CpuEvent, DeviceRegions, Stream};
-pub use layer_counter::{LayerDoneCounter, SlotBusy, SlotReuse};
+pub use layer_counter::{LayerDoneCounter, ProducerSlot, SlotBusy, SlotReuse};
 
 use crate::error::Error;
 use crate::geometry::{KvGeometry, KvPart};

@@ -11,7 +11,7 @@ use crate::error::Error;
 use crate::hash::PageKey;
 use crate::host_pool::HostPageId;
 use crate::ops::{DeviceSlot, NodeId};
-use crate::transfer::{SlotBusy, SlotReuse, TransferEngine};
+use crate::transfer::{ProducerSlot, SlotBusy, SlotReuse, TransferEngine};
 
 /// The answer of [`HiRadixTree::check_prefetch_progress`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,10 +113,10 @@ impl<E: TransferEngine> HiRadixTree<E> {
     /// # Errors
     ///
     /// Engine errors.
-    pub fn start_loading(&mut self) -> Result<Option<usize>, Error> {
+    pub fn start_loading(&mut self) -> Result<Option<ProducerSlot>, Error> {
         match self.controller.start_loading(SlotReuse::Wait)? {
             Ok(slot) => Ok(slot),
-            Err(SlotBusy { slot }) => Err(Error::Internal(format!("producer slot {slot} busy after waiting"))),
+            Err(SlotBusy { slot }) => Err(Error::Internal(format!("{slot} busy after waiting"))),
         }
     }
 
