@@ -19,6 +19,7 @@
 use std::error::Error;
 use std::sync::Arc;
 
+use hicache_core::DeviceSlot;
 use hicache_core::HiCacheBuilder;
 use hicache_core::collective::SingleRank;
 use hicache_core::config::{HiCacheConfig, PrefetchPolicy};
@@ -27,7 +28,6 @@ use hicache_core::device_slots::{DeviceSlotAllocator, PagedSlots};
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::ops::DeviceSlot;
 use hicache_core::storage::StorageBackend;
 use hicache_core::transfer::TransferEngine;
 use hicache_core::tree::{HiRadixTree, PrefetchCheck};

@@ -25,7 +25,9 @@
 
 use crate::error::Error;
 use crate::host_pool::{HostPageAllocator, HostPageId};
-use crate::ops::DeviceSlot;
+
+/// A device pool slot: one token of the device KV pool.
+pub type DeviceSlot = u32;
 
 /// An allocator of device slots in whole pages, owned by the engine and lent to the tree per call.
 pub trait DeviceSlotAllocator {

@@ -4,10 +4,9 @@
 //! keeps them across requests and instances, found again by a chained hash of the token prefix. This crate holds
 //! what every part shares and runs without a GPU: page keys ([`hash`]), key namespaces ([`namespace`]), KV geometry
 //! ([`geometry`]) and host layouts ([`layout`]), the host page allocator ([`host_pool`]) and the host pool's memory
-//! with its page leases ([`host_memory`]), cache and storage
-//! operations ([`ops`]), TP collectives ([`collective`]), device↔host transfers and the CPU transfer engine
-//! ([`transfer`]), the cache controller ([`controller`]) and the tiered prefix tree that drives it ([`tree`]), rate
-//! limiting ([`rate_limit`]), the storage trait with an in-memory and a fault-injection backend ([`storage`]), the
+//! with its page leases ([`host_memory`]), the device slots an engine lends ([`device_slots`]), TP collectives
+//! ([`collective`]), device↔host transfers and the CPU transfer engine ([`transfer`]), the cache controller with its
+//! operations ([`controller`]) and the tiered prefix tree that drives it ([`tree`]), rate limiting ([`rate_limit`]), the storage trait with an in-memory and a fault-injection backend ([`storage`]), the
 //! configuration ([`config`]) and the token-list parser ([`tokens`]).
 //!
 //! An engine starts from the crate root: [`HiCacheBuilder`] makes a [`HiRadixTree`] from one [`HiCacheConfig`] and
@@ -16,7 +15,7 @@
 //! **Invariant:** this crate never links CUDA or any FFI library and does I/O only through the storage trait.
 //! It maps the host pool's memory through the operating system (`memmap2`), as any allocator does. `unsafe` is
 //! denied except in `hash/sha_ni.rs` (one call into a `#[target_feature]` function after the CPU check), the loom
-//! model of `ops.rs` (loom's cells) and `host_memory.rs` (the pool's bytes lent to threads page by page). The
+//! model of `controller/progress.rs` (loom's cells) and `host_memory.rs` (the pool's bytes lent to threads page by page). The
 //! `testing` feature, for tests only, adds [`testing`](mod@testing): the conformance suite, the controller rig and
 //! `testing/service.rs`, which asks the kernel (libc's `prctl`) to stop a test's service when the test dies.
 #![deny(unsafe_code)]
@@ -35,7 +34,6 @@ pub mod host_memory;
 pub mod host_pool;
 pub mod layout;
 pub mod namespace;
-pub mod ops;
 pub mod rate_limit;
 pub mod storage;
 mod sync;
@@ -48,7 +46,7 @@ pub mod tree;
 pub use builder::HiCacheBuilder;
 pub use collective::{Collective, SingleRank};
 pub use config::HiCacheConfig;
-pub use device_slots::{DeviceSlotAllocator, PagedSlots};
+pub use device_slots::{DeviceSlot, DeviceSlotAllocator, PagedSlots};
 pub use error::{Cause, Error, ErrorKind};
 pub use storage::{GetOutcome, SetOutcome, StorageBackend};
 pub use transfer::{CpuEngine, TransferEngine, TransferEvent};

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use hicache_core::DeviceSlot;
 use hicache_core::collective::{Collective, InProcessGroup, ReduceOp};
 use hicache_core::controller::CacheController;
 use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
@@ -11,10 +12,10 @@ use hicache_core::error::ErrorKind;
 use hicache_core::geometry::{KvDtype, KvGeometry, KvPart};
 use hicache_core::host_pool::PageState;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
-use hicache_core::ops::{DeviceSlot, NodeId};
 use hicache_core::transfer::{
     Completion, CpuEngine, DeviceLayoutMap, ProducerSlot, SlotBusy, SlotReuse, Stream, TransferEvent,
 };
+use hicache_core::tree::NodeId;
 
 const PAGE: usize = 2;
 const LAYERS: usize = 3;

@@ -20,13 +20,13 @@ use hicache_core::host_memory::MemoryRegion;
 use hicache_core::host_pool::{HostPageId, PageState};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::ops::NodeId;
 use hicache_core::rate_limit::{Clock, ManualClock, SystemClock};
 use hicache_core::storage::{
     FailureKind, FaultPlan, FaultyStorage, GetOutcome, MemoryStorage, MemoryStore, PageSegments, PageSegmentsMut,
     SetOutcome, StorageBackend, StorageStats,
 };
 use hicache_core::transfer::{Completion, CpuEngine, CpuEvent, DeviceLayoutMap, TransferEngine};
+use hicache_core::tree::NodeId;
 use rand::RngExt as _;
 
 const PAGE: usize = 4;
@@ -165,7 +165,7 @@ fn a_stored_prefix_is_prefetched_byte_for_byte_into_a_fresh_host_pool() {
     let mut asked = prompt.clone();
     asked.extend(tokens(2, 3)); // 3 more pages storage does not hold, and a partial tail
     asked.extend([7, 7]);
-    assert_eq!(reader.prefetch("r1", &asked, None).unwrap(), PrefetchStart::Started(hicache_core::ops::OpId(1)));
+    assert_eq!(reader.prefetch("r1", &asked, None).unwrap(), PrefetchStart::Started(hicache_core::controller::OpId(1)));
     assert!(reader.finish_prefetch("r1"));
     let done = prefetch_result(&mut reader, "r1");
     assert_eq!(done.keys, keys);
@@ -192,7 +192,7 @@ fn host_pages_are_reserved_for_the_hit_only_and_a_small_hit_is_revoked() {
     let prompt = tokens(3, 20);
     let (_, _, host_pages) = store_through(&mut rig, &prompt[..3 * PAGE]);
     rig.evict_host(&host_pages).unwrap();
-    assert_eq!(rig.prefetch("big", &prompt, None).unwrap(), PrefetchStart::Started(hicache_core::ops::OpId(3)));
+    assert_eq!(rig.prefetch("big", &prompt, None).unwrap(), PrefetchStart::Started(hicache_core::controller::OpId(3)));
     assert_eq!(rig.host().available(), HOST_PAGES, "nothing reserved before the hit is known");
     let reports = tick_until(&mut rig, |rig, _| rig.prefetch_progress("big").is_some_and(|tokens| tokens > 0));
     assert!(reports.iter().all(|report| report.prefetches.is_empty()));

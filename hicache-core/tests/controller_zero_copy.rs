@@ -15,12 +15,12 @@ use hicache_core::hash::{PageKey, PartialPage, page_keys};
 use hicache_core::host_memory::{Access, MemoryRegion};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::ops::NodeId;
 use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::{
     GetOutcome, MemoryStorage, MemoryStore, PageSegments, PageSegmentsMut, SetOutcome, StorageBackend, StorageStats,
 };
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, TransferEngine};
+use hicache_core::tree::NodeId;
 use rand::RngExt as _;
 
 const PAGE: usize = 4;

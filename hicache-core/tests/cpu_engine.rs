@@ -2,10 +2,10 @@
 //! flat page order of the layout, layer loads bring one layer back, nothing else is touched; held transfers leave
 //! destinations alone until they complete; bad requests are refused whole.
 
+use hicache_core::DeviceSlot;
 use hicache_core::geometry::{KvDtype, KvGeometry, KvPart};
 use hicache_core::host_pool::{HostPageAllocator, HostPageId};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
-use hicache_core::ops::DeviceSlot;
 use std::sync::Arc;
 
 use hicache_core::host_memory::HostMemory;

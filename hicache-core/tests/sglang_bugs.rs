@@ -14,10 +14,10 @@ use hicache_core::hash::{PartialPage, page_keys};
 use hicache_core::host_pool::PageState;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::ops::NodeId;
 use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore, StorageBackend};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, ProducerSlot, SlotBusy, SlotReuse, Stream};
+use hicache_core::tree::NodeId;
 use hicache_core::tree::{HiRadixTree, TreeSettings};
 
 const PAGE: usize = 2;

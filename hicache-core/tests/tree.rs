@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hicache_core::DeviceSlot;
 use hicache_core::collective::SingleRank;
 use hicache_core::config::{PrefetchPolicy, WritePolicy};
 use hicache_core::controller::{CacheController, PrefetchHead, PrefetchStart, PrefetchStop, StorageSettings};
@@ -15,7 +16,6 @@ use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PartialPage, page_keys};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::ops::DeviceSlot;
 use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::{MemoryStorage, MemoryStore};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};

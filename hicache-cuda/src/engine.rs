@@ -9,12 +9,12 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg as _};
+use hicache_core::DeviceSlot;
 use hicache_core::Error;
 use hicache_core::config::IoBackend;
 use hicache_core::host_memory::HostMemory;
 use hicache_core::host_pool::HostPageId;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
-use hicache_core::ops::DeviceSlot;
 use hicache_core::transfer::{DeviceLayoutMap, TransferEngine, TransferEvent};
 
 use crate::device::Device;

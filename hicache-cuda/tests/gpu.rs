@@ -10,11 +10,12 @@ use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::geometry::{KvDtype, KvGeometry, KvPart};
 use std::sync::Arc;
 
+use hicache_core::DeviceSlot;
 use hicache_core::host_memory::{HostAllocation, HostMemory};
 use hicache_core::host_pool::{HostPageAllocator, HostPageId};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
-use hicache_core::ops::{DeviceSlot, NodeId};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, SlotReuse, TransferEngine, TransferEvent};
+use hicache_core::tree::NodeId;
 use hicache_cuda::{
     AutoMinRun, CopyKernel, CudaEngine, Device, DeviceBuffer, DevicePool, LaunchShape, StreamHandle, TmaShape,
     driver_present,

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use hicache_core::DeviceSlot;
 use hicache_core::collective::SingleRank;
 use hicache_core::config::HiCacheConfig;
 use hicache_core::controller::PrefetchHead;
@@ -27,11 +28,11 @@ use hicache_core::geometry::KvGeometry;
 use hicache_core::host_memory::HostMemory;
 use hicache_core::layout::HostLayoutMap;
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::ops::{DeviceSlot, NodeId};
 use hicache_core::storage::StorageBackend;
 use hicache_core::transfer::{
     Completion, CpuEngine, CpuEvent, DeviceLayoutMap, DeviceRegions, LayerDoneCounter, TransferEngine, TransferEvent,
 };
+use hicache_core::tree::NodeId;
 use hicache_core::tree::{HiRadixTree, PrefetchCheck};
 use hicache_core::{Error, HiCacheBuilder};
 use pyo3::exceptions::PyValueError;

@@ -21,10 +21,10 @@ use hicache_core::hash::{PageHasher, PartialPage};
 use hicache_core::host_pool::HostPageId;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::ops::NodeId;
 use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::MemoryStorage;
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, SlotReuse};
+use hicache_core::tree::NodeId;
 use serde::Serialize;
 
 /// Arguments of `hicache bench controller`.

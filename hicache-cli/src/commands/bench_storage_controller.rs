@@ -21,10 +21,10 @@ use hicache_core::host_memory::HostMemory;
 use hicache_core::host_pool::HostPageId;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::ops::NodeId;
 use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::{GetOutcome, StorageBackend};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, TransferEngine};
+use hicache_core::tree::NodeId;
 use serde::Serialize;
 
 /// What to measure.

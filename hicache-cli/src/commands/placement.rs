@@ -3,9 +3,9 @@
 //! requests allocated in the pool that leaves).
 
 use clap::ValueEnum;
+use hicache_core::DeviceSlot;
 use hicache_core::host_pool::{HostPageAllocator, HostPageId};
 use hicache_core::layout::HostLayoutMap;
-use hicache_core::ops::DeviceSlot;
 use hicache_core::transfer::DeviceLayoutMap;
 use rand::seq::SliceRandom as _;
 use rand::{Rng, RngExt as _};

@@ -1,8 +1,8 @@
 //! The replay's view of an engine's device pool: items of one layer and part, read and written for a list of slots
 //! (the KV a prefill writes, the bytes a check reads), on the CPU engine or, with the `cuda` feature, on a GPU.
 
+use hicache_core::DeviceSlot;
 use hicache_core::geometry::KvPart;
-use hicache_core::ops::DeviceSlot;
 use hicache_core::transfer::{CopyStats, CpuEngine, DeviceLayoutMap, TransferEngine};
 
 /// A transfer engine whose device pool the replay can write (the model's prefill) and read (the byte checks).

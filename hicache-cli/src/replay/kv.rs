@@ -3,9 +3,9 @@
 //! against them, so a page that came back from the wrong slot, the wrong host page or the wrong storage object
 //! (another prefix, another rank, another layer) shows.
 
+use hicache_core::DeviceSlot;
 use hicache_core::geometry::KvGeometry;
 use hicache_core::hash::PageKey;
-use hicache_core::ops::DeviceSlot;
 use hicache_core::transfer::DeviceLayoutMap;
 
 use super::device::ReplayEngine;

@@ -21,8 +21,10 @@
 //! threads in `storage.rs`, and what the engine is told (the typed [`StorageFailure`]) in `outcome.rs`.
 
 mod hit_query;
+mod operation;
 mod outcome;
 mod prefetch;
+mod progress;
 mod release;
 mod reserve;
 mod storage;
@@ -33,19 +35,21 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::cost::Rates;
+use crate::device_slots::DeviceSlot;
 use crate::error::Error;
 use crate::hash::PageKey;
 use crate::host_memory::{Access, HostMemory};
 use crate::host_pool::{HostPageAllocator, HostPageId, PageState};
-use crate::ops::{CacheOperation, DeviceSlot, NodeId, OpId, OpIds};
 use crate::rate_limit::{Clock, PrefetchCapacity};
 use crate::storage::StorageBackend;
 use crate::transfer::{LayerDoneCounter, ProducerSlot, SlotBusy, SlotReuse, TransferEngine, TransferEvent};
 use tier::{Pool, StorageTier};
 
 pub use hit_query::{HitQuery, storage_hit_query, storage_hit_query_with};
+pub use operation::{CacheOperation, NodeId, OpId, OpIds};
 pub use outcome::{PageBackup, PrefetchExplanation, PrefetchStop, StorageFailure};
 pub use prefetch::{PrefetchDone, PrefetchHead, PrefetchStart};
+pub use progress::{Progress, Terminated};
 pub use release::{Release, ReleaseLedger};
 pub use storage::{DEFAULT_TICK_SLOTS, StorageSettings};
 pub use tick::{PausedTick, TickProgress, TickReport};

@@ -4,10 +4,10 @@
 
 use std::time::Duration;
 
+use crate::controller::OpId;
 use crate::cost::Plan;
 use crate::error::{Error, ErrorKind};
 use crate::hash::PageKey;
-use crate::ops::OpId;
 use crate::storage::{FailureKind, PageFailure};
 
 /// Why a prefetch stopped (or never started).

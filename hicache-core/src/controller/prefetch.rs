@@ -34,10 +34,10 @@ use super::CacheController;
 use super::outcome::{PrefetchExplanation, PrefetchStop, StorageFailure};
 use super::storage::{PrefetchShared, Workers};
 use crate::config::PrefetchPolicy;
+use crate::controller::OpId;
 use crate::error::Error;
 use crate::hash::PageKey;
 use crate::host_pool::HostPageId;
-use crate::ops::OpId;
 use crate::transfer::TransferEngine;
 
 /// The answer of [`CacheController::prefetch`].

@@ -10,9 +10,9 @@
 use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
+use crate::controller::OpId;
 use crate::error::Error;
 use crate::host_pool::HostPageId;
-use crate::ops::OpId;
 
 /// A release message: pages `range` of operation `op`'s host pages.
 #[derive(Clone, Debug, PartialEq, Eq)]

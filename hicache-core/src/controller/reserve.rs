@@ -9,11 +9,11 @@ use super::outcome::PrefetchStop;
 use super::prefetch::{End, Fetching, Prefetch, PrefetchDone, Reads, Reservation, Reserve, Short, Stage};
 use super::tier::{Pool, StorageTier};
 use crate::config::PrefetchPolicy;
+use crate::controller::OpId;
 use crate::cost::{Hit, Plan, plan};
 use crate::error::Error;
 use crate::hash::PageKey;
 use crate::host_pool::HostPageId;
-use crate::ops::OpId;
 
 impl StorageTier {
     /// Queues the reads of `more` host pages into `reads`, for the next keys the query found (positions after the

@@ -31,12 +31,12 @@ use std::time::Duration;
 use super::hit_query::storage_hit_query_with;
 use super::outcome::{PageBackup, StorageFailure};
 use crate::config::{HiCacheConfig, PrefetchPolicy};
+use crate::controller::Progress;
 use crate::cost::Priors;
 use crate::error::Error;
 use crate::hash::{PageHasher, PageKey};
 use crate::host_memory::{HostMemory, MemoryRegion};
 use crate::host_pool::HostPageId;
-use crate::ops::Progress;
 use crate::rate_limit::{Admission, Clock, SystemClock, TokenBucket};
 use crate::storage::{GetOutcome, SetOutcome, StorageBackend};
 

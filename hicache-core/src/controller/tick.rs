@@ -18,9 +18,9 @@ use super::tier::{Pool, StorageTier};
 use super::{Ack, BackupReport, CacheController, PrefetchDone};
 use crate::collective::{Collective, ReduceOp};
 use crate::config::PrefetchPolicy;
+use crate::controller::OpId;
 use crate::cost::{ENCODED, Rates};
 use crate::error::Error;
-use crate::ops::OpId;
 use crate::transfer::TransferEngine;
 
 /// Values per prefetch slot in the tick's collective.

@@ -12,12 +12,12 @@ use super::prefetch::{Prefetch, PrefetchStart, Reads, Stage, Tracked};
 use super::release::ReleaseLedger;
 use super::storage::{BackupShared, PrefetchShared, StorageSettings, Workers};
 use super::{BackupReport, lent_error};
+use crate::controller::{NodeId, OpId, OpIds};
 use crate::cost::{CostModel, Rates};
 use crate::error::Error;
 use crate::hash::PageKey;
 use crate::host_memory::{Access, HostMemory};
 use crate::host_pool::{HostPageAllocator, HostPageId, PageState};
-use crate::ops::{NodeId, OpId, OpIds};
 use crate::rate_limit::{Clock, PrefetchCapacity};
 use crate::storage::StorageBackend;
 

@@ -3,9 +3,9 @@
 use loom::sync::Arc;
 
 use super::*;
+use crate::controller::Progress;
 use crate::geometry::{KvDtype, KvGeometry};
 use crate::layout::HostLayout;
-use crate::ops::Progress;
 
 /// The fetch protocol: the fetch thread writes a page under a write lease, returns the lease, then counts the
 /// page. A load that sees the count can always lend the page for reading and finds the fetched bytes; a read

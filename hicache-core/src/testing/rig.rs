@@ -6,12 +6,12 @@ use std::time::{Duration, Instant};
 
 use crate::collective::SingleRank;
 use crate::config::PrefetchPolicy;
+use crate::controller::NodeId;
 use crate::controller::{BackupReport, CacheController, PrefetchDone, StorageSettings};
 use crate::error::Error;
 use crate::hash::{PartialPage, page_keys};
 use crate::layout::HostLayoutMap;
 use crate::namespace::StorageNamespace;
-use crate::ops::NodeId;
 use crate::rate_limit::SystemClock;
 use crate::storage::StorageBackend;
 use crate::transfer::{Completion, CpuEngine, DeviceLayoutMap, TransferEngine};
@@ -74,7 +74,8 @@ pub fn store_through(controller: &mut CacheController<CpuEngine>, tokens: &[u32]
     let page = controller.page_size();
     let keys = page_keys(tokens, page, None, PartialPage::Reject).expect("whole pages");
     // the first pages of the device pool
-    let slots: Vec<crate::ops::DeviceSlot> = (0..(keys.len() * page) as crate::ops::DeviceSlot).collect();
+    let slots: Vec<crate::device_slots::DeviceSlot> =
+        (0..(keys.len() * page) as crate::device_slots::DeviceSlot).collect();
     let pages = controller.write(&slots, NodeId(1), Some(&keys)).expect("write").expect("host pages");
     let report = tick_until(controller, |tick| tick.backups.into_iter().next());
     let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();

@@ -3,9 +3,9 @@
 //! ([`SegmentCopy`]), and the same merge counted as the runs a GPU's copy engine would get ([`Runs`]).
 
 use super::DeviceLayoutMap;
+use crate::device_slots::DeviceSlot;
 use crate::geometry::KvPart;
 use crate::layout::HostLayoutMap;
-use crate::ops::DeviceSlot;
 
 /// Where flat page byte `flat` lies among a page's segments: (segment, offset in it). Every segment of a page has
 /// the same length in every layout (one per part and layer, or one per part), and no item straddles two.

@@ -11,11 +11,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::copies::{Runs, SegmentCopy, locate, spans};
 use super::{DeviceLayoutMap, TransferEngine, TransferEvent};
+use crate::device_slots::DeviceSlot;
 use crate::error::Error;
 use crate::host_memory::HostMemory;
 use crate::host_pool::HostPageId;
 use crate::layout::HostLayoutMap;
-use crate::ops::DeviceSlot;
 
 /// When submitted copies happen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

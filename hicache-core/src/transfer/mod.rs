@@ -18,10 +18,10 @@ mod layer_counter;
 pub use cpu::{Completion, CopyStats, CpuEngine, CpuEvent, DeviceRegions, Stream};
 pub use layer_counter::{LayerDoneCounter, ProducerSlot, SlotBusy, SlotReuse};
 
+use crate::device_slots::DeviceSlot;
 use crate::error::Error;
 use crate::geometry::{KvGeometry, KvPart};
 use crate::host_pool::HostPageId;
-use crate::ops::DeviceSlot;
 
 /// Completion of a submitted transfer (or of the caller's work, for a start event).
 pub trait TransferEvent: Clone + Send + Sync + std::fmt::Debug {

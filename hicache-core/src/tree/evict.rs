@@ -7,9 +7,9 @@ use rustc_hash::FxHashSet as HashSet;
 
 use super::HiRadixTree;
 use crate::config::WritePolicy;
+use crate::controller::NodeId;
 use crate::device_slots::DeviceSlotAllocator;
 use crate::error::Error;
-use crate::ops::NodeId;
 use crate::transfer::TransferEngine;
 
 impl<E: TransferEngine> HiRadixTree<E> {

@@ -22,11 +22,12 @@ use rustc_hash::FxHashMap as HashMap;
 
 use crate::config::WritePolicy;
 use crate::controller::CacheController;
+pub use crate::controller::NodeId;
+use crate::device_slots::DeviceSlot;
 use crate::device_slots::DeviceSlotAllocator;
 use crate::error::Error;
 use crate::hash::{PageHasher, PageKey, PartialPage};
 use crate::host_pool::HostPageId;
-use crate::ops::{DeviceSlot, NodeId};
 use crate::transfer::{LayerDoneCounter, TransferEngine};
 
 pub use storage::{PrefetchCheck, TickSummary};

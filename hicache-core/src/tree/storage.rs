@@ -5,12 +5,13 @@ use rustc_hash::FxHashMap as HashMap;
 
 use super::{HiRadixTree, Node};
 use crate::collective::Collective;
+use crate::controller::NodeId;
 use crate::controller::{PrefetchDone, PrefetchExplanation, PrefetchHead, PrefetchStart, TickProgress};
+use crate::device_slots::DeviceSlot;
 use crate::device_slots::DeviceSlotAllocator;
 use crate::error::Error;
 use crate::hash::PageKey;
 use crate::host_pool::HostPageId;
-use crate::ops::{DeviceSlot, NodeId};
 use crate::transfer::{ProducerSlot, SlotBusy, SlotReuse, TransferEngine};
 
 /// The answer of [`HiRadixTree::check_prefetch_progress`].
