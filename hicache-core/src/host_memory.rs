@@ -33,6 +33,7 @@ use std::ptr::NonNull;
 use memmap2::MmapMut;
 
 use crate::error::Error;
+use crate::host_pool::{HostPageAllocator, HostPageId};
 use crate::layout::HostLayoutMap;
 use crate::sync::{Condvar, Mutex, MutexGuard};
 
@@ -135,6 +136,8 @@ enum Backing {
 /// The bytes of one host pool, lent page by page. See the module documentation.
 #[derive(Debug)]
 pub struct HostMemory {
+    /// The pool the page ids of this memory belong to ([`allocator`](Self::allocator) hands them out).
+    pool: u32,
     base: NonNull<u8>,
     map: HostLayoutMap,
     leases: LeaseTable,
@@ -188,6 +191,7 @@ impl HostMemory {
             Some(path) => Backing::Shared { _map: mapping, path },
         };
         Ok(Self {
+            pool: crate::host_pool::next_pool(),
             base,
             map,
             leases: LeaseTable { pages: Mutex::new(vec![0; map.pages()]), returned: Condvar::new() },
@@ -207,6 +211,53 @@ impl HostMemory {
     /// The pool's byte map.
     pub fn map(&self) -> &HostLayoutMap {
         &self.map
+    }
+
+    /// An allocator of this memory's pages, all idle: the page ids it hands out are the ones this memory's leases
+    /// (and the engines over it) take; ids of any other pool are refused.
+    ///
+    /// # Errors
+    ///
+    /// As [`HostPageAllocator::new`].
+    pub fn allocator(&self) -> Result<HostPageAllocator, Error> {
+        HostPageAllocator::for_pool(self.pool, self.map.pages())
+    }
+
+    /// An allocator of this memory's first `pages` pages (a controller that uses part of the pool).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] (field `host_pages`) when the memory holds fewer pages.
+    pub(crate) fn allocator_of(&self, pages: usize) -> Result<HostPageAllocator, Error> {
+        if pages > self.map.pages() {
+            return Err(Error::InvalidArgument {
+                field: "host_pages",
+                reason: format!("{pages} pages, the engine's host memory holds {}", self.map.pages()),
+            });
+        }
+        HostPageAllocator::for_pool(self.pool, pages)
+    }
+
+    /// Every page of the pool, in order: for a caller that leases the whole pool (a bulk copy, a fill).
+    pub fn all_pages(&self) -> Vec<HostPageId> {
+        (0..self.map.pages()).map(|index| HostPageId::new(self.pool, index)).collect()
+    }
+
+    /// Checks that every one of `pages` is a page of this pool: one of [`allocator`](Self::allocator)'s ids, in
+    /// range.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] (field `pages`) naming the first page of another pool or out of range.
+    pub fn check_pages(&self, pages: &[HostPageId]) -> Result<(), Error> {
+        let refuse = |reason: String| Err(Error::InvalidArgument { field: "pages", reason });
+        match pages.iter().find(|page| page.pool() != self.pool || page.index() >= self.map.pages()) {
+            Some(page) if page.pool() != self.pool => {
+                refuse(format!("host {page} is not a page of this host memory (pool {})", self.pool))
+            }
+            Some(page) => refuse(format!("host page {} out of range ({} pages)", page.index(), self.map.pages())),
+            None => Ok(()),
+        }
     }
 
     /// Bytes of one flat page.
@@ -233,20 +284,18 @@ impl HostMemory {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a page out of range; [`Error::PageState`] for a page lent for writing.
-    pub fn lend_read(&self, pages: &[usize]) -> Result<ReadLease<'_>, Error> {
-        self.lend(pages, Access::Read, false)?;
-        Ok(ReadLease { memory: self, pages: pages.to_vec() })
+    /// [`Error::InvalidArgument`] for a page of another pool or out of range; [`Error::PageState`] for a page lent for writing.
+    pub fn lend_read(&self, pages: &[HostPageId]) -> Result<ReadLease<'_>, Error> {
+        Ok(ReadLease { memory: self, pages: self.lend(pages, Access::Read, false)? })
     }
 
     /// Lends `pages` for writing, or refuses when one is lent at all (naming it).
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a page out of range or listed twice; [`Error::PageState`] for a page lent.
-    pub fn lend_write(&self, pages: &[usize]) -> Result<WriteLease<'_>, Error> {
-        self.lend(pages, Access::Write, false)?;
-        Ok(WriteLease { memory: self, pages: pages.to_vec() })
+    /// [`Error::InvalidArgument`] for a page of another pool or out of range or listed twice; [`Error::PageState`] for a page lent.
+    pub fn lend_write(&self, pages: &[HostPageId]) -> Result<WriteLease<'_>, Error> {
+        Ok(WriteLease { memory: self, pages: self.lend(pages, Access::Write, false)? })
     }
 
     /// As [`lend_read`](Self::lend_read), waiting for conflicting leases to return instead of refusing (a lease the
@@ -254,10 +303,9 @@ impl HostMemory {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a page out of range.
-    pub(crate) fn lend_read_waiting(&self, pages: &[usize]) -> Result<ReadLease<'_>, Error> {
-        self.lend(pages, Access::Read, true)?;
-        Ok(ReadLease { memory: self, pages: pages.to_vec() })
+    /// [`Error::InvalidArgument`] for a page of another pool or out of range.
+    pub(crate) fn lend_read_waiting(&self, pages: &[HostPageId]) -> Result<ReadLease<'_>, Error> {
+        Ok(ReadLease { memory: self, pages: self.lend(pages, Access::Read, true)? })
     }
 
     /// As [`lend_write`](Self::lend_write), waiting for conflicting leases to return instead of refusing (the caller
@@ -265,16 +313,15 @@ impl HostMemory {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a page out of range or listed twice.
-    pub fn lend_write_waiting(&self, pages: &[usize]) -> Result<WriteLease<'_>, Error> {
-        self.lend(pages, Access::Write, true)?;
-        Ok(WriteLease { memory: self, pages: pages.to_vec() })
+    /// [`Error::InvalidArgument`] for a page of another pool or out of range or listed twice.
+    pub fn lend_write_waiting(&self, pages: &[HostPageId]) -> Result<WriteLease<'_>, Error> {
+        Ok(WriteLease { memory: self, pages: self.lend(pages, Access::Write, true)? })
     }
 
-    /// The first of `pages` lent now, and how; pages out of range are never lent.
-    pub fn lent(&self, pages: &[usize]) -> Option<(usize, Access)> {
+    /// The first of `pages` lent now, and how; pages of another pool or out of range are never lent.
+    pub fn lent(&self, pages: &[HostPageId]) -> Option<(HostPageId, Access)> {
         let table = lock(&self.leases.pages);
-        pages.iter().find_map(|&page| match table.get(page).copied() {
+        pages.iter().find_map(|&page| match self.slot(&table, page) {
             Some(0) | None => None,
             Some(WRITER) => Some((page, Access::Write)),
             Some(_) => Some((page, Access::Read)),
@@ -282,16 +329,20 @@ impl HostMemory {
     }
 
     /// The first of `pages` lent for writing now.
-    pub fn lent_for_writing(&self, pages: &[usize]) -> Option<usize> {
+    pub fn lent_for_writing(&self, pages: &[HostPageId]) -> Option<HostPageId> {
         let table = lock(&self.leases.pages);
-        pages.iter().copied().find(|&page| table.get(page) == Some(&WRITER))
+        pages.iter().copied().find(|&page| self.slot(&table, page) == Some(WRITER))
+    }
+
+    /// `page`'s entry in the lease table, when it is a page of this pool.
+    fn slot(&self, table: &[u32], page: HostPageId) -> Option<u32> {
+        (page.pool() == self.pool).then(|| table.get(page.index()).copied()).flatten()
     }
 
     /// Runs `f` on the whole pool's bytes, once no lease is out on any page (and none is granted meanwhile); the
     /// calling thread must hold no lease.
     pub fn with_all_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
-        let all: Vec<usize> = (0..self.map.pages()).collect();
-        let _lease = self.lend_write_waiting(&all).expect("every page is in range and listed once");
+        let _lease = self.lend_write_waiting(&self.all_pages()).expect("every page is in range and listed once");
         // SAFETY: the write lease covers every page, and the pages tile the buffer (layout invariant), so no other
         // reference to any byte of the pool exists until the lease drops at the end of this call.
         let bytes = unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr(), self.map.total_bytes()) };
@@ -303,23 +354,15 @@ impl HostMemory {
     /// # Errors
     ///
     /// As [`lend_read`](Self::lend_read).
-    pub fn copy_pages_out(&self, pages: &[usize]) -> Result<Vec<u8>, Error> {
+    pub fn copy_pages_out(&self, pages: &[HostPageId]) -> Result<Vec<u8>, Error> {
         let lease = self.lend_read(pages)?;
         Ok(lease.pages().iter().flat_map(|segments| segments.concat()).collect())
     }
 
-    fn check_range(&self, pages: &[usize]) -> Result<(), Error> {
-        match pages.iter().find(|&&page| page >= self.map.pages()) {
-            Some(page) => Err(Error::InvalidArgument {
-                field: "pages",
-                reason: format!("host page {page} out of range ({} pages)", self.map.pages()),
-            }),
-            None => Ok(()),
-        }
-    }
-
-    fn lend(&self, pages: &[usize], access: Access, wait: bool) -> Result<(), Error> {
-        self.check_range(pages)?;
+    /// Lends `pages` (checked against the pool) and returns their indices, which the lease keeps.
+    fn lend(&self, pages: &[HostPageId], access: Access, wait: bool) -> Result<Vec<usize>, Error> {
+        self.check_pages(pages)?;
+        let pages: Vec<usize> = pages.iter().map(|page| page.index()).collect();
         if access == Access::Write {
             let mut sorted = pages.to_vec();
             sorted.sort_unstable();
@@ -359,13 +402,14 @@ impl HostMemory {
                 Some(_) => table = self.leases.returned.wait(table).unwrap_or_else(|poisoned| poisoned.into_inner()),
             }
         }
-        for &page in pages {
+        for &page in &pages {
             table[page] = match access {
                 Access::Read => table[page] + 1,
                 Access::Write => WRITER,
             };
         }
-        Ok(())
+        drop(table);
+        Ok(pages)
     }
 
     fn give_back(&self, pages: &[usize], access: Access) {
@@ -438,8 +482,8 @@ pub struct ReadLease<'a> {
 
 impl ReadLease<'_> {
     /// The lent pages, in order.
-    pub fn page_indices(&self) -> &[usize] {
-        &self.pages
+    pub fn page_ids(&self) -> Vec<HostPageId> {
+        self.pages.iter().map(|&index| HostPageId::new(self.memory.pool, index)).collect()
     }
 
     /// Each lent page's segments, in flat page order (what storage I/O takes).
@@ -481,8 +525,8 @@ pub struct WriteLease<'a> {
 
 impl WriteLease<'_> {
     /// The lent pages, in order.
-    pub fn page_indices(&self) -> &[usize] {
-        &self.pages
+    pub fn page_ids(&self) -> Vec<HostPageId> {
+        self.pages.iter().map(|&index| HostPageId::new(self.memory.pool, index)).collect()
     }
 
     /// Each lent page's segments, mutable, in flat page order (what storage reads land in).

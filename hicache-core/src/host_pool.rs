@@ -38,6 +38,15 @@ pub struct HostPageId {
 }
 
 impl HostPageId {
+    pub(crate) const fn new(pool: u32, index: usize) -> Self {
+        Self { pool, index: index as u32 }
+    }
+
+    /// The pool the page belongs to.
+    pub(crate) const fn pool(self) -> u32 {
+        self.pool
+    }
+
     /// The page's index in its pool (its position in the host buffer, in pages).
     pub const fn index(self) -> usize {
         self.index as usize
@@ -90,6 +99,11 @@ impl fmt::Display for PageState {
 
 static NEXT_POOL: AtomicU32 = AtomicU32::new(1);
 
+/// A pool id no allocator or host memory has yet.
+pub(crate) fn next_pool() -> u32 {
+    NEXT_POOL.fetch_add(1, Ordering::Relaxed)
+}
+
 /// Words of the idle bitmap (64 pages each) `alloc` searches for a contiguous run before it settles for scattered
 /// pages: 32 768 pages, a 256 GB pool of 8 MiB pages.
 pub const SCAN_WORDS: usize = 512;
@@ -114,17 +128,17 @@ impl HostPageAllocator {
     ///
     /// [`Error::InvalidArgument`] when `pages` is zero or does not fit in 32 bits.
     pub fn new(pages: usize) -> Result<Self, Error> {
+        Self::for_pool(next_pool(), pages)
+    }
+
+    /// An allocator of `pages` pages of pool `pool` (a [`HostMemory`](crate::host_memory::HostMemory)'s).
+    pub(crate) fn for_pool(pool: u32, pages: usize) -> Result<Self, Error> {
         let count = u32::try_from(pages)
             .ok()
             .filter(|&count| count > 0)
             .ok_or(Error::InvalidArgument { field: "pages", reason: format!("{pages} is not in [1, 2^32)") })?;
-        let mut allocator = Self {
-            pool: NEXT_POOL.fetch_add(1, Ordering::Relaxed),
-            states: vec![PageState::Idle; count as usize],
-            idle: Vec::new(),
-            available: 0,
-            cursor: 0,
-        };
+        let mut allocator =
+            Self { pool, states: vec![PageState::Idle; count as usize], idle: Vec::new(), available: 0, cursor: 0 };
         allocator.clear();
         Ok(allocator)
     }

@@ -103,8 +103,7 @@ fn expected_flat_pages(rig: &Rig, slots: &[u32]) -> Vec<u8> {
 }
 
 fn host_bytes(rig: &Rig, pages: &[HostPageId]) -> Vec<u8> {
-    let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();
-    rig.engine().host_memory().copy_pages_out(&indices).unwrap()
+    rig.engine().host_memory().copy_pages_out(pages).unwrap()
 }
 
 fn tokens(seed: u32, pages: usize) -> Vec<u32> {

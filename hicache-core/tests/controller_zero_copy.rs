@@ -13,6 +13,7 @@ use hicache_core::error::Error;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PageKey, PartialPage, page_keys};
 use hicache_core::host_memory::{Access, MemoryRegion};
+use hicache_core::host_pool::HostPageId;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::rate_limit::SystemClock;
@@ -189,10 +190,6 @@ fn namespace() -> StorageNamespace {
     StorageNamespace::single_rank("zero-copy-test", geometry(), HostLayout::LayerFirst, PAGE)
 }
 
-fn indices(pages: &[hicache_core::host_pool::HostPageId]) -> Vec<usize> {
-    pages.iter().map(|page| page.index()).collect()
-}
-
 fn tokens(seed: u32, pages: usize) -> Vec<u32> {
     (0..(pages * PAGE) as u32).map(|index| seed.wrapping_mul(7_919).wrapping_add(index)).collect()
 }
@@ -214,13 +211,13 @@ fn a_page_lent_for_a_backup_is_neither_written_nor_freed_until_the_lease_returns
     let keys = page_keys(&tokens(1, 2), PAGE, None, PartialPage::Reject).unwrap();
     let slots = device.alloc_pages(2).unwrap();
     let pages = rig.write(&slots, NodeId(1), Some(&keys)).unwrap().unwrap();
-    let backed_up = rig.engine().host_memory().copy_pages_out(&indices(&pages)).unwrap();
+    let backed_up = rig.engine().host_memory().copy_pages_out(&pages).unwrap();
     rig.tick(&mut SingleRank).unwrap(); // the write's ack: the backup to storage starts
     storage.wait_for_a_waiting_call();
 
     let memory = rig.engine().host_memory();
-    assert_eq!(memory.lent(&indices(&pages)).map(|(_, how)| how), Some(Access::Read));
-    let refused = memory.lend_write(&indices(&pages)).unwrap_err().to_string();
+    assert_eq!(memory.lent(&pages).map(|(_, how)| how), Some(Access::Read));
+    let refused = memory.lend_write(&pages).unwrap_err().to_string();
     assert!(refused.contains("lent for reading"), "{refused}");
     // the device copy may go (the host copy stays), but the host page may not be freed
     rig.evict_device(&pages).unwrap();
@@ -230,7 +227,7 @@ fn a_page_lent_for_a_backup_is_neither_written_nor_freed_until_the_lease_returns
     let (granted, seen) = std::sync::mpsc::channel();
     let writer = std::thread::spawn({
         let memory = memory.clone();
-        let first = pages[0].index();
+        let first = pages[0];
         move || {
             let mut lease = memory.lend_write_waiting(&[first]).unwrap();
             granted.send(()).unwrap();
@@ -269,7 +266,7 @@ fn a_page_lent_for_a_fetch_is_not_readable_until_its_fetch_is_counted() {
         let slots = device.alloc_pages(4).unwrap();
         let pages = writer.write(&slots, NodeId(1), Some(&keys)).unwrap().unwrap();
         wait_until("stored", || !writer.tick(&mut SingleRank).unwrap().backups.is_empty());
-        writer.engine().host_memory().copy_pages_out(&indices(&pages)).unwrap()
+        writer.engine().host_memory().copy_pages_out(&pages).unwrap()
     };
     let storage = Arc::new(Recording::new(MemoryStorage::shared(store, &namespace()), Some(Gate::Gets)));
     let mut rig = controller(storage.clone());
@@ -279,8 +276,9 @@ fn a_page_lent_for_a_fetch_is_not_readable_until_its_fetch_is_counted() {
         storage.state.lock().unwrap().waiting > 0
     });
     let memory = rig.engine().host_memory();
-    let all: Vec<usize> = (0..HOST_PAGES).collect();
-    let lent: Vec<usize> = all.iter().copied().filter(|&page| memory.lent(&[page]).is_some()).collect();
+    let all = memory.all_pages();
+    assert_eq!(all.len(), HOST_PAGES);
+    let lent: Vec<HostPageId> = all.iter().copied().filter(|&page| memory.lent(&[page]).is_some()).collect();
     assert_eq!(lent.len(), 2, "one batch of two pages is lent");
     assert!(lent.iter().all(|&page| memory.lent_for_writing(&[page]) == Some(page)));
     assert_eq!(rig.prefetch_progress("r"), Some(0));
@@ -300,7 +298,7 @@ fn a_page_lent_for_a_fetch_is_not_readable_until_its_fetch_is_counted() {
         }
         std::thread::sleep(Duration::from_micros(200));
     };
-    assert_eq!(memory.copy_pages_out(&indices(&done.host_pages)).unwrap(), expected);
+    assert_eq!(memory.copy_pages_out(&done.host_pages).unwrap(), expected);
     assert_eq!(*storage.registrations.lock().unwrap(), 1, "the host pool is registered once");
     assert_eq!(*storage.outside.lock().unwrap(), 0, "every segment was inside the registered host pool");
     assert_eq!(storage.stats().staging_bytes, 0);

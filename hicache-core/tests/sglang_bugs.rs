@@ -257,8 +257,7 @@ fn item_07_a_page_gone_between_exists_and_get_does_not_shift_the_others() {
         while writer.backups_in_flight() > 0 || writer.outstanding().0 > 0 {
             writer.tick(&mut SingleRank).unwrap();
         }
-        let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();
-        hicache_core::transfer::TransferEngine::host_memory(writer.engine()).copy_pages_out(&indices).unwrap()
+        hicache_core::transfer::TransferEngine::host_memory(writer.engine()).copy_pages_out(&pages).unwrap()
     };
     // page 1 is gone, but the existence query (stale metadata, as 3FS's after an LRU reuse) still says present
     let keys = page_keys(&tokens, PAGE, None, PartialPage::Reject).unwrap();
@@ -271,8 +270,8 @@ fn item_07_a_page_gone_between_exists_and_get_does_not_shift_the_others() {
     let done = result(&mut rig, "r");
     assert_eq!(done.explanation.tp_min_hit_tokens, 4 * PAGE, "the query believed every page was there");
     assert_eq!(done.host_pages.len(), 1, "the fetch stops at the missing page; pages 2 and 3 are not moved up");
-    let indices: Vec<usize> = done.host_pages.iter().map(|page| page.index()).collect();
-    let got = hicache_core::transfer::TransferEngine::host_memory(rig.engine()).copy_pages_out(&indices).unwrap();
+    let got =
+        hicache_core::transfer::TransferEngine::host_memory(rig.engine()).copy_pages_out(&done.host_pages).unwrap();
     assert_eq!(got, expected[..got.len()], "whatever arrived is at its own place");
 }
 

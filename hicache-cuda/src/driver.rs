@@ -239,8 +239,7 @@ impl PinnedBuffer {
                 reason: format!("{bytes} bytes, the device buffer has {} and the pool {}", scratch.len(), self.len()),
             });
         }
-        let pages: Vec<usize> = (0..self.memory.map().pages()).collect();
-        let _lease = self.memory.lend_write(&pages)?;
+        let _lease = self.memory.lend_write(&self.memory.all_pages())?;
         self.context.bind_to_thread().map_err(driver("bind the context"))?;
         let (to, from) = match direction {
             BulkDirection::DeviceToHost => (self.device, scratch.pointer()),

@@ -491,12 +491,7 @@ impl CudaEngine {
                 reason: format!("device slot {slot} out of range ({} slots)", self.device_map.slots()),
             });
         }
-        if let Some(page) = pages.iter().find(|page| page.index() >= self.host_map.pages()) {
-            return Err(Error::InvalidArgument {
-                field: "pages",
-                reason: format!("host {page} out of range ({} pages)", self.host_map.pages()),
-            });
-        }
+        self.host_pool.memory().check_pages(pages)?;
         for (field, indices, bound) in [
             ("pages", pages.iter().map(|page| page.index()).collect::<Vec<_>>(), self.host_map.pages()),
             ("slots", slots.iter().map(|&slot| slot as usize).collect(), self.device_map.slots()),

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use hicache_core::DeviceSlot;
 use hicache_core::host_memory::{HostAllocation, HostMemory};
-use hicache_core::host_pool::{HostPageAllocator, HostPageId};
+use hicache_core::host_pool::HostPageId;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, SlotReuse, TransferEngine, TransferEvent};
 use hicache_core::tree::NodeId;
@@ -65,7 +65,9 @@ fn geometries() -> Vec<(&'static str, KvGeometry)> {
 struct Pair {
     cuda: CudaEngine,
     cpu: CpuEngine,
+    /// The CUDA engine's host pages, and the CPU engine's pages of the same indices.
     pages: Vec<HostPageId>,
+    cpu_pages: Vec<HostPageId>,
     slots: Vec<DeviceSlot>,
     other_slots: Vec<DeviceSlot>,
 }
@@ -105,7 +107,7 @@ fn pair_of(
     cpu.with_device(|device| device.copy_from_slice(&bytes));
     cuda.host_memory().with_all_mut(|host| host.fill(HOST_POISON));
     cpu.with_host(|host| host.fill(HOST_POISON));
-    let mut all = HostPageAllocator::new(2 * pages).unwrap().alloc(2 * pages).unwrap();
+    let mut all: Vec<usize> = (0..2 * pages).collect();
     all.shuffle(&mut rng);
     let mut order: Vec<usize> = (0..device_pages).collect();
     order.shuffle(&mut rng);
@@ -115,7 +117,12 @@ fn pair_of(
     let slots = slots_of(&order[..pages]);
     order.shuffle(&mut rng);
     let other_slots = slots_of(&order[..pages]);
-    Pair { cuda, cpu, pages: all[..pages].to_vec(), slots, other_slots }
+    let of = |memory: Arc<HostMemory>| -> Vec<HostPageId> {
+        let ids = memory.all_pages();
+        all[..pages].iter().map(|&index| ids[index]).collect()
+    };
+    let (pages, cpu_pages) = (of(cuda.host_memory()), of(cpu.host_memory()));
+    Pair { cuda, cpu, pages, cpu_pages, slots, other_slots }
 }
 
 fn pair(device: &Device, geometry: KvGeometry, layout: HostLayout, page: usize, pages: usize) -> Pair {
@@ -146,7 +153,7 @@ fn check_round_trip(pair: &mut Pair, what: &str) {
     let start = pair.cuda.start_event().unwrap();
     pair.cuda.write_to_host(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
     let start = pair.cpu.start_event().unwrap();
-    pair.cpu.write_to_host(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
+    pair.cpu.write_to_host(&pair.slots, &pair.cpu_pages, &start).unwrap().wait().unwrap();
     let (gpu, cpu) = host_bytes(pair);
     assert!(gpu == cpu, "{what}: write differs from the CPU engine");
     assert!(gpu.iter().any(|&byte| byte != HOST_POISON), "{what}: nothing was written");
@@ -163,7 +170,7 @@ fn check_round_trip(pair: &mut Pair, what: &str) {
     assert!(events.iter().all(TransferEvent::is_complete), "{what}: the last layer done before another");
     let start = pair.cpu.start_event().unwrap();
     for layer in 0..geometry.layers {
-        pair.cpu.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap();
+        pair.cpu.load_layer(layer, &pair.cpu_pages, &pair.other_slots, &start).unwrap();
     }
     let (gpu, cpu) = device_bytes(pair);
     assert!(gpu == cpu, "{what}: load differs from the CPU engine");
@@ -286,13 +293,13 @@ fn a_consumer_that_waits_on_layer_i_sees_layer_i_complete() {
         let start = pair.cuda.start_event().unwrap();
         pair.cuda.write_to_host(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
         let start = pair.cpu.start_event().unwrap();
-        pair.cpu.write_to_host(&pair.slots, &pair.pages, &start).unwrap();
+        pair.cpu.write_to_host(&pair.slots, &pair.cpu_pages, &start).unwrap();
         let poison = vec![DEVICE_POISON; pair.cuda.device_pool().len()];
         pair.cuda.device_pool().write(0, &poison).unwrap();
         pair.cpu.with_device(|bytes| bytes.fill(DEVICE_POISON));
         let start = pair.cpu.start_event().unwrap();
         for layer in 0..geometry.layers {
-            pair.cpu.load_layer(layer, &pair.pages, &pair.other_slots, &start).unwrap();
+            pair.cpu.load_layer(layer, &pair.cpu_pages, &pair.other_slots, &start).unwrap();
         }
         let consumer = engine_stream(&device);
         // the consumer: a kernel that counts the 16-byte words of the loaded slots of one layer still poisoned
@@ -365,7 +372,7 @@ fn transfers_beside_a_busy_kernel_stay_correct() {
         let start = pair.cuda.start_event().unwrap();
         pair.cuda.write_to_host(&pair.slots, &pair.pages, &start).unwrap().wait().unwrap();
         let start = pair.cpu.start_event().unwrap();
-        pair.cpu.write_to_host(&pair.slots, &pair.pages, &start).unwrap();
+        pair.cpu.write_to_host(&pair.slots, &pair.cpu_pages, &start).unwrap();
         let (gpu, cpu) = host_bytes(&pair);
         assert!(gpu == cpu, "write beside the busy kernel");
         compute.synchronize().unwrap();
@@ -538,7 +545,7 @@ fn dropping_the_engine_waits_for_its_transfers() {
     let start = pair.cuda.start_event().unwrap();
     let event = pair.cuda.write_to_host(&pair.slots, &pair.pages, &start).unwrap();
     let start = pair.cpu.start_event().unwrap();
-    pair.cpu.write_to_host(&pair.slots, &pair.pages, &start).unwrap();
+    pair.cpu.write_to_host(&pair.slots, &pair.cpu_pages, &start).unwrap();
     let expected = pair.cpu.with_host(|bytes| bytes.to_vec());
     // dropped with the write (tens of MB) still in flight: the drop waits for it, then unpins the host pool
     drop(pair.cuda);

@@ -62,7 +62,7 @@ fn main() {
         for (batch, keys) in keys.chunks(BATCH).enumerate() {
             let expected = &pages[batch * BATCH..(batch + 1) * BATCH];
             if in_place {
-                let pool: Vec<usize> = (0..BATCH).collect();
+                let pool = host.all_pages();
                 let mut lease = host.lend_write(&pool).expect("the pool's pages");
                 let mut targets = lease.pages_mut();
                 let started = Instant::now();

@@ -113,9 +113,10 @@ pub(super) fn run(
     progress.set_message("filling the host pool");
     let sources = fill_sources(&mut controller, bench.pages)?;
     let memory = controller.engine().host_memory();
-    let source_indices: Vec<usize> = sources.iter().map(|page| page.index()).collect();
-    let expected = memory.copy_pages_out(&source_indices)?;
-    let spare: Vec<usize> = (0..host_pages).filter(|index| !source_indices.contains(index)).take(bench.pages).collect();
+    let expected = memory.copy_pages_out(&sources)?;
+    // pages the controller never hands out (its allocator is the memory's): the direct path's own
+    let spare: Vec<HostPageId> =
+        memory.all_pages().into_iter().filter(|page| !sources.contains(page)).take(bench.pages).collect();
 
     let mut rounds = Vec::with_capacity(bench.rounds);
     for round in 0..bench.rounds {
@@ -133,7 +134,7 @@ pub(super) fn run(
                 backup(&mut controller, &sources, controller_keys.clone())?;
                 figure.set_gbps = gbps(bench.pages * page_bytes, started);
             } else {
-                direct_set(backend.as_ref(), &memory, &source_indices, &direct_keys, bench.batch)?;
+                direct_set(backend.as_ref(), &memory, &sources, &direct_keys, bench.batch)?;
                 figure.direct_set_gbps = gbps(bench.pages * page_bytes, started);
             }
         }
@@ -143,8 +144,7 @@ pub(super) fn run(
                 let started = Instant::now();
                 let fetched = prefetch(&mut controller, &format!("bench-{round}"), &controller_tokens)?;
                 figure.get_gbps = gbps(bench.pages * page_bytes, started);
-                let indices: Vec<usize> = fetched.iter().map(|page| page.index()).collect();
-                ensure!(memory.copy_pages_out(&indices)? == expected, "the controller fetched bytes that differ");
+                ensure!(memory.copy_pages_out(&fetched)? == expected, "the controller fetched bytes that differ");
                 controller.evict_host(&fetched)?;
             } else {
                 // no leftovers of an earlier read
@@ -258,7 +258,7 @@ fn prefetch(
 fn direct_set(
     backend: &dyn StorageBackend,
     memory: &HostMemory,
-    pages: &[usize],
+    pages: &[HostPageId],
     keys: &[PageKey],
     batch: usize,
 ) -> anyhow::Result<()> {
@@ -275,7 +275,7 @@ fn direct_set(
 fn direct_get(
     backend: &dyn StorageBackend,
     memory: &HostMemory,
-    pages: &[usize],
+    pages: &[HostPageId],
     keys: &[PageKey],
     batch: usize,
 ) -> anyhow::Result<()> {

@@ -354,7 +354,7 @@ fn measure(
         Completion::Immediate,
     )?;
     engine.with_device(|bytes| bytes.iter_mut().enumerate().for_each(|(index, byte)| *byte = index as u8));
-    let (host_pages, slots) = place(placement, pages, 2 * pages, page, &mut rand::rng())?;
+    let (host_pages, slots) = place(placement, pages, engine.host_memory().allocator()?, page, &mut rand::rng())?;
     let host_pages = &host_pages[..];
     let run_bytes = mean_run_bytes(&engine.host_map(), &engine.device_map(), host_pages, &slots);
     let bytes = (tokens * geometry.bytes_per_token()) as f64;

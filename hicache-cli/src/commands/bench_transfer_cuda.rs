@@ -95,7 +95,8 @@ pub(crate) fn measure(
         }),
     };
     engine.set_io_backend(io_backend, auto_min_run)?;
-    let (host_pages, slots) = super::placement::place(placement, pages, 2 * pages, page, &mut rand::rng())?;
+    let (host_pages, slots) =
+        super::placement::place(placement, pages, engine.host_memory().allocator()?, page, &mut rand::rng())?;
     let host_pages = &host_pages[..];
     let run_bytes = super::placement::mean_run_bytes(&engine.host_map(), &engine.device_map(), host_pages, &slots);
     let bytes = tokens * geometry.bytes_per_token();

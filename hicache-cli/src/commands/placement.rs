@@ -21,16 +21,16 @@ pub(crate) enum Placement {
     Churned,
 }
 
-/// `pages` host pages of a pool of `pool_pages` and as many whole device pages (as slots) of a device pool of
-/// `pool_pages` pages of `page` tokens, placed as asked.
+/// `pages` host pages from `host` (the engine's host memory's allocator, all idle) and as many whole device pages
+/// (as slots) of a device pool as large as the host pool, pages of `page` tokens, placed as asked.
 pub(crate) fn place(
     placement: Placement,
     pages: usize,
-    pool_pages: usize,
+    mut host: HostPageAllocator,
     page: usize,
     rng: &mut impl Rng,
 ) -> anyhow::Result<(Vec<HostPageId>, Vec<DeviceSlot>)> {
-    let mut host = HostPageAllocator::new(pool_pages)?;
+    let pool_pages = host.capacity();
     let mut device = HostPageAllocator::new(pool_pages)?;
     let (host_pages, device_pages) = match placement {
         Placement::Scattered | Placement::Contiguous => {
@@ -139,7 +139,8 @@ mod tests {
         let device_map = DeviceLayoutMap::new(geometry, 2 * pages * page).unwrap();
         let mut rng = rand::rng();
         for placement in [Placement::Scattered, Placement::Contiguous, Placement::Churned] {
-            let (host, slots) = place(placement, pages, 2 * pages, page, &mut rng).unwrap();
+            let allocator = HostPageAllocator::new(2 * pages).unwrap();
+            let (host, slots) = place(placement, pages, allocator, page, &mut rng).unwrap();
             assert_eq!((host.len(), slots.len()), (pages, pages * page), "{placement:?}");
             let mut distinct: Vec<usize> = host.iter().map(|page| page.index()).collect();
             distinct.sort_unstable();

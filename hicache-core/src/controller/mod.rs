@@ -54,10 +54,9 @@ pub use release::{Release, ReleaseLedger};
 pub use storage::{DEFAULT_TICK_SLOTS, StorageSettings};
 pub use tick::{PausedTick, TickProgress, TickReport};
 
-fn lent_error(host_pages: &[HostPageId], index: usize, how: Access, operation: &'static str) -> Error {
-    let page = host_pages.iter().find(|page| page.index() == index).map_or(index.to_string(), ToString::to_string);
+fn lent_error(page: HostPageId, how: Access, operation: &'static str) -> Error {
     Error::PageState {
-        page,
+        page: page.to_string(),
         operation,
         expected: "not lent to a storage thread".into(),
         found: match how {
@@ -150,11 +149,12 @@ impl<E: TransferEngine> CacheController<E> {
                 ),
             });
         }
+        let memory = engine.host_memory();
         Ok(Self {
-            memory: engine.host_memory(),
+            host: memory.allocator_of(host_pages)?,
+            memory,
             engine,
             page_size,
-            host: HostPageAllocator::new(host_pages)?,
             ids: OpIds::default(),
             load_queue: Vec::new(),
             write_acks: VecDeque::new(),

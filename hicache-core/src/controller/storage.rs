@@ -466,10 +466,9 @@ fn run_fetches(io: &Io, jobs: Receiver<FetchJob>) {
             if shared.progress.is_terminated() || shared.failure.get().is_some() {
                 break;
             }
-            let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();
             // the lease ends with this block: the batch's pages are returned before their tokens are counted
             let started = std::time::Instant::now();
-            let (arrived, failure) = match io.host.lend_write(&indices) {
+            let (arrived, failure) = match io.host.lend_write(pages) {
                 Ok(mut lease) => match guarded(|| io.storage.batch_get(keys, &mut lease.pages_mut())) {
                     Ok(outcomes) => {
                         let arrived = outcomes.iter().take_while(|outcome| **outcome == GetOutcome::Hit).count();
@@ -521,8 +520,7 @@ fn run_backups(io: &Io, jobs: Receiver<BackupJob>, mut bucket: Option<TokenBucke
                     std::thread::sleep(wait);
                 }
             }
-            let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();
-            let result = match io.host.lend_read(&indices) {
+            let result = match io.host.lend_read(pages) {
                 Ok(lease) => guarded(|| io.storage.batch_set(keys, &lease.pages())),
                 Err(error) => Err(error),
             };

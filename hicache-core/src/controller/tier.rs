@@ -45,10 +45,9 @@ impl Pool<'_> {
 
 /// Checks that no storage thread holds a lease on `host_pages` of `memory` (before a device→host write or a free).
 pub(super) fn unlent(memory: &HostMemory, host_pages: &[HostPageId], operation: &'static str) -> Result<(), Error> {
-    let indices: Vec<usize> = host_pages.iter().map(|page| page.index()).collect();
-    match memory.lent(&indices) {
+    match memory.lent(host_pages) {
         None => Ok(()),
-        Some((index, how)) => Err(lent_error(host_pages, index, how, operation)),
+        Some((page, how)) => Err(lent_error(page, how, operation)),
     }
 }
 
@@ -58,10 +57,9 @@ pub(super) fn unlent_for_writing(
     host_pages: &[HostPageId],
     operation: &'static str,
 ) -> Result<(), Error> {
-    let indices: Vec<usize> = host_pages.iter().map(|page| page.index()).collect();
-    match memory.lent_for_writing(&indices) {
+    match memory.lent_for_writing(host_pages) {
         None => Ok(()),
-        Some(index) => Err(lent_error(host_pages, index, Access::Write, operation)),
+        Some(page) => Err(lent_error(page, Access::Write, operation)),
     }
 }
 

@@ -21,7 +21,7 @@ fn a_counted_fetch_is_readable_and_never_read_while_written() {
             let (memory, progress) = (memory.clone(), progress.clone());
             loom::thread::spawn(move || {
                 let mut lease = loop {
-                    match memory.lend_write(&[0]) {
+                    match memory.lend_write(&ids(&memory, &[0])) {
                         Ok(lease) => break lease,
                         Err(_) => loom::thread::yield_now(),
                     }
@@ -33,7 +33,7 @@ fn a_counted_fetch_is_readable_and_never_read_while_written() {
         };
         loop {
             let counted = progress.completed() > 0;
-            match memory.lend_read(&[0]) {
+            match memory.lend_read(&ids(&memory, &[0])) {
                 Ok(lease) => {
                     let first = lease.page(0)[0][0];
                     if counted {
@@ -48,4 +48,9 @@ fn a_counted_fetch_is_readable_and_never_read_while_written() {
         }
         fetch.join().unwrap();
     });
+}
+
+/// Page ids of `memory`'s pool by index (out of range ones included, to be refused).
+fn ids(memory: &HostMemory, indices: &[usize]) -> Vec<HostPageId> {
+    indices.iter().map(|&index| HostPageId::new(memory.pool, index)).collect()
 }

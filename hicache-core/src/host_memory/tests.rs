@@ -28,7 +28,7 @@ fn a_shared_memory_pool_is_the_same_bytes_through_its_file() {
     let path = memory.region().shared_memory().unwrap().to_owned();
     assert!(path.starts_with(&dir));
     {
-        let mut lease = memory.lend_write(&[1]).unwrap();
+        let mut lease = memory.lend_write(&ids(&memory, &[1])).unwrap();
         for segment in lease.pages_mut().iter_mut().flatten() {
             segment.fill(0xa5);
         }
@@ -37,7 +37,7 @@ fn a_shared_memory_pool_is_the_same_bytes_through_its_file() {
     let file = std::fs::OpenOptions::new().read(true).open(&path).unwrap();
     // SAFETY: the test's own file, not truncated while mapped.
     let other = unsafe { memmap2::Mmap::map(&file) }.unwrap();
-    let expected = memory.copy_pages_out(&[1]).unwrap();
+    let expected = memory.copy_pages_out(&ids(&memory, &[1])).unwrap();
     let found: Vec<u8> =
         memory.map().page_segments(1).iter().flat_map(|s| other[s.offset..s.offset + s.len].to_vec()).collect();
     assert_eq!(found, expected);
@@ -61,31 +61,51 @@ fn a_shared_memory_directory_that_is_missing_is_named() {
 #[test]
 fn conflicting_leases_are_refused_with_the_page_named() {
     let memory = memory(4, &HostAllocation::Anonymous);
-    let read = memory.lend_read(&[1, 2]).unwrap();
-    let again = memory.lend_read(&[2, 2, 3]).unwrap();
-    let error = memory.lend_write(&[0, 2]).unwrap_err().to_string();
+    let read = memory.lend_read(&ids(&memory, &[1, 2])).unwrap();
+    let again = memory.lend_read(&ids(&memory, &[2, 2, 3])).unwrap();
+    let error = memory.lend_write(&ids(&memory, &[0, 2])).unwrap_err().to_string();
     assert_eq!(error, "lend for writing on host page 2: expected not lent, found lent for reading (3 leases)");
     drop((read, again));
-    let write = memory.lend_write(&[0, 2]).unwrap();
-    let error = memory.lend_read(&[3, 0]).unwrap_err().to_string();
+    let write = memory.lend_write(&ids(&memory, &[0, 2])).unwrap();
+    let error = memory.lend_read(&ids(&memory, &[3, 0])).unwrap_err().to_string();
     assert_eq!(error, "lend for reading on host page 0: expected not lent for writing, found lent for writing");
-    assert_eq!(memory.lent(&[3, 2]), Some((2, Access::Write)));
-    assert_eq!(memory.lent_for_writing(&[3, 2]), Some(2));
+    assert_eq!(memory.lent(&ids(&memory, &[3, 2])).map(|(page, how)| (page.index(), how)), Some((2, Access::Write)));
+    assert_eq!(memory.lent_for_writing(&ids(&memory, &[3, 2])).map(HostPageId::index), Some(2));
     drop(write);
-    assert_eq!(memory.lent(&[0, 1, 2, 3]), None);
-    assert!(memory.lend_write(&[1, 1]).unwrap_err().to_string().contains("listed twice"));
-    assert!(memory.lend_read(&[4]).unwrap_err().to_string().contains("host page 4 out of range (4 pages)"));
+    assert_eq!(memory.lent(&ids(&memory, &[0, 1, 2, 3])), None);
+    assert!(memory.lend_write(&ids(&memory, &[1, 1])).unwrap_err().to_string().contains("listed twice"));
+    assert!(
+        memory.lend_read(&ids(&memory, &[4])).unwrap_err().to_string().contains("host page 4 out of range (4 pages)")
+    );
+}
+
+#[test]
+fn pages_of_another_pool_are_refused_by_name_and_never_lent() {
+    let (memory, other) = (memory(4, &HostAllocation::Anonymous), memory(4, &HostAllocation::Anonymous));
+    let mine = memory.allocator().unwrap().alloc(2).unwrap();
+    let foreign = other.allocator().unwrap().alloc(2).unwrap();
+    assert_eq!(mine.iter().map(|page| page.index()).collect::<Vec<_>>(), [0, 1], "the same indices in both pools");
+    let _held = memory.lend_write(&mine).unwrap();
+    for error in [memory.lend_read(&foreign).map(drop), memory.lend_write(&foreign[1..]).map(drop)] {
+        let error = error.unwrap_err().to_string();
+        assert!(error.starts_with("pages: host page 1 of pool") || error.starts_with("pages: host page 0 of pool"));
+        assert!(error.contains("is not a page of this host memory"), "{error}");
+    }
+    assert_eq!(memory.lent(&foreign), None, "a foreign page's index is not this pool's page");
+    assert_eq!(memory.lent_for_writing(&foreign), None);
+    assert_eq!(memory.all_pages().len(), 4);
+    memory.check_pages(&memory.all_pages()).unwrap();
 }
 
 #[test]
 fn a_waiting_lease_is_granted_when_the_conflict_returns() {
     let memory = std::sync::Arc::new(memory(2, &HostAllocation::Anonymous));
-    let reader = memory.lend_read(&[1]).unwrap();
+    let reader = memory.lend_read(&ids(&memory, &[1])).unwrap();
     let (granted, seen) = std::sync::mpsc::channel();
     let writer = std::thread::spawn({
         let memory = memory.clone();
         move || {
-            let mut lease = memory.lend_write_waiting(&[1]).unwrap();
+            let mut lease = memory.lend_write_waiting(&ids(&memory, &[1])).unwrap();
             lease.pages_mut()[0][0][0] = 7;
             granted.send(()).unwrap();
         }
@@ -95,7 +115,7 @@ fn a_waiting_lease_is_granted_when_the_conflict_returns() {
     drop(reader);
     seen.recv().unwrap();
     writer.join().unwrap();
-    assert_eq!(memory.copy_pages_out(&[1]).unwrap()[0], 7);
+    assert_eq!(memory.copy_pages_out(&ids(&memory, &[1])).unwrap()[0], 7);
 }
 
 /// A lease operation of the model test: lend some pages for reading or writing, or return the n-th live lease.
@@ -132,7 +152,7 @@ proptest! {
             match step {
                 Step::Read(pages) => {
                     let allowed = pages.iter().all(|&page| model[page] >= 0);
-                    match memory.lend_read(&pages) {
+                    match memory.lend_read(&ids(&memory, &pages)) {
                         Ok(lease) => {
                             prop_assert!(allowed);
                             for (index, &page) in pages.iter().enumerate() {
@@ -149,7 +169,7 @@ proptest! {
                     unique.sort_unstable();
                     unique.dedup();
                     let allowed = unique.len() == pages.len() && pages.iter().all(|&page| model[page] == 0);
-                    match memory.lend_write(&pages) {
+                    match memory.lend_write(&ids(&memory, &pages)) {
                         Ok(mut lease) => {
                             prop_assert!(allowed);
                             for (segments, &page) in lease.pages_mut().iter_mut().zip(&pages) {
@@ -164,14 +184,19 @@ proptest! {
                 }
                 Step::Return(index) if !live.is_empty() => {
                     match live.remove(index % live.len()) {
-                        Held::Read(lease) => lease.page_indices().iter().for_each(|&page| model[page] -= 1),
-                        Held::Write(lease) => lease.page_indices().iter().for_each(|&page| model[page] = 0),
+                        Held::Read(lease) => lease.page_ids().iter().for_each(|page| model[page.index()] -= 1),
+                        Held::Write(lease) => lease.page_ids().iter().for_each(|page| model[page.index()] = 0),
                     }
                 }
                 Step::Return(_) => {}
             }
-            let lent = memory.lent(&[0, 1, 2, 3, 4, 5]).map(|(page, _)| page);
+            let lent = memory.lent(&ids(&memory, &[0, 1, 2, 3, 4, 5])).map(|(page, _)| page.index());
             prop_assert_eq!(lent, model.iter().position(|&count| count != 0));
         }
     }
+}
+
+/// Page ids of `memory`'s pool by index (out of range ones included, to be refused).
+fn ids(memory: &HostMemory, indices: &[usize]) -> Vec<HostPageId> {
+    indices.iter().map(|&index| HostPageId::new(memory.pool, index)).collect()
 }

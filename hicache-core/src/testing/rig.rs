@@ -78,8 +78,7 @@ pub fn store_through(controller: &mut CacheController<CpuEngine>, tokens: &[u32]
         (0..(keys.len() * page) as crate::device_slots::DeviceSlot).collect();
     let pages = controller.write(&slots, NodeId(1), Some(&keys)).expect("write").expect("host pages");
     let report = tick_until(controller, |tick| tick.backups.into_iter().next());
-    let indices: Vec<usize> = pages.iter().map(|page| page.index()).collect();
-    let bytes = controller.engine().host_memory().copy_pages_out(&indices).expect("the pages are not lent");
+    let bytes = controller.engine().host_memory().copy_pages_out(&pages).expect("the pages are not lent");
     (report, bytes)
 }
 
@@ -92,8 +91,7 @@ pub fn prefetch_back(controller: &mut CacheController<CpuEngine>, tokens: &[u32]
     controller.prefetch("rig", tokens, None).expect("prefetch");
     controller.finish_prefetch("rig");
     let done = tick_until(controller, |tick| tick.prefetches.into_iter().next());
-    let indices: Vec<usize> = done.host_pages.iter().map(|page| page.index()).collect();
-    let bytes = controller.engine().host_memory().copy_pages_out(&indices).expect("the pages are not lent");
+    let bytes = controller.engine().host_memory().copy_pages_out(&done.host_pages).expect("the pages are not lent");
     (done, bytes)
 }
 

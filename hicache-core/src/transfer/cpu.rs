@@ -37,8 +37,8 @@ pub enum Stream {
 
 #[derive(Debug)]
 enum Work {
-    Write { slots: Vec<DeviceSlot>, pages: Vec<usize> },
-    LoadLayer { layer: usize, pages: Vec<usize>, slots: Vec<DeviceSlot> },
+    Write { slots: Vec<DeviceSlot>, pages: Vec<HostPageId> },
+    LoadLayer { layer: usize, pages: Vec<HostPageId>, slots: Vec<DeviceSlot> },
 }
 
 #[derive(Debug)]
@@ -119,8 +119,8 @@ impl State {
                 // layer and part outermost: consecutive pages of one layer merge into one run (`layer_first`)
                 for layer in 0..geometry.layers {
                     for &part in geometry.parts() {
-                        for (index, (&page, page_slots)) in pages.iter().zip(slots.chunks(page_size)).enumerate() {
-                            for span in spans(device_map, host_map, page, page_slots, layer, part) {
+                        for (index, (page, page_slots)) in pages.iter().zip(slots.chunks(page_size)).enumerate() {
+                            for span in spans(device_map, host_map, page.index(), page_slots, layer, part) {
                                 runs.push(span.device, span.host, span.items);
                                 copy.push(span.device, index, span.flat, span.items * item, &mut write);
                             }
@@ -141,8 +141,8 @@ impl State {
                     device.write(to, &host_pages[index][segment][at..at + len]);
                 };
                 for &part in geometry.parts() {
-                    for (index, (&page, page_slots)) in pages.iter().zip(slots.chunks(page_size)).enumerate() {
-                        for span in spans(device_map, host_map, page, page_slots, *layer, part) {
+                    for (index, (page, page_slots)) in pages.iter().zip(slots.chunks(page_size)).enumerate() {
+                        for span in spans(device_map, host_map, page.index(), page_slots, *layer, part) {
                             runs.push(span.host, span.device, span.items);
                             copy.push(span.device, index, span.flat, span.items * item, &mut read);
                         }
@@ -416,7 +416,7 @@ impl CpuEngine {
         slots: &[DeviceSlot],
         pages: &[HostPageId],
         after: &CpuEvent,
-    ) -> Result<Vec<usize>, Error> {
+    ) -> Result<Vec<HostPageId>, Error> {
         let page_size = state.host_map.page_size();
         if pages.len().checked_mul(page_size) != Some(slots.len()) {
             return Err(Error::InvalidArgument {
@@ -430,16 +430,11 @@ impl CpuEngine {
                 reason: format!("device slot {slot} out of range ({} slots)", state.device_map.slots()),
             });
         }
-        if let Some(page) = pages.iter().find(|page| page.index() >= state.host_map.pages()) {
-            return Err(Error::InvalidArgument {
-                field: "pages",
-                reason: format!("host {page} out of range ({} pages)", state.host_map.pages()),
-            });
-        }
+        state.memory.host.check_pages(pages)?;
         if !Arc::ptr_eq(&self.state, &after.state) {
             return Err(Error::InvalidArgument { field: "after", reason: "an event of another engine".into() });
         }
-        Ok(pages.iter().map(|page| page.index()).collect())
+        Ok(pages.to_vec())
     }
 
     fn submit(&self, mut state: MutexGuard<'_, State>, stream: Stream, work: Work, after: &CpuEvent) -> CpuEvent {
@@ -500,7 +495,7 @@ impl TransferEngine for CpuEngine {
     ) -> Result<CpuEvent, Error> {
         let mut state = lock(&self.state);
         let pages = self.check(&state, slots, pages, after)?;
-        if let Some(page) = first_repeat(&mut state.seen, pages.iter().copied()) {
+        if let Some(page) = first_repeat(&mut state.seen, pages.iter().map(|page| page.index())) {
             return Err(Error::InvalidArgument { field: "pages", reason: format!("host page {page} is listed twice") });
         }
         Ok(self.submit(state, Stream::Write, Work::Write { slots: slots.to_vec(), pages }, after))

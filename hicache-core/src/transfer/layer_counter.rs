@@ -144,7 +144,6 @@ impl<E: TransferEvent> Default for LayerDoneCounter<E> {
 mod tests {
     use super::*;
     use crate::geometry::{KvDtype, KvGeometry};
-    use crate::host_pool::HostPageAllocator;
     use crate::layout::{HostLayout, HostLayoutMap};
     use crate::transfer::{Completion, CpuEngine, CpuEvent, DeviceLayoutMap, TransferEngine};
 
@@ -157,7 +156,7 @@ mod tests {
     }
 
     fn load_all_layers(engine: &mut CpuEngine, page: usize) -> Vec<CpuEvent> {
-        let pages = HostPageAllocator::new(8).unwrap().alloc(8).unwrap();
+        let pages = engine.host_memory().allocator().unwrap().alloc(8).unwrap();
         let start = engine.start_event().unwrap();
         (0..LAYERS)
             .map(|layer| engine.load_layer(layer, &pages[page..=page], &[page as u32], &start).unwrap())
