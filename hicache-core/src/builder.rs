@@ -48,6 +48,7 @@ pub struct HiCacheBuilder<E: TransferEngine> {
     config: HiCacheConfig,
     engine: E,
     storage: Option<Arc<dyn StorageBackend>>,
+    settings: Option<StorageSettings>,
     clock: Option<Arc<dyn Clock>>,
     tp_rank: usize,
 }
@@ -55,12 +56,20 @@ pub struct HiCacheBuilder<E: TransferEngine> {
 impl<E: TransferEngine> HiCacheBuilder<E> {
     /// A builder for `engine` (its device and host pools decide the sizes) with `config`.
     pub fn new(config: HiCacheConfig, engine: E) -> Self {
-        Self { config, engine, storage: None, clock: None, tp_rank: 0 }
+        Self { config, engine, storage: None, settings: None, clock: None, tp_rank: 0 }
     }
 
     /// Adds a storage tier (L3).
     pub fn with_storage(mut self, storage: Arc<dyn StorageBackend>) -> Self {
         self.storage = Some(storage);
+        self
+    }
+
+    /// Storage settings to use instead of those the config gives ([`StorageSettings::from_config`]): for a bench or
+    /// a test that sets what no config knob reaches (the tick's slots, priors left unknown). Their page size must be
+    /// the config's.
+    pub fn with_storage_settings(mut self, settings: StorageSettings) -> Self {
+        self.settings = Some(settings);
         self
     }
 
@@ -81,8 +90,27 @@ impl<E: TransferEngine> HiCacheBuilder<E> {
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] naming the field when the config is invalid or disagrees with the engine's pools
-    /// (`page_size`, `mem_layout`); the controller's and the storage settings' errors.
+    /// (`page_size`, `mem_layout`) or the storage backend's rank (`tp_rank`); [`Error::InvalidArgument`] naming the
+    /// field when the backend was opened for other pages than the pools hold (`page_size`, `geometry`,
+    /// `mem_layout`); the controller's and the storage settings' errors.
     pub fn build(self) -> Result<HiRadixTree<E>, Error> {
+        let config = self.config.clone().validated()?;
+        let controller = self.build_controller()?;
+        let settings = TreeSettings {
+            write_policy: config.write_policy,
+            write_through_selective_threshold: config.write_through_selective_threshold,
+            load_back_threshold: config.load_back_threshold,
+        };
+        Ok(HiRadixTree::new(controller, settings))
+    }
+
+    /// The controller alone (with the storage half when a tier was given), checked as [`build`](Self::build) checks
+    /// it: for a caller that drives the controller without a tree (a bench, a backend's test rig).
+    ///
+    /// # Errors
+    ///
+    /// As [`build`](Self::build).
+    pub fn build_controller(self) -> Result<CacheController<E>, Error> {
         let config = self.config.validated()?;
         let host = self.engine.host_memory();
         let host_map = *host.map();
@@ -120,16 +148,79 @@ impl<E: TransferEngine> HiCacheBuilder<E> {
         let mla = device.geometry().is_mla();
         let mut controller = CacheController::new(self.engine, page, host_pages, device_pages, layers)?;
         if let Some(storage) = self.storage {
-            let settings =
-                StorageSettings::from_config(&config, host_pages * page, device_pages * page, mla, self.tp_rank)?;
+            if let Some(namespace) = storage.namespace()
+                && namespace.tp_rank != self.tp_rank
+            {
+                return mismatch(
+                    "tp_rank",
+                    format!(
+                        "{}, but the storage backend was opened for rank {} of {}",
+                        self.tp_rank, namespace.tp_rank, namespace.tp_size
+                    ),
+                );
+            }
+            let settings = match self.settings {
+                Some(settings) => settings,
+                None => {
+                    StorageSettings::from_config(&config, host_pages * page, device_pages * page, mla, self.tp_rank)?
+                }
+            };
             let clock = self.clock.unwrap_or_else(|| Arc::new(SystemClock::new()));
             controller = controller.with_storage(storage, settings, clock)?;
         }
-        let settings = TreeSettings {
-            write_policy: config.write_policy,
-            write_through_selective_threshold: config.write_through_selective_threshold,
-            load_back_threshold: config.load_back_threshold,
-        };
-        Ok(HiRadixTree::new(controller, settings))
+        Ok(controller)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::{KvDtype, KvGeometry};
+    use crate::layout::{HostLayout, HostLayoutMap};
+    use crate::namespace::StorageNamespace;
+    use crate::storage::MemoryStorage;
+    use crate::transfer::{Completion, CpuEngine, DeviceLayoutMap};
+
+    const PAGE: usize = 4;
+
+    fn geometry() -> KvGeometry {
+        KvGeometry::mha(2, 2, 8, KvDtype::Bf16).unwrap()
+    }
+
+    /// A builder over fresh pools of `geometry()`, layer-first pages of `PAGE`, with a backend opened for
+    /// `namespace`, on rank `rank`.
+    fn build(namespace: &StorageNamespace, rank: usize) -> Result<HiRadixTree<CpuEngine>, Error> {
+        let engine = CpuEngine::new(
+            DeviceLayoutMap::new(geometry(), 8 * PAGE).unwrap(),
+            HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, 16).unwrap(),
+            Completion::Immediate,
+        )
+        .unwrap();
+        let config = HiCacheConfig { page_size: PAGE, mem_layout: HostLayout::LayerFirst, ..HiCacheConfig::default() };
+        HiCacheBuilder::new(config, engine)
+            .with_storage(Arc::new(MemoryStorage::new(namespace)))
+            .with_tp_rank(rank)
+            .build()
+    }
+
+    #[test]
+    fn a_backend_opened_for_other_pages_is_refused_naming_the_field() {
+        let matching = StorageNamespace::single_rank("m", geometry(), HostLayout::LayerFirst, PAGE);
+        build(&matching, 0).unwrap();
+        let other_geometry = KvGeometry::mha(2, 4, 8, KvDtype::Bf16).unwrap();
+        let mut other_rank = matching.clone();
+        (other_rank.tp_rank, other_rank.tp_size) = (1, 2);
+        for (namespace, rank, field) in [
+            (StorageNamespace::single_rank("m", geometry(), HostLayout::LayerFirst, 2 * PAGE), 0, "page_size"),
+            (StorageNamespace::single_rank("m", other_geometry, HostLayout::LayerFirst, PAGE), 0, "geometry"),
+            (StorageNamespace::single_rank("m", geometry(), HostLayout::PageFirst, PAGE), 0, "mem_layout"),
+            (other_rank.clone(), 0, "tp_rank"),
+        ] {
+            let error = build(&namespace, rank).expect_err("a mismatch is refused").to_string();
+            let named =
+                error.starts_with(&format!("{field}: ")) || error.starts_with(&format!("config field `{field}`"));
+            assert!(named, "{field}: {error}");
+        }
+        build(&other_rank, 1).unwrap();
     }
 }

@@ -62,6 +62,8 @@ use crate::usrbio::{DataFile, Library};
 
 /// A 3FS backend for one namespace.
 pub struct Hf3fsStorage {
+    /// The namespace it serves.
+    namespace: StorageNamespace,
     library: &'static Library,
     config: Hf3fsConfig,
     metadata: Arc<dyn PageMetadata>,
@@ -170,6 +172,7 @@ impl Hf3fsStorage {
         // the first metadata call records the space's geometry, or refuses one recorded otherwise
         metadata.counts(&space)?;
         Ok(Self {
+            namespace: namespace.clone(),
             library,
             config,
             metadata,
@@ -299,6 +302,10 @@ fn open_data_file(path: &Path, file_size: u64) -> Result<std::fs::File, Error> {
 impl StorageBackend for Hf3fsStorage {
     fn name(&self) -> &str {
         "3fs"
+    }
+
+    fn namespace(&self) -> Option<&StorageNamespace> {
+        Some(&self.namespace)
     }
 
     fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {

@@ -111,6 +111,8 @@ pub const STALE_TEMPORARY_AGE: std::time::Duration = std::time::Duration::from_s
 /// A file backend for one namespace.
 #[derive(Debug)]
 pub struct FileStorage {
+    /// The namespace it serves.
+    namespace: StorageNamespace,
     config: FileConfig,
     /// Where this namespace's files live (the directory itself, or the native namespace folder).
     root: PathBuf,
@@ -194,6 +196,7 @@ impl FileStorage {
         }
         let config_threads = config.io_threads;
         let mut storage = Self {
+            namespace: namespace.clone(),
             config,
             root,
             sglang_suffix,
@@ -544,6 +547,10 @@ fn io_failure(message: String, error: std::io::Error) -> Error {
 impl StorageBackend for FileStorage {
     fn name(&self) -> &str {
         "file"
+    }
+
+    fn namespace(&self) -> Option<&StorageNamespace> {
+        Some(&self.namespace)
     }
 
     fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {

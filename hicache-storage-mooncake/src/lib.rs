@@ -66,6 +66,8 @@ const NOT_READY_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A Mooncake Store backend for one namespace.
 pub struct MooncakeStorage {
+    /// The namespace it serves.
+    namespace: StorageNamespace,
     client: Client,
     keys: KeyRenderer,
     page_bytes: usize,
@@ -117,6 +119,7 @@ impl MooncakeStorage {
         )
         .map_err(error)?;
         Ok(Self {
+            namespace: namespace.clone(),
             client,
             keys,
             page_bytes,
@@ -350,6 +353,10 @@ fn object_failure(status: i64, master: &str, part_bytes: usize) -> PageFailure {
 impl StorageBackend for MooncakeStorage {
     fn name(&self) -> &str {
         "mooncake"
+    }
+
+    fn namespace(&self) -> Option<&StorageNamespace> {
+        Some(&self.namespace)
     }
 
     fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {

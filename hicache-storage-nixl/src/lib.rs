@@ -127,6 +127,8 @@ pub struct NixlUsage {
 /// A NIXL backend for one namespace.
 #[derive(Debug)]
 pub struct NixlStorage {
+    /// The namespace it serves.
+    namespace: StorageNamespace,
     dir: PathBuf,
     /// What follows the hash in a page file's name.
     suffix: String,
@@ -176,6 +178,7 @@ impl NixlStorage {
         let suffix = namespace.sglang_file_key(&probe)[probe.to_string().len()..].to_owned();
         tracing::debug!(plugin = agent.plugin(), dir = %config.dir.display(), "nixl backend open");
         Ok(Self {
+            namespace: namespace.clone(),
             dir: config.dir,
             suffix,
             page_bytes: namespace.geometry.bytes_per_page(namespace.page_size),
@@ -324,6 +327,10 @@ impl NixlStorage {
 impl StorageBackend for NixlStorage {
     fn name(&self) -> &str {
         "nixl"
+    }
+
+    fn namespace(&self) -> Option<&StorageNamespace> {
+        Some(&self.namespace)
     }
 
     fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {

@@ -14,17 +14,17 @@ use anyhow::{Context as _, bail};
 use clap::Args;
 use hicache_core::collective::SingleRank;
 use hicache_core::config::PrefetchPolicy;
-use hicache_core::controller::{CacheController, DEFAULT_TICK_SLOTS, PrefetchStart, StorageSettings};
+use hicache_core::controller::{DEFAULT_TICK_SLOTS, PrefetchStart, StorageSettings};
 use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PageHasher, PartialPage};
 use hicache_core::host_pool::HostPageId;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::MemoryStorage;
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, SlotReuse};
 use hicache_core::tree::NodeId;
+use hicache_core::{HiCacheBuilder, HiCacheConfig};
 use serde::Serialize;
 
 /// Arguments of `hicache bench controller`.
@@ -88,11 +88,11 @@ pub(crate) fn run(args: &BenchControllerArgs) -> anyhow::Result<()> {
         split: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
     };
-    let mut controller = CacheController::new(engine, page, HOST_PAGES, DEVICE_PAGES, 1)?.with_storage(
-        Arc::new(MemoryStorage::new(&namespace)),
-        settings,
-        Arc::new(SystemClock::new()),
-    )?;
+    let config = HiCacheConfig { page_size: page, mem_layout: HostLayout::PageFirst, ..HiCacheConfig::default() };
+    let mut controller = HiCacheBuilder::new(config, engine)
+        .with_storage(Arc::new(MemoryStorage::new(&namespace)))
+        .with_storage_settings(settings)
+        .build_controller()?;
     let mut hasher = PageHasher::new();
     let mut ops = 0;
     let mut requests = 0;

@@ -21,10 +21,10 @@ use hicache_core::host_memory::HostMemory;
 use hicache_core::host_pool::HostPageId;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::{GetOutcome, StorageBackend};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, TransferEngine};
 use hicache_core::tree::NodeId;
+use hicache_core::{HiCacheBuilder, HiCacheConfig};
 use serde::Serialize;
 
 /// What to measure.
@@ -105,11 +105,11 @@ pub(super) fn run(
         split: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
     };
-    let mut controller = CacheController::new(engine, 1, host_pages, device_pages, 1)?.with_storage(
-        backend.clone(),
-        settings,
-        Arc::new(SystemClock::new()),
-    )?;
+    let config = HiCacheConfig { page_size: 1, mem_layout: HostLayout::PageFirst, ..HiCacheConfig::default() };
+    let mut controller = HiCacheBuilder::new(config, engine)
+        .with_storage(backend.clone())
+        .with_storage_settings(settings)
+        .build_controller()?;
     progress.set_message("filling the host pool");
     let sources = fill_sources(&mut controller, bench.pages)?;
     let memory = controller.engine().host_memory();

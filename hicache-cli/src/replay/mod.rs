@@ -20,17 +20,15 @@ use std::time::Duration;
 
 use anyhow::bail;
 use clap::{Args, ValueEnum};
+use hicache_core::HiCacheBuilder;
 use hicache_core::collective::{Collective, InProcessGroup, SingleRank};
 use hicache_core::config::{HiCacheConfig, MAX_SECONDS, PrefetchPolicy, WritePolicy};
-use hicache_core::controller::{CacheController, StorageSettings};
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::host_memory::{HostAllocation, HostMemory};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore, StorageBackend};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
-use hicache_core::tree::{HiRadixTree, TreeSettings};
 
 use crate::backends::{self, BackendName, BackendOptions, FileFormatArg};
 use crate::exit::Usage;
@@ -591,8 +589,7 @@ fn run_on<E: device::ReplayEngine>(
 ) -> anyhow::Result<rank::RankOutcome> {
     let geometry = geometry(args)?;
     let page = args.page_size;
-    let (device_pages, host_pages) = (args.device_tokens / page, args.host_tokens / page);
-    let mut controller = CacheController::new(engine, page, host_pages, device_pages, args.layers)?;
+    let device_pages = args.device_tokens / page;
     let mut namespace = StorageNamespace::single_rank("hicache-replay", geometry, layout(args), page);
     namespace.tp_rank = rank;
     namespace.tp_size = args.tp_size;
@@ -612,6 +609,7 @@ fn run_on<E: device::ReplayEngine>(
         };
     let config = HiCacheConfig {
         page_size: page,
+        mem_layout: layout(args),
         write_policy: write_policy(args),
         prefetch_policy: match args.prefetch_policy {
             PrefetchPolicyArg::BestEffort => PrefetchPolicy::BestEffort,
@@ -624,16 +622,11 @@ fn run_on<E: device::ReplayEngine>(
         prefetch_split: !args.fetch_whole_hits && !args.no_split,
         ..HiCacheConfig::default()
     };
+    let mut builder = HiCacheBuilder::new(config.clone(), engine).with_tp_rank(rank);
     if let Some(backend) = &backend {
-        let settings = StorageSettings::from_config(&config, host_pages * page, device_pages * page, false, rank)?;
-        controller = controller.with_storage(backend.clone(), settings, Arc::new(SystemClock::new()))?;
+        builder = builder.with_storage(backend.clone());
     }
-    let settings = TreeSettings {
-        write_policy: config.write_policy,
-        write_through_selective_threshold: config.write_through_selective_threshold,
-        load_back_threshold: config.load_back_threshold,
-    };
-    let mut tree = HiRadixTree::new(controller, settings);
+    let mut tree = builder.build()?;
     let mut workload = workload::Workload::new(workload::WorkloadSpec {
         clients: args.clients,
         rounds: args.rounds,

@@ -14,6 +14,7 @@ use super::{
 };
 use crate::error::Error;
 use crate::hash::PageKey;
+use crate::namespace::StorageNamespace;
 
 /// Which faults to inject. Every field off by default.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -200,6 +201,10 @@ fn injected(reason: &str) -> PageFailure {
 impl<S: StorageBackend> StorageBackend for FaultyStorage<S> {
     fn name(&self) -> &str {
         self.inner.name()
+    }
+
+    fn namespace(&self) -> Option<&StorageNamespace> {
+        self.inner.namespace()
     }
 
     fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {

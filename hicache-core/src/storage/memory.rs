@@ -50,7 +50,8 @@ impl MemoryStore {
 #[derive(Debug)]
 pub struct MemoryStorage {
     store: Arc<MemoryStore>,
-    namespace: Arc<str>,
+    namespace: StorageNamespace,
+    digest: Arc<str>,
     page_bytes: usize,
     stats: StatsRecorder,
 }
@@ -65,7 +66,8 @@ impl MemoryStorage {
     pub fn shared(store: Arc<MemoryStore>, namespace: &StorageNamespace) -> Self {
         Self {
             store,
-            namespace: namespace.digest().into(),
+            namespace: namespace.clone(),
+            digest: namespace.digest().into(),
             page_bytes: namespace.geometry.bytes_per_page(namespace.page_size),
             stats: StatsRecorder::default(),
         }
@@ -77,13 +79,17 @@ impl MemoryStorage {
     }
 
     fn object_key(&self, key: &PageKey) -> (Arc<str>, PageKey) {
-        (self.namespace.clone(), *key)
+        (self.digest.clone(), *key)
     }
 }
 
 impl StorageBackend for MemoryStorage {
     fn name(&self) -> &str {
         "memory"
+    }
+
+    fn namespace(&self) -> Option<&StorageNamespace> {
+        Some(&self.namespace)
     }
 
     fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {
@@ -153,7 +159,7 @@ impl StorageBackend for MemoryStorage {
     fn clear(&self) -> Result<u64, Error> {
         let mut objects = self.store.write();
         let before = objects.len();
-        objects.retain(|(namespace, _), _| *namespace != self.namespace);
+        objects.retain(|(namespace, _), _| *namespace != self.digest);
         let removed = (before - objects.len()) as u64;
         self.stats.record_removed(removed);
         Ok(removed)
@@ -167,7 +173,7 @@ impl StorageBackend for MemoryStorage {
         let objects = self.store.read();
         Ok(objects
             .iter()
-            .filter(|((namespace, _), _)| *namespace == self.namespace)
+            .filter(|((namespace, _), _)| *namespace == self.digest)
             .map(|((_, key), bytes)| (*key, bytes.len() as u64))
             .collect())
     }

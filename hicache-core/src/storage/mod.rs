@@ -22,6 +22,7 @@ pub use stats::{StatsRecorder, StorageStats};
 use crate::error::{Cause, Error};
 use crate::hash::PageKey;
 use crate::host_memory::MemoryRegion;
+use crate::namespace::StorageNamespace;
 
 /// Destination of one page: segments whose concatenation receives the page.
 pub type PageSegmentsMut<'a> = Vec<&'a mut [u8]>;
@@ -115,6 +116,15 @@ impl SetOutcome {
 pub trait StorageBackend: Send + Sync {
     /// Short name of the backend (`memory`, `file`, ...).
     fn name(&self) -> &str;
+
+    /// The namespace this instance serves (model, geometry, layout, page size, ranks), so a controller refuses a
+    /// backend opened for other pages than its pools hold ([`CacheController::with_storage`]); `None` for a backend
+    /// that keeps no namespace (a test double). Every backend of this workspace returns its own.
+    ///
+    /// [`CacheController::with_storage`]: crate::controller::CacheController::with_storage
+    fn namespace(&self) -> Option<&StorageNamespace> {
+        None
+    }
 
     /// The number of keys present, counted from the first key and stopping at the first absent one.
     ///
@@ -218,6 +228,10 @@ pub trait StorageBackend: Send + Sync {
 impl<T: StorageBackend + ?Sized> StorageBackend for Box<T> {
     fn name(&self) -> &str {
         (**self).name()
+    }
+
+    fn namespace(&self) -> Option<&StorageNamespace> {
+        (**self).namespace()
     }
 
     fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {

@@ -4,15 +4,15 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::HiCacheBuilder;
 use crate::collective::SingleRank;
-use crate::config::PrefetchPolicy;
+use crate::config::{HiCacheConfig, PrefetchPolicy};
 use crate::controller::NodeId;
 use crate::controller::{BackupReport, CacheController, PrefetchDone, StorageSettings};
 use crate::error::Error;
 use crate::hash::{PartialPage, page_keys};
 use crate::layout::HostLayoutMap;
 use crate::namespace::StorageNamespace;
-use crate::rate_limit::SystemClock;
 use crate::storage::StorageBackend;
 use crate::transfer::{Completion, CpuEngine, DeviceLayoutMap, TransferEngine};
 
@@ -57,11 +57,12 @@ pub fn controller_over(
         split: false,
         priors: crate::cost::Priors::UNKNOWN,
     };
-    CacheController::new(engine, page, host_pages, device_pages, geometry.layers)?.with_storage(
-        storage,
-        settings,
-        Arc::new(SystemClock::new()),
-    )
+    let config = HiCacheConfig { page_size: page, mem_layout: namespace.layout, ..HiCacheConfig::default() };
+    HiCacheBuilder::new(config, engine)
+        .with_storage(storage)
+        .with_storage_settings(settings)
+        .with_tp_rank(namespace.tp_rank)
+        .build_controller()
 }
 
 /// Writes `tokens` (whole pages, at most the device pool; from its first pages) through the controller with their keys and waits for the
