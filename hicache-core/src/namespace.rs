@@ -161,26 +161,6 @@ impl StorageNamespace {
         }
         suffix
     }
-
-    /// SGLang's Mooncake keys of a page (`get_buffer_meta`): `{hash}_{tp_rank}_k`, `{hash}_{tp_rank}_v` for MHA;
-    /// `{hash}_k` for MLA.
-    pub fn sglang_mooncake_keys(&self, key: &PageKey) -> Vec<String> {
-        if self.geometry.is_mla() {
-            vec![format!("{key}_k")]
-        } else {
-            vec![format!("{key}_{}_k", self.tp_rank), format!("{key}_{}_v", self.tp_rank)]
-        }
-    }
-
-    /// SGLang's 3FS keys of a page: `{hash}-k`, `{hash}-v` for MHA in a page-first layout (zero-copy), otherwise the
-    /// plain hash (one flat page; namespacing comes from the per-rank file).
-    pub fn sglang_3fs_keys(&self, key: &PageKey) -> Vec<String> {
-        if !self.geometry.is_mla() && self.layout.page_part_is_contiguous() {
-            vec![format!("{key}-k"), format!("{key}-v")]
-        } else {
-            vec![key.to_string()]
-        }
-    }
 }
 
 /// The native key for a precomputed namespace digest (backends compute the digest once).
@@ -212,9 +192,6 @@ mod tests {
         let hash = key.to_string();
         let mha = llama(HostLayout::PageFirst);
         assert_eq!(mha.sglang_file_key(&key), format!("{hash}_meta-llama-Llama-3.1-8B_1_2"));
-        assert_eq!(mha.sglang_mooncake_keys(&key), [format!("{hash}_1_k"), format!("{hash}_1_v")]);
-        assert_eq!(mha.sglang_3fs_keys(&key), [format!("{hash}-k"), format!("{hash}-v")]);
-        assert_eq!(llama(HostLayout::LayerFirst).sglang_3fs_keys(&key), vec![hash.clone()]);
         let mla = StorageNamespace {
             tp_rank: 3,
             tp_size: 8,
@@ -228,8 +205,6 @@ mod tests {
         assert_eq!(mla.sglang_file_key(&key), format!("{hash}_deepseek-ai-DeepSeek-V3"));
         let staged_mla = StorageNamespace { pp_rank: 0, pp_size: 4, ..mla.clone() };
         assert_eq!(staged_mla.sglang_file_key(&key), format!("{hash}_deepseek-ai-DeepSeek-V3_4_0"));
-        assert_eq!(mla.sglang_mooncake_keys(&key), [format!("{hash}_k")]);
-        assert_eq!(mla.sglang_3fs_keys(&key), vec![hash.clone()]);
         let staged = StorageNamespace { pp_rank: 1, pp_size: 2, ..mha.clone() };
         assert_eq!(staged.sglang_file_key(&key), format!("{hash}_meta-llama-Llama-3.1-8B_1_2_2_1"));
         let unnamed = StorageNamespace { model: String::new(), ..mha };

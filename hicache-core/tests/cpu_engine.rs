@@ -158,7 +158,7 @@ proptest! {
             }
         }
         prop_assert!(host.iter().zip(&written).all(|(&byte, &mine)| mine || byte == HOST_POISON));
-        prop_assert_eq!(engine.with_device(|bytes| bytes.to_vec()), device, "a backup leaves the device alone");
+        prop_assert_eq!(engine.with_device(|bytes| bytes.to_vec()), device, "a write to the host leaves the device alone");
     }
 
     #[test]

@@ -443,8 +443,8 @@ fn print_text(description: &str, report: &Report) {
     if report.tree.write_refused_tokens > 0 {
         // one node can be refused at several attempts, so this may exceed the dropped tokens
         println!(
-            "backups to the host refused by a full host pool: {} tokens, counted per attempt (a refused node stays on \
-             the device; it is dropped only if evicted before a later backup succeeds)",
+            "writes to the host refused by a full host pool: {} tokens, counted per attempt (a refused node stays on \
+             the device; it is dropped only if evicted before a later write succeeds)",
             report.tree.write_refused_tokens
         );
     }

@@ -56,7 +56,7 @@ pub struct TreeStats {
     pub dropped_tokens: usize,
     /// Tokens dropped from the host (storage may still hold them).
     pub host_evicted_tokens: usize,
-    /// Tokens a backup to the host could not take (host pool full even after eviction).
+    /// Tokens a write to the host could not take (host pool full even after eviction).
     pub write_refused_tokens: usize,
     /// Times device eviction waited for a backup to storage to unpin host pages, rather than drop a node's KV.
     pub backup_waits: usize,
