@@ -102,6 +102,21 @@ fn expected_flat_pages(rig: &Rig, slots: &[u32]) -> Vec<u8> {
     out
 }
 
+/// Fills the host pool with pages holding the only copy above storage (written from the device, acked, the device
+/// copy evicted: evictable) until `free` pages are left; returns them.
+fn fill_host_pool(rig: &mut Rig, device: &mut PagedSlots, free: usize) -> Vec<HostPageId> {
+    let mut filled = Vec::new();
+    while rig.host().available() > free {
+        let slots = device.alloc_pages(1).unwrap();
+        let pages = rig.write(&slots, NodeId(9), None).unwrap().unwrap();
+        rig.take_all_write_acks().unwrap();
+        rig.evict_device(&pages).unwrap();
+        device.free(&slots).unwrap();
+        filled.extend(pages);
+    }
+    filled
+}
+
 fn host_bytes(rig: &Rig, pages: &[HostPageId]) -> Vec<u8> {
     rig.engine().host_memory().copy_pages_out(pages).unwrap()
 }
@@ -814,15 +829,7 @@ fn host_eviction_on_demand_makes_room_for_a_hit() {
         Arc::new(SystemClock::new()),
     );
     // fill the host pool with backed-up pages the callback may evict
-    let mut evictable = Vec::new();
-    while rig.host().available() > 2 {
-        let slots = device.alloc_pages(1).unwrap();
-        let pages = rig.write(&slots, NodeId(9), None).unwrap().unwrap();
-        rig.take_all_write_acks().unwrap();
-        rig.evict_device(&pages).unwrap();
-        device.free(&slots).unwrap();
-        evictable.extend(pages);
-    }
+    let mut evictable = fill_host_pool(&mut rig, &mut device, 2);
     rig.prefetch("r", &prompt, None).unwrap();
     rig.finish_prefetch("r");
     let mut asked = Vec::new();
@@ -1112,15 +1119,7 @@ fn reads_reserved_while_the_query_ran_are_kept_when_too_few_more_pages_fit() {
     let gated = Arc::new(Gated::with_query_gate(memory(&store, 0, 1)));
     let mut rig = controller(gated.clone(), settings(PrefetchPolicy::WaitComplete), Arc::new(SystemClock::new()));
     gated.open(100);
-    let mut owned = Vec::new();
-    while rig.host().available() > 1 {
-        let slots = device.alloc_pages(1).unwrap();
-        let pages = rig.write(&slots, NodeId(9), None).unwrap().unwrap();
-        rig.take_all_write_acks().unwrap();
-        rig.evict_device(&pages).unwrap();
-        device.free(&slots).unwrap();
-        owned.extend(pages);
-    }
+    let owned = fill_host_pool(&mut rig, &mut device, 1);
     rig.prefetch("r", &prompt, None).unwrap();
     // one batch of two pages answered: the one free page is reserved for it and read
     gated.open_queries(1);
