@@ -284,7 +284,8 @@ impl HostMemory {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a page of another pool or out of range; [`Error::PageState`] for a page lent for writing.
+    /// [`Error::InvalidArgument`] for a page of another pool or out of range; [`Error::PageState`] for a page lent
+    /// for writing.
     pub fn lend_read(&self, pages: &[HostPageId]) -> Result<ReadLease<'_>, Error> {
         Ok(ReadLease { memory: self, pages: self.lend(pages, Access::Read, false)? })
     }
@@ -293,7 +294,8 @@ impl HostMemory {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a page of another pool or out of range or listed twice; [`Error::PageState`] for a page lent.
+    /// [`Error::InvalidArgument`] for a page of another pool, out of range or listed twice; [`Error::PageState`] for
+    /// a page lent.
     pub fn lend_write(&self, pages: &[HostPageId]) -> Result<WriteLease<'_>, Error> {
         Ok(WriteLease { memory: self, pages: self.lend(pages, Access::Write, false)? })
     }
@@ -313,7 +315,7 @@ impl HostMemory {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a page of another pool or out of range or listed twice.
+    /// [`Error::InvalidArgument`] for a page of another pool, out of range or listed twice.
     pub fn lend_write_waiting(&self, pages: &[HostPageId]) -> Result<WriteLease<'_>, Error> {
         Ok(WriteLease { memory: self, pages: self.lend(pages, Access::Write, true)? })
     }

@@ -1,4 +1,4 @@
-//! Host memory: page-aligned zeroed pools, shared-memory pools, and leases refused or granted against a reader-writer model.
+//! Host memory: page-aligned zeroed pools, shared-memory pools, and leases checked against a reader-writer model.
 
 use proptest::prelude::*;
 

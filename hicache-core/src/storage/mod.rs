@@ -2,7 +2,7 @@
 //!
 //! A page is given as a list of byte segments whose concatenation is the flat page ([`crate::layout`]): one segment
 //! per part for the page-first layouts, so the bytes move straight between the host pool and the backend. Each
-//! backend instance serves one [`StorageNamespace`](crate::namespace::StorageNamespace) and renders its own key
+//! backend instance serves one [`StorageNamespace`] and renders its own key
 //! strings from the page keys.
 //!
 //! Outcomes are per page ([`GetOutcome`], [`SetOutcome`]); `Err` is for a failure of the whole call. SGLang's

@@ -1,9 +1,9 @@
 //! The CPU transfer engine: real copies between a device pool and a host pool held in plain memory.
 //!
-//! Two streams, as on the GPU: host writes run in order on the write stream, layer loads in order on the load stream. In
-//! [`Completion::Immediate`] mode a copy happens when it is submitted. In [`Completion::Manual`] mode it happens only
-//! when a test lets it ([`CpuEngine::complete_next`], [`CpuEngine::run_pending`]) or someone waits on its event, so
-//! tests can hold transfers in flight deterministically: until then the destination keeps its old bytes, and a
+//! Two streams, as on the GPU: host writes run in order on the write stream, layer loads in order on the load stream.
+//! In [`Completion::Immediate`] mode a copy happens when it is submitted. In [`Completion::Manual`] mode it happens
+//! only when a test lets it ([`CpuEngine::complete_next`], [`CpuEngine::run_pending`]) or someone waits on its event,
+//! so tests can hold transfers in flight deterministically: until then the destination keeps its old bytes, and a
 //! reader that forgot to wait sees them.
 
 use std::collections::VecDeque;

@@ -17,9 +17,9 @@ pub enum SlotReuse {
     Refuse,
 }
 
-/// One slot of the ring: where a merged load records its per-layer events and which the forward pass consumes. Not a
-/// device slot ([`DeviceSlot`](crate::device_slots::DeviceSlot), a token's place in the device pool): only the ring hands
-/// these out.
+/// One slot of the ring: where a merged load records its per-layer events and which the forward pass consumes. Not
+/// a device slot ([`DeviceSlot`](crate::device_slots::DeviceSlot), a token's place in the device pool): only the
+/// ring hands these out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ProducerSlot(usize);
 
