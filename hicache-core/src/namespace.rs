@@ -131,6 +131,34 @@ impl StorageNamespace {
         text
     }
 
+    /// Checks that this namespace holds the pages of pools of `geometry`, `layout` and `page_size` (a storage
+    /// backend opened for it serving a controller over those pools), naming the first field that differs.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming `page_size`, `geometry` or `mem_layout`.
+    pub fn check_pages(&self, geometry: &KvGeometry, layout: HostLayout, page_size: usize) -> Result<(), Error> {
+        let differ = |field: &'static str, theirs: String, ours: String| {
+            Err(Error::InvalidArgument {
+                field,
+                reason: format!(
+                    "the storage backend was opened for model {:?} with {theirs}, the engine's pools hold {ours}",
+                    self.model
+                ),
+            })
+        };
+        if self.page_size != page_size {
+            return differ("page_size", format!("pages of {} tokens", self.page_size), format!("pages of {page_size}"));
+        }
+        if self.geometry != *geometry {
+            return differ("geometry", format!("{:?}", self.geometry), format!("{geometry:?}"));
+        }
+        if self.layout != layout {
+            return differ("mem_layout", format!("layout {}", self.layout.name()), layout.name().to_owned());
+        }
+        Ok(())
+    }
+
     /// The first 16 hex digits of SHA-256 of the [descriptor](Self::descriptor).
     pub fn digest(&self) -> String {
         hex::encode(&Sha256::digest(self.descriptor().as_bytes())[..8])

@@ -40,13 +40,9 @@ use crate::error::Error;
 use crate::hash::PageKey;
 use crate::host_memory::{Access, HostMemory};
 use crate::host_pool::{HostPageAllocator, HostPageId, PageState};
-use crate::layout::HostLayoutMap;
-use crate::namespace::StorageNamespace;
 use crate::rate_limit::{Clock, PrefetchCapacity};
 use crate::storage::StorageBackend;
-use crate::transfer::{
-    DeviceLayoutMap, LayerDoneCounter, ProducerSlot, SlotBusy, SlotReuse, TransferEngine, TransferEvent,
-};
+use crate::transfer::{LayerDoneCounter, ProducerSlot, SlotBusy, SlotReuse, TransferEngine, TransferEvent};
 use tier::{Pool, StorageTier};
 
 pub use hit_query::{HitQuery, storage_hit_query, storage_hit_query_with};
@@ -57,34 +53,6 @@ pub use progress::{Progress, Terminated};
 pub use release::{Release, ReleaseLedger};
 pub use storage::{DEFAULT_TICK_SLOTS, StorageSettings};
 pub use tick::{PausedTick, TickProgress, TickReport};
-
-/// Checks that a storage backend's namespace holds the pages these pools hold: the same page size, KV geometry and
-/// host layout (the flat page's byte order), naming the first field that differs.
-fn same_pages(namespace: &StorageNamespace, host: &HostLayoutMap, device: &DeviceLayoutMap) -> Result<(), Error> {
-    let differ = |field: &'static str, theirs: String, ours: String| {
-        Err(Error::InvalidArgument {
-            field,
-            reason: format!(
-                "the storage backend was opened for model {:?} with {theirs}, the engine's pools hold {ours}",
-                namespace.model
-            ),
-        })
-    };
-    if namespace.page_size != host.page_size() {
-        return differ(
-            "page_size",
-            format!("pages of {} tokens", namespace.page_size),
-            format!("pages of {}", host.page_size()),
-        );
-    }
-    if namespace.geometry != *device.geometry() {
-        return differ("geometry", format!("{:?}", namespace.geometry), format!("{:?}", device.geometry()));
-    }
-    if namespace.layout != host.layout() {
-        return differ("mem_layout", format!("layout {}", namespace.layout.name()), host.layout().name().to_owned());
-    }
-    Ok(())
-}
 
 fn lent_error(page: HostPageId, how: Access, operation: &'static str) -> Error {
     Error::PageState {
@@ -224,7 +192,8 @@ impl<E: TransferEngine> CacheController<E> {
             });
         }
         if let Some(namespace) = storage.namespace() {
-            same_pages(namespace, self.memory.map(), &self.engine.device_layout())?;
+            let host = self.memory.map();
+            namespace.check_pages(self.engine.device_layout().geometry(), host.layout(), host.page_size())?;
         }
         self.storage = Some(StorageTier::start(storage, self.memory.clone(), settings, clock)?);
         Ok(self)
