@@ -16,6 +16,7 @@ use hicache_core::transfer::{
     Completion, CpuEngine, DeviceLayoutMap, ProducerSlot, SlotBusy, SlotReuse, Stream, TransferEvent,
 };
 use hicache_core::tree::NodeId;
+use hicache_core::{HiCacheBuilder, HiCacheConfig};
 
 const PAGE: usize = 2;
 const LAYERS: usize = 3;
@@ -34,7 +35,12 @@ fn controller(completion: Completion) -> CacheController<CpuEngine> {
     engine.with_device(|bytes| {
         bytes.iter_mut().enumerate().for_each(|(index, byte)| *byte = (index * 7 + index / 251) as u8)
     });
-    CacheController::new(engine, PAGE, HOST_PAGES, DEVICE_PAGES, LAYERS).unwrap()
+    HiCacheBuilder::new(
+        HiCacheConfig { page_size: PAGE, mem_layout: HostLayout::PageFirst, ..HiCacheConfig::default() },
+        engine,
+    )
+    .build_controller()
+    .unwrap()
 }
 
 fn item(controller: &CacheController<CpuEngine>, slot: DeviceSlot, layer: usize, part: KvPart) -> Vec<u8> {

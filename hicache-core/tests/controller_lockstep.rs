@@ -19,10 +19,10 @@ use hicache_core::hash::{PartialPage, page_keys};
 use hicache_core::host_pool::{HostPageId, PageState};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
 use hicache_core::tree::NodeId;
+use hicache_core::{HiCacheBuilder, HiCacheConfig};
 use proptest::prelude::*;
 use rand::SeedableRng as _;
 use rand::rngs::StdRng;
@@ -87,10 +87,15 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
         split: script.by_cost,
         priors: hicache_core::cost::Priors::UNKNOWN,
     };
-    let mut controller = CacheController::new(engine, PAGE, HOST_PAGES, DEVICE_PAGES, LAYERS)
-        .unwrap()
-        .with_storage(faulty.clone(), settings, Arc::new(SystemClock::new()))
-        .unwrap();
+    let mut controller = HiCacheBuilder::new(
+        HiCacheConfig { page_size: PAGE, mem_layout: HostLayout::PageFirst, ..HiCacheConfig::default() },
+        engine,
+    )
+    .with_storage(faulty.clone())
+    .with_storage_settings(settings)
+    .with_tp_rank(rank)
+    .build_controller()
+    .unwrap();
 
     let mut shared = StdRng::seed_from_u64(script.seed); // the scheduler's choices: the same on every rank
     let mut local = StdRng::seed_from_u64(script.seed ^ ((rank as u64 + 1) * 0x9e37_79b9)); // this rank's faults

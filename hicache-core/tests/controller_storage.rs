@@ -27,6 +27,7 @@ use hicache_core::storage::{
 };
 use hicache_core::transfer::{Completion, CpuEngine, CpuEvent, DeviceLayoutMap, TransferEngine};
 use hicache_core::tree::NodeId;
+use hicache_core::{HiCacheBuilder, HiCacheConfig};
 use rand::RngExt as _;
 
 const PAGE: usize = 4;
@@ -71,10 +72,18 @@ fn controller(storage: Arc<dyn StorageBackend>, settings: StorageSettings, clock
     let host = HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, HOST_PAGES).unwrap();
     let engine = CpuEngine::new(device, host, Completion::Immediate).unwrap();
     engine.with_device(|bytes| rand::rng().fill(bytes));
-    CacheController::new(engine, PAGE, HOST_PAGES, DEVICE_PAGES, LAYERS)
-        .unwrap()
-        .with_storage(storage, settings, clock)
-        .unwrap()
+    // this process is the rank the backend was opened for
+    let rank = storage.namespace().map_or(0, |namespace| namespace.tp_rank);
+    HiCacheBuilder::new(
+        HiCacheConfig { page_size: PAGE, mem_layout: HostLayout::LayerFirst, ..HiCacheConfig::default() },
+        engine,
+    )
+    .with_tp_rank(rank)
+    .with_storage(storage)
+    .with_storage_settings(settings)
+    .with_clock(clock)
+    .build_controller()
+    .unwrap()
 }
 
 type Rig = CacheController<CpuEngine>;

@@ -16,12 +16,12 @@ use hicache_core::host_memory::{Access, MemoryRegion};
 use hicache_core::host_pool::HostPageId;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::{
     GetOutcome, MemoryStorage, MemoryStore, PageSegments, PageSegmentsMut, SetOutcome, StorageBackend, StorageStats,
 };
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, TransferEngine};
 use hicache_core::tree::NodeId;
+use hicache_core::{HiCacheBuilder, HiCacheConfig};
 use rand::RngExt as _;
 
 const PAGE: usize = 4;
@@ -180,10 +180,14 @@ fn controller(storage: Arc<dyn StorageBackend>) -> Rig {
     let host = HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, HOST_PAGES).unwrap();
     let engine = CpuEngine::new(device, host, Completion::Immediate).unwrap();
     engine.with_device(|bytes| rand::rng().fill(bytes));
-    CacheController::new(engine, PAGE, HOST_PAGES, DEVICE_PAGES, LAYERS)
-        .unwrap()
-        .with_storage(storage, settings(), Arc::new(SystemClock::new()))
-        .unwrap()
+    HiCacheBuilder::new(
+        HiCacheConfig { page_size: PAGE, mem_layout: HostLayout::LayerFirst, ..HiCacheConfig::default() },
+        engine,
+    )
+    .with_storage(storage)
+    .with_storage_settings(settings())
+    .build_controller()
+    .unwrap()
 }
 
 fn namespace() -> StorageNamespace {

@@ -14,11 +14,11 @@ use hicache_core::hash::{PartialPage, page_keys};
 use hicache_core::host_pool::PageState;
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore, StorageBackend};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, ProducerSlot, SlotBusy, SlotReuse, Stream};
 use hicache_core::tree::NodeId;
 use hicache_core::tree::{HiRadixTree, TreeSettings};
+use hicache_core::{HiCacheBuilder, HiCacheConfig};
 
 const PAGE: usize = 2;
 const LAYERS: usize = 2;
@@ -49,9 +49,12 @@ fn controller_with(
     let host = HostLayoutMap::new(geometry(), HostLayout::PageFirst, PAGE, HOST_PAGES).unwrap();
     let engine = CpuEngine::new(device, host, completion).unwrap();
     engine.with_device(|bytes| bytes.iter_mut().enumerate().for_each(|(index, byte)| *byte = index as u8));
-    let controller = CacheController::new(engine, PAGE, HOST_PAGES, DEVICE_PAGES, LAYERS).unwrap();
+    let builder = HiCacheBuilder::new(
+        HiCacheConfig { page_size: PAGE, mem_layout: HostLayout::PageFirst, ..HiCacheConfig::default() },
+        engine,
+    );
     match storage {
-        None => controller,
+        None => builder.build_controller().unwrap(),
         Some(storage) => {
             let settings = StorageSettings {
                 page_size: PAGE,
@@ -70,7 +73,9 @@ fn controller_with(
                 split: false,
                 priors: hicache_core::cost::Priors::UNKNOWN,
             };
-            controller.with_storage(storage, settings, Arc::new(SystemClock::new())).unwrap()
+            // this process is the rank the backend was opened for
+            let rank = storage.namespace().map_or(0, |namespace| namespace.tp_rank);
+            builder.with_tp_rank(rank).with_storage(storage).with_storage_settings(settings).build_controller().unwrap()
         }
     }
 }

@@ -9,17 +9,17 @@ use std::time::{Duration, Instant};
 use hicache_core::DeviceSlot;
 use hicache_core::collective::SingleRank;
 use hicache_core::config::{PrefetchPolicy, WritePolicy};
-use hicache_core::controller::{CacheController, PrefetchHead, PrefetchStart, PrefetchStop, StorageSettings};
+use hicache_core::controller::{PrefetchHead, PrefetchStart, PrefetchStop, StorageSettings};
 use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::error::ErrorKind;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PartialPage, page_keys};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::rate_limit::SystemClock;
 use hicache_core::storage::{MemoryStorage, MemoryStore};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
-use hicache_core::tree::{HiRadixTree, PrefetchCheck, TreeSettings};
+use hicache_core::tree::{HiRadixTree, PrefetchCheck};
+use hicache_core::{HiCacheBuilder, HiCacheConfig};
 use proptest::prelude::*;
 
 const PAGE: usize = 2;
@@ -50,7 +50,15 @@ fn rig_with(
     let device = DeviceLayoutMap::new(geometry(), device_pages * PAGE).unwrap();
     let host = HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, host_pages).unwrap();
     let engine = CpuEngine::new(device, host, Completion::Immediate).unwrap();
-    let mut controller = CacheController::new(engine, PAGE, host_pages, device_pages, LAYERS).unwrap();
+    let config = HiCacheConfig {
+        page_size: PAGE,
+        mem_layout: HostLayout::LayerFirst,
+        write_policy: policy,
+        write_through_selective_threshold: 2,
+        load_back_threshold: 1,
+        ..HiCacheConfig::default()
+    };
+    let mut builder = HiCacheBuilder::new(config, engine);
     if let Some(store) = store {
         let namespace = StorageNamespace::single_rank("tree-test", geometry(), HostLayout::LayerFirst, PAGE);
         let settings = StorageSettings {
@@ -70,20 +78,11 @@ fn rig_with(
             split: false,
             priors: hicache_core::cost::Priors::UNKNOWN,
         };
-        controller = controller
-            .with_storage(
-                Arc::new(MemoryStorage::shared(store.clone(), &namespace)),
-                adjust(settings),
-                Arc::new(SystemClock::new()),
-            )
-            .unwrap();
+        builder = builder
+            .with_storage(Arc::new(MemoryStorage::shared(store.clone(), &namespace)))
+            .with_storage_settings(adjust(settings));
     }
-    let settings = TreeSettings { write_policy: policy, write_through_selective_threshold: 2, load_back_threshold: 1 };
-    Rig {
-        tree: HiRadixTree::new(controller, settings),
-        device: PagedSlots::new(device_pages, PAGE).unwrap(),
-        requests: 0,
-    }
+    Rig { tree: builder.build().unwrap(), device: PagedSlots::new(device_pages, PAGE).unwrap(), requests: 0 }
 }
 
 /// The bytes of one item: a function of the token's page key, its place in the page, the layer and the part.
