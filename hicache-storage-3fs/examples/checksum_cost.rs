@@ -1,6 +1,8 @@
 //! What checking each page's checksum costs a read, in one run: the same batches read through the backend (on the
-//! USRBIO mock, from data files in the page cache: the fastest a read gets, so the largest share the check can take)
-//! with `verify_checksum` on and off, alternating; the median of the rounds' ratios.
+//! USRBIO mock) with `verify_checksum` on and off, alternating; the median of the rounds' ratios. Twice: from data
+//! files in the page cache (a read is then a memory copy: the fastest a read gets, so the largest share the check can
+//! take), and from the disk (the data files' cached pages dropped before every read, as a read from storage that is
+//! not this machine's memory).
 //!
 //! `cargo build -p hicache-usrbio-mock && cargo run --release -p hicache-storage-3fs --example checksum_cost` (data
 //! files in a temporary folder)
@@ -85,6 +87,21 @@ fn main() {
         }
         seconds
     };
+    // the data files' pages leave the page cache (written back first), so the next read comes from the disk
+    let evict = || {
+        for entry in std::fs::read_dir(mount.path()).expect("the mount") {
+            let path = entry.expect("an entry").path();
+            if path.extension().is_some_and(|extension| extension == "bin") {
+                let file = std::fs::File::open(&path).expect("a data file");
+                file.sync_all().expect("written back");
+                // SAFETY: the descriptor is `file`'s, open for this call; the advice changes no memory of ours.
+                let advised = unsafe {
+                    libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&file), 0, 0, libc::POSIX_FADV_DONTNEED)
+                };
+                assert_eq!(advised, 0, "posix_fadvise on {}", path.display());
+            }
+        }
+    };
     let median = |values: &mut Vec<f64>| {
         values.sort_by(f64::total_cmp);
         values[values.len() / 2]
@@ -93,7 +110,10 @@ fn main() {
     println!("{PAGES} pages of {} MiB in batches of {BATCH}, medians of {ROUNDS} rounds:", page_bytes >> 20);
     // one ring: its reads on the mock's worker thread, the hashes on the caller's (as 3FS moves the bytes without
     // the client's CPU); SGLang's 16 rings: two chunks of a batch at once, every core busy with reads
-    for (numjobs, in_place) in [(1, true), (16, true), (1, false), (16, false)] {
+    for (from_disk, numjobs, in_place) in [false, true]
+        .into_iter()
+        .flat_map(|disk| [(disk, 1, true), (disk, 16, true), (disk, 1, false), (disk, 16, false)])
+    {
         let (verified, unverified) = (open(true, numjobs), open(false, numjobs));
         if in_place {
             for backend in [&verified, &unverified] {
@@ -102,13 +122,20 @@ fn main() {
         }
         let (mut with, mut without, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
+            if from_disk {
+                evict();
+            }
             with.push(read_all(&verified, in_place));
+            if from_disk {
+                evict();
+            }
             without.push(read_all(&unverified, in_place));
             ratios.push(with[with.len() - 1] / without[without.len() - 1]);
         }
         println!(
-            "  {:<9} numjobs {numjobs:>2}: read {:.2} GB/s unverified, {:.2} GB/s verified; a verified read takes \
+            "  {:<10} {:<9} numjobs {numjobs:>2}: read {:.2} GB/s unverified, {:.2} GB/s verified; a verified read takes \
              {:.3}x the time of an unverified one (median of the rounds' ratios)",
+            if from_disk { "disk" } else { "page cache" },
             if in_place { "in place" } else { "bounced" },
             gb / median(&mut without),
             gb / median(&mut with),
