@@ -410,7 +410,6 @@ impl HostMemory {
                 Access::Write => WRITER,
             };
         }
-        drop(table);
         Ok(pages)
     }
 
