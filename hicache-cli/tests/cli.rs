@@ -468,7 +468,7 @@ fn bench_transfer_reports_every_layout_and_direction_next_to_bulk() {
     seen.sort();
     let mut expected: Vec<(String, String)> = ["layer_first", "page_first", "page_first_direct"]
         .iter()
-        .flat_map(|layout| ["backup", "load"].map(|direction| (layout.to_string(), direction.to_owned())))
+        .flat_map(|layout| ["write", "load"].map(|direction| (layout.to_string(), direction.to_owned())))
         .collect();
     expected.sort();
     assert_eq!(seen, expected);
