@@ -94,8 +94,7 @@ impl<E: TransferEngine> HiCacheBuilder<E> {
     /// field when the backend was opened for other pages than the pools hold (`page_size`, `geometry`,
     /// `mem_layout`); the controller's and the storage settings' errors.
     pub fn build(self) -> Result<HiRadixTree<E>, Error> {
-        let config = self.config.clone().validated()?;
-        let controller = self.build_controller()?;
+        let (controller, config) = self.assemble()?;
         let settings = TreeSettings {
             write_policy: config.write_policy,
             write_through_selective_threshold: config.write_through_selective_threshold,
@@ -111,6 +110,11 @@ impl<E: TransferEngine> HiCacheBuilder<E> {
     ///
     /// As [`build`](Self::build).
     pub fn build_controller(self) -> Result<CacheController<E>, Error> {
+        self.assemble().map(|(controller, _)| controller)
+    }
+
+    /// The controller, and the validated config it was built from (the tree takes its settings from it).
+    fn assemble(self) -> Result<(CacheController<E>, HiCacheConfig), Error> {
         let config = self.config.validated()?;
         let host = self.engine.host_memory();
         let host_map = *host.map();
@@ -168,7 +172,7 @@ impl<E: TransferEngine> HiCacheBuilder<E> {
             let clock = self.clock.unwrap_or_else(|| Arc::new(SystemClock::new()));
             controller = controller.with_storage(storage, settings, clock)?;
         }
-        Ok(controller)
+        Ok((controller, config))
     }
 }
 

@@ -220,7 +220,7 @@ impl HostMemory {
     ///
     /// As [`HostPageAllocator::new`].
     pub fn allocator(&self) -> Result<HostPageAllocator, Error> {
-        HostPageAllocator::for_pool(self.pool, self.map.pages())
+        self.allocator_of(self.map.pages())
     }
 
     /// An allocator of this memory's first `pages` pages (a controller that uses part of the pool).
@@ -240,7 +240,12 @@ impl HostMemory {
 
     /// Every page of the pool, in order: for a caller that leases the whole pool (a bulk copy, a fill).
     pub fn all_pages(&self) -> Vec<HostPageId> {
-        (0..self.map.pages()).map(|index| HostPageId::new(self.pool, index)).collect()
+        self.ids(0..self.map.pages())
+    }
+
+    /// The ids of this pool's pages at `indices`.
+    fn ids(&self, indices: impl IntoIterator<Item = usize>) -> Vec<HostPageId> {
+        indices.into_iter().map(|index| HostPageId::new(self.pool, index)).collect()
     }
 
     /// Checks that every one of `pages` is a page of this pool: one of [`allocator`](Self::allocator)'s ids, in
@@ -484,7 +489,7 @@ pub struct ReadLease<'a> {
 impl ReadLease<'_> {
     /// The lent pages, in order.
     pub fn page_ids(&self) -> Vec<HostPageId> {
-        self.pages.iter().map(|&index| HostPageId::new(self.memory.pool, index)).collect()
+        self.memory.ids(self.pages.iter().copied())
     }
 
     /// Each lent page's segments, in flat page order (what storage I/O takes).
@@ -527,7 +532,7 @@ pub struct WriteLease<'a> {
 impl WriteLease<'_> {
     /// The lent pages, in order.
     pub fn page_ids(&self) -> Vec<HostPageId> {
-        self.pages.iter().map(|&index| HostPageId::new(self.memory.pool, index)).collect()
+        self.memory.ids(self.pages.iter().copied())
     }
 
     /// Each lent page's segments, mutable, in flat page order (what storage reads land in).
