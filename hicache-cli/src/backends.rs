@@ -1,27 +1,114 @@
-//! Opening a storage backend by name: the ones compiled in, and a clear answer for the others.
+//! Opening a storage backend by name: the tiers this build links, from the table of tiers the Python package reads
+//! too (`hicache_core::storage::tiers`), with the flags turned into the tier's settings, and a clear answer for a
+//! tier this build leaves out.
 
 use std::path::PathBuf;
 
 use clap::ValueEnum;
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::{MemoryStorage, StorageBackend};
+use hicache_core::storage::StorageBackend;
+use hicache_core::storage::tiers::{self, TierEntry, TierFields};
+use serde_json::Value;
 
 use crate::exit::Usage;
 
-/// Storage backends by name (`--backend`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub(crate) enum BackendName {
-    /// In-process memory.
-    Memory,
-    /// Local files (cargo feature `file`, on by default).
-    File,
-    /// NIXL (cargo feature `nixl`).
-    Nixl,
-    /// Mooncake Store (cargo feature `mooncake`).
-    Mooncake,
-    /// DeepSeek 3FS (cargo feature `3fs`).
-    #[value(name = "3fs", alias = "hf3fs")]
-    ThreeFs,
+// The tiers' crates register themselves in the table of tiers; naming each one here links it in.
+#[cfg(feature = "3fs")]
+use hicache_storage_3fs as _;
+#[cfg(feature = "file")]
+use hicache_storage_file as _;
+#[cfg(feature = "mooncake")]
+use hicache_storage_mooncake as _;
+#[cfg(feature = "nixl")]
+use hicache_storage_nixl as _;
+
+/// The tiers this command can be built with, by cargo feature (name, aliases): a name here that the table lacks gets
+/// the feature to rebuild with.
+const FEATURE_TIERS: [(&str, &[&str]); 4] = [("file", &[]), ("nixl", &[]), ("mooncake", &[]), ("3fs", &["hf3fs"])];
+
+/// A storage tier by name (`--backend`): an entry of the table of tiers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BackendName(&'static TierEntry);
+
+impl PartialEq for BackendName {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.name == other.0.name
+    }
+}
+
+impl Eq for BackendName {}
+
+impl BackendName {
+    /// The tier named `name` (or an alias).
+    ///
+    /// # Errors
+    ///
+    /// [`Usage`] naming the feature to rebuild with, or the tiers there are.
+    pub(crate) fn parse(name: &str) -> Result<Self, Usage> {
+        if let Some(entry) = tiers::find(name) {
+            return Ok(Self(entry));
+        }
+        match FEATURE_TIERS.iter().find(|(feature, aliases)| *feature == name || aliases.contains(&name)) {
+            Some((feature, _)) => Err(Usage(format!(
+                "the {feature} backend is not compiled into this hicache; rebuild with `cargo build --release -p \
+                 hicache-cli --features {feature}`"
+            ))),
+            None => Err(Usage(format!("{name:?} is not a storage backend ({})", tiers::names()))),
+        }
+    }
+
+    /// The tier's name.
+    pub(crate) fn name(self) -> &'static str {
+        self.0.name
+    }
+
+    /// Whether this is the tier named `name`.
+    pub(crate) fn is(self, name: &str) -> bool {
+        self.0.name == name
+    }
+}
+
+/// The values `--backend` takes: every tier of the table, and (hidden) the ones left out of this build, which
+/// [`BackendName::parse`] answers with the feature to rebuild with; `none` too where `with_none`.
+fn possible_values(with_none: bool) -> Vec<PossibleValue> {
+    let mut values: Vec<PossibleValue> = tiers::all()
+        .into_iter()
+        .map(|entry| PossibleValue::new(entry.name).aliases(entry.aliases.iter().copied()).help(entry.about))
+        .collect();
+    if with_none {
+        values.insert(0, PossibleValue::new("none").help("no storage tier: device and host only"));
+    }
+    for (feature, aliases) in FEATURE_TIERS {
+        if tiers::find(feature).is_none() {
+            values.push(PossibleValue::new(feature).aliases(aliases.iter().copied()).hide(true));
+        }
+    }
+    values
+}
+
+/// `--backend`'s parser: a tier of the table.
+pub(crate) fn backend_parser() -> impl TypedValueParser<Value = BackendName> {
+    PossibleValuesParser::new(possible_values(false)).try_map(|name| BackendName::parse(&name))
+}
+
+/// `--backend`'s parser where no tier at all is a choice (`none`).
+pub(crate) fn optional_backend_parser() -> impl TypedValueParser<Value = OptionalBackend> {
+    PossibleValuesParser::new(possible_values(true)).try_map(|name| match name.as_str() {
+        "none" => Ok(OptionalBackend(None)),
+        name => BackendName::parse(name).map(|name| OptionalBackend(Some(name))),
+    })
+}
+
+/// A storage tier, or none (`--backend none`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct OptionalBackend(pub(crate) Option<BackendName>);
+
+impl OptionalBackend {
+    /// The tier's name, or `none`.
+    pub(crate) fn name(self) -> &'static str {
+        self.0.map_or("none", BackendName::name)
+    }
 }
 
 /// Layout of the file backend (`--format`).
@@ -41,39 +128,31 @@ pub(crate) struct BackendOptions {
     /// File layout.
     pub(crate) format: FileFormatArg,
     /// Read and write the file backend's page files with O_DIRECT when the host memory is aligned.
-    #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
     pub(crate) direct_io: bool,
     /// Threads per batch of file-like backends (default: two per core, between 2 and 16).
-    #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
     pub(crate) io_threads: Option<usize>,
     /// The NIXL plugin; `None`: SGLang's `auto` choice.
-    #[cfg_attr(not(feature = "nixl"), expect(dead_code, reason = "read only by the NIXL backend"))]
     pub(crate) nixl_plugin: Option<String>,
     /// NIXL plugin parameters over the plugin's defaults.
-    #[cfg_attr(not(feature = "nixl"), expect(dead_code, reason = "read only by the NIXL backend"))]
     pub(crate) nixl_params: Vec<(String, String)>,
     /// Bytes of page files the namespace may hold in the directory, across processes (the file backend).
-    #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
     pub(crate) capacity_bytes: Option<u64>,
     /// Open for inspection: create, change and remove nothing (the file backend).
-    #[cfg_attr(not(feature = "file"), expect(dead_code, reason = "read only by the file backend"))]
     pub(crate) read_only: bool,
-    /// Settings of the networked backends.
+    /// The extra config and Mooncake's key flags.
     pub(crate) network: NetworkArgs,
     /// The config file's `storage_backend_extra_config`, used where `--extra-config` is not given.
-    #[cfg_attr(
-        not(any(feature = "mooncake", feature = "3fs")),
-        expect(dead_code, reason = "read only by the Mooncake and 3FS backends")
-    )]
     pub(crate) config_extra: Option<serde_json::Value>,
 }
 
-/// Settings of the networked backends (Mooncake), as SGLang takes them.
+/// The tier's settings as SGLang takes them, and Mooncake's key flags.
 #[derive(Clone, Debug, Default, clap::Args)]
 pub(crate) struct NetworkArgs {
-    /// The backend's settings as a JSON object, SGLang's --hicache-storage-backend-extra-config. Mooncake:
+    /// The backend's settings as a JSON object, SGLang's --hicache-storage-backend-extra-config, read strictly by
+    /// the tier (flags such as --dir override its keys). file: dir, format, capacity, io_threads, direct_io,
+    /// read_only. nixl: dir, plugin, plugin_params, lib_dir, max_open_files, max_registered_regions. mooncake:
     /// master_server_address, protocol, device_name, global_segment_size, local_buffer_size, metadata_server,
-    /// local_hostname, replica_num, key_scheme, sglang_release, extra_backend_tag. 3fs: file_path_prefix,
+    /// local_hostname, replica_num, key_scheme, sglang_release, extra_backend_tag, ... 3fs: file_path_prefix,
     /// file_size, numjobs, entries, metadata_server_url (redis://host:port), io_timeout_s, metadata_timeout_s,
     /// library_dir, verify_checksum. Default: the config file's, else SGLang's variables (MOONCAKE_MASTER, ... or
     /// MOONCAKE_CONFIG_PATH; SGLANG_HICACHE_HF3FS_CONFIG_PATH).
@@ -96,8 +175,13 @@ pub(crate) enum KeySchemeArg {
     Sglang,
 }
 
-#[cfg(any(feature = "mooncake", feature = "3fs"))]
 impl NetworkArgs {
+    /// Whether `--extra-config` sets one of `keys` (false when it is not a JSON object: refused later).
+    pub(crate) fn sets_any(&self, keys: &[&str]) -> bool {
+        let given = self.extra_config.as_deref().and_then(|text| serde_json::from_str::<Value>(text).ok());
+        given.as_ref().and_then(Value::as_object).is_some_and(|object| keys.iter().any(|key| object.contains_key(*key)))
+    }
+
     /// The extra config as JSON: `--extra-config`, else the config file's.
     fn extra(&self, from_config: Option<&serde_json::Value>) -> anyhow::Result<Option<serde_json::Value>> {
         match &self.extra_config {
@@ -114,11 +198,10 @@ impl NetworkArgs {
     }
 }
 
-/// Refuses what does nothing with backend `name` (`None`: no storage tier), rather than run as if it did:
-/// `--extra-config` that is not a JSON object, or that has keys for a backend that reads none (every backend but
-/// Mooncake and 3FS takes its settings as flags); `--key-scheme` and `--sglang-release` for any backend but
-/// Mooncake, `--sglang-release` without `--key-scheme sglang` (checked with Mooncake's own config); `--format
-/// sglang` for any backend but the file tier.
+/// Refuses what does nothing with backend `name` (`None`: no storage tier), rather than run as if it did: an
+/// `--extra-config` that is not a JSON object, or any extra config without a tier; `--key-scheme` and
+/// `--sglang-release` for any backend but Mooncake; `--format sglang` for any backend but the file tier. (What the
+/// extra config says is read by the tier itself, strictly: [`settings`].)
 ///
 /// # Errors
 ///
@@ -128,23 +211,18 @@ pub(crate) fn check_options(
     format: FileFormatArg,
     network: &NetworkArgs,
 ) -> anyhow::Result<()> {
-    let backend = name.map_or_else(|| "none".to_owned(), |name| crate::value_name(&name));
+    let backend = name.map_or("none", BackendName::name);
     if let Some(text) = &network.extra_config {
         let value: serde_json::Value =
             serde_json::from_str(text).map_err(|error| Usage(format!("--extra-config is not JSON: {error}")))?;
         let Some(object) = value.as_object() else {
             return Err(Usage("--extra-config must be a JSON object".into()).into());
         };
-        let reads_extra = matches!(name, Some(BackendName::Mooncake | BackendName::ThreeFs));
-        if let (false, Some(key)) = (reads_extra, object.keys().next()) {
-            return Err(Usage(format!(
-                "--extra-config key `{key}` does nothing with --backend {backend} (only mooncake and 3fs read an \
-                 extra config; the other backends take flags: --dir, --capacity, --io-threads, ...)"
-            ))
-            .into());
+        if let (None, Some(key)) = (name, object.keys().next()) {
+            return Err(Usage(format!("--extra-config key `{key}` does nothing with --backend none")).into());
         }
     }
-    if name != Some(BackendName::Mooncake) {
+    if !name.is_some_and(|name| name.is("mooncake")) {
         for (flag, given) in
             [("--key-scheme", network.key_scheme.is_some()), ("--sglang-release", network.sglang_release.is_some())]
         {
@@ -155,7 +233,7 @@ pub(crate) fn check_options(
             }
         }
     }
-    if format == FileFormatArg::Sglang && name != Some(BackendName::File) {
+    if format == FileFormatArg::Sglang && !name.is_some_and(|name| name.is("file")) {
         return Err(
             Usage(format!("--format sglang does nothing with --backend {backend} (the file tier's layout)")).into()
         );
@@ -163,150 +241,104 @@ pub(crate) fn check_options(
     Ok(())
 }
 
-/// Opens `name` for `namespace`, after [`check_options`].
+/// The tier's settings: the extra config (`--extra-config`, else the config file's) and the flags under the tier's
+/// own keys (a key given both ways is refused) (`--dir` as the file and NIXL tiers' `dir`, and as 3FS's `file_path_prefix` `{dir}/hicache`
+/// when the extra config names none; `--format`, `--io-threads`, `--direct-io`, `--capacity-bytes`; NIXL's plugin
+/// and its parameters; Mooncake's key scheme and release), checked by the tier.
+///
+/// # Errors
+///
+/// [`Usage`] naming the key the tier refuses.
+pub(crate) fn settings(name: BackendName, options: &BackendOptions) -> anyhow::Result<TierFields> {
+    check_options(Some(name), options.format, &options.network)?;
+    let mut fields = match options.network.extra(options.config_extra.as_ref())? {
+        Some(Value::Object(fields)) => fields,
+        _ => TierFields::new(),
+    };
+    if let Some(backend) = fields.remove("backend")
+        && !backend.as_str().is_some_and(|backend| name.0.is_named(backend))
+    {
+        return Err(
+            Usage(format!("--extra-config key `backend`: {backend} differs from --backend {}", name.name())).into()
+        );
+    }
+    let mut flags = TierFields::new();
+    let dir = options.dir.as_ref().map(|dir| Value::from(dir.display().to_string()));
+    match name.name() {
+        "file" => {
+            flags.extend(dir.map(|dir| ("dir".to_owned(), dir)));
+            if options.format == FileFormatArg::Sglang {
+                flags.insert("format".into(), "sglang".into());
+            }
+            flags.extend(options.io_threads.map(|threads| ("io_threads".to_owned(), threads.into())));
+            flags.extend(options.capacity_bytes.map(|bytes| ("capacity".to_owned(), bytes.into())));
+            if options.direct_io {
+                flags.insert("direct_io".into(), true.into());
+            }
+            if options.read_only {
+                flags.insert("read_only".into(), true.into());
+            }
+        }
+        "nixl" => {
+            flags.extend(dir.map(|dir| ("dir".to_owned(), dir)));
+            flags.extend(options.nixl_plugin.clone().map(|plugin| ("plugin".to_owned(), plugin.into())));
+            if !options.nixl_params.is_empty() {
+                let params = options.nixl_params.iter().map(|(key, value)| (key.clone(), value.clone().into()));
+                flags.insert("plugin_params".into(), Value::Object(params.collect()));
+            }
+        }
+        "3fs" => {
+            if let Some(dir) = &options.dir
+                && !fields.contains_key("file_path_prefix")
+            {
+                flags.insert("file_path_prefix".into(), dir.join("hicache").display().to_string().into());
+            }
+        }
+        "mooncake" => {
+            let network = &options.network;
+            flags.extend(network.key_scheme.map(|scheme| ("key_scheme".to_owned(), crate::value_name(&scheme).into())));
+            flags.extend(network.sglang_release.clone().map(|release| ("sglang_release".to_owned(), release.into())));
+        }
+        _ => {}
+    }
+    for (key, value) in flags {
+        if fields.contains_key(&key) {
+            return Err(Usage(format!(
+                "--backend {}: `{key}` is given twice, by a flag and by the extra config; give it once",
+                name.name()
+            ))
+            .into());
+        }
+        fields.insert(key, value);
+    }
+    name.0
+        .check(&fields)
+        .map_err(|error| Usage(format!("--backend {} setting `{}`: {}", name.name(), error.key, error.reason)))?;
+    Ok(fields)
+}
+
+/// Opens `name` for `namespace` with its [`settings`].
 pub(crate) fn open(
     name: BackendName,
     namespace: &StorageNamespace,
     options: &BackendOptions,
 ) -> anyhow::Result<Box<dyn StorageBackend>> {
-    check_options(Some(name), options.format, &options.network)?;
-    match name {
-        BackendName::Memory => Ok(Box::new(MemoryStorage::new(namespace))),
-        BackendName::File => open_file(namespace, options),
-        BackendName::Nixl => open_nixl(namespace, options),
-        BackendName::Mooncake => open_mooncake(namespace, options),
-        BackendName::ThreeFs => open_3fs(namespace, options),
-    }
+    let fields = settings(name, options)?;
+    Ok(name.0.open(&fields, namespace)?)
 }
 
-#[cfg(feature = "3fs")]
-fn open_3fs(namespace: &StorageNamespace, options: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
-    let config = hf3fs_config(options)?;
-    Ok(Box::new(hicache_storage_3fs::Hf3fsStorage::open(config, namespace)?))
-}
-
-/// The 3FS settings: `--extra-config` (else the config file's extra config) with SGLang's keys, its
-/// `file_path_prefix` defaulting to `{--dir}/hicache`; else the file at `SGLANG_HICACHE_HF3FS_CONFIG_PATH`; else
-/// SGLang's defaults with data files `{--dir}/hicache.{rank}.bin` (`/data/hicache` without `--dir`).
+/// The 3FS settings the flags and the extra config give ([`settings`]).
 #[cfg(feature = "3fs")]
 pub(crate) fn hf3fs_config(options: &BackendOptions) -> anyhow::Result<hicache_storage_3fs::Hf3fsConfig> {
-    use hicache_storage_3fs::{CONFIG_ENV, Hf3fsConfig};
-    let prefix = || options.dir.as_ref().map(|dir| dir.join("hicache"));
-    match options.network.extra(options.config_extra.as_ref())? {
-        Some(mut extra) => {
-            if let (Some(object), Some(prefix)) = (extra.as_object_mut(), prefix())
-                && !object.contains_key("file_path_prefix")
-            {
-                object.insert("file_path_prefix".into(), prefix.display().to_string().into());
-            }
-            Hf3fsConfig::from_json(&extra).map_err(|error| Usage(format!("--extra-config: {error}")).into())
-        }
-        None if std::env::var_os(CONFIG_ENV).is_some_and(|path| !path.is_empty()) => {
-            Hf3fsConfig::from_env().map_err(|error| Usage(error.to_string()).into())
-        }
-        None => Ok(prefix().map_or_else(|| Hf3fsConfig::new("/data/hicache"), Hf3fsConfig::new)),
-    }
+    let fields = settings(BackendName(&hicache_storage_3fs::HF3FS_TIER), options)?;
+    Ok(hicache_storage_3fs::Hf3fsConfig::from_fields(&fields)?)
 }
 
-#[cfg(not(feature = "3fs"))]
-fn open_3fs(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
-    Err(not_compiled(BackendName::ThreeFs))
-}
-
-#[cfg(feature = "file")]
-fn open_file(namespace: &StorageNamespace, options: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
-    use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
-    let format = match options.format {
-        FileFormatArg::Native => FileFormat::Native,
-        FileFormatArg::Sglang => FileFormat::Sglang,
-    };
-    let dir = FileConfig::resolve_dir(options.dir.as_deref());
-    let mut config = FileConfig::new(dir, format);
-    config.io_threads = options.io_threads.unwrap_or(config.io_threads);
-    config.direct_io = options.direct_io;
-    config.read_only = options.read_only;
-    config.capacity_bytes = options.capacity_bytes;
-    Ok(Box::new(FileStorage::open(config, namespace)?))
-}
-
-#[cfg(not(feature = "file"))]
-fn open_file(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
-    Err(not_compiled(BackendName::File))
-}
-
-#[cfg(feature = "nixl")]
-fn open_nixl(namespace: &StorageNamespace, options: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
-    use hicache_storage_nixl::{NixlConfig, NixlStorage, PluginChoice};
-    let mut config = NixlConfig::new(NixlConfig::resolve_dir(options.dir.as_deref()));
-    if let Some(plugin) = &options.nixl_plugin {
-        config.plugin = PluginChoice::Named(plugin.clone());
-    }
-    config.plugin_params.extend(options.nixl_params.iter().cloned());
-    Ok(Box::new(NixlStorage::open(config, namespace)?))
-}
-
-#[cfg(not(feature = "nixl"))]
-fn open_nixl(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
-    Err(not_compiled(BackendName::Nixl))
-}
-
-#[cfg(feature = "mooncake")]
-fn open_mooncake(namespace: &StorageNamespace, options: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
-    let config = mooncake_config(options)?;
-    Ok(Box::new(hicache_storage_mooncake::MooncakeStorage::open(config, namespace)?))
-}
-
-/// The Mooncake settings: `--extra-config` (else the config file's extra config) with the master from
-/// `MOONCAKE_MASTER` where it names none, else SGLang's variables; then `--key-scheme` and `--sglang-release`.
+/// The Mooncake settings the flags and the extra config give ([`settings`]).
 #[cfg(feature = "mooncake")]
 pub(crate) fn mooncake_config(options: &BackendOptions) -> anyhow::Result<hicache_storage_mooncake::MooncakeConfig> {
-    use hicache_storage_mooncake::{KeyScheme, MooncakeConfig, SglangRelease};
-    let network = &options.network;
-    let mut config = match network.extra(options.config_extra.as_ref())? {
-        Some(extra) => {
-            MooncakeConfig::from_extra_config(&extra).map_err(|error| Usage(format!("--extra-config: {error}")))?
-        }
-        None => MooncakeConfig::from_env().map_err(|error| Usage(error.to_string()))?,
-    };
-    let release = match &network.sglang_release {
-        Some(text) => Some(SglangRelease::parse(text).map_err(|error| Usage(format!("--sglang-release: {error}")))?),
-        None => None,
-    };
-    match (network.key_scheme, &mut config.scheme) {
-        (Some(KeySchemeArg::Native), _) => {
-            if release.is_some() {
-                return Err(Usage("--sglang-release applies to --key-scheme sglang only".into()).into());
-            }
-            config.scheme = KeyScheme::Native;
-        }
-        (Some(KeySchemeArg::Sglang), KeyScheme::Sglang { release: current, .. }) => {
-            *current = release.unwrap_or(*current);
-        }
-        (Some(KeySchemeArg::Sglang), scheme) => {
-            *scheme = KeyScheme::Sglang { release: release.unwrap_or(SglangRelease::V0_5_23), tag: None };
-        }
-        (None, KeyScheme::Sglang { release: current, .. }) => *current = release.unwrap_or(*current),
-        (None, KeyScheme::Native) if release.is_some() => {
-            return Err(Usage("--sglang-release needs --key-scheme sglang".into()).into());
-        }
-        (None, KeyScheme::Native) => {}
-    }
-    Ok(config)
-}
-
-#[cfg(not(feature = "mooncake"))]
-fn open_mooncake(_: &StorageNamespace, _: &BackendOptions) -> anyhow::Result<Box<dyn StorageBackend>> {
-    Err(not_compiled(BackendName::Mooncake))
-}
-
-#[cfg(not(all(feature = "file", feature = "nixl", feature = "mooncake", feature = "3fs")))]
-fn not_compiled(name: BackendName) -> anyhow::Error {
-    let feature = crate::value_name(&name);
-    Usage(format!(
-        "the {feature} backend is not compiled into this hicache; rebuild with `cargo build --release -p hicache-cli \
-         --features {feature}`"
-    ))
-    .into()
+    let fields = settings(BackendName(&hicache_storage_mooncake::MOONCAKE_TIER), options)?;
+    Ok(hicache_storage_mooncake::MooncakeConfig::from_fields(&fields)?)
 }
 
 /// The directory a file-like backend uses: the given one, else its environment variable, else its default.
@@ -314,9 +346,9 @@ pub(crate) fn dir_of(name: BackendName, options: &BackendOptions) -> PathBuf {
     if let Some(dir) = &options.dir {
         return dir.clone();
     }
-    match name {
+    match name.name() {
         #[cfg(feature = "nixl")]
-        BackendName::Nixl => hicache_storage_nixl::NixlConfig::resolve_dir(None),
+        "nixl" => hicache_storage_nixl::NixlConfig::resolve_dir(None),
         #[cfg(feature = "file")]
         _ => hicache_storage_file::FileConfig::resolve_dir(None),
         #[cfg(not(feature = "file"))]

@@ -347,7 +347,13 @@ fn replay_refuses_bad_settings_with_exit_code_2() {
     assert_usage_error(&hicache(&["replay", "--clients", "0"], ""), "--clients must be at least 1");
     let output = hicache(&["replay", "--backend", "tape"], "");
     assert_eq!(output.status.code(), Some(2));
-    assert!(stderr(&output).contains("'tape'") && stderr(&output).contains("memory, file"), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("'tape'")
+            && stderr(&output).contains("[possible values: none, ")
+            && stderr(&output).contains("file, memory"),
+        "{}",
+        stderr(&output)
+    );
 }
 
 /// Sends `GET /metrics` to `addr` and returns the body.
@@ -762,17 +768,23 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
 
 #[test]
 fn backends_not_compiled_in_say_how_to_rebuild() {
+    // clap refuses the value, in its usual form (exit 2), with the feature to rebuild with
+    let assert_refused = |output: &Output, needle: &str| {
+        assert_eq!(output.status.code(), Some(2), "{}", stderr(output));
+        assert!(stderr(output).contains(needle), "expected {needle:?} in {}", stderr(output));
+    };
     if !cfg!(feature = "3fs") {
         let output = hicache(&["bench", "storage", "--backend", "3fs", "--pages", "1", "--page-bytes", "64"], "");
-        assert_usage_error(&output, "--features 3fs");
+        assert_refused(&output, "--features 3fs");
+        assert_refused(&hicache(&["replay", "--backend", "hf3fs"], ""), "--features 3fs");
     }
     if !cfg!(feature = "mooncake") {
         let output = hicache(&["bench", "storage", "--backend", "mooncake", "--pages", "1", "--page-bytes", "64"], "");
-        assert_usage_error(&output, "rebuild with `cargo build --release -p hicache-cli --features mooncake`");
+        assert_refused(&output, "rebuild with `cargo build --release -p hicache-cli --features mooncake`");
     }
     if !cfg!(feature = "nixl") {
         let output = hicache(&["bench", "storage", "--backend", "nixl", "--pages", "1", "--page-bytes", "64"], "");
-        assert_usage_error(&output, "the nixl backend is not compiled into this hicache; rebuild with");
+        assert_refused(&output, "the nixl backend is not compiled into this hicache; rebuild with");
     }
     let output = hicache(&["bench", "storage", "--backend", "floppy"], "");
     assert_eq!(output.status.code(), Some(2));
@@ -1021,15 +1033,29 @@ fn replay_splits_a_hit_between_computing_its_head_and_reading_its_tail() {
 
 #[test]
 fn options_that_do_nothing_with_the_backend_are_refused() {
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 11] = [
         (&["--backend", "file", "--extra-config", "{oops"], "--extra-config is not JSON"),
+        // every tier reads the extra config, strictly, under its own keys
+        (&["--backend", "file", "--extra-config", r#"{"dir": 1}"#], "--backend file setting `dir`: invalid type"),
         (
-            &["--backend", "file", "--extra-config", r#"{"dir": 1}"#],
-            "--extra-config key `dir` does nothing with --backend file",
+            &["--backend", "file", "--extra-config", r#"{"capacty": 1}"#],
+            "--backend file setting `capacty`: unknown key for the file tier (it takes: dir,",
         ),
         (
             &["--backend", "memory", "--extra-config", r#"{"x": 1}"#],
-            "--extra-config key `x` does nothing with --backend memory",
+            "--backend memory setting `x`: unknown key for the memory tier (it takes none)",
+        ),
+        (
+            &["--backend", "file", "--dir", "/tmp", "--extra-config", r#"{"dir": "/tmp"}"#],
+            "--backend file: `dir` is given twice, by a flag and by the extra config",
+        ),
+        (
+            &["--backend", "file", "--extra-config", r#"{"backend": "memory"}"#],
+            "--extra-config key `backend`: \"memory\" differs from --backend file",
+        ),
+        (
+            &["--backend", "none", "--extra-config", r#"{"x": 1}"#],
+            "--extra-config key `x` does nothing with --backend none",
         ),
         (&["--backend", "none", "--extra-config", "[1]"], "--extra-config must be a JSON object"),
         (&["--backend", "memory", "--format", "sglang"], "--format sglang does nothing with --backend memory"),
@@ -1041,6 +1067,40 @@ fn options_that_do_nothing_with_the_backend_are_refused() {
     }
     let empty = replay_json(&["--clients", "2", "--rounds", "1", "--backend", "file", "--extra-config", "{}"]);
     assert_eq!(empty["verified"], true, "an empty extra config is no setting at all");
+    // the file tier's own keys, as the Python package takes them, place its pages
+    let dir = tempfile::tempdir().unwrap();
+    let extra = serde_json::json!({"dir": dir.path(), "capacity": "1gb", "io_threads": 2}).to_string();
+    let placed = replay_json(&["--clients", "2", "--rounds", "2", "--extra-config", &extra]);
+    assert_eq!(placed["verified"], true);
+    assert!(dir.path().join("hicache-v1").is_dir(), "pages under the extra config's dir");
+}
+
+#[test]
+fn a_tier_registered_in_its_own_crate_is_a_backend_of_every_command() {
+    // `probe` is registered only by hicache-core's `testing` feature (which this test build links), never named by
+    // the CLI: the table of tiers alone makes it a backend, with its own settings read strictly
+    let help = stdout(&hicache(&["replay", "--help"], ""));
+    assert!(help.contains("- probe:") && help.contains("memory pages under another name (tests only)"), "{help}");
+    let run = replay_json(&[
+        "--clients",
+        "2",
+        "--rounds",
+        "2",
+        "--backend",
+        "probe-alias",
+        "--extra-config",
+        r#"{"label": "x"}"#,
+    ]);
+    assert_eq!((run["verified"].clone(), run["parameters"]["backend"].clone()), (true.into(), "probe".into()), "{run}");
+    assert_usage_error(
+        &hicache(&["replay", "--backend", "probe", "--extra-config", r#"{"label": 1}"#], ""),
+        "--backend probe setting `label`: invalid type",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path().to_str().unwrap();
+    let bench = ["bench", "storage", "--backend", "probe", "--dir", dir, "--pages", "4", "--page-bytes", "4096"];
+    let bench = hicache(&bench, "");
+    assert!(bench.status.success(), "{}", stderr(&bench));
 }
 
 #[test]

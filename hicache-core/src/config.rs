@@ -50,23 +50,6 @@ pub const MAX_TOKENS_PER_S: f64 = 1e9;
 /// The largest transfer rate a config may give (GB/s).
 pub const MAX_GBPS: f64 = 1e4;
 
-/// Which storage tier backs the host pool.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum StorageBackendKind {
-    /// Local files.
-    File,
-    /// Mooncake Store.
-    Mooncake,
-    /// DeepSeek 3FS (SGLang's name; `3fs` is accepted too).
-    #[serde(alias = "3fs")]
-    Hf3fs,
-    /// NIXL.
-    Nixl,
-    /// In-process memory (tests and benchmarks).
-    Memory,
-}
-
 /// When a prefetch from storage stops and the request runs with what arrived.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -92,20 +75,7 @@ macro_rules! display_as_serde_name {
         }
     )*};
 }
-display_as_serde_name!(WritePolicy, IoBackend, StorageBackendKind, PrefetchPolicy);
-
-impl StorageBackendKind {
-    /// The tier by which SGLang's extra config names it to hicache's reader ([`crate::extra_config`]): file,
-    /// memory, Mooncake; `None` for the tiers that read their own keys (3FS, NIXL).
-    pub fn extra_config_tier(self) -> Option<&'static str> {
-        match self {
-            Self::File => Some("file"),
-            Self::Memory => Some("memory"),
-            Self::Mooncake => Some("mooncake"),
-            Self::Hf3fs | Self::Nixl => None,
-        }
-    }
-}
+display_as_serde_name!(WritePolicy, IoBackend, PrefetchPolicy);
 
 /// Every knob of hicache. Defaults are SGLang 0.5.2's.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -123,8 +93,9 @@ pub struct HiCacheConfig {
     pub io_backend: IoBackend,
     /// Host pool layout (`--hicache-mem-layout`).
     pub mem_layout: HostLayout,
-    /// Storage tier, if any (`--hicache-storage-backend`).
-    pub storage_backend: Option<StorageBackendKind>,
+    /// Storage tier, if any (`--hicache-storage-backend`): a name (or alias) in the table of tiers this build links
+    /// ([`crate::storage::tiers`]): `file`, `mooncake`, `hf3fs` (or `3fs`), `nixl`, `memory`.
+    pub storage_backend: Option<String>,
     /// Prefetch stop policy (`--hicache-storage-prefetch-policy`).
     pub prefetch_policy: PrefetchPolicy,
     /// Backend-specific settings (`--hicache-storage-backend-extra-config`): a JSON object, or a string holding one.
@@ -333,11 +304,12 @@ impl HiCacheConfig {
         Ok(self)
     }
 
-    /// The extra config of a tier whose keys hicache reads itself (file, memory, Mooncake: the Python package's
-    /// reader, [`crate::extra_config`]), read as the package opens it: every key known and of its type. Other tiers
-    /// (3FS, NIXL) read theirs when they open.
+    /// The storage tier is one this build links, and its extra config is read as the Python package opens it:
+    /// every key known to the tier and of its type.
     fn check_extra_config(&self) -> Result<(), Error> {
-        let Some(tier) = self.storage_backend.and_then(StorageBackendKind::extra_config_tier) else { return Ok(()) };
+        let Some(name) = &self.storage_backend else { return Ok(()) };
+        let tier = crate::storage::tiers::lookup("storage_backend", name)
+            .map_err(|error| Error::InvalidConfig { field: error.key, reason: error.reason })?;
         let invalid = |error: crate::extra_config::ConfigError| Error::InvalidConfig {
             field: format!("storage_backend_extra_config.{}", error.key),
             reason: error.reason,
@@ -419,13 +391,13 @@ mod tests {
     fn sglang_names_and_values_are_read() {
         let config = HiCacheConfig::from_json(
             r#"{"page_size": 64, "write_policy": "write_back", "io_backend": "direct", "mem_layout": "page_first_direct",
-                "storage_backend": "3fs", "prefetch_policy": "timeout",
-                "storage_backend_extra_config": "{\"master_server_address\": \"127.0.0.1:50051\"}",
+                "storage_backend": "probe-alias", "prefetch_policy": "timeout",
+                "storage_backend_extra_config": "{\"label\": \"127.0.0.1:50051\"}",
                 "prefetch_timeout_base_s": 2, "prefetch_timeout_per_ki_token_s": 0.1, "prefetch_timeout_max_s": 30}"#,
         )
         .unwrap();
-        assert_eq!(config.storage_backend, Some(StorageBackendKind::Hf3fs));
-        assert_eq!(config.storage_backend_extra_config.as_ref().unwrap()["master_server_address"], "127.0.0.1:50051");
+        assert_eq!(config.storage_backend.as_deref(), Some("probe-alias"));
+        assert_eq!(config.storage_backend_extra_config.as_ref().unwrap()["label"], "127.0.0.1:50051");
         assert_eq!(config.effective_prefetch_threshold(), 256);
         let config = HiCacheConfig {
             prefetch_timeout_base_s: 2.0,
@@ -453,20 +425,22 @@ mod tests {
         );
         assert!(message(r#"{"storage_backend_extra_config": [1]}"#).contains("must be a JSON object"));
         // a tier's extra config is read as the Python package reads it: keys named, types checked
-        let typed = message(r#"{"storage_backend": "file", "storage_backend_extra_config": {"dir": 1}}"#);
-        assert!(typed.starts_with("config field `storage_backend_extra_config.dir`: invalid type"), "{typed}");
+        let typed = message(r#"{"storage_backend": "probe", "storage_backend_extra_config": {"label": 1}}"#);
+        assert!(typed.starts_with("config field `storage_backend_extra_config.label`: invalid type"), "{typed}");
         let unknown = message(r#"{"storage_backend": "memory", "storage_backend_extra_config": "{\"dir\": \"/d\"}"}"#);
         assert!(unknown.starts_with("config field `storage_backend_extra_config.dir`: unknown key"), "{unknown}");
-        let other = message(r#"{"storage_backend": "file", "storage_backend_extra_config": {"backend": "memory"}}"#);
+        let other = message(r#"{"storage_backend": "probe", "storage_backend_extra_config": {"backend": "memory"}}"#);
         assert!(
-            other.contains("`storage_backend_extra_config.backend`: differs from storage_backend (file)"),
+            other.contains("`storage_backend_extra_config.backend`: differs from storage_backend (probe)"),
             "{other}"
         );
-        // what the package takes passes; tiers that read their own keys when they open are not read here
+        let tier = message(r#"{"storage_backend": "s3"}"#);
+        assert!(tier.starts_with("config field `storage_backend`: \"s3\" is not a hicache storage tier"), "{tier}");
+        // what the tier takes passes, under its name or an alias
         for good in [
-            r#"{"storage_backend": "file", "storage_backend_extra_config": {"dir": "/d", "capacity": "2gb"}}"#,
-            r#"{"storage_backend": "mooncake", "storage_backend_extra_config": {"master_server_address": "h:1"}}"#,
-            r#"{"storage_backend": "3fs", "storage_backend_extra_config": {"numjobs": 4}}"#,
+            r#"{"storage_backend": "probe", "storage_backend_extra_config": {"label": "x", "throttle_read_gbps": 2}}"#,
+            r#"{"storage_backend": "probe-alias", "storage_backend_extra_config": {"backend": "probe"}}"#,
+            r#"{"storage_backend": "memory", "storage_backend_extra_config": {"backend_name": "hicache"}}"#,
             r#"{"storage_backend_extra_config": {"anything": 1}}"#,
         ] {
             HiCacheConfig::from_json(good).unwrap_or_else(|error| panic!("{good}: {error}"));

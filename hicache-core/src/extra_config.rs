@@ -1,17 +1,15 @@
 //! The storage tier's settings, read from SGLang's extra config (`--hicache-storage-backend-extra-config`, a JSON
 //! object, or a config's `storage_backend_extra_config`): which hicache tier, where it keeps its pages, and optionally
 //! what the host pool must look like. The Python package opens its tier by them; [`HiCacheConfig`]'s validation
-//! reads them for the tiers named here, so `hicache config check` refuses what the package would.
+//! reads them the same way, so `hicache config check` refuses what the package would.
 //!
 //! [`HiCacheConfig`]: crate::config::HiCacheConfig
 //!
 //! Keys (every one optional):
-//! - `backend`: `file` (default), `memory` (this process only; for tests and measurements) or `mooncake`;
-//! - file tier: `dir` (else SGLang's `SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`, else SGLang's `file_storage_path`,
-//!   else `/tmp/hicache`), `format` (`native`: hicache's namespaced, checksummed pages, the default; `sglang`: the
-//!   names and raw bytes of SGLang's own `HiCacheFile`, so both read one directory), `capacity` (bytes, or text such
-//!   as `"200gb"`; least recently used pages are removed beyond it), `io_threads`, `direct_io`;
-//! - Mooncake: SGLang's Mooncake keys (`master_server_address`, `protocol`, ...; see the Mooncake crate);
+//! - `backend`: the tier, by its name in the table of tiers this build links ([`tiers`]): `file` (the default),
+//!   `memory` (this process only; for tests and measurements), `mooncake`, `3fs`, `nixl`;
+//! - the tier's own keys, read by the tier's crate (the file tier's `dir`, `format`, `capacity`, ...; Mooncake's
+//!   `master_server_address`, `protocol`, ...): see each crate;
 //! - `throttle_read_gbps`: for measurements, every storage get takes at least its bytes' time at this rate (GB/s,
 //!   10^9 bytes): a slow tier on a fast machine, any tier;
 //! - `pool`: what the host pool SGLang registers must be (`page_size`, `layout`, `dtype`, `layer_num`, `head_num`,
@@ -21,17 +19,14 @@
 //! it consumes itself are accepted and ignored; any other key is refused by name.
 
 use std::fmt;
-use std::path::PathBuf;
 
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
-/// The environment variable SGLang reads for the file tier's directory.
-pub const DIR_ENV: &str = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR";
-
-/// SGLang's default directory of the file tier.
-pub const DEFAULT_DIR: &str = "/tmp/hicache";
+use crate::namespace::StorageNamespace;
+use crate::storage::tiers::{self, TierEntry, TierFields};
+use crate::storage::{FaultPlan, FaultyStorage, StorageBackend};
 
 /// A bad extra config, naming the key.
 #[derive(Debug)]
@@ -75,21 +70,21 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     number.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} overflows 64 bits"))
 }
 
-/// A config's extra config for `tier` (as [`crate::config::StorageBackendKind::extra_config_tier`] names it): its
-/// fields, with `backend` set to the tier, as [`Settings::parse`] takes them.
+/// A config's extra config for `tier` (its `storage_backend`): its fields, with `backend` set to the tier's name, as
+/// [`Settings::parse`] takes them.
 ///
 /// # Errors
 ///
 /// [`ConfigError`] naming `backend` when the extra config names another tier.
-pub fn tier_fields(tier: &str, extra: Option<&Value>) -> Result<Value, ConfigError> {
+pub fn tier_fields(tier: &TierEntry, extra: Option<&Value>) -> Result<Value, ConfigError> {
     let mut fields = match extra {
         Some(Value::Object(fields)) => fields.clone(),
         _ => Map::new(),
     };
-    if fields.get("backend").is_some_and(|backend| backend.as_str() != Some(tier)) {
-        return Err(ConfigError::value("backend", format!("differs from storage_backend ({tier})")));
+    if fields.get("backend").is_some_and(|backend| !backend.as_str().is_some_and(|name| tier.is_named(name))) {
+        return Err(ConfigError::value("backend", format!("differs from storage_backend ({})", tier.name)));
     }
-    fields.insert("backend".into(), tier.into());
+    fields.insert("backend".into(), tier.name.into());
     Ok(Value::Object(fields))
 }
 
@@ -106,36 +101,8 @@ const SGLANG_KEYS: [&str; 9] = [
     "tp_lcm_size",
 ];
 
-/// The storage tier and its settings.
-#[derive(Debug)]
-pub enum Tier {
-    /// In this process's memory.
-    Memory,
-    /// Local (or shared) files.
-    File(FileSettings),
-    /// Mooncake Store: the remaining keys, read by the Mooncake crate.
-    Mooncake(Value),
-}
-
-impl Tier {
-    /// The tiers by name, for messages.
-    pub const NAMES: &'static str = "file, memory, mooncake";
-}
-
-/// The file tier's settings.
-#[derive(Debug)]
-pub struct FileSettings {
-    /// The directory of the pages.
-    pub dir: PathBuf,
-    /// SGLang's file names and raw bytes instead of hicache's native pages.
-    pub sglang_format: bool,
-    /// Bytes of pages the namespace may keep in the directory.
-    pub capacity_bytes: Option<u64>,
-    /// Threads per batch; the tier's default when `None`.
-    pub io_threads: Option<usize>,
-    /// `O_DIRECT` reads and writes where the memory is aligned.
-    pub direct_io: bool,
-}
+/// The tier an extra config names when it names none.
+pub const DEFAULT_TIER: &str = "file";
 
 /// What the registered host pool must be; each field checked when given.
 #[derive(Debug, Default, Deserialize)]
@@ -155,8 +122,10 @@ pub struct PoolExpectation {
 /// Everything the extra config says.
 #[derive(Debug)]
 pub struct Settings {
-    /// The storage tier and its settings.
-    pub tier: Tier,
+    /// The storage tier, from the table of those this build links ([`tiers`]).
+    pub tier: &'static TierEntry,
+    /// The tier's own keys, read by it (checked by [`Settings::parse`]).
+    pub fields: TierFields,
     /// What the host pool must be.
     pub pool: PoolExpectation,
     /// Storage gets held to this many bytes per second (measurements); `None`: not held.
@@ -164,11 +133,13 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// Reads the extra config (JSON text of an object; `null` for none).
+    /// Reads the extra config (JSON text of an object; `null` for none): the keys every tier shares, then the
+    /// named tier's own keys, read by the tier ([`TierEntry::check`]).
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] naming the key: unknown, of the wrong type, or out of its domain.
+    /// [`ConfigError`] naming the key: unknown, of the wrong type, or out of its domain; `backend` when it names no
+    /// tier of this build.
     pub fn parse(json: &str) -> Result<Self, ConfigError> {
         let value: Value = serde_json::from_str(json)
             .map_err(|error| ConfigError::value("extra_config", format!("not JSON: {error}")))?;
@@ -198,74 +169,26 @@ impl Settings {
                 ));
             }
         };
-        let tier = match backend.as_deref().unwrap_or("file") {
-            "memory" => Tier::Memory,
-            "file" => Tier::File(file_settings(&mut fields)?),
-            "mooncake" => {
-                return Ok(Self { tier: Tier::Mooncake(Value::Object(fields)), pool, throttle_read_bytes_per_s });
-            }
-            other => {
-                return Err(ConfigError::value(
-                    "backend",
-                    format!("{other:?} is not a hicache storage backend in this build ({})", Tier::NAMES),
-                ));
-            }
-        };
-        if let Some(key) = fields.keys().next() {
-            // an empty key is named as JSON spells it (found by the fuzz target)
-            return Err(ConfigError::value(
-                if key.is_empty() { "\"\"" } else { key.as_str() },
-                format!(
-                    "unknown key for the {} backend (it takes: {})",
-                    backend.as_deref().unwrap_or("file"),
-                    match tier {
-                        Tier::File(_) => {
-                            "dir, file_storage_path, format, capacity, io_threads, direct_io, throttle_read_gbps, pool"
-                        }
-                        _ => "throttle_read_gbps, pool",
-                    }
-                ),
-            ));
-        }
-        Ok(Self { tier, pool, throttle_read_bytes_per_s })
+        let tier = tiers::lookup("backend", backend.as_deref().unwrap_or(DEFAULT_TIER))?;
+        tier.check(&fields)?;
+        Ok(Self { tier, fields, pool, throttle_read_bytes_per_s })
     }
-}
 
-fn file_settings(fields: &mut Map<String, Value>) -> Result<FileSettings, ConfigError> {
-    let dir: Option<String> = take(fields, "dir")?;
-    let sglang_path: Option<String> = take(fields, "file_storage_path")?;
-    // an explicit `dir` first; then SGLang's own order: its variable over its `file_storage_path`
-    let dir = dir
-        .or_else(|| std::env::var(DIR_ENV).ok().filter(|dir| !dir.is_empty()))
-        .or(sglang_path)
-        .unwrap_or_else(|| DEFAULT_DIR.into());
-    let sglang_format = match take::<String>(fields, "format")?.as_deref() {
-        None | Some("native") => false,
-        Some("sglang") => true,
-        Some(other) => return Err(ConfigError::value("format", format!("{other:?}: the formats are native, sglang"))),
-    };
-    let capacity_bytes = match take::<Value>(fields, "capacity")? {
-        None | Some(Value::Null) => None,
-        Some(Value::Number(number)) => Some(
-            number
-                .as_u64()
-                .ok_or_else(|| ConfigError::value("capacity", format!("{number} is not a whole number of bytes")))?,
-        ),
-        Some(Value::String(text)) => Some(parse_size(&text).map_err(|reason| ConfigError::value("capacity", reason))?),
-        Some(other) => {
-            return Err(ConfigError {
-                key: "capacity".into(),
-                reason: format!("bytes or a size such as \"200gb\" is needed, found {other}"),
-                wrong_type: true,
-            });
-        }
-    };
-    let io_threads: Option<usize> = take(fields, "io_threads")?;
-    if io_threads == Some(0) {
-        return Err(ConfigError::value("io_threads", "must be at least 1"));
+    /// Opens the tier for `namespace`, held to the throttle when one is set.
+    ///
+    /// # Errors
+    ///
+    /// The tier's failure to open ([`TierEntry::open`]).
+    pub fn open(&self, namespace: &StorageNamespace) -> Result<Box<dyn StorageBackend>, crate::Error> {
+        let storage = self.tier.open(&self.fields, namespace)?;
+        Ok(match self.throttle_read_bytes_per_s {
+            Some(read_bytes_per_s) => {
+                let plan = FaultPlan { read_bytes_per_s, ..Default::default() };
+                Box::new(FaultyStorage::new(storage, plan))
+            }
+            None => storage,
+        })
     }
-    let direct_io = take::<bool>(fields, "direct_io")?.unwrap_or(false);
-    Ok(FileSettings { dir: PathBuf::from(dir), sglang_format, capacity_bytes, io_threads, direct_io })
 }
 
 /// Removes `key` from `fields` and reads it as `T`; `None` when absent or null.
@@ -294,64 +217,57 @@ mod tests {
     }
 
     #[test]
-    fn every_key_of_the_file_tier_is_read() {
+    fn the_shared_keys_are_read_and_the_rest_go_to_the_tier() {
         let settings = Settings::parse(
             r#"{"backend_name": "hicache", "module_path": "hicache.sglang", "class_name": "HiCacheStorage",
-                "interface_v1": 1, "backend": "file", "dir": "/data/kv", "format": "sglang", "capacity": "2gb",
-                "io_threads": 3, "direct_io": true, "pool": {"page_size": 64, "layout": "page_first"}}"#,
+                "interface_v1": 1, "backend": "probe", "label": "a", "pool": {"page_size": 64, "layout": "page_first"}}"#,
         )
         .unwrap();
-        let Tier::File(file) = settings.tier else { panic!("a file tier") };
-        assert_eq!(file.dir, PathBuf::from("/data/kv"));
-        assert!(file.sglang_format && file.direct_io);
-        assert_eq!((file.capacity_bytes, file.io_threads), (Some(2 << 30), Some(3)));
+        assert_eq!(settings.tier.name, "probe");
+        assert_eq!(Value::Object(settings.fields), serde_json::json!({"label": "a"}));
         assert_eq!((settings.pool.page_size, settings.pool.layout.as_deref()), (Some(64), Some("page_first")));
-        let Tier::File(file) = Settings::parse(r#"{"dir": "/d", "capacity": 4096}"#).unwrap().tier else { panic!() };
-        assert_eq!((file.sglang_format, file.capacity_bytes), (false, Some(4096)));
+        assert!(Settings::parse(r#"{"backend": "memory"}"#).unwrap().fields.is_empty());
     }
 
     #[test]
     fn any_tier_can_be_throttled_for_measurements() {
-        for backend in ["file", "memory", "mooncake"] {
+        for backend in ["memory", "probe"] {
             let json = format!(r#"{{"backend": "{backend}", "throttle_read_gbps": 2.5}}"#);
             assert_eq!(Settings::parse(&json).unwrap().throttle_read_bytes_per_s, Some(2_500_000_000), "{backend}");
         }
-        assert_eq!(Settings::parse("{}").unwrap().throttle_read_bytes_per_s, None);
+        assert_eq!(Settings::parse(r#"{"backend": "memory"}"#).unwrap().throttle_read_bytes_per_s, None);
         for bad in ["0", "-1", "1e5"] {
-            let text = error(&format!(r#"{{"throttle_read_gbps": {bad}}}"#));
+            let text = error(&format!(r#"{{"backend": "memory", "throttle_read_gbps": {bad}}}"#));
             assert!(text.starts_with("hicache extra_config key `throttle_read_gbps`"), "{bad}: {text}");
         }
         assert!(error(r#"{"throttle_read_gbps": "fast"}"#).contains("throttle_read_gbps"));
     }
 
     #[test]
-    fn mooncake_keys_go_to_the_mooncake_tier_and_the_memory_tier_takes_none() {
-        let settings =
-            Settings::parse(r#"{"backend": "mooncake", "master_server_address": "10.0.0.1:50051"}"#).unwrap();
-        let Tier::Mooncake(fields) = settings.tier else { panic!("a Mooncake tier") };
-        assert_eq!(fields, serde_json::json!({"master_server_address": "10.0.0.1:50051"}));
-        assert!(matches!(Settings::parse("null").unwrap().tier, Tier::File(_)));
-        assert!(error(r#"{"backend": "memory", "dir": "/d"}"#).starts_with("hicache extra_config key `dir`: unknown"));
+    fn errors_name_the_key_and_say_whether_it_is_the_type() {
+        let wrong_type = |json: &str| Settings::parse(json).unwrap_err().wrong_type;
+        let unknown = error(r#"{"backend": "s3"}"#);
+        assert!(unknown.contains("key `backend`: \"s3\" is not a hicache storage tier of this build ("), "{unknown}");
+        assert!(unknown.contains("memory") && unknown.contains("probe"), "{unknown}");
+        assert!(error(r#"{"backend": "memory", "dir": "/d"}"#).contains("key `dir`: unknown key for the memory tier"));
+        assert!(error(r#"{"backend": "memory", "": 6}"#).contains(r#"key `""`: unknown key"#));
+        assert!(error(r#"{"backend": "probe", "label": 1}"#).contains("key `label`: invalid type"));
+        assert!(error(r#"{"pool": {"head_num": "8"}}"#).contains("key `pool.head_num`"));
+        let pool = error(r#"{"pool": {"heads": 8}}"#);
+        assert!(pool.contains("key `pool.heads`: unknown field `heads`"), "{pool}");
+        assert!(error("[1]").contains("key `extra_config`: must be an object"));
+        assert!(error("{").contains("key `extra_config`: not JSON"));
+        assert!(wrong_type(r#"{"backend": "probe", "label": 1}"#) && wrong_type("[1]"));
+        assert!(!wrong_type(r#"{"backend": "s3"}"#) && !wrong_type(r#"{"backend": "memory", "x": 1}"#));
     }
 
     #[test]
-    fn errors_name_the_key_and_say_whether_it_is_the_type() {
-        let wrong_type = |json: &str| Settings::parse(json).unwrap_err().wrong_type;
-        assert!(error(r#"{"backend": "s3"}"#).contains("key `backend`: \"s3\" is not"));
-        assert!(error(r#"{"capacty": 1}"#).contains("key `capacty`: unknown key for the file backend"));
-        assert!(error(r#"{"": 6}"#).contains(r#"key `""`: unknown key"#));
-        assert!(error(r#"{"format": "zip"}"#).contains("key `format`"));
-        assert!(error(r#"{"capacity": "1 parsec"}"#).contains("key `capacity`"));
-        assert!(error(r#"{"io_threads": 0}"#).contains("key `io_threads`: must be at least 1"));
-        assert!(error(r#"{"pool": {"head_num": "8"}}"#).contains("key `pool.head_num`"));
-        assert!(
-            error(r#"{"pool": {"heads": 8}}"#).contains("key `pool.heads`: unknown field `heads`"),
-            "{}",
-            error(r#"{"pool": {"heads": 8}}"#)
-        );
-        assert!(error("[1]").contains("key `extra_config`: must be an object"));
-        assert!(error("{").contains("key `extra_config`: not JSON"));
-        assert!(wrong_type(r#"{"io_threads": "4"}"#) && wrong_type(r#"{"capacity": [1]}"#) && wrong_type("[1]"));
-        assert!(!wrong_type(r#"{"io_threads": 0}"#) && !wrong_type(r#"{"backend": "s3"}"#));
+    fn the_named_tier_is_opened_for_the_namespace() {
+        let namespace = crate::testing::conformance::mha_namespace(1, 2);
+        for (json, name) in [(r#"{"backend": "memory"}"#, "memory"), (r#"{"backend": "probe", "label": "x"}"#, "probe")]
+        {
+            let storage = Settings::parse(json).unwrap().open(&namespace).unwrap();
+            assert_eq!((storage.name(), storage.namespace()), (name, Some(&namespace)), "{json}");
+        }
     }
 }

@@ -7,20 +7,21 @@
 //! on the CPU, of the dtype and length it states). They are not for other callers.
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::str::FromStr;
 use std::sync::{Arc, RwLock};
 
 use hicache_core::hash::PageKey;
 use hicache_core::host_memory::MemoryRegion;
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::{GetOutcome, MemoryStorage, PageSegments, PageSegmentsMut, StorageBackend};
-use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
+use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, StorageBackend};
+use hicache_storage_file::FileConfig;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString};
 use serde::Deserialize;
 
-use crate::config::{ConfigError, FileSettings, Settings, Tier};
+use crate::config::{ConfigError, Settings};
 use crate::guard;
 use crate::pool::{HostPool, PoolDescription};
 
@@ -28,8 +29,6 @@ use crate::pool::{HostPool, PoolDescription};
 #[pyclass(frozen, module = "hicache._native", name = "Settings")]
 pub(crate) struct PySettings {
     settings: Settings,
-    #[cfg(feature = "mooncake")]
-    mooncake: Option<hicache_storage_mooncake::MooncakeConfig>,
 }
 
 /// Which rank this is, from SGLang's `HiCacheStorageConfig`.
@@ -56,28 +55,18 @@ impl PySettings {
     pub(crate) fn new(extra_config: &str) -> PyResult<Self> {
         guard::run(|| {
             let settings = Settings::parse(extra_config).map_err(guard::config_to_py)?;
-            if let Tier::File(file) = &settings.tier {
-                check_directory(file).map_err(guard::config_to_py)?;
+            if settings.tier.is_named("file") {
+                let file = FileConfig::from_fields(&settings.fields).map_err(guard::config_to_py)?;
+                check_directory(&file.dir).map_err(guard::config_to_py)?;
             }
-            Ok(Self {
-                #[cfg(feature = "mooncake")]
-                mooncake: match &settings.tier {
-                    Tier::Mooncake(fields) => Some(mooncake_config(fields).map_err(guard::config_to_py)?),
-                    _ => None,
-                },
-                settings,
-            })
+            Ok(Self { settings })
         })
     }
 
     /// The storage tier's name.
     #[getter]
     fn backend(&self) -> &'static str {
-        match self.settings.tier {
-            Tier::Memory => "memory",
-            Tier::File(_) => "file",
-            Tier::Mooncake(_) => "mooncake",
-        }
+        self.settings.tier.name
     }
 
     /// Opens the tier for one rank (JSON of [`RankDescription`]) over one host pool (JSON of [`PoolDescription`])
@@ -126,62 +115,19 @@ impl PySettings {
 impl PySettings {
     /// Opens the tier for `namespace`.
     pub(crate) fn open_tier(&self, namespace: &StorageNamespace) -> PyResult<Box<dyn StorageBackend>> {
-        let storage: Box<dyn StorageBackend> = match &self.settings.tier {
-            Tier::Memory => Box::new(MemoryStorage::new(namespace)),
-            Tier::File(file) => {
-                let format = if file.sglang_format { FileFormat::Sglang } else { FileFormat::Native };
-                let mut config = FileConfig::new(&file.dir, format);
-                config.io_threads = file.io_threads.unwrap_or(config.io_threads);
-                config.direct_io = file.direct_io;
-                config.capacity_bytes = file.capacity_bytes;
-                Box::new(FileStorage::open(config, namespace).map_err(guard::to_py)?)
-            }
-            #[cfg(feature = "mooncake")]
-            Tier::Mooncake(_) => {
-                let config =
-                    self.mooncake.clone().ok_or_else(|| PyRuntimeError::new_err("hicache: no Mooncake config"))?;
-                Box::new(hicache_storage_mooncake::MooncakeStorage::open(config, namespace).map_err(guard::to_py)?)
-            }
-            #[cfg(not(feature = "mooncake"))]
-            Tier::Mooncake(_) => {
-                let error = ConfigError::value("backend", "this build of hicache has no Mooncake backend");
-                return Err(guard::config_to_py(error));
-            }
-        };
-        Ok(match self.settings.throttle_read_bytes_per_s {
-            Some(read_bytes_per_s) => {
-                let plan = hicache_core::storage::FaultPlan { read_bytes_per_s, ..Default::default() };
-                Box::new(hicache_core::storage::FaultyStorage::new(storage, plan))
-            }
-            None => storage,
-        })
+        self.settings.open(namespace).map_err(guard::to_py)
     }
 }
 
 /// Makes the directory when missing and writes a file there once, so a directory that cannot be used is an error
 /// naming the key now, not failed pages later.
-fn check_directory(file: &FileSettings) -> Result<(), ConfigError> {
-    let bad = |reason: String| ConfigError::value("dir", format!("{}: {reason}", file.dir.display()));
-    std::fs::create_dir_all(&file.dir).map_err(|error| bad(format!("cannot be made: {error}")))?;
-    let probe = file.dir.join(format!(".hicache-probe-{}", std::process::id()));
+fn check_directory(dir: &Path) -> Result<(), ConfigError> {
+    let bad = |reason: String| ConfigError::value("dir", format!("{}: {reason}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(|error| bad(format!("cannot be made: {error}")))?;
+    let probe = dir.join(format!(".hicache-probe-{}", std::process::id()));
     std::fs::write(&probe, b"").map_err(|error| bad(format!("cannot be written: {error}")))?;
     let _ = std::fs::remove_file(&probe);
     Ok(())
-}
-
-/// The Mooncake settings: the extra config's Mooncake keys (the master from `MOONCAKE_MASTER` when it names none),
-/// or SGLang's Mooncake variables when it has none.
-#[cfg(feature = "mooncake")]
-fn mooncake_config(fields: &serde_json::Value) -> Result<hicache_storage_mooncake::MooncakeConfig, ConfigError> {
-    use hicache_storage_mooncake::MooncakeConfig;
-    let to_config_error = |error: hicache_core::Error| match error {
-        hicache_core::Error::InvalidConfig { field, reason } => ConfigError::value(field, reason),
-        other => ConfigError::value("backend", other.to_string()),
-    };
-    if fields.as_object().is_none_or(|object| object.is_empty()) {
-        return MooncakeConfig::from_env().map_err(to_config_error);
-    }
-    MooncakeConfig::from_extra_config(fields).map_err(to_config_error)
 }
 
 /// A tier opened over one registered host pool.
@@ -232,7 +178,7 @@ impl Backend {
 
 #[pymethods]
 impl Backend {
-    /// The tier's name (`file`, `memory`, `mooncake`).
+    /// The tier's name (`file`, `memory`, `mooncake`, ...).
     #[getter]
     fn name(&self) -> &str {
         &self.name

@@ -483,13 +483,9 @@ fn build<E: Engine>(
 /// The storage tier the config names (`storage_backend`, with SGLang's extra config keys in
 /// `storage_backend_extra_config`), opened for this model's namespace.
 fn open_storage(config: &HiCacheConfig, namespace: &StorageNamespace) -> PyResult<Option<Arc<dyn StorageBackend>>> {
-    let Some(kind) = config.storage_backend else { return Ok(None) };
-    let Some(tier) = kind.extra_config_tier() else {
-        return Err(PyValueError::new_err(format!(
-            "hicache: config field `storage_backend`: {kind} is not available from Python (file, memory, mooncake)"
-        )));
-    };
-    // (a `backend` key naming another tier was refused when the config was validated)
+    let Some(name) = &config.storage_backend else { return Ok(None) };
+    // (a name no linked tier has, or a `backend` key naming another tier, was refused when the config was validated)
+    let tier = hicache_core::storage::tiers::lookup("storage_backend", name).map_err(guard::config_to_py)?;
     let fields = hicache_core::extra_config::tier_fields(tier, config.storage_backend_extra_config.as_ref())
         .map_err(guard::config_to_py)?;
     let settings = PySettings::new(&fields.to_string())?;

@@ -9,6 +9,16 @@
 //! map): for Rust tests and the fuzz targets, which have no Python to link.
 
 pub mod config;
+
+// The tiers' crates register themselves in the table of tiers (`hicache_core::storage::tiers`); naming each one here
+// links it in.
+#[cfg(feature = "3fs")]
+use hicache_storage_3fs as _;
+use hicache_storage_file as _;
+#[cfg(feature = "mooncake")]
+use hicache_storage_mooncake as _;
+#[cfg(feature = "nixl")]
+use hicache_storage_nixl as _;
 #[cfg_attr(all(not(feature = "python"), not(test)), expect(dead_code, reason = "used by the Python module"))]
 mod pool;
 
@@ -29,7 +39,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    module.add("BACKENDS", backends())?;
+    module.add("BACKENDS", config::tier_names())?;
     module.add_function(wrap_pyfunction!(keys::page_keys, module)?)?;
     module.add_function(wrap_pyfunction!(keys::namespace_seed, module)?)?;
     module.add_function(wrap_pyfunction!(panic_is_caught, module)?)?;
@@ -40,16 +50,6 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<cache::Tokens>()?;
     module.add("CUDA", cfg!(feature = "cuda"))?;
     Ok(())
-}
-
-/// The storage tiers compiled in.
-#[cfg(feature = "python")]
-fn backends() -> Vec<&'static str> {
-    let mut names = vec!["file", "memory"];
-    if cfg!(feature = "mooncake") {
-        names.push("mooncake");
-    }
-    names
 }
 
 /// Panics inside the guard every entry point uses, so a test can see the panic arrive as `RuntimeError`.

@@ -37,6 +37,7 @@ pub mod metadata;
 pub(crate) mod sys;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod tier;
 mod transfer;
 pub mod usrbio;
 
@@ -57,6 +58,7 @@ use hicache_core::storage::{
 pub use crate::config::{CONFIG_ENV, Hf3fsConfig};
 use crate::layout::{FOOTER_BYTES, FileLayout};
 use crate::metadata::{LocalMetadata, Located, PageMetadata, RedisMetadata, Reservation, Space};
+pub use crate::tier::HF3FS_TIER;
 use crate::transfer::{Lane, Registered, Work};
 use crate::usrbio::{DataFile, Library};
 

@@ -27,6 +27,7 @@
 mod account;
 mod index;
 mod page_file;
+mod tier;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -41,8 +42,7 @@ use hicache_core::storage::{
     StorageStats, check_batch, segments_len, size_mismatch,
 };
 
-/// The environment variable SGLang reads for the directory, and SGLang's default directory.
-pub use hicache_core::extra_config::{DEFAULT_DIR, DIR_ENV};
+pub use tier::{DEFAULT_DIR, DIR_ENV, FILE_TIER};
 
 /// Which file layout to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

@@ -187,28 +187,51 @@ impl MooncakeConfig {
             config.lease_wait = Duration::from_millis(ms);
         }
         config.prefer_local_segment = fields.prefer_local_segment.unwrap_or(config.prefer_local_segment);
-        config.scheme = match fields.key_scheme.as_deref() {
-            None | Some("native") => {
-                if fields.sglang_release.is_some() || fields.extra_backend_tag.is_some() {
-                    return Err(invalid(
-                        "key_scheme",
-                        "sglang_release and extra_backend_tag apply to the sglang key scheme only".into(),
-                    ));
-                }
-                KeyScheme::Native
-            }
-            Some("sglang") => KeyScheme::Sglang {
-                release: match fields.sglang_release.as_deref() {
-                    None => SglangRelease::V0_5_23,
-                    Some(text) => {
-                        SglangRelease::parse(text).map_err(|error| invalid("sglang_release", error.to_string()))?
-                    }
-                },
-                tag: fields.extra_backend_tag,
-            },
-            Some(other) => return Err(invalid("key_scheme", format!("{other:?}; expected native or sglang"))),
-        };
+        config.scheme = key_scheme(fields.key_scheme, fields.sglang_release, fields.extra_backend_tag)?;
         config.validated()
+    }
+
+    /// From the settings the table of tiers gives ([`crate::MOONCAKE_TIER`]): [`from_extra_config`](Self::from_extra_config),
+    /// or, when they name nothing but the key scheme (`key_scheme`, `sglang_release`, `extra_backend_tag`),
+    /// [`from_env`](Self::from_env) with that scheme, as SGLang takes its variables when the extra config has no
+    /// Mooncake keys.
+    ///
+    /// # Errors
+    ///
+    /// As [`from_json`](Self::from_json) and [`from_env`](Self::from_env).
+    pub fn from_fields(fields: &serde_json::Map<String, serde_json::Value>) -> Result<Self, Error> {
+        if fields.keys().any(|key| !SCHEME_KEYS.contains(&key.as_str())) {
+            return Self::from_extra_config(&serde_json::Value::Object(fields.clone()));
+        }
+        let text = |key: &str| -> Result<Option<String>, Error> {
+            match fields.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(serde_json::Value::String(text)) => Ok(Some(text.clone())),
+                Some(other) => Err(Error::InvalidConfig {
+                    field: key.into(),
+                    reason: format!("invalid type: {other}, expected a string"),
+                }),
+            }
+        };
+        let mut config = Self::from_env()?;
+        match (text("key_scheme")?, &mut config.scheme) {
+            // no scheme named: the environment's sglang scheme takes the release and tag given
+            (None, KeyScheme::Sglang { release, tag }) => {
+                if let Some(text) = text("sglang_release")? {
+                    *release = SglangRelease::parse(&text).map_err(|error| Error::InvalidConfig {
+                        field: "sglang_release".into(),
+                        reason: error.to_string(),
+                    })?;
+                }
+                if let Some(text) = text("extra_backend_tag")? {
+                    *tag = Some(text);
+                }
+            }
+            (scheme, _) => {
+                config.scheme = key_scheme(scheme, text("sglang_release")?, text("extra_backend_tag")?)?;
+            }
+        }
+        Ok(config)
     }
 
     /// Checks the fields.
@@ -276,6 +299,35 @@ fn physical_memory() -> Option<u64> {
     let line = text.lines().find(|line| line.starts_with("MemTotal:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
+}
+
+/// The keys of the key scheme, which come with the extra config or beside the environment's settings.
+const SCHEME_KEYS: [&str; 3] = ["key_scheme", "sglang_release", "extra_backend_tag"];
+
+/// The key scheme of `key_scheme` (`native`, the default, or `sglang`), with its release and tag.
+fn key_scheme(scheme: Option<String>, release: Option<String>, tag: Option<String>) -> Result<KeyScheme, Error> {
+    let invalid = |field: &str, reason: String| Error::InvalidConfig { field: field.into(), reason };
+    match scheme.as_deref() {
+        None | Some("native") => {
+            if release.is_some() || tag.is_some() {
+                return Err(invalid(
+                    "key_scheme",
+                    "sglang_release and extra_backend_tag apply to the sglang key scheme only".into(),
+                ));
+            }
+            Ok(KeyScheme::Native)
+        }
+        Some("sglang") => Ok(KeyScheme::Sglang {
+            release: match release.as_deref() {
+                None => SglangRelease::V0_5_23,
+                Some(text) => {
+                    SglangRelease::parse(text).map_err(|error| invalid("sglang_release", error.to_string()))?
+                }
+            },
+            tag,
+        }),
+        Some(other) => Err(invalid("key_scheme", format!("{other:?}; expected native or sglang"))),
+    }
 }
 
 fn rename_field(error: Error, protocol_var: &str) -> Error {

@@ -40,6 +40,7 @@ mod keys;
 pub(crate) mod sys;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod tier;
 
 use std::ffi::CString;
 use std::ops::Range;
@@ -60,6 +61,7 @@ pub use crate::config::{DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LOCAL_BUFFER_SIZE, 
 use crate::keys::KeyRenderer;
 pub use crate::keys::{KeyScheme, SglangRelease};
 use crate::sys::code;
+pub use crate::tier::MOONCAKE_TIER;
 
 /// How long a read waits for an object whose replica another writer is still putting.
 const NOT_READY_WAIT: std::time::Duration = std::time::Duration::from_secs(2);

@@ -28,6 +28,7 @@ mod agent;
 mod files;
 pub mod library;
 mod regions;
+mod tier;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -47,6 +48,7 @@ use hicache_core::storage::{
 };
 pub use library::LIB_DIR_ENV;
 use nixl_sys::XferOp;
+pub use tier::NIXL_TIER;
 
 use crate::agent::{NixlAgent, Piece, storage};
 use crate::files::{FileCache, OpenPage};

@@ -22,7 +22,7 @@ use crate::exit::Usage;
 #[derive(Debug, Args)]
 pub(crate) struct BenchStorageArgs {
     /// Storage backend to measure.
-    #[arg(long, value_enum, default_value_t = BackendName::File)]
+    #[arg(long, value_parser = backends::backend_parser(), default_value = "file")]
     backend: BackendName,
     /// Directory for file-like backends and for the raw reference file (default: the backend's environment
     /// variable, else its default directory).
@@ -189,7 +189,7 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
         config_extra: None,
     };
     #[cfg(feature = "mooncake")]
-    if args.backend == BackendName::Mooncake {
+    if args.backend.is("mooncake") {
         let config = backends::mooncake_config(&options)?;
         return super::bench_mooncake::run(args, config, &namespace(args.page_bytes)?);
     }
@@ -277,7 +277,7 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
         metadata: None,
     };
     #[cfg(feature = "3fs")]
-    let figure = if args.backend == BackendName::ThreeFs {
+    let figure = if args.backend.is("3fs") {
         let config = backends::hf3fs_config(&options)?;
         let metadata = super::bench_3fs::metadata_figure(&config, args.batch, args.rounds)?;
         if !args.json {

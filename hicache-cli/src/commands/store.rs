@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, bail};
 use clap::{Args, Subcommand, ValueEnum};
-use hicache_core::config::{HiCacheConfig, StorageBackendKind};
+use hicache_core::config::HiCacheConfig;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PageHasher, PageKey};
 use hicache_core::namespace::StorageNamespace;
@@ -62,7 +62,7 @@ pub(crate) enum DtypeArg {
 #[derive(Debug, Args)]
 pub(crate) struct TargetArgs {
     /// Storage backend (default: the config's storage_backend, else file).
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = backends::backend_parser())]
     backend: Option<BackendName>,
     /// A hicache config (JSON, SGLang's names) supplying the backend, model, page size and layout.
     #[arg(long, value_name = "FILE")]
@@ -227,16 +227,10 @@ fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
         }
         None => None,
     };
-    let backend = match (args.backend, config.as_ref().and_then(|config| config.storage_backend)) {
+    let backend = match (args.backend, config.as_ref().and_then(|config| config.storage_backend.as_deref())) {
         (Some(backend), _) => backend,
-        (None, Some(kind)) => match kind {
-            StorageBackendKind::File => BackendName::File,
-            StorageBackendKind::Memory => BackendName::Memory,
-            StorageBackendKind::Mooncake => BackendName::Mooncake,
-            StorageBackendKind::Hf3fs => BackendName::ThreeFs,
-            StorageBackendKind::Nixl => BackendName::Nixl,
-        },
-        (None, None) => BackendName::File,
+        (None, Some(name)) => BackendName::parse(name)?,
+        (None, None) => BackendName::parse("file")?,
     };
     let page_size = args.page_size.or(config.as_ref().map(|config| config.page_size)).unwrap_or(64);
     if page_size == 0 {
@@ -292,18 +286,18 @@ fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
             .or(config.as_ref().map(|config| config.storage_capacity_bytes))
             .filter(|&bytes| bytes > 0),
     };
-    if matches!(backend, BackendName::File | BackendName::Nixl) && mode != Mode::Write {
+    let file_like = backend.is("file") || backend.is("nixl");
+    if file_like && mode != Mode::Write {
         let dir = backends::dir_of(backend, &options);
         if !dir.is_dir() {
             bail!(Usage(format!("the storage directory {} does not exist (--dir)", dir.display())));
         }
     }
     let opened = backends::open(backend, &namespace, &options)?;
-    let description = match backend {
-        BackendName::File | BackendName::Nixl => {
-            format!("{} backend in {}", opened.name(), backends::dir_of(backend, &options).display())
-        }
-        other => format!("{other:?} backend").to_lowercase(),
+    let description = if file_like {
+        format!("{} backend in {}", opened.name(), backends::dir_of(backend, &options).display())
+    } else {
+        format!("{} backend", backend.name())
     };
     Ok(Opened { backend: opened, namespace, page_bytes, description })
 }

@@ -30,27 +30,9 @@ use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore, StorageBackend};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
 
-use crate::backends::{self, BackendName, BackendOptions, FileFormatArg};
+use crate::backends::{self, BackendName, BackendOptions, FileFormatArg, OptionalBackend};
 use crate::exit::Usage;
 use crate::metrics::Metrics;
-
-/// The storage tier of a replay (`--backend`): a backend, or none.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub(crate) enum ReplayBackend {
-    /// No storage tier: device and host only.
-    None,
-    /// In-process memory.
-    Memory,
-    /// Local files (the default; in a temporary directory unless --dir is given).
-    File,
-    /// NIXL (cargo feature `nixl`).
-    Nixl,
-    /// Mooncake Store (cargo feature `mooncake`).
-    Mooncake,
-    /// DeepSeek 3FS (cargo feature `3fs`; data files in --dir, a temporary directory without it).
-    #[value(name = "3fs")]
-    ThreeFs,
-}
 
 /// The transfer engine (`--engine`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -115,9 +97,10 @@ pub(crate) struct ReplayArgs {
     /// anonymous memory.
     #[arg(long, value_name = "DIR")]
     host_shm: Option<PathBuf>,
-    /// Storage tier.
-    #[arg(long, value_enum, default_value_t = ReplayBackend::File)]
-    backend: ReplayBackend,
+    /// Storage tier (the file tier's files in a temporary directory unless --dir is given; 3FS's data files too),
+    /// or none: device and host only.
+    #[arg(long, value_parser = backends::optional_backend_parser(), default_value = "file")]
+    backend: OptionalBackend,
     /// Directory of the file tier (default: a temporary directory, removed at the end).
     #[arg(long, value_name = "PATH")]
     dir: Option<PathBuf>,
@@ -271,36 +254,22 @@ enum SharedStorage {
 
 pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     check(args)?;
-    let storage = match args.backend {
-        ReplayBackend::None => SharedStorage::None,
-        ReplayBackend::Memory => SharedStorage::Memory(MemoryStore::new()),
-        other => {
-            let name = match other {
-                ReplayBackend::File => BackendName::File,
-                ReplayBackend::Nixl => BackendName::Nixl,
-                ReplayBackend::Mooncake => BackendName::Mooncake,
-                _ => BackendName::ThreeFs,
-            };
-            let temp = match (&args.dir, name) {
-                (None, BackendName::File | BackendName::Nixl | BackendName::ThreeFs) => {
+    let storage = match args.backend.0 {
+        None => SharedStorage::None,
+        // one store that every rank of this process shares
+        Some(name) if name.is("memory") => SharedStorage::Memory(MemoryStore::new()),
+        Some(name) => {
+            let temp = match &args.dir {
+                None if ["file", "nixl", "3fs"].contains(&name.name())
+                    && !args.network.sets_any(&["dir", "file_path_prefix"]) =>
+                {
                     // removed at the end, on an error, and on SIGINT/SIGTERM/SIGHUP
                     Some(crate::cleanup::TempFolder::new("hicache-replay-")?)
                 }
                 _ => None,
             };
-            let dir = args.dir.clone().or_else(|| temp.as_ref().map(|temp| temp.path().to_owned()));
-            let options = BackendOptions {
-                dir,
-                format: args.format,
-                direct_io: false,
-                io_threads: None,
-                nixl_plugin: None,
-                nixl_params: Vec::new(),
-                read_only: false,
-                capacity_bytes: args.capacity_bytes,
-                network: args.network.clone(),
-                config_extra: None,
-            };
+            let mut options = backend_options(args);
+            options.dir = options.dir.or_else(|| temp.as_ref().map(|temp| temp.path().to_owned()));
             SharedStorage::Backend { name, options: Box::new(options), _temp: temp }
         }
     };
@@ -411,7 +380,7 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
         }
     }
     if args.processes {
-        if args.backend == ReplayBackend::Memory {
+        if args.backend.0.is_some_and(|name| name.is("memory")) {
             return usage(
                 "--processes needs a storage tier the processes share: --backend file, nixl, mooncake, 3fs or none \
                  (memory lives in one process)"
@@ -425,12 +394,11 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
         return usage("--process-rank and --process-dir are set by --processes for the ranks it starts".into());
     }
     // (the other backends are checked where they are opened)
-    match args.backend {
-        ReplayBackend::None => crate::backends::check_options(None, args.format, &args.network)?,
-        ReplayBackend::Memory => {
-            crate::backends::check_options(Some(BackendName::Memory), args.format, &args.network)?;
-        }
-        _ => {}
+    match args.backend.0 {
+        None => crate::backends::check_options(None, args.format, &args.network)?,
+        // the memory tier is not opened through the table (its ranks share one store): its settings are read here
+        Some(name) if name.is("memory") => drop(backends::settings(name, &backend_options(args))?),
+        Some(_) => {}
     }
     if let Some(rank) = args.process_rank
         && rank >= args.tp_size
@@ -505,11 +473,27 @@ fn geometry(args: &ReplayArgs) -> anyhow::Result<KvGeometry> {
     Ok(KvGeometry::mha(args.layers, heads, args.head_dim, KvDtype::Bf16)?)
 }
 
+/// What the flags say about the storage tier.
+fn backend_options(args: &ReplayArgs) -> BackendOptions {
+    BackendOptions {
+        dir: args.dir.clone(),
+        format: args.format,
+        direct_io: false,
+        io_threads: None,
+        nixl_plugin: None,
+        nixl_params: Vec::new(),
+        read_only: false,
+        capacity_bytes: args.capacity_bytes,
+        network: args.network.clone(),
+        config_extra: None,
+    }
+}
+
 /// The `--layout` the replay runs with: as given, else page-first for Mooncake (as SGLang forces), else layer-first.
 fn layout_arg(args: &ReplayArgs) -> LayoutArg {
-    match (args.layout, args.backend) {
+    match (args.layout, args.backend.0) {
         (Some(layout), _) => layout,
-        (None, ReplayBackend::Mooncake) => LayoutArg::PageFirst,
+        (None, Some(name)) if name.is("mooncake") => LayoutArg::PageFirst,
         (None, _) => LayoutArg::LayerFirst,
     }
 }
@@ -689,10 +673,10 @@ fn describe(args: &ReplayArgs, storage: &SharedStorage) -> String {
     let tier = match storage {
         SharedStorage::None => "no storage tier".to_owned(),
         SharedStorage::Memory(_) => "memory tier".to_owned(),
-        SharedStorage::Backend { name, options, _temp } => match name {
-            BackendName::File => format!("file tier in {}", backends::dir_of(*name, options).display()),
-            BackendName::Nixl => format!("NIXL tier in {}", backends::dir_of(*name, options).display()),
-            other => format!("{other:?} tier"),
+        SharedStorage::Backend { name, options, _temp } => match name.name() {
+            "file" => format!("file tier in {}", backends::dir_of(*name, options).display()),
+            "nixl" => format!("NIXL tier in {}", backends::dir_of(*name, options).display()),
+            other => format!("{other} tier"),
         },
     };
     format!(

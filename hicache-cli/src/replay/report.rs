@@ -110,7 +110,7 @@ fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
         layout: crate::value_name(&super::layout_arg(args)),
         device_tokens: args.device_tokens,
         host_tokens: args.host_tokens,
-        backend: crate::value_name(&args.backend),
+        backend: args.backend.name().to_owned(),
         dir: args.dir.clone(),
         format: crate::value_name(&args.format),
         capacity_bytes: args.capacity_bytes,

@@ -12,6 +12,7 @@
 mod fault;
 mod memory;
 mod stats;
+pub mod tiers;
 
 use std::fmt;
 

@@ -3,5 +3,6 @@
 //! test runs on loopback and stops by its PID ([`service`]).
 
 pub mod conformance;
+pub mod probe_tier;
 pub mod rig;
 pub mod service;

@@ -1,0 +1,167 @@
+//! The file tier's entry in the table of tiers (`file`), and its settings as SGLang's extra config and the CLI's flags
+//! give them: `dir` (else SGLang's `SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`, else SGLang's `file_storage_path`, else
+//! `/tmp/hicache`), `format` (`native`: hicache's namespaced, checksummed pages, the default; `sglang`: the names and
+//! raw bytes of SGLang's own `HiCacheFile`, so both read one directory), `capacity` (bytes, or text such as
+//! `"200gb"`; least recently used pages are removed beyond it), `io_threads`, `direct_io` and `read_only`.
+
+use std::path::PathBuf;
+
+use hicache_core::Error;
+use hicache_core::config::parse_size;
+use hicache_core::extra_config::ConfigError;
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::StorageBackend;
+use hicache_core::storage::tiers::{self, TierEntry, TierFields};
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::{FileConfig, FileFormat, FileStorage, MAX_IO_THREADS};
+
+/// The environment variable SGLang reads for the directory.
+pub const DIR_ENV: &str = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR";
+
+/// SGLang's default directory.
+pub const DEFAULT_DIR: &str = "/tmp/hicache";
+
+/// The keys, as the extra config gives them.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileSettings {
+    dir: Option<String>,
+    file_storage_path: Option<String>,
+    format: Option<String>,
+    capacity: Option<Value>,
+    io_threads: Option<usize>,
+    direct_io: Option<bool>,
+    read_only: Option<bool>,
+}
+
+impl FileConfig {
+    /// The config the tier's settings give ([`FILE_TIER`]), with SGLang's order for the directory: `dir`, then
+    /// `$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`, then `file_storage_path`, then `/tmp/hicache`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] naming the key: unknown, of the wrong type, or out of its range.
+    pub fn from_fields(fields: &TierFields) -> Result<Self, ConfigError> {
+        let settings: FileSettings = tiers::read_fields(&FILE_TIER, fields)?;
+        let dir = settings
+            .dir
+            .or_else(|| std::env::var(DIR_ENV).ok().filter(|dir| !dir.is_empty()))
+            .or(settings.file_storage_path)
+            .unwrap_or_else(|| DEFAULT_DIR.into());
+        let format = match settings.format.as_deref() {
+            None | Some("native") => FileFormat::Native,
+            Some("sglang") => FileFormat::Sglang,
+            Some(other) => {
+                return Err(ConfigError::value("format", format!("{other:?}: the formats are native, sglang")));
+            }
+        };
+        let mut config = Self::new(PathBuf::from(dir), format);
+        config.capacity_bytes =
+            match settings.capacity {
+                None | Some(Value::Null) => None,
+                Some(Value::Number(number)) => Some(number.as_u64().ok_or_else(|| {
+                    ConfigError::value("capacity", format!("{number} is not a whole number of bytes"))
+                })?),
+                Some(Value::String(text)) => {
+                    Some(parse_size(&text).map_err(|reason| ConfigError::value("capacity", reason))?)
+                }
+                Some(other) => {
+                    return Err(ConfigError {
+                        key: "capacity".into(),
+                        reason: format!("bytes or a size such as \"200gb\" is needed, found {other}"),
+                        wrong_type: true,
+                    });
+                }
+            };
+        if let Some(threads) = settings.io_threads {
+            if !(1..=MAX_IO_THREADS).contains(&threads) {
+                return Err(ConfigError::value("io_threads", format!("{threads} is not in 1..={MAX_IO_THREADS}")));
+            }
+            config.io_threads = threads;
+        }
+        config.direct_io = settings.direct_io.unwrap_or(false);
+        config.read_only = settings.read_only.unwrap_or(false);
+        Ok(config)
+    }
+}
+
+fn check(fields: &TierFields) -> Result<(), ConfigError> {
+    FileConfig::from_fields(fields).map(drop)
+}
+
+fn open(fields: &TierFields, namespace: &StorageNamespace) -> Result<Box<dyn StorageBackend>, Error> {
+    let config = FileConfig::from_fields(fields).map_err(tiers::config_error)?;
+    Ok(Box::new(FileStorage::open(config, namespace)?))
+}
+
+/// The file tier in the table of tiers.
+pub const FILE_TIER: TierEntry = TierEntry {
+    name: "file",
+    aliases: &[],
+    about: "local (or shared) files, one per page",
+    keys: &["dir", "file_storage_path", "format", "capacity", "io_threads", "direct_io", "read_only"],
+    check,
+    open,
+};
+
+inventory::submit!(FILE_TIER);
+
+#[cfg(test)]
+mod tests {
+    use hicache_core::extra_config::Settings;
+
+    use super::*;
+
+    fn error(json: &str) -> String {
+        Settings::parse(json).unwrap_err().to_string()
+    }
+
+    fn config(json: &str) -> FileConfig {
+        let settings = Settings::parse(json).unwrap();
+        assert_eq!(settings.tier.name, "file");
+        FileConfig::from_fields(&settings.fields).unwrap()
+    }
+
+    #[test]
+    fn every_key_of_the_file_tier_is_read() {
+        let file = config(
+            r#"{"backend_name": "hicache", "module_path": "hicache.sglang", "class_name": "HiCacheStorage",
+                "interface_v1": 1, "backend": "file", "dir": "/data/kv", "format": "sglang", "capacity": "2gb",
+                "io_threads": 3, "direct_io": true, "read_only": true, "pool": {"page_size": 64}}"#,
+        );
+        assert_eq!(file.dir, PathBuf::from("/data/kv"));
+        assert_eq!(file.format, FileFormat::Sglang);
+        assert!(file.direct_io && file.read_only);
+        assert_eq!((file.capacity_bytes, file.io_threads), (Some(2 << 30), 3));
+        // the file tier is the default
+        let file = config(r#"{"dir": "/d", "capacity": 4096}"#);
+        assert_eq!((file.format, file.capacity_bytes, file.direct_io), (FileFormat::Native, Some(4096), false));
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        assert!(error(r#"{"capacty": 1}"#).contains("key `capacty`: unknown key for the file tier (it takes: dir,"));
+        assert!(error(r#"{"": 6}"#).contains(r#"key `""`: unknown key"#));
+        assert!(error(r#"{"dir": 1}"#).contains("key `dir`: invalid type"));
+        assert!(error(r#"{"format": "zip"}"#).contains("key `format`"));
+        assert!(error(r#"{"capacity": "1 parsec"}"#).contains("key `capacity`"));
+        assert!(error(r#"{"capacity": [1]}"#).contains("key `capacity`"));
+        assert!(error(r#"{"io_threads": 0}"#).contains("key `io_threads`: 0 is not in 1..=256"));
+        assert!(error(r#"{"io_threads": 100000}"#).contains("key `io_threads`"));
+        let wrong_type = |json: &str| Settings::parse(json).unwrap_err().wrong_type;
+        assert!(wrong_type(r#"{"io_threads": "4"}"#) && wrong_type(r#"{"capacity": [1]}"#));
+        assert!(!wrong_type(r#"{"io_threads": 0}"#));
+    }
+
+    #[test]
+    fn the_table_opens_the_file_tier() {
+        let dir = tempfile::tempdir().unwrap();
+        let namespace = hicache_core::testing::conformance::mha_namespace(0, 1);
+        let json = serde_json::json!({"backend": "file", "dir": dir.path()}).to_string();
+        let storage = Settings::parse(&json).unwrap().open(&namespace).unwrap();
+        assert_eq!((storage.name(), storage.namespace()), ("file", Some(&namespace)));
+        assert!(tiers::find("FILE").is_some_and(|entry| entry.keys == FILE_TIER.keys));
+    }
+}
