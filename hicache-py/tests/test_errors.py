@@ -18,8 +18,17 @@ class Errors(support.TempDirTest):
         return HiCacheStorage(support.storage_config({**support.MODULE, **extra}), {})
 
     def test_unknown_backend_names_the_key_and_the_choices(self):
-        with self.assertRaisesRegex(ValueError, r"key `backend`: \"hf3fs\" is not .*file, memory"):
-            self.construct(backend="hf3fs")
+        with self.assertRaisesRegex(ValueError, r"key `backend`: \"s3\" is not .*3fs, file, memory, mooncake"):
+            self.construct(backend="s3")
+
+    def test_every_tier_of_the_table_is_taken_and_reads_its_own_keys(self):
+        self.assertEqual(sorted(_native.BACKENDS), ["3fs", "file", "memory", "mooncake"])
+        # SGLang's name for 3FS; its keys are read by the 3FS tier, strictly
+        with self.assertRaisesRegex(ValueError, "key `numjobs`"):
+            self.construct(backend="hf3fs", file_path_prefix=os.path.join(self.dir, "kv"), numjobs=0)
+        with self.assertRaisesRegex(ValueError, "key `\"dir\"`: unknown key"):
+            self.construct(backend="3fs", file_path_prefix=os.path.join(self.dir, "kv"), dir=self.dir)
+        self.assertEqual(_native.Settings('{"backend": "hf3fs", "numjobs": 2, "file_path_prefix": "/x"}').backend, "3fs")
 
     def test_unknown_key_is_named(self):
         with self.assertRaisesRegex(ValueError, "key `capacty`: unknown key"):

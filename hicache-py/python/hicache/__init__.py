@@ -5,7 +5,7 @@
 - ``page_keys(tokens, page_size, prior=None)``: the chained SHA-256 page keys SGLang computes (64 hex digits each).
 - ``namespace_seed(extra_key=None, cache_salt=None)``: the first page's prior for requests with an extra key or a
   cache salt (SGLang 0.5.20 and later), or None.
-- ``BACKENDS``: the storage tiers compiled into this build.
+- ``BACKENDS``: the storage tiers this build links (its table of tiers, the one the CLI reads too).
 """
 
 from hicache._native import BACKENDS, __version__, namespace_seed, page_keys

@@ -13,10 +13,11 @@ is registered with it once. Pages then move straight between that buffer and the
 ``batch_set_v1``, what ``"interface_v1": 1`` selects), in Rust with the GIL released. The copy path SGLang uses
 without ``interface_v1`` (``get``/``set``/``batch_get``/``batch_set`` with tensors) works too.
 
-Keys of the extra config: ``backend`` (``file``, the default; ``memory``; ``mooncake``), for the file tier ``dir``,
+Keys of the extra config: ``backend`` (a tier of ``hicache.BACKENDS``: ``file``, the default; ``memory``;
+``mooncake``; ``3fs``, also named ``hf3fs``), then the tier's own keys, read by it: for the file tier ``dir``,
 ``format`` (``native``, the default, or ``sglang``: SGLang's own ``HiCacheFile`` names and bytes, so both read one
 directory), ``capacity`` (bytes or e.g. ``"200gb"``), ``io_threads``, ``direct_io``; for Mooncake SGLang's Mooncake
-keys (``master_server_address``, ...); ``pool`` (what the host pool must be: ``page_size``, ``layout``, ``dtype``,
+keys (``master_server_address``, ...); for 3FS SGLang's 3FS keys (``file_path_prefix``, ...); ``pool`` (what the host pool must be: ``page_size``, ``layout``, ``dtype``,
 ``layer_num``, ``head_num``, ``head_dim``, ``kv_lora_rank``, ``qk_rope_head_dim``).
 
 Storage calls never raise into SGLang's storage threads: a failed batch is logged and answered with ``False`` pages
