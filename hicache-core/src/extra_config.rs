@@ -18,8 +18,6 @@
 //! SGLang's own keys for a dynamic backend (`backend_name`, `module_path`, `class_name`, `interface_v1`) and the ones
 //! it consumes itself are accepted and ignored; any other key is refused by name.
 
-use std::fmt;
-
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
@@ -28,29 +26,8 @@ use crate::namespace::StorageNamespace;
 use crate::storage::tiers::{self, TierEntry, TierFields};
 use crate::storage::{FaultPlan, FaultyStorage, StorageBackend};
 
-/// A bad extra config, naming the key.
-#[derive(Debug)]
-pub struct ConfigError {
-    /// The key (`pool.head_num` for nested ones).
-    pub key: String,
-    /// What is wrong and what is expected.
-    pub reason: String,
-    /// The value has the wrong type (raised as `TypeError`; else `ValueError`).
-    pub wrong_type: bool,
-}
-
-impl ConfigError {
-    /// An error of the value of `key` (not of its type).
-    pub fn value(key: impl Into<String>, reason: impl Into<String>) -> Self {
-        Self { key: key.into(), reason: reason.into(), wrong_type: false }
-    }
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "hicache extra_config key `{}`: {}", self.key, self.reason)
-    }
-}
+/// A bad extra config, naming the key (the tiers' settings share it).
+pub use crate::storage::tiers::ConfigError;
 
 /// Bytes from `4294967296`, `4gb`, `4 GiB`, `512MB`, `16mib`, `64k`: units are powers of 1024, as Mooncake's own
 /// parser reads them.

@@ -7,13 +7,38 @@
 //! keys every tier shares, which [`crate::extra_config`] takes first). Each tier reads them strictly: an unknown key,
 //! a wrong type or a value out of range is refused, naming the key.
 
+use std::fmt;
+
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use super::{MemoryStorage, StorageBackend};
 use crate::error::Error;
-use crate::extra_config::ConfigError;
 use crate::namespace::StorageNamespace;
+
+/// A bad setting of a tier, or of the extra config around it, naming the key.
+#[derive(Debug)]
+pub struct ConfigError {
+    /// The key (`pool.head_num` for nested ones).
+    pub key: String,
+    /// What is wrong and what is expected.
+    pub reason: String,
+    /// The value has the wrong type (raised as `TypeError`; else `ValueError`).
+    pub wrong_type: bool,
+}
+
+impl ConfigError {
+    /// An error of the value of `key` (not of its type).
+    pub fn value(key: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self { key: key.into(), reason: reason.into(), wrong_type: false }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "hicache extra_config key `{}`: {}", self.key, self.reason)
+    }
+}
 
 /// A tier's settings: the keys of the extra config meant for it.
 pub type TierFields = Map<String, Value>;
