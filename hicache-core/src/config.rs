@@ -128,8 +128,9 @@ pub struct HiCacheConfig {
     pub storage_capacity_bytes: u64,
     /// Fetch only what is faster to bring than to compute: a storage hit is fetched as far as the expected time to
     /// first token is lowest, by measured rates (the `cost` module); off: every hit is fetched whole, as SGLang does.
-    /// The plan needs the engine's compute rate: until the engine reports a prefill (or
-    /// `prior_prefill_tokens_per_s` gives one), hits are fetched whole.
+    /// The plan needs the engine's compute rate and the tier's read rate: until both are known (reported, or given
+    /// by the priors below), hits are fetched whole, or with `prefetch_split` their last quarter beside the compute
+    /// of the rest.
     pub prefetch_by_cost: bool,
     /// The engine computes a storage hit's head itself while its tail is fetched, when the cost plan finds that
     /// faster (a *split*: the `cost` module). Only for an engine that does so: it asks
@@ -138,8 +139,8 @@ pub struct HiCacheConfig {
     pub prefetch_split: bool,
     /// The engine's prefill tokens per second (with no prefix) assumed until it reports its own; 0: unknown.
     pub prior_prefill_tokens_per_s: f64,
-    /// Storage → host GB/s (10^9 bytes) assumed until reads are measured; 0: unknown (every hit is fetched whole
-    /// until a read is measured).
+    /// Storage → host GB/s (10^9 bytes) assumed until reads are measured; 0: unknown (hits are read to measure the
+    /// tier until a read is measured: see `prefetch_by_cost`).
     pub prior_storage_read_gbps: f64,
     /// Host → device GB/s assumed until loads are measured.
     pub prior_load_gbps: f64,

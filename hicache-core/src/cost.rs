@@ -33,8 +33,11 @@
 //!
 //! The rates come from [`CostModel`]: priors from the config until measurements exist, then decayed averages of what
 //! the storage threads, the loads and the engine's prefills report. Until both the engine's compute and the tier's
-//! reads are known, every hit is fetched whole (so the tier's reads get measured); once the compute is known, the
-//! scheduler waits for such reads no longer than computing what they bring would take. A decision must be the same on
+//! reads are known, a hit is read so that the reads measure the tier: an engine that splits reads the hit's last
+//! quarter ([`PROBE_SHARE`]) while it computes the other three, so a tier of any speed costs the request little
+//! more than computing its hit (the read of a quarter hides behind the compute of three quarters unless the tier is
+//! three times slower than the compute); an engine that cannot split fetches the whole hit, and once the compute is
+//! known the scheduler waits for those reads no longer than computing what they bring would take. A decision must be the same on
 //! every TP rank, so the controller reduces each rank's rates over the TP group at its tick (the slowest rank's,
 //! [`Rates::encode`]) and plans with the reduced values only.
 
@@ -46,7 +49,7 @@ pub struct Rates {
     /// Storage → host: seconds per storage call (its fixed cost).
     pub storage_call_s: f64,
     /// Storage → host: bytes per second; `None` until a read was measured (and no prior given): then a hit is
-    /// fetched whole, which measures it.
+    /// read to measure it ([`PlanReason::Unmeasured`]).
     pub storage_read_bytes_per_s: Option<f64>,
     /// Host → device: bytes per second.
     pub load_bytes_per_s: f64,
@@ -76,13 +79,16 @@ pub struct Hit {
     pub arrived_pages: usize,
     /// The engine can compute the hit's head while its tail is read (a chunked prefill); see the module docs.
     pub split: bool,
+    /// The fewest pages worth a read (the prefetch threshold): the tail that measures a tier not yet measured is no
+    /// shorter.
+    pub min_fetch_pages: usize,
 }
 
 /// Why a plan fetches what it fetches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PlanReason {
     /// The engine's compute or the tier's read rate is not known yet (no prior, nothing measured): the whole hit is
-    /// fetched (and its reads measure the tier).
+    /// fetched, or, where the engine splits, its last quarter while the rest is computed (the reads measure the tier).
     Unmeasured,
     /// Fetching the whole hit is the fastest.
     FetchAll,
@@ -206,9 +212,15 @@ pub fn plan(rates: &Rates, hit: &Hit, at_least: usize) -> Plan {
     let at_least = at_least.min(hit.pages);
     let seconds = |value: f64| Duration::from_secs_f64(value.clamp(0.0, 1e9));
     if rates.prefill_s_per_token.is_none() || rates.storage_read_bytes_per_s.is_none() {
+        // an engine that splits computes the head while the tail measures the tier (see the module docs)
+        let probe = if hit.split && at_least == 0 && hit.arrived_pages == 0 && hit.pages > 1 {
+            hit.pages.div_ceil(PROBE_SHARE).max(hit.min_fetch_pages).min(hit.pages)
+        } else {
+            hit.pages
+        };
         return Plan {
-            compute_head_pages: 0,
-            fetch_pages: hit.pages,
+            compute_head_pages: hit.pages - probe,
+            fetch_pages: probe,
             reason: PlanReason::Unmeasured,
             expected: Duration::ZERO,
             fetch_all: Duration::ZERO,
@@ -254,6 +266,10 @@ pub fn plan(rates: &Rates, hit: &Hit, at_least: usize) -> Plan {
 
 /// How much faster than the best plan without a split a split must be expected to be (a fraction of it).
 pub const SPLIT_GAIN: f64 = 0.05;
+
+/// While a rate is unknown, an engine that splits reads one page in this many of a hit (its tail, at least one
+/// page and [`Hit::min_fetch_pages`]) and computes the rest beside the read.
+pub const PROBE_SHARE: usize = 4;
 
 /// The head lengths (0 to the hit's pages) where the split's `S` can be least. Below the first head whose compute
 /// is no shorter than the tail's read, `S` is the read plus the tail's load or the rest's compute, which never grow

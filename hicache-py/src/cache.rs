@@ -586,7 +586,7 @@ impl Cache {
     }
 
     /// The engine computed `tokens` after a prefix of `prefix` tokens in `seconds`: its prefill, which the cache
-    /// weighs against bringing pages from storage (until it is told, a storage hit is fetched whole).
+    /// weighs against bringing pages from storage (until it is told, a storage hit is read to measure the tier).
     fn observe_prefill(&self, py: Python<'_>, tokens: usize, prefix: usize, seconds: f64) -> PyResult<()> {
         let elapsed = std::time::Duration::try_from_secs_f64(seconds)
             .map_err(|_| PyValueError::new_err(format!("hicache: `seconds` {seconds} is not a duration")))?;

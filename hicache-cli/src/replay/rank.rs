@@ -8,7 +8,7 @@ use std::hash::{Hash as _, Hasher as _};
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use hicache_core::collective::Collective;
+use hicache_core::collective::{Collective, ReduceOp};
 use hicache_core::controller::{PrefetchExplanation, PrefetchHead, PrefetchStart, PrefetchStop};
 use hicache_core::device_slots::DeviceSlotAllocator;
 use hicache_core::hash::{PageHasher, PartialPage};
@@ -127,11 +127,7 @@ impl Collective for Timed<'_> {
         self.inner.world_size()
     }
 
-    fn all_reduce(
-        &mut self,
-        values: &mut [i64],
-        op: hicache_core::collective::ReduceOp,
-    ) -> Result<(), hicache_core::Error> {
+    fn all_reduce(&mut self, values: &mut [i64], op: ReduceOp) -> Result<(), hicache_core::Error> {
         let started = Instant::now();
         let result = self.inner.all_reduce(values, op);
         self.calls += 1;
@@ -207,6 +203,32 @@ struct Waiting {
     matched_pages: u64,
     /// A split's head, once computed: tokens computed and the compute model's seconds for them.
     head: Option<(usize, f64)>,
+    /// When the head's compute would end in wall-clock time: the tail's reads run beside it (in real time, as in a
+    /// serving engine, whose compute takes that long), so the request asks for them only then.
+    head_ends: Option<Instant>,
+    /// Every rank's head has ended ([`settle_heads`]): the request asks for its tail.
+    head_ended: bool,
+}
+
+/// Marks the split heads whose compute has ended in wall-clock time on every rank (a MIN over the ranks, so every
+/// rank's scheduler asks for a tail at the same step, as the controller's lockstep needs). The requests with a head
+/// still computing are the same on every rank, in the same order.
+fn settle_heads(waiting: &mut [Waiting], collective: &mut dyn Collective) -> anyhow::Result<()> {
+    let computing: Vec<usize> =
+        (0..waiting.len()).filter(|&index| waiting[index].head_ends.is_some() && !waiting[index].head_ended).collect();
+    if computing.is_empty() {
+        return Ok(());
+    }
+    let now = Instant::now();
+    let mut ended: Vec<i64> =
+        computing.iter().map(|&index| i64::from(waiting[index].head_ends.is_some_and(|ends| now >= ends))).collect();
+    if collective.world_size() > 1 {
+        collective.all_reduce(&mut ended, ReduceOp::Min)?;
+    }
+    for (index, ended) in computing.into_iter().zip(ended) {
+        waiting[index].head_ended = ended == 1;
+    }
+    Ok(())
 }
 
 /// Runs the workload on one rank's tree.
@@ -252,12 +274,14 @@ pub(crate) fn run_rank<E: ReplayEngine>(
                 None => break,
             }
         }
+        settle_heads(&mut waiting, collective)?;
         for request in waiting.iter_mut().take(spec.max_parallel * 2) {
             let head = request.head;
             ask_for(tree, device, workload, spec, &pattern, layers, &mut hasher, request, &mut outcome)?;
             if let (None, Some((tokens, seconds))) = (head, request.head) {
-                // the engine computed the head now: its time passes
+                // the engine computed the head now: its time passes, for the reads beside it too
                 now += seconds;
+                request.head_ends = Some(Instant::now() + Duration::from_secs_f64(seconds));
                 (request.client, request.round, tokens).hash(&mut digest);
             }
         }
@@ -273,7 +297,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
             let asked = !spec.split
                 || match tree.prefetch_head(&waiting[index].id) {
                     PrefetchHead::NotPlanned => false,
-                    PrefetchHead::Compute(_) => waiting[index].head.is_some(),
+                    PrefetchHead::Compute(_) => waiting[index].head_ended,
                     PrefetchHead::Nothing => true,
                 };
             if asked && tree.check_prefetch_progress(&waiting[index].id) == PrefetchCheck::Ready {
@@ -370,7 +394,17 @@ fn admit<E: ReplayEngine>(
         let _: PrefetchStart = tree.prefetch_from_storage(&id, matched.last_host_node, &prompt[after..])?;
     }
     let matched_pages = ((matched.device_slots.len() + matched.host_hit_length) / tree.page_size()) as u64;
-    Ok(Waiting { client, round, id, prefetch_wait: Duration::ZERO, prefetched_tokens: 0, matched_pages, head: None })
+    Ok(Waiting {
+        client,
+        round,
+        id,
+        prefetch_wait: Duration::ZERO,
+        prefetched_tokens: 0,
+        matched_pages,
+        head: None,
+        head_ends: None,
+        head_ended: false,
+    })
 }
 
 /// The scheduler asks for `request` (its prefetch stops as the policy says, the result comes at a tick). An engine
@@ -398,6 +432,8 @@ fn ask_for<E: ReplayEngine>(
             {
                 return Ok(());
             }
+            // the head's compute has not ended yet (in wall-clock time): the tail's reads go on beside it
+            PrefetchHead::Compute(_) if request.head.is_some() && !request.head_ended => return Ok(()),
             _ => {}
         }
     }

@@ -194,6 +194,7 @@ impl StorageTier {
             prompt_tokens: prefetch.prompt_tokens.max(cached_tokens + pages * pool.page_size),
             arrived_pages: arrived,
             split: self.settings.split && !prefetch.wanted && prefetch.head_pages == 0,
+            min_fetch_pages: self.settings.prefetch_threshold.div_ceil(pool.page_size),
         };
         self.settings.by_cost.then(|| plan(&self.agreed, &hit, at_least))
     }

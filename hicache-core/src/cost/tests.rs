@@ -24,6 +24,7 @@ fn hit(pages: usize) -> Hit {
         prompt_tokens: 512 + pages * 32 + 512,
         arrived_pages: 0,
         split: false,
+        min_fetch_pages: 1,
     }
 }
 
@@ -52,6 +53,30 @@ fn without_a_compute_rate_the_hit_is_fetched_whole() {
     assert_eq!(plan(&unmeasured_tier, &hit(10), 0).reason, PlanReason::Unmeasured);
     let planned = plan(&unknown, &hit(10), 0);
     assert_eq!((planned.fetch_pages, planned.reason), (10, PlanReason::Unmeasured));
+}
+
+#[test]
+fn an_engine_that_splits_measures_an_unknown_tier_with_the_tail_of_the_hit() {
+    let unmeasured_tier = Rates { storage_read_bytes_per_s: None, ..rates(0.001, 25_000.0) };
+    let unknown_compute = Rates { prefill_s_per_token: None, ..rates(2.0, 1.0) };
+    for rates in [unmeasured_tier, unknown_compute] {
+        for (pages, tail) in [(10, 3), (8, 2), (2, 1), (1, 1)] {
+            let planned = plan(&rates, &Hit { split: true, ..hit(pages) }, 0);
+            assert_eq!(planned.reason, PlanReason::Unmeasured);
+            assert_eq!((planned.compute_head_pages, planned.fetch_pages), (pages - tail, tail), "{pages} pages");
+        }
+        // the tail is at least the fewest pages worth a read (the prefetch threshold)
+        let threshold = plan(&rates, &Hit { split: true, min_fetch_pages: 4, ..hit(10) }, 0);
+        assert_eq!((threshold.compute_head_pages, threshold.fetch_pages), (6, 4));
+        let short = plan(&rates, &Hit { split: true, min_fetch_pages: 12, ..hit(10) }, 0);
+        assert_eq!((short.compute_head_pages, short.fetch_pages), (0, 10));
+        // pages already on their way, or arrived, are the hit's head: no split, the whole hit is fetched
+        let on_their_way = plan(&rates, &Hit { split: true, ..hit(10) }, 4);
+        let arrived = plan(&rates, &Hit { split: true, arrived_pages: 4, ..hit(10) }, 0);
+        for planned in [on_their_way, arrived] {
+            assert_eq!((planned.compute_head_pages, planned.fetch_pages), (0, 10));
+        }
+    }
 }
 
 #[test]
@@ -100,6 +125,7 @@ fn a_slow_load_makes_part_of_a_hit_worth_fetching() {
         prompt_tokens: 10_000,
         arrived_pages: 0,
         split: false,
+        min_fetch_pages: 1,
     };
     let planned = plan(&rates, &hit, 0);
     assert_eq!((planned.fetch_pages, planned.reason), (49, PlanReason::FetchPart), "{planned:?}");
@@ -194,6 +220,7 @@ fn arb_hit() -> impl Strategy<Value = Hit> {
             // a split is planned only before anything arrived: half the hits are such
             arrived_pages: if split { 0 } else { arrived.min(pages) },
             split,
+            min_fetch_pages: 1 + arrived % 16,
         },
     )
 }

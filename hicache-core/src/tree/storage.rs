@@ -154,7 +154,8 @@ impl<E: TransferEngine> HiRadixTree<E> {
 
     /// The engine computed `tokens` after a prefix of `prefix` tokens in `elapsed`: its prefill, which the cost
     /// model weighs against bringing pages from storage ([`crate::cost`]; until the engine reports, or the config
-    /// gives `prior_prefill_tokens_per_s`, every storage hit is fetched whole).
+    /// gives `prior_prefill_tokens_per_s`, a storage hit is read to measure the tier: whole, or an engine that splits
+    /// reads its last quarter while computing the rest).
     pub fn observe_prefill(&mut self, tokens: usize, prefix: usize, elapsed: std::time::Duration) {
         self.controller.observe_prefill(tokens, prefix, elapsed);
     }
