@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use clap::ValueEnum;
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+use hicache_core::extra_config::{take_shared, throttled};
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::StorageBackend;
 use hicache_core::storage::tiers::{self, TierEntry, TierFields};
@@ -149,7 +150,7 @@ pub(crate) struct BackendOptions {
 #[derive(Clone, Debug, Default, clap::Args)]
 pub(crate) struct NetworkArgs {
     /// The backend's settings as a JSON object, SGLang's --hicache-storage-backend-extra-config, read strictly by
-    /// the tier (flags such as --dir override its keys). file: dir, format, capacity, io_threads, direct_io,
+    /// the tier (a key a flag such as --dir also gives is refused; throttle_read_gbps holds any tier's reads). file: dir, format, capacity, io_threads, direct_io,
     /// read_only. nixl: dir, plugin, plugin_params, lib_dir, max_open_files, max_registered_regions. mooncake:
     /// master_server_address, protocol, device_name, global_segment_size, local_buffer_size, metadata_server,
     /// local_hostname, replica_num, key_scheme, sglang_release, extra_backend_tag, ... 3fs: file_path_prefix,
@@ -241,25 +242,37 @@ pub(crate) fn check_options(
     Ok(())
 }
 
-/// The tier's settings: the extra config (`--extra-config`, else the config file's) and the flags under the tier's
-/// own keys (a key given both ways is refused) (`--dir` as the file and NIXL tiers' `dir`, and as 3FS's `file_path_prefix` `{dir}/hicache`
-/// when the extra config names none; `--format`, `--io-threads`, `--direct-io`, `--capacity-bytes`; NIXL's plugin
-/// and its parameters; Mooncake's key scheme and release), checked by the tier.
+/// What a tier is opened with: its own settings, and the throttle of its reads (`throttle_read_gbps`).
+#[derive(Debug)]
+pub(crate) struct TierSettings {
+    /// The tier's own keys.
+    pub(crate) fields: TierFields,
+    /// Storage gets held to this many bytes per second; `None`: not held.
+    pub(crate) throttle_read_bytes_per_s: Option<u64>,
+}
+
+/// The tier's settings: the extra config (`--extra-config`, else the config file's; the keys every tier shares are
+/// read as the Python package reads them, SGLang's own are ignored), and the flags under the tier's own keys:
+/// `--dir` as the file and NIXL tiers' `dir` (and as 3FS's `file_path_prefix` `{dir}/hicache` when the extra config
+/// names none), `--format`, `--io-threads`, `--direct-io`, `--capacity-bytes`, NIXL's plugin and its parameters,
+/// Mooncake's key scheme and release. A key given both ways is refused; the tier checks the result.
 ///
 /// # Errors
 ///
-/// [`Usage`] naming the key the tier refuses.
-pub(crate) fn settings(name: BackendName, options: &BackendOptions) -> anyhow::Result<TierFields> {
+/// [`Usage`] naming the key at fault.
+pub(crate) fn settings(name: BackendName, options: &BackendOptions) -> anyhow::Result<TierSettings> {
     check_options(Some(name), options.format, &options.network)?;
     let mut fields = match options.network.extra(options.config_extra.as_ref())? {
         Some(Value::Object(fields)) => fields,
         _ => TierFields::new(),
     };
-    if let Some(backend) = fields.remove("backend")
-        && !backend.as_str().is_some_and(|backend| name.0.is_named(backend))
+    let shared = take_shared(&mut fields)
+        .map_err(|error| Usage(format!("--extra-config key `{}`: {}", error.key, error.reason)))?;
+    if let Some(backend) = shared.backend
+        && !name.0.is_named(&backend)
     {
         return Err(
-            Usage(format!("--extra-config key `backend`: {backend} differs from --backend {}", name.name())).into()
+            Usage(format!("--extra-config key `backend`: {backend:?} differs from --backend {}", name.name())).into()
         );
     }
     let mut flags = TierFields::new();
@@ -314,7 +327,7 @@ pub(crate) fn settings(name: BackendName, options: &BackendOptions) -> anyhow::R
     name.0
         .check(&fields)
         .map_err(|error| Usage(format!("--backend {} setting `{}`: {}", name.name(), error.key, error.reason)))?;
-    Ok(fields)
+    Ok(TierSettings { fields, throttle_read_bytes_per_s: shared.throttle_read_bytes_per_s })
 }
 
 /// Opens `name` for `namespace` with its [`settings`].
@@ -323,28 +336,33 @@ pub(crate) fn open(
     namespace: &StorageNamespace,
     options: &BackendOptions,
 ) -> anyhow::Result<Box<dyn StorageBackend>> {
-    let fields = settings(name, options)?;
-    Ok(name.0.open(&fields, namespace)?)
+    let settings = settings(name, options)?;
+    Ok(throttled(name.0.open(&settings.fields, namespace)?, settings.throttle_read_bytes_per_s))
 }
 
 /// The 3FS settings the flags and the extra config give ([`settings`]).
 #[cfg(feature = "3fs")]
 pub(crate) fn hf3fs_config(options: &BackendOptions) -> anyhow::Result<hicache_storage_3fs::Hf3fsConfig> {
-    let fields = settings(BackendName(&hicache_storage_3fs::HF3FS_TIER), options)?;
-    Ok(hicache_storage_3fs::Hf3fsConfig::from_fields(&fields)?)
+    let settings = settings(BackendName(&hicache_storage_3fs::HF3FS_TIER), options)?;
+    Ok(hicache_storage_3fs::Hf3fsConfig::from_fields(&settings.fields)?)
 }
 
 /// The Mooncake settings the flags and the extra config give ([`settings`]).
 #[cfg(feature = "mooncake")]
 pub(crate) fn mooncake_config(options: &BackendOptions) -> anyhow::Result<hicache_storage_mooncake::MooncakeConfig> {
-    let fields = settings(BackendName(&hicache_storage_mooncake::MOONCAKE_TIER), options)?;
-    Ok(hicache_storage_mooncake::MooncakeConfig::from_fields(&fields)?)
+    let settings = settings(BackendName(&hicache_storage_mooncake::MOONCAKE_TIER), options)?;
+    Ok(hicache_storage_mooncake::MooncakeConfig::from_fields(&settings.fields)?)
 }
 
-/// The directory a file-like backend uses: the given one, else its environment variable, else its default.
+/// The directory a file-like backend uses: the given one (`--dir`, else the extra config's `dir`), else its
+/// environment variable, else its default.
 pub(crate) fn dir_of(name: BackendName, options: &BackendOptions) -> PathBuf {
     if let Some(dir) = &options.dir {
         return dir.clone();
+    }
+    let extra = options.network.extra(options.config_extra.as_ref()).ok().flatten();
+    if let Some(dir) = extra.as_ref().and_then(|extra| extra.get("dir")).and_then(Value::as_str) {
+        return PathBuf::from(dir);
     }
     match name.name() {
         #[cfg(feature = "nixl")]

@@ -132,6 +132,34 @@ fn the_directory_and_namespace_come_from_sglangs_variable_and_a_config() {
 }
 
 #[test]
+fn a_config_with_sglangs_extra_config_places_the_pages_where_it_says() {
+    let work = tempfile::tempdir().unwrap();
+    let storage = work.path().join("from-extra-config");
+    let (tokens, bytes) = fixture(work.path(), 2);
+    let config = work.path().join("sglang.json");
+    // SGLang's own keys of a dynamic backend and the shared `pool` key are read as the Python package reads them
+    let extra = serde_json::json!({
+        "backend_name": "hicache", "module_path": "hicache.sglang", "class_name": "HiCacheStorage",
+        "interface_v1": 1, "dir": storage, "pool": {"page_size": 4},
+    });
+    let text = serde_json::json!({"storage_backend": "file", "model_name": "cfg", "page_size": 4,
+        "storage_backend_extra_config": extra});
+    std::fs::write(&config, text.to_string()).unwrap();
+    let input = work.path().join("pages.bin");
+    let mut args = vec!["store", "put", "--config", config.to_str().unwrap(), "--tokens", &tokens];
+    args.extend(["--in", input.to_str().unwrap(), "--layers", "2", "--kv-heads", "1", "--head-dim", "4"]);
+    ok(hicache(&args, &[]));
+    let stat: Value = serde_json::from_str(&ok(store_as("cfg", "stat", &storage, &["--json"]))).unwrap();
+    assert_eq!(stat["pages"], 2);
+    let output = work.path().join("back.bin");
+    ok(store_as("cfg", "get", &storage, &["--tokens", &tokens, "--out", output.to_str().unwrap()]));
+    assert_eq!(std::fs::read(&output).unwrap(), bytes);
+    // the directory given twice, by the config and by --dir, is refused naming it
+    args.extend(["--dir", storage.to_str().unwrap()]);
+    failure(&hicache(&args, &[]), 2, "`dir` is given twice");
+}
+
+#[test]
 fn bad_inputs_name_what_is_wrong() {
     let work = tempfile::tempdir().unwrap();
     let storage = work.path().join("s");

@@ -96,6 +96,49 @@ pub struct PoolExpectation {
     pub qk_rope_head_dim: Option<usize>,
 }
 
+/// The keys of an extra config that are not the tier's own: its name, the host pool it expects, the throttle.
+#[derive(Debug, Default)]
+pub struct Shared {
+    /// `backend`: the tier's name, if given.
+    pub backend: Option<String>,
+    /// What the host pool must be.
+    pub pool: PoolExpectation,
+    /// Storage gets held to this many bytes per second (measurements); `None`: not held.
+    pub throttle_read_bytes_per_s: Option<u64>,
+}
+
+/// Takes the keys every tier shares out of an extra config's `fields` (SGLang's own keys are dropped), leaving the
+/// tier's own.
+///
+/// # Errors
+///
+/// [`ConfigError`] naming the shared key that is of the wrong type or out of its domain.
+pub fn take_shared(fields: &mut Map<String, Value>) -> Result<Shared, ConfigError> {
+    for key in SGLANG_KEYS {
+        fields.remove(key);
+    }
+    let backend: Option<String> = take(fields, "backend")?;
+    let pool = take::<PoolExpectation>(fields, "pool")?.unwrap_or_default();
+    let throttle_read_bytes_per_s = match take::<f64>(fields, "throttle_read_gbps")? {
+        None => None,
+        Some(gbps) if gbps > 0.0 && gbps <= 1e4 => Some((gbps * 1e9) as u64),
+        Some(gbps) => {
+            return Err(ConfigError::value("throttle_read_gbps", format!("{gbps} is not a rate in (0, 10000] GB/s")));
+        }
+    };
+    Ok(Shared { backend, pool, throttle_read_bytes_per_s })
+}
+
+/// `storage` held to `throttle_read_bytes_per_s` when one is given (the extra config's `throttle_read_gbps`).
+pub fn throttled(storage: Box<dyn StorageBackend>, throttle_read_bytes_per_s: Option<u64>) -> Box<dyn StorageBackend> {
+    match throttle_read_bytes_per_s {
+        Some(read_bytes_per_s) => {
+            Box::new(FaultyStorage::new(storage, FaultPlan { read_bytes_per_s, ..Default::default() }))
+        }
+        None => storage,
+    }
+}
+
 /// Everything the extra config says.
 #[derive(Debug)]
 pub struct Settings {
@@ -131,21 +174,7 @@ impl Settings {
                 });
             }
         };
-        for key in SGLANG_KEYS {
-            fields.remove(key);
-        }
-        let backend: Option<String> = take(&mut fields, "backend")?;
-        let pool = take::<PoolExpectation>(&mut fields, "pool")?.unwrap_or_default();
-        let throttle_read_bytes_per_s = match take::<f64>(&mut fields, "throttle_read_gbps")? {
-            None => None,
-            Some(gbps) if gbps > 0.0 && gbps <= 1e4 => Some((gbps * 1e9) as u64),
-            Some(gbps) => {
-                return Err(ConfigError::value(
-                    "throttle_read_gbps",
-                    format!("{gbps} is not a rate in (0, 10000] GB/s"),
-                ));
-            }
-        };
+        let Shared { backend, pool, throttle_read_bytes_per_s } = take_shared(&mut fields)?;
         let tier = tiers::lookup("backend", backend.as_deref().unwrap_or(DEFAULT_TIER))?;
         tier.check(&fields)?;
         Ok(Self { tier, fields, pool, throttle_read_bytes_per_s })
@@ -157,14 +186,7 @@ impl Settings {
     ///
     /// The tier's failure to open ([`TierEntry::open`]).
     pub fn open(&self, namespace: &StorageNamespace) -> Result<Box<dyn StorageBackend>, crate::Error> {
-        let storage = self.tier.open(&self.fields, namespace)?;
-        Ok(match self.throttle_read_bytes_per_s {
-            Some(read_bytes_per_s) => {
-                let plan = FaultPlan { read_bytes_per_s, ..Default::default() };
-                Box::new(FaultyStorage::new(storage, plan))
-            }
-            None => storage,
-        })
+        Ok(throttled(self.tier.open(&self.fields, namespace)?, self.throttle_read_bytes_per_s))
     }
 }
 

@@ -23,6 +23,7 @@ use clap::{Args, ValueEnum};
 use hicache_core::HiCacheBuilder;
 use hicache_core::collective::{Collective, InProcessGroup, SingleRank};
 use hicache_core::config::{HiCacheConfig, MAX_SECONDS, PrefetchPolicy, WritePolicy};
+use hicache_core::extra_config::throttled;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::host_memory::{HostAllocation, HostMemory};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
@@ -248,16 +249,24 @@ pub(crate) enum PrefetchPolicyArg {
 /// Where the ranks' storage lives.
 enum SharedStorage {
     None,
-    Memory(Arc<MemoryStore>),
-    Backend { name: BackendName, options: Box<BackendOptions>, _temp: Option<crate::cleanup::TempFolder> },
+    /// One store every rank of this process shares, and the throttle of its reads (`throttle_read_gbps`).
+    Memory(Arc<MemoryStore>, Option<u64>),
+    Backend {
+        name: BackendName,
+        options: Box<BackendOptions>,
+        _temp: Option<crate::cleanup::TempFolder>,
+    },
 }
 
 pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     check(args)?;
     let storage = match args.backend.0 {
         None => SharedStorage::None,
-        // one store that every rank of this process shares
-        Some(name) if name.is("memory") => SharedStorage::Memory(MemoryStore::new()),
+        // not opened through the table: one store that every rank of this process shares
+        Some(name) if name.is("memory") => {
+            let settings = backends::settings(name, &backend_options(args))?;
+            SharedStorage::Memory(MemoryStore::new(), settings.throttle_read_bytes_per_s)
+        }
         Some(name) => {
             let temp = match &args.dir {
                 None if ["file", "nixl", "3fs"].contains(&name.name())
@@ -393,12 +402,9 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
     } else if args.process_rank.is_some() || args.process_dir.is_some() || args.process_temp.is_some() {
         return usage("--process-rank and --process-dir are set by --processes for the ranks it starts".into());
     }
-    // (the other backends are checked where they are opened)
-    match args.backend.0 {
-        None => crate::backends::check_options(None, args.format, &args.network)?,
-        // the memory tier is not opened through the table (its ranks share one store): its settings are read here
-        Some(name) if name.is("memory") => drop(backends::settings(name, &backend_options(args))?),
-        Some(_) => {}
+    // (a tier's settings are read where it is opened)
+    if args.backend.0.is_none() {
+        crate::backends::check_options(None, args.format, &args.network)?;
     }
     if let Some(rank) = args.process_rank
         && rank >= args.tp_size
@@ -579,7 +585,9 @@ fn run_on<E: device::ReplayEngine>(
     namespace.tp_size = args.tp_size;
     let opened: Option<Box<dyn StorageBackend>> = match storage {
         SharedStorage::None => None,
-        SharedStorage::Memory(store) => Some(Box::new(MemoryStorage::shared(store.clone(), &namespace))),
+        SharedStorage::Memory(store, throttle) => {
+            Some(throttled(Box::new(MemoryStorage::shared(store.clone(), &namespace)), *throttle))
+        }
         SharedStorage::Backend { name, options, .. } => Some(backends::open(*name, &namespace, options)?),
     };
     // with fault injection, every storage call of this rank goes through the fault wrapper
@@ -672,7 +680,7 @@ fn write_policy(args: &ReplayArgs) -> WritePolicy {
 fn describe(args: &ReplayArgs, storage: &SharedStorage) -> String {
     let tier = match storage {
         SharedStorage::None => "no storage tier".to_owned(),
-        SharedStorage::Memory(_) => "memory tier".to_owned(),
+        SharedStorage::Memory(..) => "memory tier".to_owned(),
         SharedStorage::Backend { name, options, _temp } => match name.name() {
             "file" => format!("file tier in {}", backends::dir_of(*name, options).display()),
             "nixl" => format!("NIXL tier in {}", backends::dir_of(*name, options).display()),
