@@ -43,6 +43,7 @@ pub mod testing;
 pub mod tokens;
 pub mod transfer;
 pub mod tree;
+pub mod unified_keys;
 
 pub use builder::HiCacheBuilder;
 pub use collective::{Collective, SingleRank};

@@ -1,10 +1,14 @@
-//! Page keys as SGLang computes them (`hicache.page_keys`, `hicache.namespace_seed`).
+//! Page keys as SGLang computes them (`hicache.page_keys`, `hicache.namespace_seed`), and SGLang's unified L3 key
+//! scheme (`hicache.unified_plan`).
 
 use std::str::FromStr;
 
 use hicache_core::hash::{PageHasher, PageKey, PartialPage, namespace_seed as seed};
+use hicache_core::unified_keys::{UnifiedRank, plan};
+use pyo3::exceptions::PyNotImplementedError;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::guard;
 
@@ -48,4 +52,27 @@ pub(crate) fn page_keys(
 #[pyo3(signature = (extra_key = None, cache_salt = None))]
 pub(crate) fn namespace_seed(extra_key: Option<&str>, cache_salt: Option<&str>) -> PyResult<Option<String>> {
     guard::run(|| Ok(seed(extra_key, cache_salt).map(|key| key.to_hex())))
+}
+
+/// One rank's plan under SGLang's unified L3 key scheme (`rank`: JSON of the arguments of SGLang's
+/// `plan_unified_kv`): a dict of `digest`, `suffixes` (one per chunk the rank owns, layer-major), `layer_ranges` and
+/// `head_ranges` (local to the rank's pool) and `encoded` (the namespace's MessagePack, hex, which the digest
+/// hashes). Raises `ValueError` where SGLang does, and `NotImplementedError` where SGLang does.
+#[pyfunction]
+pub(crate) fn unified_plan<'py>(py: Python<'py>, rank: &str) -> PyResult<Bound<'py, PyDict>> {
+    guard::run(|| {
+        let rank: UnifiedRank = serde_json::from_str(rank)
+            .map_err(|error| PyValueError::new_err(format!("hicache: unified key scheme rank: {error}")))?;
+        let planned = plan(&rank).map_err(|error| match error.kind() {
+            hicache_core::ErrorKind::Unsupported => PyNotImplementedError::new_err(format!("hicache: {error}")),
+            _ => guard::to_py(error),
+        })?;
+        let out = PyDict::new(py);
+        out.set_item("digest", planned.namespace.digest())?;
+        out.set_item("encoded", hex::encode(planned.namespace.encode()))?;
+        out.set_item("suffixes", planned.suffixes)?;
+        out.set_item("layer_ranges", planned.layer_ranges)?;
+        out.set_item("head_ranges", planned.head_ranges)?;
+        Ok(out)
+    })
 }
