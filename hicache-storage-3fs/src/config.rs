@@ -145,7 +145,8 @@ impl Hf3fsConfig {
     }
 }
 
-const KEYS: [&str; 9] = [
+/// The keys of the settings object (the tier's entry in the table of tiers lists the same).
+pub(crate) const KEYS: [&str; 9] = [
     "file_path_prefix",
     "file_size",
     "numjobs",

@@ -36,17 +36,7 @@ pub const HF3FS_TIER: TierEntry = TierEntry {
     name: "3fs",
     aliases: &["hf3fs"],
     about: "DeepSeek 3FS through its USRBIO library, page metadata in process or in Redis",
-    keys: &[
-        "file_path_prefix",
-        "file_size",
-        "numjobs",
-        "entries",
-        "metadata_server_url",
-        "io_timeout_s",
-        "metadata_timeout_s",
-        "library_dir",
-        "verify_checksum",
-    ],
+    keys: &crate::config::KEYS,
     check,
     open,
 };
