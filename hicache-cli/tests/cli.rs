@@ -241,6 +241,26 @@ fn replay_by_default_serves_hits_from_every_tier_and_verifies_every_byte() {
 }
 
 #[test]
+fn a_page_unified_replay_cut_into_head_groups_verifies_through_every_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path().to_str().unwrap();
+    // four KV heads over two ranks, one head per group: two groups per page on each rank
+    for backend in [vec!["--backend", "memory"], vec!["--backend", "file", "--dir", dir]] {
+        let mut args =
+            vec![WHOLE, "--tp-size", "2", "--kv-heads", "4", "--layout", "page-unified", "--head-group", "1"];
+        args.extend(&backend);
+        let report = replay_json(&args);
+        assert_eq!(report["verified"], true, "{backend:?}: {report}");
+        for tier in ["l1", "l2", "l3"] {
+            assert!(tokens(&report, tier) > 0, "{backend:?}: no hits from {tier}: {report}");
+        }
+    }
+    let refused = hicache(&["replay", "--layout", "page-unified", "--head-group", "3"], "");
+    assert_usage_error(&refused, "head_group");
+    assert_usage_error(&hicache(&["replay", "--layout", "page-first", "--head-group", "1"], ""), "page-unified");
+}
+
+#[test]
 fn replay_moves_storage_pages_in_place_under_every_write_policy() {
     for policy in ["write-through", "write-through-selective", "write-back"] {
         // a small host pool: pages go to the file tier and come back from it
@@ -472,7 +492,7 @@ fn bench_transfer_reports_every_layout_and_direction_next_to_bulk() {
         .map(|figure| (figure["layout"].as_str().unwrap().to_owned(), figure["direction"].as_str().unwrap().to_owned()))
         .collect();
     seen.sort();
-    let mut expected: Vec<(String, String)> = ["layer_first", "page_first", "page_first_direct"]
+    let mut expected: Vec<(String, String)> = ["layer_first", "page_first", "page_first_direct", "page_unified"]
         .iter()
         .flat_map(|layout| ["write", "load"].map(|direction| (layout.to_string(), direction.to_owned())))
         .collect();
@@ -495,6 +515,14 @@ fn bench_transfer_reports_every_layout_and_direction_next_to_bulk() {
         assert_usage_error(&cuda, "--features cuda");
     }
     assert_usage_error(&hicache(&["bench", "transfer", "--tokens", "100", "--page-size", "64"], ""), "divide --tokens");
+    // page-unified pages cut into head groups: the figure says how many
+    let grouped = [&args[..], &["--geometry", "llama31-8b", "--layout", "page-unified", "--head-group", "2"]].concat();
+    let output = hicache(&grouped, "");
+    assert!(output.status.success(), "{}", stderr(&output));
+    let figures: Vec<Value> = serde_json::from_str(&stdout(&output)).expect("a JSON list");
+    assert!(figures.len() == 2 && figures.iter().all(|figure| figure["head_groups"] == 4), "{figures:?}");
+    let uneven = [&args[..], &["--layout", "page-unified", "--head-group", "3"]].concat();
+    assert_usage_error(&hicache(&uneven, ""), "--head-group 3");
 }
 
 /// Every option and argument of every subcommand has a description in its `--help`.

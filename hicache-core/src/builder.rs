@@ -136,6 +136,17 @@ impl<E: TransferEngine> HiCacheBuilder<E> {
                 format!("{}, but the engine's host pool is {}", config.mem_layout.name(), host_map.layout().name()),
             );
         }
+        let head_groups = config.head_groups(device.geometry())?;
+        if host_map.head_groups() != head_groups {
+            return mismatch(
+                "head_group",
+                format!(
+                    "{} head groups per page, but the engine's host pool has {}",
+                    head_groups,
+                    host_map.head_groups()
+                ),
+            );
+        }
         if !device.slots().is_multiple_of(config.page_size) {
             return mismatch(
                 "page_size",

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
 pub use crate::extra_config::parse_size;
+use crate::geometry::{Attention, KvGeometry};
 use crate::layout::HostLayout;
 
 /// When device pages are written to the host (and on to storage).
@@ -93,6 +94,10 @@ pub struct HiCacheConfig {
     pub io_backend: IoBackend,
     /// Host pool layout (`--hicache-mem-layout`).
     pub mem_layout: HostLayout,
+    /// KV heads per head group of the `page_unified` layout: each page is cut into this rank's KV heads / this many
+    /// groups, each with its own layer runs (the `head_group` of SGLang's unified key scheme, a fleet-wide
+    /// agreement). Unset: one group of all the rank's heads.
+    pub head_group: Option<usize>,
     /// Storage tier, if any (`--hicache-storage-backend`): a name (or alias) in the table of tiers this build links
     /// ([`crate::storage::tiers`]): `file`, `mooncake`, `hf3fs` (or `3fs`), `nixl`, `memory`.
     pub storage_backend: Option<String>,
@@ -155,6 +160,7 @@ impl Default for HiCacheConfig {
             write_policy: WritePolicy::WriteThrough,
             io_backend: IoBackend::Kernel,
             mem_layout: HostLayout::LayerFirst,
+            head_group: None,
             storage_backend: None,
             prefetch_policy: PrefetchPolicy::BestEffort,
             storage_backend_extra_config: None,
@@ -204,6 +210,27 @@ impl HiCacheConfig {
             .end()
             .map_err(|error| Error::InvalidConfig { field: "(document)".into(), reason: error.to_string() })?;
         config.validated()
+    }
+
+    /// Head groups per host page for a pool of `geometry` (this rank's KV): the rank's KV heads / `head_group` under
+    /// `page_unified`, else 1.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming `head_group` when it does not divide the rank's KV heads, or is given for MLA
+    /// (whose latent has no head axis).
+    pub fn head_groups(&self, geometry: &KvGeometry) -> Result<usize, Error> {
+        let (Some(head_group), HostLayout::PageUnified) = (self.head_group, self.mem_layout) else {
+            return Ok(1);
+        };
+        let bad = |reason: String| Err(Error::InvalidConfig { field: "head_group".into(), reason });
+        match geometry.attention {
+            Attention::Mla { .. } => bad(format!("{head_group}, but MLA's latent has no head axis; leave it unset")),
+            Attention::Mha { kv_heads, .. } if head_group == 0 || !kv_heads.is_multiple_of(head_group) => {
+                bad(format!("{head_group} does not divide this rank's {kv_heads} KV heads"))
+            }
+            Attention::Mha { kv_heads, .. } => Ok(kv_heads / head_group),
+        }
     }
 
     /// Checks every value's range; parses a string-valued extra config into an object.
@@ -278,6 +305,12 @@ impl HiCacheConfig {
         }
         if self.write_through_selective_threshold == 0 {
             return bad("write_through_selective_threshold", "must be at least 1".into());
+        }
+        if self.head_group == Some(0) {
+            return bad(
+                "head_group",
+                "must be at least 1 KV head (or unset: one group of all the rank's heads)".into(),
+            );
         }
         if self.mem_layout == HostLayout::PageFirst && self.io_backend == IoBackend::Direct {
             // SGLang silently falls back to layer_first; say so instead
@@ -489,6 +522,22 @@ mod tests {
         assert_eq!(again, config);
         let error = HiCacheConfig::from_json("[555550,\n\n\t77777777777777777775577777777777555555777]").unwrap_err();
         assert_eq!(error.to_string(), "config field `(document)`: a config is a JSON object of named fields");
+    }
+
+    #[test]
+    fn head_groups_divide_the_ranks_heads_under_page_unified_only() {
+        let llama = KvGeometry::llama31_8b();
+        let config = |text: &str| HiCacheConfig::from_json(text).unwrap();
+        assert_eq!(config(r#"{"mem_layout": "page_unified", "head_group": 2}"#).head_groups(&llama).unwrap(), 4);
+        assert_eq!(config(r#"{"mem_layout": "page_unified"}"#).head_groups(&llama).unwrap(), 1);
+        // other layouts hold whole items: the agreement does not cut their pages
+        assert_eq!(config(r#"{"mem_layout": "page_first", "head_group": 2}"#).head_groups(&llama).unwrap(), 1);
+        let refused = |text: &str, geometry: &KvGeometry| config(text).head_groups(geometry).unwrap_err().to_string();
+        assert!(refused(r#"{"mem_layout": "page_unified", "head_group": 3}"#, &llama).contains("`head_group`"));
+        let mla = KvGeometry::deepseek_v3();
+        assert!(refused(r#"{"mem_layout": "page_unified", "head_group": 1}"#, &mla).contains("no head axis"));
+        let zero = HiCacheConfig::from_json(r#"{"head_group": 0}"#).unwrap_err().to_string();
+        assert!(zero.starts_with("config field `head_group`"), "{zero}");
     }
 
     #[test]

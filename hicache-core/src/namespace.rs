@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 use crate::error::Error;
 use crate::geometry::{Attention, KvGeometry};
 use crate::hash::PageKey;
-use crate::layout::HostLayout;
+use crate::layout::{HostLayout, HostLayoutMap};
 
 /// Which object of a page a key names, for backends that store K and V apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -35,6 +35,8 @@ pub struct StorageNamespace {
     pub geometry: KvGeometry,
     /// Host layout (decides the generic flat page's byte order).
     pub layout: HostLayout,
+    /// Head groups of a `page_unified` page (they decide its byte order too); 1 otherwise.
+    pub head_groups: usize,
     /// Tokens per page.
     pub page_size: usize,
     /// Attention tensor-parallel rank.
@@ -50,7 +52,8 @@ pub struct StorageNamespace {
 impl StorageNamespace {
     /// A single-rank namespace (TP 1, PP 1).
     pub fn single_rank(model: impl Into<String>, geometry: KvGeometry, layout: HostLayout, page_size: usize) -> Self {
-        Self { model: model.into(), geometry, layout, page_size, tp_rank: 0, tp_size: 1, pp_rank: 0, pp_size: 1 }
+        let model = model.into();
+        Self { model, geometry, layout, head_groups: 1, page_size, tp_rank: 0, tp_size: 1, pp_rank: 0, pp_size: 1 }
     }
 
     /// Checks ranks against sizes and the page size.
@@ -124,6 +127,10 @@ impl StorageNamespace {
             self.layout.name(),
             self.page_size
         );
+        // one group is every layout's order; only more change it (and only they change the digest)
+        if self.head_groups > 1 {
+            let _ = write!(text, ";head_groups={}", self.head_groups);
+        }
         if !self.geometry.is_mla() {
             let _ = write!(text, ";tp={}/{}", self.tp_rank, self.tp_size);
         }
@@ -131,13 +138,14 @@ impl StorageNamespace {
         text
     }
 
-    /// Checks that this namespace holds the pages of pools of `geometry`, `layout` and `page_size` (a storage
-    /// backend opened for it serving a controller over those pools), naming the first field that differs.
+    /// Checks that this namespace holds the pages of the host pool `host` (a storage backend opened for it serving a
+    /// controller over that pool), naming the first field that differs.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] naming `page_size`, `geometry` or `mem_layout`.
-    pub fn check_pages(&self, geometry: &KvGeometry, layout: HostLayout, page_size: usize) -> Result<(), Error> {
+    /// [`Error::InvalidArgument`] naming `page_size`, `geometry`, `mem_layout` or `head_group`.
+    pub fn check_pages(&self, host: &HostLayoutMap) -> Result<(), Error> {
+        let (geometry, layout, page_size) = (host.geometry(), host.layout(), host.page_size());
         let differ = |field: &'static str, theirs: String, ours: String| {
             Err(Error::InvalidArgument {
                 field,
@@ -155,6 +163,13 @@ impl StorageNamespace {
         }
         if self.layout != layout {
             return differ("mem_layout", format!("layout {}", self.layout.name()), layout.name().to_owned());
+        }
+        if self.head_groups != host.head_groups() {
+            return differ(
+                "head_group",
+                format!("{} head groups per page", self.head_groups),
+                format!("{}", host.head_groups()),
+            );
         }
         Ok(())
     }

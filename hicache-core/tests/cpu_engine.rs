@@ -3,7 +3,7 @@
 //! destinations alone until they complete; bad requests are refused whole.
 
 use hicache_core::DeviceSlot;
-use hicache_core::geometry::{KvDtype, KvGeometry, KvPart};
+use hicache_core::geometry::{Attention, KvDtype, KvGeometry, KvPart};
 use hicache_core::host_pool::{HostPageAllocator, HostPageId};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use std::sync::Arc;
@@ -27,10 +27,25 @@ fn device_item(device: &[u8], geometry: &KvGeometry, slots: usize, slot: usize, 
 }
 
 /// The flat page SGLang's generic storage path would store for these slots: `[part][layer][token][item]`, or
-/// `[part][token][layer][item]` for `page_first` (docs/sglang.md#flat-pages), built straight from the device items.
+/// `[part][token][layer][item]` for `page_first` (docs/sglang.md#flat-pages), or SGLang's page block
+/// `[head group][layer][part][token][item / head groups]` for `page_unified`, built straight from the device items.
 fn expected_flat_page(device: &[u8], map: &HostLayoutMap, slots_total: usize, page_slots: &[DeviceSlot]) -> Vec<u8> {
     let geometry = map.geometry();
     let mut page = Vec::new();
+    if map.layout() == HostLayout::PageUnified {
+        let (groups, row) = (map.head_groups(), geometry.item_bytes() / map.head_groups());
+        for group in 0..groups {
+            for layer in 0..geometry.layers {
+                for &part in geometry.parts() {
+                    for &slot in page_slots {
+                        let item = device_item(device, geometry, slots_total, slot as usize, layer, part);
+                        page.extend_from_slice(&item[group * row..(group + 1) * row]);
+                    }
+                }
+            }
+        }
+        return page;
+    }
     for &part in geometry.parts() {
         let mut push = |slot: DeviceSlot, layer: usize| {
             page.extend(device_item(device, geometry, slots_total, slot as usize, layer, part));
@@ -58,7 +73,7 @@ fn host_page(host: &[u8], map: &HostLayoutMap, page: HostPageId) -> Vec<u8> {
 
 fn geometries() -> impl Strategy<Value = KvGeometry> {
     prop_oneof![
-        (1usize..4, 1usize..3, 1usize..5).prop_map(|(l, h, d)| KvGeometry::mha(l, h, d, KvDtype::Bf16).unwrap()),
+        (1usize..4, 1usize..5, 1usize..5).prop_map(|(l, h, d)| KvGeometry::mha(l, h, d, KvDtype::Bf16).unwrap()),
         (1usize..4, 1usize..5, 0usize..3).prop_map(|(l, r, p)| KvGeometry::mla(l, r, p, KvDtype::Fp8E4m3).unwrap()),
     ]
 }
@@ -93,7 +108,15 @@ fn setup(
 ) -> Setup {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let slots_total = host_pages * page_size + 3;
-    let host_map = HostLayoutMap::new(geometry, layout, page_size, host_pages).unwrap();
+    // under page_unified, as many head groups as the seed picks among those that divide the heads
+    let heads = match geometry.attention {
+        Attention::Mha { kv_heads, .. } if layout == HostLayout::PageUnified => kv_heads,
+        _ => 1,
+    };
+    let groups: Vec<usize> = (1..=heads).filter(|groups| heads.is_multiple_of(*groups)).collect();
+    let host_map = HostLayoutMap::new(geometry, layout, page_size, host_pages)
+        .and_then(|map| map.with_head_groups(groups[(seed >> 8) as usize % groups.len()]))
+        .unwrap();
     let device_map = DeviceLayoutMap::new(geometry, slots_total).unwrap();
     // every other case over device regions the caller owns (per layer and part), the rest over the engine's own pool
     let engine = if seed.is_multiple_of(2) {

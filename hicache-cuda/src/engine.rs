@@ -239,7 +239,8 @@ impl CudaEngine {
             geometry.bytes_per_token(),
             crate::sizing::available_memory()?,
         )?;
-        let host_map = HostLayoutMap::new(geometry, config.mem_layout, page, host_tokens / page)?;
+        let host_map = HostLayoutMap::new(geometry, config.mem_layout, page, host_tokens / page)?
+            .with_head_groups(config.head_groups(&geometry)?)?;
         let mut engine = Self::new(device, device_map, host_map)?;
         engine
             .set_io_backend(config.io_backend, None)
@@ -403,6 +404,17 @@ impl CudaEngine {
                      direct or auto",
                     version / 1000,
                     version % 1000 / 10
+                ),
+            });
+        }
+        if backend != IoBackend::Kernel && self.host_map.head_groups() > 1 {
+            return Err(Error::InvalidArgument {
+                field: "io_backend",
+                reason: format!(
+                    "{backend}: the copy engine would move page_unified's {} head groups row by row ({} B each); use \
+                     kernel",
+                    self.host_map.head_groups(),
+                    self.host_map.row_bytes()
                 ),
             });
         }
@@ -627,11 +639,13 @@ impl CudaEngine {
     ) -> Result<(), Error> {
         let Some(index) = index else { return Ok(()) };
         let geometry = self.device_map.geometry();
-        let items = tokens * layers.len() * geometry.parts().len();
+        // the kernel's unit: an item, or one head group's row of it
+        let (row, groups) = (self.host_map.row_bytes(), self.host_map.head_groups());
+        let items = tokens * layers.len() * geometry.parts().len() * groups;
         let tma = self.tma_launch(items);
         let (function, config) = match tma {
             Some((function, plan)) => {
-                let units = items * geometry.item_bytes().div_ceil(plan.piece_bytes as usize);
+                let units = items * row.div_ceil(plan.piece_bytes as usize);
                 let blocks = units.div_ceil(32).clamp(1, self.shape.blocks as usize) as u32;
                 let config = LaunchConfig {
                     grid_dim: (blocks, 1, 1),
@@ -655,12 +669,13 @@ impl CudaEngine {
             HostLayout::LayerFirst => 0,
             HostLayout::PageFirst => 1,
             HostLayout::PageFirstDirect => 2,
+            HostLayout::PageUnified => 3,
         };
         let (device_bases, host_base) = (self.device_pool.table_pointer(), self.host_pool.device_pointer());
         let (host_index, slot_index) = (index, index + 4 * tokens as u64);
         let (tokens, first, count) = (tokens as u64, layers.start as u32, layers.len() as u32);
-        let parts = geometry.parts().len() as u32;
-        let item = geometry.item_bytes() as u64;
+        let (parts, groups) = (geometry.parts().len() as u32, groups as u32);
+        let item = row as u64;
         let (slot_count, token_count) = (self.device_map.slots() as u64, self.host_map.tokens() as u64);
         let (pages, page_size) = (self.host_map.pages() as u64, self.host_map.page_size() as u64);
         let total_layers = geometry.layers as u32;
@@ -676,6 +691,7 @@ impl CudaEngine {
             .arg(&first)
             .arg(&count)
             .arg(&parts)
+            .arg(&groups)
             .arg(&item)
             .arg(&slot_count)
             .arg(&token_count)
@@ -703,8 +719,7 @@ impl CudaEngine {
         let (function, limit) = self.kernel.tma()?;
         let aligned = self.device_pool.aligned_16() && self.host_pool.device_pointer().is_multiple_of(16);
         let budget = self.tma_shape.shared_bytes.min(limit);
-        let plan =
-            crate::kernels::TmaPlan::new(self.device_map.geometry().item_bytes(), budget, self.tma_shape.max_piece)?;
+        let plan = crate::kernels::TmaPlan::new(self.host_map.row_bytes(), budget, self.tma_shape.max_piece)?;
         aligned.then_some((function, plan))
     }
 

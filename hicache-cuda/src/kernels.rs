@@ -1,7 +1,9 @@
 //! The transfer kernels, compiled at run time by NVRTC to a cubin for the GPU's own architecture, and cached on disk.
 //!
 //! The warp kernel moves items (one token × one layer × K or V) between the device pool (`[layer][part][slot][item]`)
-//! and the host pool in any of the three host layouts, in either direction: a warp per two items at a time, 16-byte
+//! and the host pool in any of the four host layouts, in either direction; under `page_unified` with several head
+//! groups the unit is a row (one head group's share of an item), as the layout keeps each group's rows apart. A warp
+//! per two units at a time, 16-byte
 //! accesses with up to eight loads in flight per lane when the addresses and the item size allow, 8-byte or
 //! single-byte otherwise. Items are numbered token-fastest, so neighbouring warps touch neighbouring slots of one
 //! layer. The host pool is read and written through its device mapping (pinned, mapped memory), so the SMs drive PCIe
@@ -25,33 +27,41 @@ pub(crate) const SOURCE: &str = r#"
 struct Shape {
     const unsigned long long* device_bases; unsigned char* host_base;
     const unsigned int* host_tokens; const unsigned int* device_slots;
-    unsigned long long tokens; unsigned long long first_layer; unsigned long long parts;
+    unsigned long long tokens; unsigned long long first_layer; unsigned long long parts; unsigned long long groups;
     unsigned long long item_bytes; unsigned long long device_slot_count; unsigned long long host_token_count;
     unsigned long long host_pages; unsigned long long page_size; unsigned long long total_layers;
     unsigned int layout; unsigned int to_device;
 };
 
-// The source and destination of item `item` (token-fastest numbering).
+// The source and destination of unit `item` (token-fastest numbering): one row of `item_bytes`, head group `group`
+// of an item of `groups` rows (one group: the whole item).
 __device__ __forceinline__ void locate(const Shape& s, unsigned long long item,
                                        const unsigned char** src, unsigned char** dst)
 {
     const unsigned long long t = item % s.tokens;
     const unsigned long long rest = item / s.tokens;
-    const unsigned long long part = rest % s.parts;
-    const unsigned long long layer = s.first_layer + rest / s.parts;
+    const unsigned long long group = rest % s.groups;
+    const unsigned long long part = (rest / s.groups) % s.parts;
+    const unsigned long long layer = s.first_layer + rest / s.groups / s.parts;
     const unsigned long long slot = s.device_slots[t];
     const unsigned long long token = s.host_tokens[t];
-    // the device pool: one region per (layer, part), each [slot][item], through the table of their bases
-    unsigned char* const d = (unsigned char*)s.device_bases[layer * s.parts + part] + slot * s.item_bytes;
+    // the device pool: one region per (layer, part), each [slot][item], through the table of their bases; an item's
+    // head groups side by side
+    unsigned char* const d = (unsigned char*)s.device_bases[layer * s.parts + part]
+        + (slot * s.groups + group) * s.item_bytes;
+    const unsigned long long page = token / s.page_size;
+    const unsigned long long in_page = token % s.page_size;
     unsigned long long h;
     if (s.layout == 0) {
         h = ((part * s.total_layers + layer) * s.host_token_count + token) * s.item_bytes;
     } else if (s.layout == 1) {
         h = ((part * s.host_token_count + token) * s.total_layers + layer) * s.item_bytes;
-    } else {
-        const unsigned long long page = token / s.page_size;
-        const unsigned long long in_page = token % s.page_size;
+    } else if (s.layout == 2) {
         h = (((part * s.host_pages + page) * s.total_layers + layer) * s.page_size + in_page) * s.item_bytes;
+    } else {
+        // page_unified: [page][group][layer][part][token in page][row]
+        h = ((((page * s.groups + group) * s.total_layers + layer) * s.parts + part) * s.page_size + in_page)
+            * s.item_bytes;
     }
     *src = s.to_device ? s.host_base + h : d;
     *dst = s.to_device ? d : s.host_base + h;
@@ -81,13 +91,14 @@ extern "C" __global__ void hicache_transfer(
     const unsigned long long* device_bases, unsigned char* host_base,
     const unsigned int* host_tokens, const unsigned int* device_slots,
     unsigned long long tokens, unsigned int first_layer, unsigned int layer_count, unsigned int parts,
-    unsigned long long item_bytes, unsigned long long device_slot_count, unsigned long long host_token_count,
-    unsigned long long host_pages, unsigned long long page_size, unsigned int total_layers,
-    unsigned int layout, unsigned int to_device)
+    unsigned int groups, unsigned long long item_bytes, unsigned long long device_slot_count,
+    unsigned long long host_token_count, unsigned long long host_pages, unsigned long long page_size,
+    unsigned int total_layers, unsigned int layout, unsigned int to_device)
 {
-    const Shape s = {device_bases, host_base, host_tokens, device_slots, tokens, first_layer, parts, item_bytes,
-                     device_slot_count, host_token_count, host_pages, page_size, total_layers, layout, to_device};
-    const unsigned long long items = tokens * layer_count * parts;
+    const Shape s = {device_bases, host_base, host_tokens, device_slots, tokens, first_layer, parts, groups,
+                     item_bytes, device_slot_count, host_token_count, host_pages, page_size, total_layers, layout,
+                     to_device};
+    const unsigned long long items = tokens * layer_count * parts * groups;
     const unsigned int lane = threadIdx.x & 31;
     const unsigned long long warp = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const unsigned long long warps = ((unsigned long long)gridDim.x * blockDim.x) >> 5;
@@ -191,17 +202,19 @@ extern "C" __global__ void __launch_bounds__(32) hicache_transfer_tma(
     const unsigned long long* device_bases, unsigned char* host_base,
     const unsigned int* host_tokens, const unsigned int* device_slots,
     unsigned long long tokens, unsigned int first_layer, unsigned int layer_count, unsigned int parts,
-    unsigned long long item_bytes, unsigned long long device_slot_count, unsigned long long host_token_count,
-    unsigned long long host_pages, unsigned long long page_size, unsigned int total_layers,
-    unsigned int layout, unsigned int to_device, unsigned int piece_bytes, unsigned int depth)
+    unsigned int groups, unsigned long long item_bytes, unsigned long long device_slot_count,
+    unsigned long long host_token_count, unsigned long long host_pages, unsigned long long page_size,
+    unsigned int total_layers, unsigned int layout, unsigned int to_device, unsigned int piece_bytes,
+    unsigned int depth)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char ring[];
-    const Shape s = {device_bases, host_base, host_tokens, device_slots, tokens, first_layer, parts, item_bytes,
-                     device_slot_count, host_token_count, host_pages, page_size, total_layers, layout, to_device};
+    const Shape s = {device_bases, host_base, host_tokens, device_slots, tokens, first_layer, parts, groups,
+                     item_bytes, device_slot_count, host_token_count, host_pages, page_size, total_layers, layout,
+                     to_device};
     const unsigned int lane = threadIdx.x & 31;
     const unsigned long long pieces = (item_bytes + piece_bytes - 1) / piece_bytes;
-    const unsigned long long units = tokens * layer_count * parts * pieces;
+    const unsigned long long units = tokens * layer_count * parts * groups * pieces;
     const unsigned long long first = (unsigned long long)blockIdx.x * 32 + lane;
     const unsigned long long stride = (unsigned long long)gridDim.x * 32;
     const unsigned long long count = first < units ? (units - first - 1) / stride + 1 : 0;

@@ -77,14 +77,15 @@ struct Pair {
 fn pair_of(
     device: &Device,
     geometry: KvGeometry,
-    layout: HostLayout,
+    (layout, head_groups): (HostLayout, usize),
     page: usize,
     pages: usize,
     per_layer: bool,
 ) -> Pair {
     let device_pages = 2 * pages;
     let device_map = DeviceLayoutMap::new(geometry, device_pages * page).unwrap();
-    let host_map = HostLayoutMap::new(geometry, layout, page, 2 * pages).unwrap();
+    let host_map =
+        HostLayoutMap::new(geometry, layout, page, 2 * pages).unwrap().with_head_groups(head_groups).unwrap();
     // the page-first pools live in shared memory, pinned in place, as a 3FS deployment has them
     let allocation = match layout {
         HostLayout::PageFirst => HostAllocation::shared_memory(),
@@ -126,7 +127,7 @@ fn pair_of(
 }
 
 fn pair(device: &Device, geometry: KvGeometry, layout: HostLayout, page: usize, pages: usize) -> Pair {
-    pair_of(device, geometry, layout, page, pages, false)
+    pair_of(device, geometry, (layout, 1), page, pages, false)
 }
 
 fn host_bytes(pair: &Pair) -> (Vec<u8>, Vec<u8>) {
@@ -207,11 +208,45 @@ fn every_layout_geometry_page_size_and_direction_matches_the_cpu_engine() {
                         for per_layer in [false, true] {
                             let pool = if per_layer { "per-layer" } else { "slab" };
                             let what = format!("{name} {} page {page} {backend} {kernel:?} {pool}", layout.name());
-                            let mut pair = pair_of(&device, geometry, layout, page, 24, per_layer);
+                            let mut pair = pair_of(&device, geometry, (layout, 1), page, 24, per_layer);
                             pair.cuda.set_io_backend(backend, min_run).unwrap();
                             pair.cuda.set_copy_kernel(kernel).unwrap();
                             check_round_trip(&mut pair, &what);
                         }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn page_unified_head_groups_match_the_cpu_engine() {
+    let device = device();
+    let geometries = [
+        // rows of 1 KiB, 512 B and 256 B; of 8 B (the kernel's narrow path); of 6 B (its byte path)
+        ("mha-2KiB", KvGeometry::mha(3, 8, 128, KvDtype::Bf16).unwrap()),
+        ("mha-32B", KvGeometry::mha(2, 4, 4, KvDtype::Bf16).unwrap()),
+        ("mha-36B", KvGeometry::mha(2, 6, 3, KvDtype::F16).unwrap()),
+    ];
+    for (name, geometry) in geometries {
+        let heads = match geometry.attention {
+            hicache_core::geometry::Attention::Mha { kv_heads, .. } => kv_heads,
+            hicache_core::geometry::Attention::Mla { .. } => unreachable!("MHA geometries"),
+        };
+        for groups in (2..=heads).filter(|groups| heads.is_multiple_of(*groups)) {
+            for page in [1, 16] {
+                for kernel in copy_kernels(&device) {
+                    for per_layer in [false, true] {
+                        let what = format!("{name} groups {groups} page {page} {kernel:?} per-layer {per_layer}");
+                        let mut pair =
+                            pair_of(&device, geometry, (HostLayout::PageUnified, groups), page, 24, per_layer);
+                        pair.cuda.set_copy_kernel(kernel).unwrap();
+                        check_round_trip(&mut pair, &what);
+                        // the copy engine would move such pages row by row: refused by name
+                        let error = pair.cuda.set_io_backend(IoBackend::Direct, None).unwrap_err().to_string();
+                        assert!(error.contains("io_backend") && error.contains("head groups"), "{what}: {error}");
                     }
                 }
             }

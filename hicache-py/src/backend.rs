@@ -89,6 +89,7 @@ impl PySettings {
                 model: rank.model,
                 geometry: *pool.map.geometry(),
                 layout: pool.map.layout(),
+                head_groups: pool.map.head_groups(),
                 page_size: pool.map.page_size(),
                 tp_rank: rank.tp_rank,
                 tp_size: rank.tp_size,

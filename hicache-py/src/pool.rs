@@ -3,7 +3,8 @@
 //!
 //! SGLang's host pools (`MHATokenToKVPoolHost`, `MLATokenToKVPoolHost`) keep their KV in one tensor, `kv_buffer`,
 //! laid out as hicache's host layouts are (`[2][layer][slot][item]` for `layer_first`, `[2][slot][layer][item]` for
-//! `page_first`, `[2][page][layer][token][item]` for `page_first_direct`; MLA without the leading 2), so
+//! `page_first`, `[2][page][layer][token][item]` for `page_first_direct`, `[page][head group][layer][2][token][item
+//! / head groups]` for `page_unified` with its `head_group_num`; MLA without the 2), so
 //! [`HostLayoutMap`] gives the same segments as SGLang's `get_page_buffer_meta` (the Python tests check both).
 
 use hicache_core::geometry::{KvDtype, KvGeometry};
@@ -27,6 +28,9 @@ pub(crate) struct PoolDescription {
     /// Token slots.
     pub(crate) size: usize,
     pub(crate) head_num: Option<usize>,
+    /// `page_unified`'s head groups per page (SGLang's `head_group_num`; absent: one).
+    #[serde(default)]
+    pub(crate) head_group_num: Option<usize>,
     pub(crate) head_dim: Option<usize>,
     pub(crate) v_head_dim: Option<usize>,
     pub(crate) kv_lora_rank: Option<usize>,
@@ -76,10 +80,11 @@ impl HostPool {
             "layer_first" => HostLayout::LayerFirst,
             "page_first" => HostLayout::PageFirst,
             "page_first_direct" => HostLayout::PageFirstDirect,
+            "page_unified" => HostLayout::PageUnified,
             other => {
                 return Err(refuse(
                     "layout",
-                    format!("{other} is not served (layer_first, page_first, page_first_direct are)"),
+                    format!("{other} is not served (layer_first, page_first, page_first_direct, page_unified are)"),
                 ));
             }
         };
@@ -120,7 +125,9 @@ impl HostPool {
             return Err(refuse("size", format!("{} token slots are not whole pages of {}", pool.size, pool.page_size)));
         }
         let map = HostLayoutMap::new(geometry, layout, pool.page_size, pool.size / pool.page_size)
-            .map_err(|error| refuse("size", error.to_string()))?;
+            .map_err(|error| refuse("size", error.to_string()))?
+            .with_head_groups(pool.head_group_num.unwrap_or(1))
+            .map_err(|error| refuse("head_group_num", error.to_string()))?;
         if map.total_bytes() != pool.nbytes {
             return Err(refuse(
                 "kv_buffer",
@@ -220,6 +227,7 @@ mod tests {
             page_size,
             size: page_size * pages,
             head_num: Some(2),
+            head_group_num: None,
             head_dim: Some(8),
             v_head_dim: Some(8),
             kv_lora_rank: None,
@@ -281,6 +289,20 @@ mod tests {
         let segments: Vec<(usize, usize)> = pool.segments(3).collect();
         let token = 2 * 2 * 8 * 2; // one part of one token: layers × heads × dims × bytes
         assert_eq!(segments, [((1 << 20) + 12 * token, 4 * token), ((1 << 20) + (32 + 12) * token, 4 * token)]);
+    }
+
+    #[test]
+    fn a_page_unified_page_is_one_block_of_its_head_groups() {
+        let mut unified = description(4, 8);
+        (unified.layout, unified.head_group_num) = ("page_unified".into(), Some(2));
+        let pool = HostPool::new(&unified, &PoolExpectation::default()).unwrap();
+        assert_eq!(pool.map.head_groups(), 2);
+        // the page is SGLang's block, whole: 2 groups × 2 layers × K and V × 4 tokens × 1 head × 8 dims × 2 bytes
+        let page = 2 * 2 * 2 * 4 * 8 * 2;
+        assert_eq!(pool.segments(3).collect::<Vec<_>>(), [((1 << 20) + 3 * page, page)]);
+        unified.head_group_num = Some(3);
+        let error = HostPool::new(&unified, &PoolExpectation::default()).unwrap_err().to_string();
+        assert!(error.contains("`host pool head_group_num`"), "{error}");
     }
 
     #[test]

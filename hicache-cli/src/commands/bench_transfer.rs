@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use anyhow::bail;
 use clap::{Args, ValueEnum};
-use hicache_core::geometry::KvGeometry;
+use hicache_core::geometry::{Attention, KvGeometry};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap, TransferEngine, TransferEvent};
 use serde::Serialize;
@@ -64,9 +64,13 @@ pub(crate) struct BenchTransferArgs {
     /// engine, whose pools are plain memory of this machine: 1024 Llama tokens are 128 MiB per pool).
     #[arg(long, value_name = "N")]
     tokens: Option<usize>,
-    /// Host layouts (repeatable; default all three).
+    /// Host layouts (repeatable; default all four).
     #[arg(long, value_enum, value_name = "LAYOUT")]
     layout: Vec<crate::replay::LayoutArg>,
+    /// KV heads per head group of page-unified pages of MHA geometries (MLA's have one group); default: one group
+    /// of all the heads.
+    #[arg(long, value_name = "N")]
+    head_group: Option<usize>,
     /// Page sizes (repeatable; default 1, 16 and 64).
     #[arg(long, value_name = "N")]
     page_size: Vec<usize>,
@@ -115,8 +119,8 @@ pub(crate) struct BenchTransferArgs {
     /// to find the fewest blocks that reach 90% of bulk.
     #[arg(long)]
     sweep_blocks: bool,
-    /// Print a JSON list of {geometry, layout, io_backend, direction, page_size, item_bytes, gbps, bulk_gbps, ratio,
-    /// first_layer_us}.
+    /// Print a JSON list of {geometry, layout, head_groups, io_backend, direction, page_size, item_bytes, gbps,
+    /// bulk_gbps, ratio, first_layer_us}.
     #[arg(long)]
     json: bool,
 }
@@ -135,6 +139,8 @@ pub(crate) enum DevicePoolArg {
 pub(crate) struct TransferFigure {
     pub(crate) geometry: &'static str,
     pub(crate) layout: String,
+    /// Head groups per host page (above 1 only under page_unified).
+    pub(crate) head_groups: usize,
     pub(crate) io_backend: &'static str,
     pub(crate) direction: &'static str,
     pub(crate) page_size: usize,
@@ -205,6 +211,7 @@ fn cuda_shape(args: &BenchTransferArgs, tokens: usize) -> super::bench_transfer_
         tma_piece: args.tma_piece,
         auto_min_run: auto_min_run(args),
         placement: placement(args),
+        head_groups: 1,
     }
 }
 
@@ -247,9 +254,15 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
                 progress.set_message(format!("{name} {} page {page}", layout.name()));
                 progress.inc(1);
                 match args.engine {
-                    EngineName::Cpu => {
-                        figures.extend(measure(name, geometry, layout, page, tokens, args.rounds, placement(args))?)
-                    }
+                    EngineName::Cpu => figures.extend(measure(
+                        name,
+                        geometry,
+                        (layout, head_groups(&geometry, layout, args.head_group)?),
+                        page,
+                        tokens,
+                        args.rounds,
+                        placement(args),
+                    )?),
                     #[cfg(feature = "cuda")]
                     EngineName::Cuda => {
                         let backends = if args.io_backend.is_empty() {
@@ -269,6 +282,7 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
                                         backend,
                                         kernel,
                                         device_pool,
+                                        head_groups: head_groups(&geometry, layout, args.head_group)?,
                                         ..cuda_shape(args, tokens)
                                     };
                                     figures.extend(super::bench_transfer_cuda::measure(
@@ -317,7 +331,12 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
         println!(
             "{:<13} {:<18} {:<7} {:<10} {:>4} {:>8} {:>9.1} {:>8.2} {:>11.2} {:>6.2}  {}",
             figure.geometry,
-            figure.layout,
+            // page_unified with several head groups: `page_unified/4`
+            if figure.head_groups > 1 {
+                format!("{}/{}", figure.layout, figure.head_groups)
+            } else {
+                figure.layout.clone()
+            },
             figure.io_backend,
             figure.direction,
             figure.page_size,
@@ -335,11 +354,25 @@ pub(crate) fn run(args: &BenchTransferArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Load and write figures of one geometry, layout and page size on the CPU engine.
+/// The head groups of a page of `geometry` under `layout`: the heads / `head_group` for an MHA page-unified pool, else
+/// one.
+fn head_groups(geometry: &KvGeometry, layout: HostLayout, head_group: Option<usize>) -> anyhow::Result<usize> {
+    match (layout, geometry.attention, head_group) {
+        (HostLayout::PageUnified, Attention::Mha { kv_heads, .. }, Some(group)) => {
+            if group == 0 || !kv_heads.is_multiple_of(group) {
+                bail!(Usage(format!("--head-group {group} does not divide the geometry's {kv_heads} KV heads")));
+            }
+            Ok(kv_heads / group)
+        }
+        _ => Ok(1),
+    }
+}
+
+/// Load and write figures of one geometry, layout (with its head groups) and page size on the CPU engine.
 fn measure(
     name: &'static str,
     geometry: KvGeometry,
-    layout: HostLayout,
+    (layout, head_groups): (HostLayout, usize),
     page: usize,
     tokens: usize,
     rounds: usize,
@@ -350,7 +383,7 @@ fn measure(
     let device_pages = 2 * pages;
     let mut engine = CpuEngine::new(
         DeviceLayoutMap::new(geometry, device_pages * page)?,
-        HostLayoutMap::new(geometry, layout, page, 2 * pages)?,
+        HostLayoutMap::new(geometry, layout, page, 2 * pages)?.with_head_groups(head_groups)?,
         Completion::Immediate,
     )?;
     engine.with_device(|bytes| bytes.iter_mut().enumerate().for_each(|(index, byte)| *byte = index as u8));
@@ -383,6 +416,7 @@ fn measure(
     let figure = |direction, gbps: f64, first_layer_us| TransferFigure {
         geometry: name,
         layout: layout.name().to_owned(),
+        head_groups,
         io_backend: "cpu",
         direction,
         page_size: page,

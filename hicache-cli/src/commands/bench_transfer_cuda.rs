@@ -29,6 +29,8 @@ pub(crate) struct Shape {
     pub(crate) tma_piece: Option<usize>,
     pub(crate) auto_min_run: super::bench_transfer::AutoMinRunArgs,
     pub(crate) placement: super::placement::Placement,
+    /// Head groups per host page (page_unified).
+    pub(crate) head_groups: usize,
 }
 
 /// Write and load figures of one geometry, layout, page size, io backend and block quota on GPU 0.
@@ -51,12 +53,13 @@ pub(crate) fn measure(
         tma_piece,
         auto_min_run,
         placement,
+        head_groups,
     } = *shape;
     let device = Device::open(0)?;
     let pages = tokens / page;
     let device_pages = 2 * pages;
     let device_map = DeviceLayoutMap::new(geometry, device_pages * page)?;
-    let host_map = HostLayoutMap::new(geometry, layout, page, 2 * pages)?;
+    let host_map = HostLayoutMap::new(geometry, layout, page, 2 * pages)?.with_head_groups(head_groups)?;
     let mut engine = match device_pool {
         super::bench_transfer::DevicePoolArg::Slab => CudaEngine::new(&device, device_map, host_map)?,
         super::bench_transfer::DevicePoolArg::PerLayer => CudaEngine::with_device_regions(
@@ -127,6 +130,7 @@ pub(crate) fn measure(
     let figure = |direction, gbps: f64, bulk: f64, first_layer_us: Option<f64>| TransferFigure {
         geometry: name,
         layout: layout.name().to_owned(),
+        head_groups,
         io_backend: io_name,
         direction,
         page_size: page,

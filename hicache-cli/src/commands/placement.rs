@@ -103,6 +103,10 @@ pub(crate) fn mean_run_bytes(
     host_pages: &[HostPageId],
     slots: &[DeviceSlot],
 ) -> f64 {
+    if host_map.head_groups() > 1 {
+        // a device item holds its groups side by side, the host pool each group's rows apart: every row is a run
+        return host_map.row_bytes() as f64;
+    }
     let page = host_map.page_size();
     let geometry = device_map.geometry();
     let item = geometry.item_bytes();

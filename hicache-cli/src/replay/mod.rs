@@ -87,6 +87,10 @@ pub(crate) struct ReplayArgs {
     /// part moves to and from the store in place).
     #[arg(long, value_enum)]
     layout: Option<LayoutArg>,
+    /// KV heads per head group of the page-unified layout: each rank's pages are cut into its heads / N groups
+    /// (default: one group of all the rank's heads).
+    #[arg(long, value_name = "N", requires = "layout")]
+    head_group: Option<usize>,
     /// Device pool size in tokens.
     #[arg(long, default_value_t = 16_384, value_name = "N")]
     device_tokens: usize,
@@ -206,11 +210,12 @@ pub(crate) enum LayoutArg {
     LayerFirst,
     PageFirst,
     PageFirstDirect,
+    PageUnified,
 }
 
 impl ValueEnum for LayoutArg {
     fn value_variants<'a>() -> &'a [Self] {
-        &[Self::LayerFirst, Self::PageFirst, Self::PageFirstDirect]
+        &[Self::LayerFirst, Self::PageFirst, Self::PageFirstDirect, Self::PageUnified]
     }
 
     fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
@@ -218,6 +223,7 @@ impl ValueEnum for LayoutArg {
             Self::LayerFirst => "layer-first",
             Self::PageFirst => "page-first",
             Self::PageFirstDirect => "page-first-direct",
+            Self::PageUnified => "page-unified",
         };
         Some(clap::builder::PossibleValue::new(name).help(host_layout(*self).dims()))
     }
@@ -514,7 +520,17 @@ pub(crate) fn host_layout(layout: LayoutArg) -> HostLayout {
         LayoutArg::LayerFirst => HostLayout::LayerFirst,
         LayoutArg::PageFirst => HostLayout::PageFirst,
         LayoutArg::PageFirstDirect => HostLayout::PageFirstDirect,
+        LayoutArg::PageUnified => HostLayout::PageUnified,
     }
+}
+
+/// The head groups of each host page: `--head-group` under page-unified, checked against the rank's heads.
+fn head_groups(args: &ReplayArgs, geometry: &KvGeometry) -> anyhow::Result<usize> {
+    if args.head_group.is_some() && layout(args) != HostLayout::PageUnified {
+        bail!(Usage(format!("--head-group cuts page-unified pages only, not {}", layout(args).name())));
+    }
+    let config = HiCacheConfig { mem_layout: layout(args), head_group: args.head_group, ..HiCacheConfig::default() };
+    config.head_groups(geometry).map_err(|error| Usage(format!("--head-group: {error}")).into())
 }
 
 /// Builds one rank's engine, controller, storage and tree, and runs the workload on it.
@@ -530,7 +546,8 @@ fn run_one(
     let page = args.page_size;
     let (device_pages, host_pages) = (args.device_tokens / page, args.host_tokens / page);
     let device_map = DeviceLayoutMap::new(geometry, device_pages * page)?;
-    let host_map = HostLayoutMap::new(geometry, layout(args), page, host_pages)?;
+    let host_map = HostLayoutMap::new(geometry, layout(args), page, host_pages)?
+        .with_head_groups(head_groups(args, &geometry)?)?;
     let allocation = match &args.host_shm {
         Some(dir) => HostAllocation::SharedMemory { dir: dir.clone() },
         None => HostAllocation::Anonymous,
@@ -581,6 +598,7 @@ fn run_on<E: device::ReplayEngine>(
     let page = args.page_size;
     let device_pages = args.device_tokens / page;
     let mut namespace = StorageNamespace::single_rank("hicache-replay", geometry, layout(args), page);
+    namespace.head_groups = head_groups(args, &geometry)?;
     namespace.tp_rank = rank;
     namespace.tp_size = args.tp_size;
     let opened: Option<Box<dyn StorageBackend>> = match storage {
@@ -602,6 +620,7 @@ fn run_on<E: device::ReplayEngine>(
     let config = HiCacheConfig {
         page_size: page,
         mem_layout: layout(args),
+        head_group: args.head_group,
         write_policy: write_policy(args),
         prefetch_policy: match args.prefetch_policy {
             PrefetchPolicyArg::BestEffort => PrefetchPolicy::BestEffort,

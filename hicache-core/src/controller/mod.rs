@@ -192,8 +192,7 @@ impl<E: TransferEngine> CacheController<E> {
             });
         }
         if let Some(namespace) = storage.namespace() {
-            let host = self.memory.map();
-            namespace.check_pages(self.engine.device_layout().geometry(), host.layout(), host.page_size())?;
+            namespace.check_pages(self.memory.map())?;
         }
         self.storage = Some(StorageTier::start(storage, self.memory.clone(), settings, clock)?);
         Ok(self)

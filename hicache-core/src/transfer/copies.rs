@@ -8,13 +8,14 @@ use crate::geometry::KvPart;
 use crate::layout::HostLayoutMap;
 
 /// Where flat page byte `flat` lies among a page's segments: (segment, offset in it). Every segment of a page has
-/// the same length in every layout (one per part and layer, or one per part), and no item straddles two.
+/// the same length in every layout (one per part and layer, one per part, or one), and no row straddles two.
 pub(super) fn locate<S: AsRef<[u8]>>(segments: &[S], flat: usize) -> (usize, usize) {
     let len = segments[0].as_ref().len();
     (flat / len, flat % len)
 }
 
-/// Items of one page, layer and part that are contiguous in the device pool, the host pool and the flat page alike.
+/// Rows of one page, layer, part and head group that are contiguous in the device pool, the host pool and the flat
+/// page alike (a row is an item where the host pool has one head group: [`HostLayoutMap::row_bytes`]).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Span {
     pub(super) device: usize,
@@ -23,24 +24,24 @@ pub(super) struct Span {
     pub(super) items: usize,
 }
 
-/// The items of host page `page` (device slots `page_slots`) for one layer and part, as spans contiguous on every
-/// side: the whole page at once where its slots are consecutive and the host layout keeps its tokens next to each
-/// other (`layer_first`, `page_first_direct`, `page_first` of one layer), else item by item. Every offset is affine
-/// in the token within a page (for one layer and part), so equal strides at the ends mean equal strides throughout.
+/// The rows of host page `page` (device slots `page_slots`) for one layer, part and head group, as spans contiguous
+/// on every side: the whole page at once where its slots are consecutive and the host layout keeps its tokens next
+/// to each other (`layer_first`, `page_first_direct`, `page_unified` of one head group, `page_first` of one layer),
+/// else row by row. Every offset is affine in the token within a page (for one layer, part and group), so equal
+/// strides at the ends mean equal strides throughout. A device item holds its head groups side by side.
 pub(super) fn spans(
     device_map: DeviceLayoutMap,
     host_map: HostLayoutMap,
     page: usize,
     page_slots: &[DeviceSlot],
-    layer: usize,
-    part: KvPart,
+    (layer, part, group): (usize, KvPart, usize),
 ) -> impl Iterator<Item = Span> {
     let first = page * host_map.page_size();
-    let item = device_map.geometry().item_bytes();
+    let item = host_map.row_bytes();
     let at = move |offset: usize, slot: DeviceSlot| Span {
-        device: device_map.item_offset(slot as usize, layer, part),
-        host: host_map.item_offset(first + offset, layer, part),
-        flat: host_map.flat_offset(offset, layer, part),
+        device: device_map.item_offset(slot as usize, layer, part) + group * item,
+        host: host_map.row_offset(first + offset, layer, part, group),
+        flat: host_map.flat_row_offset(offset, layer, part, group),
         items: 1,
     };
     let last = page_slots.len().saturating_sub(1);

@@ -101,7 +101,8 @@ impl State {
         let page_size = self.host_map.page_size();
         let geometry = *self.device_map.geometry();
         let (device_map, host_map) = (self.device_map, self.host_map);
-        let item = geometry.item_bytes();
+        // the copy unit: an item, or one head group's row of it
+        let (item, groups) = (host_map.row_bytes(), host_map.head_groups());
         let mut runs = Runs::new(item);
         let mut device = lock(&self.memory.device);
         let device = &mut *device;
@@ -118,9 +119,9 @@ impl State {
                 };
                 // layer and part outermost: consecutive pages of one layer merge into one run (`layer_first`)
                 for layer in 0..geometry.layers {
-                    for &part in geometry.parts() {
+                    for (&part, group) in geometry.parts().iter().flat_map(|part| (0..groups).map(move |g| (part, g))) {
                         for (index, (page, page_slots)) in pages.iter().zip(slots.chunks(page_size)).enumerate() {
-                            for span in spans(device_map, host_map, page.index(), page_slots, layer, part) {
+                            for span in spans(device_map, host_map, page.index(), page_slots, (layer, part, group)) {
                                 runs.push(span.device, span.host, span.items);
                                 copy.push(span.device, index, span.flat, span.items * item, &mut write);
                             }
@@ -129,7 +130,7 @@ impl State {
                 }
                 copy.flush(&mut write);
                 runs.finish();
-                self.stats.write_items += runs.items;
+                self.stats.write_items += runs.items / groups as u64;
                 self.stats.write_runs += runs.runs;
             }
             Work::LoadLayer { layer, pages, slots } => {
@@ -140,9 +141,9 @@ impl State {
                     let (segment, at) = locate(&host_pages[index], flat);
                     device.write(to, &host_pages[index][segment][at..at + len]);
                 };
-                for &part in geometry.parts() {
+                for (&part, group) in geometry.parts().iter().flat_map(|part| (0..groups).map(move |g| (part, g))) {
                     for (index, (page, page_slots)) in pages.iter().zip(slots.chunks(page_size)).enumerate() {
-                        for span in spans(device_map, host_map, page.index(), page_slots, *layer, part) {
+                        for span in spans(device_map, host_map, page.index(), page_slots, (*layer, part, group)) {
                             runs.push(span.host, span.device, span.items);
                             copy.push(span.device, index, span.flat, span.items * item, &mut read);
                         }
@@ -150,7 +151,7 @@ impl State {
                 }
                 copy.flush(&mut read);
                 runs.finish();
-                self.stats.load_items += runs.items;
+                self.stats.load_items += runs.items / groups as u64;
                 self.stats.load_runs += runs.runs;
             }
         }

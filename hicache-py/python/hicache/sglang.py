@@ -262,6 +262,8 @@ def _describe_pool(pool):
         "address": buffer.data_ptr(),
         "nbytes": buffer.numel() * buffer.element_size(),
     }
+    if pool.layout == "page_unified":
+        description["head_group_num"] = getattr(pool, "head_group_num", 1)
     if hasattr(pool, "kv_lora_rank"):
         description.update(
             kind="mla",
