@@ -1,5 +1,7 @@
 //! The built `hicache` binary, run as a user runs it: outputs, exit codes and error messages.
 
+mod common;
+
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
@@ -258,6 +260,24 @@ fn a_page_unified_replay_cut_into_head_groups_verifies_through_every_tier() {
     let refused = hicache(&["replay", "--layout", "page-unified", "--head-group", "3"], "");
     assert_usage_error(&refused, "head_group");
     assert_usage_error(&hicache(&["replay", "--layout", "page-first", "--head-group", "1"], ""), "page-unified");
+}
+
+#[test]
+fn replays_of_any_tp_size_read_the_chunks_a_tp2_replay_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path().to_str().unwrap();
+    let file = ["--backend", "file", "--dir", dir];
+    let readers = common::other_topologies_read_what_tp2_stored(|tp| {
+        // the readers read-only: every chunk they read is one the TP2 replay wrote
+        let read_only: &[&str] = if tp == "2" { &[] } else { &["--extra-config", r#"{"read_only": true}"#] };
+        replay_json(&[&file[..], read_only, &common::UNIFIED, &["--tp-size", tp, "--sync-storage"]].concat())
+    });
+    assert!(readers.iter().all(|report| report["unified_chunks"]["stored"] == 0));
+    // a replay keyed per rank (no --unified-keys) finds none of them
+    let ranked = replay_json(&[&file[..], &common::UNIFIED[..10], &[WHOLE, "--tp-size", "4"]].concat());
+    assert_eq!(ranked["rounds"][0]["tokens_from_l3"], 0, "{ranked}");
+    let refused = hicache(&["replay", "--backend", "memory", "--layout", "page-first", "--unified-keys"], "");
+    assert_usage_error(&refused, "page-unified");
 }
 
 #[test]

@@ -2,6 +2,8 @@
 //! (started per test, stopped by its PID).
 #![cfg(feature = "3fs")]
 
+mod common;
+
 use std::process::{Command, Output};
 
 use hicache_storage_3fs::testing::{Mount, RedisServer, mock_library_dir};
@@ -98,4 +100,30 @@ fn redis_that_does_not_answer_and_a_path_off_the_mount_are_one_line_errors() {
         hicache(&["replay", "--backend", "3fs", "--extra-config", r#"{"file_path_prefix": "/x", "numjobs": 0}"#]);
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("numjobs"));
+}
+
+#[test]
+fn replays_of_other_tp_sizes_read_the_unified_chunks_a_tp2_replay_stored_in_3fs() {
+    let (mount, redis) = (Mount::new(), RedisServer::start());
+    let extra = serde_json::json!({"metadata_server_url": redis.url(), "file_size": "1GiB"}).to_string();
+    let dir = mount.path().to_str().unwrap();
+    common::other_topologies_read_what_tp2_stored(|tp| {
+        let mut args = vec!["replay", "--backend", "3fs", "--dir", dir, "--extra-config", &extra, "--json"];
+        args.extend(common::UNIFIED);
+        args.extend(["--tp-size", tp, "--sync-storage"]);
+        let output = hicache(&args);
+        assert!(output.status.success(), "TP{tp}: {}", String::from_utf8_lossy(&output.stderr));
+        serde_json::from_slice(&output.stdout).unwrap()
+    });
+    // one data file per chunk size (three layers, and the last chunk's two), whatever the topology
+    let mut files: Vec<String> = std::fs::read_dir(mount.path())
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.contains("-chunk-L"))
+        .collect();
+    files.sort();
+    assert!(
+        files.len() == 2 && files[0].ends_with("-chunk-L2.bin") && files[1].ends_with("-chunk-L3.bin"),
+        "{files:?}"
+    );
 }

@@ -3,6 +3,8 @@
 //! `hicache store get --key-scheme sglang`; and a replay that verifies.
 #![cfg(feature = "mooncake")]
 
+mod common;
+
 use std::io::{BufRead as _, BufReader};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -35,12 +37,13 @@ fn extra_config(master: &Master) -> String {
     .to_string()
 }
 
-/// Starts the official client writing like SGLang; returns it (alive while its objects are needed) and the pages.
-fn write_like_sglang(spec: &serde_json::Value, out: &Path) -> std::process::Child {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/write_like_sglang_mooncake.py");
+/// Starts a Python script of `tests/data` with the official client and waits for its `ready`; returns it (alive,
+/// with its segment, until its stdin closes).
+fn spawn_ready(script: &str, args: &[&str]) -> std::process::Child {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(script);
     let mut child = Command::new("python3")
-        .arg(&script)
-        .arg(spec.to_string())
+        .arg(&path)
+        .args(args)
         .env("PYTHONPATH", python_path())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -49,7 +52,13 @@ fn write_like_sglang(spec: &serde_json::Value, out: &Path) -> std::process::Chil
         .expect("python3 runs");
     let mut line = String::new();
     BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
-    assert_eq!(line.trim(), "ready", "the SGLang-like writer failed ({spec})");
+    assert_eq!(line.trim(), "ready", "{script} failed ({args:?})");
+    child
+}
+
+/// Starts the official client writing like SGLang; returns it (alive while its objects are needed) and the pages.
+fn write_like_sglang(spec: &serde_json::Value, out: &Path) -> std::process::Child {
+    let child = spawn_ready("write_like_sglang_mooncake.py", &[&spec.to_string()]);
     assert!(out.is_file());
     child
 }
@@ -295,4 +304,23 @@ fn the_benchmark_measures_hicache_next_to_the_official_client() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("official Python client") && stderr.contains("pip install"), "{stderr}");
+}
+
+#[test]
+fn replays_of_other_tp_sizes_read_the_unified_chunks_a_tp2_replay_stored() {
+    let master = Master::start();
+    // a store node that outlives the replays holds the objects; the replays lend nothing
+    let address = master.address();
+    let mut keeper = spawn_ready("mooncake_keeper.py", &[address.as_str(), "268435456"]);
+    let extra = extra_config(&master);
+    common::other_topologies_read_what_tp2_stored(|tp| {
+        let mut args = vec!["replay", "--backend", "mooncake", "--extra-config", &extra, "--json"];
+        args.extend(common::UNIFIED);
+        args.extend(["--tp-size", tp, "--sync-storage"]);
+        let output = hicache(&args);
+        assert!(output.status.success(), "TP{tp}: {}", String::from_utf8_lossy(&output.stderr));
+        serde_json::from_slice(&output.stdout).unwrap()
+    });
+    drop(keeper.stdin.take());
+    keeper.wait().unwrap();
 }

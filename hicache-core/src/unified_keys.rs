@@ -19,6 +19,8 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use crate::error::Error;
+use crate::geometry::{Attention, KvDtype};
+use crate::namespace::StorageNamespace;
 
 /// Version of the namespace's encoding; every key changes with it.
 pub const SCHEMA_VERSION: u64 = 1;
@@ -152,6 +154,50 @@ pub struct UnifiedRank {
     /// The fleet's layers per chunk; `None` or 0: this stage's own range.
     #[serde(default)]
     pub layer_partition: Option<u64>,
+}
+
+impl UnifiedRank {
+    /// The rank that serves `namespace` (a stage of its pipeline holding layers from `start_layer`, the last stage
+    /// when `is_final_stage`), under the fleet's agreements: the model is the namespace's, the dtype its logical name
+    /// (`bfloat16`), MLA is rank-replicated, no context parallelism.
+    pub fn of(
+        namespace: &StorageNamespace,
+        (start_layer, is_final_stage): (u64, bool),
+        head_group: Option<u64>,
+        layer_partition: Option<u64>,
+    ) -> Self {
+        let geometry = namespace.geometry;
+        let (rank_replicated, local_kv_heads) = match geometry.attention {
+            Attention::Mha { kv_heads, .. } => (false, kv_heads as u64),
+            Attention::Mla { .. } => (true, 1),
+        };
+        Self {
+            model_id: namespace.model.clone(),
+            dtype: logical_dtype(geometry.dtype).into(),
+            page_size: namespace.page_size as u64,
+            rank_replicated,
+            local_kv_heads,
+            attn_tp_rank: namespace.tp_rank as u64,
+            attn_tp_size: namespace.tp_size as u64,
+            attn_cp_size: 1,
+            start_layer,
+            end_layer: start_layer + geometry.layers as u64,
+            is_final_stage,
+            head_group,
+            layer_partition,
+        }
+    }
+}
+
+/// torch's name of a KV dtype, as the namespace records it (`torch.bfloat16` → `bfloat16`).
+pub const fn logical_dtype(dtype: KvDtype) -> &'static str {
+    match dtype {
+        KvDtype::Bf16 => "bfloat16",
+        KvDtype::F16 => "float16",
+        KvDtype::F32 => "float32",
+        KvDtype::Fp8E4m3 => "float8_e4m3fn",
+        KvDtype::Fp8E5m2 => "float8_e5m2",
+    }
 }
 
 /// One rank's objects: the namespace, one key suffix per chunk it owns, and where each chunk's bytes sit.

@@ -262,11 +262,15 @@ impl Hf3fsStorage {
     }
 }
 
-/// `{prefix}.{rank}.bin`, rank 0 for MLA; `{prefix}.{rank}.pp{stage}.bin` with pipeline stages.
+/// `{prefix}.{rank}.bin`, rank 0 for MLA; `{prefix}.{rank}.pp{stage}.bin` with pipeline stages;
+/// `{prefix}.{chunk tag}.bin` for a chunk namespace of the unified key scheme (one file per chunk size, shared by
+/// every rank of every topology: a file's slots are one size).
 fn data_file(prefix: &Path, namespace: &StorageNamespace) -> PathBuf {
     let rank = if namespace.geometry.is_mla() { 0 } else { namespace.tp_rank };
     let mut name = prefix.as_os_str().to_owned();
-    if namespace.pp_size > 1 {
+    if let Some(tag) = hicache_core::storage::chunk_namespace_tag(namespace) {
+        name.push(format!(".{tag}.bin"));
+    } else if namespace.pp_size > 1 {
         name.push(format!(".{rank}.pp{}.bin", namespace.pp_rank));
     } else {
         name.push(format!(".{rank}.bin"));

@@ -1,10 +1,11 @@
-//! The KV bytes a replay writes and checks: every item is a function of its token's page key (the whole prefix up
-//! to that page), its place in the page, the layer and the part. A prefill writes them; every load is checked
-//! against them, so a page that came back from the wrong slot, the wrong host page or the wrong storage object
-//! (another prefix, another rank, another layer) shows.
+//! The KV bytes a replay writes and checks: every KV head of every item is a function of its token's page key (the
+//! whole prefix up to that page), its place in the page, the layer, the part and the model's index of the head. A
+//! prefill writes them; every load is checked against them, so a page that came back from the wrong slot, the wrong
+//! host page or the wrong storage object (another prefix, another rank's heads, another layer) shows, and replays
+//! of different TP sizes agree on every head's bytes.
 
 use hicache_core::DeviceSlot;
-use hicache_core::geometry::KvGeometry;
+use hicache_core::geometry::{Attention, KvGeometry, KvPart};
 use hicache_core::hash::PageKey;
 use hicache_core::transfer::DeviceLayoutMap;
 
@@ -13,11 +14,28 @@ use super::device::ReplayEngine;
 /// The seed of a token in a partial last page (never cached, so never checked).
 const PARTIAL: [u8; 32] = [0xa5; 32];
 
-/// Fills `out` with the bytes of one item.
-fn derive(key: &[u8; 32], offset: usize, layer: usize, part: usize, out: &mut [u8]) {
+/// Where one head's bytes are: the token's place in its page, the layer, the part and the model's head index.
+#[derive(Clone, Copy)]
+struct Place {
+    offset: usize,
+    layer: usize,
+    part: usize,
+    head: usize,
+}
+
+/// Fills `out` with the bytes of one item, head by head (`head_bytes` each; the heads from `first_head` on).
+fn derive(key: &[u8; 32], place: Place, head_bytes: usize, out: &mut [u8]) {
+    for (index, head) in out.chunks_mut(head_bytes).enumerate() {
+        derive_head(key, Place { head: place.head + index, ..place }, head);
+    }
+}
+
+/// Fills `out` with the bytes of one head.
+fn derive_head(key: &[u8; 32], place: Place, out: &mut [u8]) {
+    let Place { offset, layer, part, head } = place;
     let mut state = u64::from_le_bytes(key[..8].try_into().expect("8 bytes"))
         ^ u64::from_le_bytes(key[8..16].try_into().expect("8 bytes")).rotate_left(17)
-        ^ ((offset as u64) << 40 | (layer as u64) << 8 | part as u64);
+        ^ ((offset as u64) << 40 | (head as u64) << 24 | (layer as u64) << 8 | part as u64);
     for chunk in out.chunks_mut(8) {
         // splitmix64
         state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -42,11 +60,24 @@ pub(crate) struct Mismatch {
 pub(crate) struct KvPattern {
     geometry: KvGeometry,
     page_size: usize,
+    /// The model's index of the pool's first KV head.
+    first_head: usize,
+    /// Bytes of one head of an item (MLA: the whole latent).
+    head_bytes: usize,
 }
 
 impl KvPattern {
-    pub(crate) fn new(map: DeviceLayoutMap, page_size: usize) -> Self {
-        Self { geometry: *map.geometry(), page_size }
+    pub(crate) fn new(map: DeviceLayoutMap, page_size: usize, first_head: usize) -> Self {
+        let geometry = *map.geometry();
+        let head_bytes = match geometry.attention {
+            Attention::Mha { head_dim, .. } => head_dim * geometry.dtype.bytes(),
+            Attention::Mla { .. } => geometry.item_bytes(),
+        };
+        Self { geometry, page_size, first_head, head_bytes }
+    }
+
+    fn place(&self, position: usize, layer: usize, part: KvPart) -> Place {
+        Place { offset: position % self.page_size, layer, part: part.index(), head: self.first_head }
     }
 
     fn seed<'k>(&self, keys: &'k [PageKey], position: usize) -> &'k [u8; 32] {
@@ -67,7 +98,7 @@ impl KvPattern {
             for &part in self.geometry.parts() {
                 for (index, bytes) in data.chunks_mut(item).enumerate() {
                     let position = first + index;
-                    derive(self.seed(keys, position), position % self.page_size, layer, part.index(), bytes);
+                    derive(self.seed(keys, position), self.place(position, layer, part), self.head_bytes, bytes);
                 }
                 engine.write_items(layer, part, slots, &data)?;
             }
@@ -91,7 +122,7 @@ impl KvPattern {
             engine.read_items(layer, part, slots, &mut found)?;
             for (index, (&slot, bytes)) in slots.iter().zip(found.chunks(item)).enumerate() {
                 let position = first + index;
-                derive(self.seed(keys, position), position % self.page_size, layer, part.index(), &mut expected);
+                derive(self.seed(keys, position), self.place(position, layer, part), self.head_bytes, &mut expected);
                 if bytes != expected {
                     return Ok(Err(Mismatch { position, slot, layer }));
                 }

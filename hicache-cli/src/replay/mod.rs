@@ -28,8 +28,9 @@ use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::host_memory::{HostAllocation, HostMemory};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore, StorageBackend};
+use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore, StorageBackend, UnifiedStorage};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
+use hicache_core::unified_keys::{self, UnifiedRank};
 
 use crate::backends::{self, BackendName, BackendOptions, FileFormatArg, OptionalBackend};
 use crate::exit::Usage;
@@ -91,6 +92,14 @@ pub(crate) struct ReplayArgs {
     /// (default: one group of all the rank's heads).
     #[arg(long, value_name = "N", requires = "layout")]
     head_group: Option<usize>,
+    /// Store each page as the chunks of SGLang's unified L3 key scheme (needs --layout page-unified): keys that name
+    /// a layer range of a head group, never the rank, so replays of any --tp-size share one store. --head-group and
+    /// --layer-partition are the fleet's agreements on the chunks.
+    #[arg(long, requires = "layout")]
+    unified_keys: bool,
+    /// Layers per chunk of the unified key scheme (default: all of them, one layer chunk).
+    #[arg(long, value_name = "N", requires = "unified_keys")]
+    layer_partition: Option<usize>,
     /// Device pool size in tokens.
     #[arg(long, default_value_t = 16_384, value_name = "N")]
     device_tokens: usize,
@@ -601,12 +610,40 @@ fn run_on<E: device::ReplayEngine>(
     namespace.head_groups = head_groups(args, &geometry)?;
     namespace.tp_rank = rank;
     namespace.tp_size = args.tp_size;
+    let open_tier = |namespace: &StorageNamespace| -> Result<Box<dyn StorageBackend>, hicache_core::Error> {
+        match storage {
+            SharedStorage::None => unreachable!("no tier is opened without one"),
+            SharedStorage::Memory(store, throttle) => {
+                Ok(throttled(Box::new(MemoryStorage::shared(store.clone(), namespace)), *throttle))
+            }
+            SharedStorage::Backend { name, options, .. } => backends::open(*name, namespace, options)
+                .map_err(|error| hicache_core::Error::storage(name.name(), format!("{error:#}"))),
+        }
+    };
+    let mut unified = None;
     let opened: Option<Box<dyn StorageBackend>> = match storage {
         SharedStorage::None => None,
-        SharedStorage::Memory(store, throttle) => {
-            Some(throttled(Box::new(MemoryStorage::shared(store.clone(), &namespace)), *throttle))
+        _ if args.unified_keys => {
+            if let SharedStorage::Backend { name, options, .. } = storage {
+                // the flags' and the extra config's mistakes are usage errors, as without the scheme
+                backends::settings(*name, options)?;
+            }
+            if layout(args) != HostLayout::PageUnified {
+                bail!(Usage(format!("--unified-keys stores page-unified pages, not {}", layout(args).name())));
+            }
+            let rank = UnifiedRank::of(
+                &StorageNamespace { model: "hicache-replay".into(), ..namespace.clone() },
+                (0, true),
+                args.head_group.map(|group| group as u64),
+                args.layer_partition.map(|layers| layers as u64),
+            );
+            let plan = unified_keys::plan(&rank).map_err(|error| Usage(format!("--unified-keys: {error}")))?;
+            let storage = Arc::new(UnifiedStorage::open(namespace.clone(), &plan, &open_tier)?);
+            unified = Some(storage.clone());
+            Some(Box::new(storage))
         }
         SharedStorage::Backend { name, options, .. } => Some(backends::open(*name, &namespace, options)?),
+        SharedStorage::Memory(..) => Some(open_tier(&namespace)?),
     };
     // with fault injection, every storage call of this rank goes through the fault wrapper
     let (backend, faults): (Option<Arc<dyn StorageBackend>>, Option<Arc<Faulty>>) =
@@ -660,11 +697,14 @@ fn run_on<E: device::ReplayEngine>(
         decode_ms_per_token: args.decode_ms_per_token,
         sync_storage: args.sync_storage,
         split: config.prefetch_split,
+        // the heads are split over the ranks in order (each of too few heads held by several ranks)
+        first_head: rank * args.kv_heads / args.tp_size,
     };
     // the engine's allocator of device slots: the rank allocates its prefills from it and lends it to the tree
     let mut device = hicache_core::device_slots::PagedSlots::new(device_pages, page)?;
     let mut outcome = rank::run_rank(&mut tree, &mut device, &mut workload, &spec, collective, progress, metrics)?;
     outcome.storage = backend.map(|backend| backend.stats());
+    outcome.chunks = unified.map(|unified| unified.chunk_stats());
     outcome.injected = faults.map(|faults| faults.injected());
     Ok(outcome)
 }

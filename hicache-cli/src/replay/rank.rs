@@ -68,6 +68,8 @@ pub(crate) struct RankOutcome {
     pub(crate) copies: Option<hicache_core::transfer::CopyStats>,
     /// The storage backend's counters at the end, with a storage tier.
     pub(crate) storage: Option<hicache_core::storage::StorageStats>,
+    /// With `--unified-keys`: the counters of the chunks themselves.
+    pub(crate) chunks: Option<hicache_core::storage::StorageStats>,
     /// Pages whose backup to storage failed.
     pub(crate) pages_backup_failed: u64,
     /// Prefetches that ended with a storage error on this rank (their hit query or a read failed).
@@ -192,6 +194,8 @@ pub(crate) struct LoopSpec {
     pub(crate) sync_storage: bool,
     /// The engine computes a split hit's head while storage reads its tail (config `prefetch_split`).
     pub(crate) split: bool,
+    /// The model's index of this rank's first KV head (the KV bytes are a function of the global head).
+    pub(crate) first_head: usize,
 }
 
 struct Waiting {
@@ -243,7 +247,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
 ) -> anyhow::Result<RankOutcome> {
     let page = tree.page_size();
     let page_bytes = (tree.controller().engine().pool_map().geometry().bytes_per_token() * page) as u64;
-    let pattern = KvPattern::new(tree.controller().engine().pool_map(), page);
+    let pattern = KvPattern::new(tree.controller().engine().pool_map(), page, spec.first_head);
     let layers = pattern_layers(tree);
     let mut hasher = PageHasher::new();
     let mut outcome = RankOutcome { rounds: vec![Tally::default(); workload.spec.rounds], ..RankOutcome::default() };

@@ -38,6 +38,17 @@ struct CopySizes {
     host_to_device: f64,
 }
 
+/// Chunks of the unified key scheme, all ranks.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+struct ChunkCounts {
+    /// Chunks read (hits).
+    read: u64,
+    /// Chunks written that were not stored before.
+    stored: u64,
+    /// Chunks written that were stored already.
+    already_stored: u64,
+}
+
 /// Storage failures over all ranks.
 #[derive(Debug, Serialize)]
 struct StorageFailures {
@@ -167,6 +178,10 @@ struct Report {
     /// Rank 0's storage backend counters, with a storage tier.
     #[serde(skip_serializing_if = "Option::is_none")]
     storage: Option<hicache_core::storage::StorageStats>,
+    /// With `--unified-keys`: the chunks of all ranks, read, newly stored, and found stored already (by a replay of
+    /// this or another topology).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    unified_chunks: Option<ChunkCounts>,
     tree: hicache_core::tree::TreeStats,
     /// Mean bytes per contiguous copy (rank 0, CPU engine): what a GPU copy engine would get per copy from the same
     /// pages.
@@ -307,6 +322,14 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
             }
         }),
         storage: first.storage,
+        unified_chunks: outcomes.iter().filter_map(|outcome| outcome.chunks).fold(None, |total, stats| {
+            let total = total.unwrap_or_default();
+            Some(ChunkCounts {
+                read: total.read + stats.get_hits,
+                stored: total.stored + stats.set_stored,
+                already_stored: total.already_stored + stats.set_present,
+            })
+        }),
         tree: first.tree.clone(),
         bytes_per_copy: {
             let item = super::geometry(args)?.item_bytes() as f64;

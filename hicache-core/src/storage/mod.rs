@@ -13,12 +13,15 @@ mod fault;
 mod memory;
 mod stats;
 pub mod tiers;
+mod unified;
 
 use std::fmt;
+use std::sync::Arc;
 
 pub use fault::{FaultCounts, FaultPlan, FaultyStorage};
 pub use memory::{MemoryStorage, MemoryStore};
 pub use stats::{StatsRecorder, StorageStats};
+pub use unified::{OpenTier, UnifiedStorage, chunk_namespace_tag};
 
 use crate::error::{Cause, Error};
 use crate::hash::PageKey;
@@ -225,52 +228,59 @@ pub trait StorageBackend: Send + Sync {
     }
 }
 
-/// A boxed backend is a backend (so wrappers such as [`FaultyStorage`] take one chosen at run time).
-impl<T: StorageBackend + ?Sized> StorageBackend for Box<T> {
-    fn name(&self) -> &str {
-        (**self).name()
-    }
+/// A boxed or shared backend is a backend (so wrappers such as [`FaultyStorage`] take one chosen at run time, and a
+/// caller may keep a handle on the backend it gives a controller).
+macro_rules! forward_backend {
+    ($($pointer:ident),*) => {$(
+        impl<T: StorageBackend + ?Sized> StorageBackend for $pointer<T> {
+            fn name(&self) -> &str {
+                (**self).name()
+            }
 
-    fn namespace(&self) -> Option<&StorageNamespace> {
-        (**self).namespace()
-    }
+            fn namespace(&self) -> Option<&StorageNamespace> {
+                (**self).namespace()
+            }
 
-    fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {
-        (**self).batch_exists(keys)
-    }
+            fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {
+                (**self).batch_exists(keys)
+            }
 
-    fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
-        (**self).batch_get(keys, pages)
-    }
+            fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
+                (**self).batch_get(keys, pages)
+            }
 
-    fn batch_set(&self, keys: &[PageKey], pages: &[PageSegments<'_>]) -> Result<Vec<SetOutcome>, Error> {
-        (**self).batch_set(keys, pages)
-    }
+            fn batch_set(&self, keys: &[PageKey], pages: &[PageSegments<'_>]) -> Result<Vec<SetOutcome>, Error> {
+                (**self).batch_set(keys, pages)
+            }
 
-    fn remove(&self, keys: &[PageKey]) -> Result<usize, Error> {
-        (**self).remove(keys)
-    }
+            fn remove(&self, keys: &[PageKey]) -> Result<usize, Error> {
+                (**self).remove(keys)
+            }
 
-    fn clear(&self) -> Result<u64, Error> {
-        (**self).clear()
-    }
+            fn clear(&self) -> Result<u64, Error> {
+                (**self).clear()
+            }
 
-    fn stats(&self) -> StorageStats {
-        (**self).stats()
-    }
+            fn stats(&self) -> StorageStats {
+                (**self).stats()
+            }
 
-    fn register_host_memory(&self, region: &MemoryRegion) -> Result<(), Error> {
-        (**self).register_host_memory(region)
-    }
+            fn register_host_memory(&self, region: &MemoryRegion) -> Result<(), Error> {
+                (**self).register_host_memory(region)
+            }
 
-    fn unregister_host_memory(&self, region: &MemoryRegion) {
-        (**self).unregister_host_memory(region);
-    }
+            fn unregister_host_memory(&self, region: &MemoryRegion) {
+                (**self).unregister_host_memory(region);
+            }
 
-    fn list(&self) -> Result<Vec<(PageKey, u64)>, Error> {
-        (**self).list()
-    }
+            fn list(&self) -> Result<Vec<(PageKey, u64)>, Error> {
+                (**self).list()
+            }
+        }
+    )*};
 }
+
+forward_backend!(Box, Arc);
 
 fn single<T>(backend: &str, outcomes: Vec<T>) -> Result<T, Error> {
     let count = outcomes.len();

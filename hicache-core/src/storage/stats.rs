@@ -36,6 +36,38 @@ pub struct StorageStats {
     pub staging_bytes: u64,
 }
 
+/// Counters of several backends together (the chunk tiers of one unified storage, say).
+impl std::ops::AddAssign for StorageStats {
+    fn add_assign(&mut self, other: Self) {
+        let Self {
+            exists_keys,
+            exists_hits,
+            get_hits,
+            get_misses,
+            get_failures,
+            set_stored,
+            set_present,
+            set_failures,
+            bytes_read,
+            bytes_written,
+            removed,
+            staging_bytes,
+        } = other;
+        self.exists_keys += exists_keys;
+        self.exists_hits += exists_hits;
+        self.get_hits += get_hits;
+        self.get_misses += get_misses;
+        self.get_failures += get_failures;
+        self.set_stored += set_stored;
+        self.set_present += set_present;
+        self.set_failures += set_failures;
+        self.bytes_read += bytes_read;
+        self.bytes_written += bytes_written;
+        self.removed += removed;
+        self.staging_bytes += staging_bytes;
+    }
+}
+
 /// Thread-safe counters behind [`StorageStats`].
 #[derive(Debug, Default)]
 pub struct StatsRecorder {

@@ -1,8 +1,10 @@
 //! What backends' and engines' tests share, behind the `testing` feature: the storage conformance suite every backend
-//! runs ([`conformance`]), a controller over a backend for tests of the path users take ([`rig`]), and a service a
-//! test runs on loopback and stops by its PID ([`service`]).
+//! runs ([`conformance`]), a controller over a backend for tests of the path users take ([`rig`]), a service a
+//! test runs on loopback and stops by its PID ([`service`]), and the check that topologies share a tier under the
+//! unified key scheme ([`unified`]).
 
 pub mod conformance;
 pub mod probe_tier;
 pub mod rig;
 pub mod service;
+pub mod unified;
