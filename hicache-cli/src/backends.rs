@@ -6,10 +6,11 @@ use std::path::PathBuf;
 
 use clap::ValueEnum;
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-use hicache_core::extra_config::{take_shared, throttled};
+use hicache_core::extra_config::{UnifiedAgreements, take_shared, throttled};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::StorageBackend;
 use hicache_core::storage::tiers::{self, TierEntry, TierFields};
+use hicache_core::storage::{StorageBackend, UnifiedStorage};
+use hicache_core::unified_keys::{UnifiedRank, plan};
 use serde_json::Value;
 
 use crate::exit::Usage;
@@ -249,6 +250,8 @@ pub(crate) struct TierSettings {
     pub(crate) fields: TierFields,
     /// Storage gets held to this many bytes per second; `None`: not held.
     pub(crate) throttle_read_bytes_per_s: Option<u64>,
+    /// `key_scheme: "unified"` in the extra config: the fleet's agreements on the chunks.
+    pub(crate) unified: Option<UnifiedAgreements>,
 }
 
 /// The tier's settings: the extra config (`--extra-config`, else the config file's; the keys every tier shares are
@@ -327,7 +330,7 @@ pub(crate) fn settings(name: BackendName, options: &BackendOptions) -> anyhow::R
     name.0
         .check(&fields)
         .map_err(|error| Usage(format!("--backend {} setting `{}`: {}", name.name(), error.key, error.reason)))?;
-    Ok(TierSettings { fields, throttle_read_bytes_per_s: shared.throttle_read_bytes_per_s })
+    Ok(TierSettings { fields, throttle_read_bytes_per_s: shared.throttle_read_bytes_per_s, unified: shared.unified })
 }
 
 /// Opens `name` for `namespace` with its [`settings`].
@@ -337,7 +340,43 @@ pub(crate) fn open(
     options: &BackendOptions,
 ) -> anyhow::Result<Box<dyn StorageBackend>> {
     let settings = settings(name, options)?;
+    let open = |namespace: &StorageNamespace| open_tier(name, &settings, namespace);
+    match settings.unified {
+        None => Ok(open(namespace)?),
+        Some(agreements) => Ok(Box::new(open_unified(namespace, agreements, &open)?)),
+    }
+}
+
+/// Opens `name` for `namespace` with `settings` as it is, held to its throttle (a chunk namespace's tier, under the
+/// unified key scheme).
+///
+/// # Errors
+///
+/// The tier's failure to open.
+pub(crate) fn open_tier(
+    name: BackendName,
+    settings: &TierSettings,
+    namespace: &StorageNamespace,
+) -> Result<Box<dyn StorageBackend>, hicache_core::Error> {
     Ok(throttled(name.0.open(&settings.fields, namespace)?, settings.throttle_read_bytes_per_s))
+}
+
+/// The pages of `namespace` (one stage holding every layer) as unified-key chunks on the tier `open` opens.
+///
+/// # Errors
+///
+/// [`Usage`] naming the agreement or the pool's field SGLang's plan or the pool refuses; the tier's errors.
+pub(crate) fn open_unified(
+    namespace: &StorageNamespace,
+    agreements: UnifiedAgreements,
+    open: &hicache_core::storage::OpenTier<'_>,
+) -> anyhow::Result<UnifiedStorage> {
+    let rank = UnifiedRank::of(namespace, (0, true), agreements.head_group, agreements.layer_partition);
+    let plan = plan(&rank).map_err(|error| Usage(format!("key_scheme unified: {error}")))?;
+    UnifiedStorage::open(namespace.clone(), &plan, open).map_err(|error| match error.kind() {
+        hicache_core::ErrorKind::InvalidInput => Usage(format!("key_scheme unified: {error}")).into(),
+        _ => anyhow::Error::from(error),
+    })
 }
 
 /// The 3FS settings the flags and the extra config give ([`settings`]).

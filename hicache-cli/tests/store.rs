@@ -342,3 +342,33 @@ fn an_unreadable_shard_folder_is_skipped_and_named_not_fatal() {
     assert_eq!(listed, all - hidden, "the other shards' pages are all listed");
     assert!(stderr.contains(&shard.display().to_string()) && stderr.contains("cannot be read"), "{stderr}");
 }
+
+#[test]
+fn pages_put_by_two_tp2_ranks_under_the_unified_scheme_are_got_whole_by_a_tp1_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let unified = r#"{"key_scheme": "unified", "head_group": 1, "layer_partition": 1}"#;
+    // 2 layers × 2 KV heads of 4 bf16 dims over 2 ranks, pages of 4 tokens, cut into chunks of one layer and head
+    let run = |action: &str, heads: &str, rest: &[&str]| {
+        let mut args = vec!["store", action, "--dir", dir.path().to_str().unwrap(), "--model", "m"];
+        args.extend(["--layers", "2", "--kv-heads", heads, "--head-dim", "4", "--page-size", "4"]);
+        args.extend(["--layout", "page-unified"]);
+        args.extend(rest);
+        hicache(&args, &[])
+    };
+    let key = "ab".repeat(32);
+    let mut halves = Vec::new();
+    for rank in ["0", "1"] {
+        let half: Vec<u8> = (0..128).map(|_| rand::rng().random()).collect();
+        let input = dir.path().join(format!("half-{rank}.bin"));
+        std::fs::write(&input, &half).unwrap();
+        let rest = ["--key", &key, "--in", input.to_str().unwrap(), "--extra-config", unified];
+        ok(run("put", "1", &[&rest[..], &["--tp-rank", rank, "--tp-size", "2"]].concat()));
+        halves.push(half);
+    }
+    let output = dir.path().join("whole.bin");
+    ok(run("get", "2", &["--key", &key, "--out", output.to_str().unwrap(), "--extra-config", unified]));
+    // the TP1 page: head group 0 (rank 0's block), then head group 1 (rank 1's)
+    assert_eq!(std::fs::read(&output).unwrap(), halves.concat());
+    // under the rank's own keys the page is not there
+    assert!(!run("get", "2", &["--key", &key, "--out", output.to_str().unwrap()]).status.success());
+}

@@ -13,7 +13,11 @@
 //! - `throttle_read_gbps`: for measurements, every storage get takes at least its bytes' time at this rate (GB/s,
 //!   10^9 bytes): a slow tier on a fast machine, any tier;
 //! - `pool`: what the host pool SGLang registers must be (`page_size`, `layout`, `dtype`, `layer_num`, `head_num`,
-//!   `head_dim`, `kv_lora_rank`, `qk_rope_head_dim`), checked at registration.
+//!   `head_dim`, `kv_lora_rank`, `qk_rope_head_dim`), checked at registration;
+//! - `key_scheme: "unified"` (SGLang's `--hicache-storage-key-scheme unified`), with the fleet's agreements
+//!   `head_group` and `layer_partition`: pages stored as the chunks of SGLang's unified key scheme, which any TP or PP
+//!   topology reads ([`crate::storage::UnifiedStorage`]; the host pool must be `page_unified`). Any other
+//!   `key_scheme` is the tier's own (Mooncake's `native` or `sglang`).
 //!
 //! SGLang's own keys for a dynamic backend (`backend_name`, `module_path`, `class_name`, `interface_v1`) and the ones
 //! it consumes itself are accepted and ignored; any other key is refused by name.
@@ -24,7 +28,8 @@ use serde_json::{Map, Value};
 
 use crate::namespace::StorageNamespace;
 use crate::storage::tiers::{self, TierEntry, TierFields};
-use crate::storage::{FaultPlan, FaultyStorage, StorageBackend};
+use crate::storage::{FaultPlan, FaultyStorage, StorageBackend, UnifiedStorage};
+use crate::unified_keys::UnifiedRank;
 
 /// A bad extra config, naming the key (the tiers' settings share it).
 pub use crate::storage::tiers::ConfigError;
@@ -105,6 +110,17 @@ pub struct Shared {
     pub pool: PoolExpectation,
     /// Storage gets held to this many bytes per second (measurements); `None`: not held.
     pub throttle_read_bytes_per_s: Option<u64>,
+    /// `key_scheme: "unified"`: the fleet's agreements on the chunks.
+    pub unified: Option<UnifiedAgreements>,
+}
+
+/// The fleet's agreements on the chunks of the unified key scheme (`None`: each rank's own heads or layers).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UnifiedAgreements {
+    /// KV heads per chunk.
+    pub head_group: Option<u64>,
+    /// Layers per chunk.
+    pub layer_partition: Option<u64>,
 }
 
 /// Takes the keys every tier shares out of an extra config's `fields` (SGLang's own keys are dropped), leaving the
@@ -126,7 +142,24 @@ pub fn take_shared(fields: &mut Map<String, Value>) -> Result<Shared, ConfigErro
             return Err(ConfigError::value("throttle_read_gbps", format!("{gbps} is not a rate in (0, 10000] GB/s")));
         }
     };
-    Ok(Shared { backend, pool, throttle_read_bytes_per_s })
+    let unified_scheme = fields.get("key_scheme").and_then(Value::as_str) == Some("unified");
+    if unified_scheme {
+        fields.remove("key_scheme");
+    }
+    let agreements = UnifiedAgreements {
+        head_group: take::<u64>(fields, "head_group")?,
+        layer_partition: take::<u64>(fields, "layer_partition")?,
+    };
+    for (key, value) in [("head_group", agreements.head_group), ("layer_partition", agreements.layer_partition)] {
+        if value == Some(0) {
+            return Err(ConfigError::value(key, "must be at least 1 (or absent: each rank's own)".to_owned()));
+        }
+        if value.is_some() && !unified_scheme {
+            return Err(ConfigError::value(key, "an agreement of key_scheme \"unified\", which is not set".to_owned()));
+        }
+    }
+    let unified = unified_scheme.then_some(agreements);
+    Ok(Shared { backend, pool, throttle_read_bytes_per_s, unified })
 }
 
 /// `storage` held to `throttle_read_bytes_per_s` when one is given (the extra config's `throttle_read_gbps`).
@@ -150,6 +183,8 @@ pub struct Settings {
     pub pool: PoolExpectation,
     /// Storage gets held to this many bytes per second (measurements); `None`: not held.
     pub throttle_read_bytes_per_s: Option<u64>,
+    /// `key_scheme: "unified"`: pages stored as unified-key chunks, with these agreements.
+    pub unified: Option<UnifiedAgreements>,
 }
 
 impl Settings {
@@ -174,10 +209,10 @@ impl Settings {
                 });
             }
         };
-        let Shared { backend, pool, throttle_read_bytes_per_s } = take_shared(&mut fields)?;
+        let Shared { backend, pool, throttle_read_bytes_per_s, unified } = take_shared(&mut fields)?;
         let tier = tiers::lookup("backend", backend.as_deref().unwrap_or(DEFAULT_TIER))?;
         tier.check(&fields)?;
-        Ok(Self { tier, fields, pool, throttle_read_bytes_per_s })
+        Ok(Self { tier, fields, pool, throttle_read_bytes_per_s, unified })
     }
 
     /// Opens the tier for `namespace`, held to the throttle when one is set.
@@ -187,6 +222,24 @@ impl Settings {
     /// The tier's failure to open ([`TierEntry::open`]).
     pub fn open(&self, namespace: &StorageNamespace) -> Result<Box<dyn StorageBackend>, crate::Error> {
         Ok(throttled(self.tier.open(&self.fields, namespace)?, self.throttle_read_bytes_per_s))
+    }
+
+    /// Opens the tier for the rank of `namespace`, whose pipeline stage holds layers from `stage.0` (the last stage
+    /// when `stage.1`): under `key_scheme: "unified"` as [`UnifiedStorage`] over the tier, else as
+    /// [`open`](Self::open).
+    ///
+    /// # Errors
+    ///
+    /// The unified plan's refusals (naming the agreement or the pool's field at fault); the tier's failure to open.
+    pub fn open_rank(
+        &self,
+        namespace: &StorageNamespace,
+        stage: (u64, bool),
+    ) -> Result<Box<dyn StorageBackend>, crate::Error> {
+        let Some(agreements) = self.unified else { return self.open(namespace) };
+        let rank = UnifiedRank::of(namespace, stage, agreements.head_group, agreements.layer_partition);
+        let plan = crate::unified_keys::plan(&rank)?;
+        Ok(Box::new(UnifiedStorage::open(namespace.clone(), &plan, &|chunk: &StorageNamespace| self.open(chunk))?))
     }
 }
 
@@ -268,5 +321,58 @@ mod tests {
             let storage = Settings::parse(json).unwrap().open(&namespace).unwrap();
             assert_eq!((storage.name(), storage.namespace()), (name, Some(&namespace)), "{json}");
         }
+    }
+
+    #[test]
+    fn the_unified_key_scheme_and_its_agreements_are_shared_keys() {
+        let unified =
+            Settings::parse(r#"{"backend": "memory", "key_scheme": "unified", "head_group": 2, "layer_partition": 8}"#)
+                .unwrap();
+        assert_eq!(unified.unified, Some(UnifiedAgreements { head_group: Some(2), layer_partition: Some(8) }));
+        assert!(unified.fields.is_empty(), "{:?}", unified.fields);
+        let bare = Settings::parse(r#"{"backend": "memory", "key_scheme": "unified"}"#).unwrap();
+        assert_eq!(bare.unified, Some(UnifiedAgreements::default()));
+        assert_eq!(Settings::parse(r#"{"backend": "memory"}"#).unwrap().unified, None);
+        // another scheme is the tier's own key (Mooncake's), refused here by a tier that has none
+        assert!(error(r#"{"backend": "memory", "key_scheme": "sglang"}"#).contains("key `key_scheme`: unknown key"));
+        let orphan = error(r#"{"backend": "memory", "head_group": 2}"#);
+        assert!(orphan.contains("key `head_group`") && orphan.contains("key_scheme"), "{orphan}");
+        assert!(error(r#"{"key_scheme": "unified", "layer_partition": 0}"#).contains("key `layer_partition`"));
+        assert!(error(r#"{"key_scheme": "unified", "head_group": "2"}"#).contains("key `head_group`: invalid type"));
+    }
+
+    #[test]
+    fn a_rank_under_the_unified_scheme_stores_its_pages_as_chunks() {
+        use crate::geometry::{KvDtype, KvGeometry};
+        use crate::layout::HostLayout;
+        let namespace = StorageNamespace {
+            tp_rank: 1,
+            tp_size: 2,
+            head_groups: 2,
+            ..StorageNamespace::single_rank(
+                "m",
+                KvGeometry::mha(2, 2, 8, KvDtype::Bf16).unwrap(),
+                HostLayout::PageUnified,
+                4,
+            )
+        };
+        let key = crate::hash::PageKey::from_bytes([7; 32]);
+        let page: Vec<u8> = (0..2 * 2 * 2 * 4 * 8 * 2).map(|byte| byte as u8).collect();
+        let json = r#"{"backend": "memory", "key_scheme": "unified", "head_group": 1}"#;
+        let storage = Settings::parse(json).unwrap().open_rank(&namespace, (0, true)).unwrap();
+        assert_eq!(storage.namespace(), Some(&namespace));
+        assert!(storage.set(&key, vec![&page[..]]).unwrap().is_stored());
+        let mut back = vec![0u8; page.len()];
+        assert_eq!(storage.get(&key, vec![&mut back[..]]).unwrap(), crate::storage::GetOutcome::Hit);
+        assert_eq!(back, page);
+        // rank 1 of 2 owns head groups 2 and 3 of the model's four; its page is two chunks
+        assert_eq!(storage.stats().set_stored, 1);
+        // a pool that is not page_unified is refused by name; without the scheme the tier opens as it is
+        let first = StorageNamespace { layout: HostLayout::PageFirst, head_groups: 1, ..namespace.clone() };
+        let Err(error) = Settings::parse(json).unwrap().open_rank(&first, (0, true)) else { panic!("opened") };
+        let error = error.to_string();
+        assert!(error.contains("mem_layout"), "{error}");
+        let plain = Settings::parse(r#"{"backend": "memory"}"#).unwrap().open_rank(&first, (0, true)).unwrap();
+        assert_eq!(plain.namespace(), Some(&first));
     }
 }

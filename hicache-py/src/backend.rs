@@ -96,7 +96,9 @@ impl PySettings {
                 pp_rank: rank.pp_rank,
                 pp_size: rank.pp_size,
             };
-            let storage = py.detach(|| self.open_tier(&namespace))?;
+            // SGLang's stage: the pool's first layer, the last stage or not
+            let stage = (description.start_layer.unwrap_or(0) as u64, rank.pp_rank + 1 == rank.pp_size);
+            let storage = py.detach(|| self.open_rank(&namespace, stage))?;
             // SAFETY: the buffer is `keepalive`'s, which `Open` holds until after it unregisters the region.
             let region =
                 unsafe { MemoryRegion::from_raw_parts(pool.address as *const u8, pool.map.total_bytes(), None) };
@@ -114,9 +116,14 @@ impl PySettings {
 }
 
 impl PySettings {
-    /// Opens the tier for `namespace`.
-    pub(crate) fn open_tier(&self, namespace: &StorageNamespace) -> PyResult<Box<dyn StorageBackend>> {
-        self.settings.open(namespace).map_err(guard::to_py)
+    /// Opens the tier for the rank of `namespace` (its stage's first layer, and whether it is the last stage): as
+    /// unified-key chunks under `key_scheme: "unified"`.
+    pub(crate) fn open_rank(
+        &self,
+        namespace: &StorageNamespace,
+        stage: (u64, bool),
+    ) -> PyResult<Box<dyn StorageBackend>> {
+        self.settings.open_rank(namespace, stage).map_err(guard::to_py)
     }
 }
 

@@ -489,7 +489,8 @@ fn open_storage(config: &HiCacheConfig, namespace: &StorageNamespace) -> PyResul
     let fields = hicache_core::extra_config::tier_fields(tier, config.storage_backend_extra_config.as_ref())
         .map_err(guard::config_to_py)?;
     let settings = PySettings::new(&fields.to_string())?;
-    Ok(Some(Arc::from(settings.open_tier(namespace)?)))
+    // one process holds every layer: the last (and only) stage
+    Ok(Some(Arc::from(settings.open_rank(namespace, (0, true))?)))
 }
 
 #[pymethods]
@@ -514,10 +515,15 @@ impl Cache {
             let device_map = DeviceLayoutMap::new(geometry, kv.slots - kv.slots % page_size).map_err(guard::to_py)?;
             let host_tokens =
                 config.host_pool_tokens(device_map.slots(), geometry.bytes_per_token()).map_err(guard::to_py)?;
+            let head_groups = config.head_groups(&geometry).map_err(guard::to_py)?;
             let host_map = HostLayoutMap::new(geometry, config.mem_layout, page_size, host_tokens / page_size)
+                .and_then(|map| map.with_head_groups(head_groups))
                 .map_err(guard::to_py)?;
             let model = config.model_name.clone().unwrap_or_else(|| "default".into());
-            let namespace = StorageNamespace::single_rank(model, geometry, config.mem_layout, page_size);
+            let namespace = StorageNamespace {
+                head_groups,
+                ..StorageNamespace::single_rank(model, geometry, config.mem_layout, page_size)
+            };
             let storage = py.detach(|| open_storage(&config, &namespace))?;
             let host = Arc::new(HostMemory::anonymous(host_map).map_err(guard::to_py)?);
             let tree = match kv.cuda_device {

@@ -31,6 +31,10 @@ pub(crate) struct PoolDescription {
     /// `page_unified`'s head groups per page (SGLang's `head_group_num`; absent: one).
     #[serde(default)]
     pub(crate) head_group_num: Option<usize>,
+    /// The model's index of the pool's first layer (its pipeline stage's; absent: 0).
+    #[serde(default)]
+    #[cfg_attr(not(feature = "python"), expect(dead_code, reason = "the stage is the Python face's to open"))]
+    pub(crate) start_layer: Option<usize>,
     pub(crate) head_dim: Option<usize>,
     pub(crate) v_head_dim: Option<usize>,
     pub(crate) kv_lora_rank: Option<usize>,
@@ -228,6 +232,7 @@ mod tests {
             size: page_size * pages,
             head_num: Some(2),
             head_group_num: None,
+            start_layer: None,
             head_dim: Some(8),
             v_head_dim: Some(8),
             kv_lora_rank: None,

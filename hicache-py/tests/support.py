@@ -23,8 +23,11 @@ def _pointers(tensors):
     return torch.tensor([tensor.data_ptr() for tensor in tensors], dtype=torch.uint64)
 
 
-def mha_pool(layout, layers=2, heads=2, head_dim=64, page_size=16, device_tokens=256, dtype=torch.bfloat16):
-    """SGLang's MHA host pool over CPU "device" tensors (per-layer K and V, as SGLang's device pool keeps them)."""
+def mha_pool(
+    layout, layers=2, heads=2, head_dim=64, page_size=16, device_tokens=256, dtype=torch.bfloat16, head_group_num=1
+):
+    """SGLang's MHA host pool over CPU "device" tensors (per-layer K and V, as SGLang's device pool keeps them);
+    `page_unified` pages cut into `head_group_num` head groups."""
     k = tuple(torch.zeros(device_tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
     v = tuple(torch.zeros(device_tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
     buffers = KVBuffers(k=k, v=v, k_data_ptrs=_pointers(k), v_data_ptrs=_pointers(v), layout=KVBufferLayout.NHD)
@@ -48,6 +51,7 @@ def mha_pool(layout, layers=2, heads=2, head_dim=64, page_size=16, device_tokens
         device_capacity_tokens=device_tokens,
         start_layer=0,
         end_layer=layers,
+        head_group_num=head_group_num,
     )
 
 

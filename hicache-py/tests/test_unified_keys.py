@@ -6,10 +6,12 @@ import random
 import unittest
 
 import msgspec
-import support  # noqa: F401  (quiets SGLang's import warnings)
+import support
+import torch
 from sglang.srt.mem_cache import hicache_key_scheme as scheme
 
 import hicache
+from hicache.sglang import HiCacheStorage
 
 
 def random_deployment(rng):
@@ -63,3 +65,61 @@ class UnifiedKeys(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class UnifiedChunks(support.TempDirTest):
+    """SGLang's own `page_unified` host pools storing through hicache under `key_scheme: unified`: what two TP2 ranks
+    stored, a TP1 rank reads, its page being the two ranks' page blocks one after the other (head groups are the
+    block's outermost axis, and rank 0 holds the first half of the heads)."""
+
+    LAYERS, HEADS, HEAD_DIM, PAGE = 4, 4, 64, 16
+
+    def backend(self, pool, rank, size, **extra):
+        extra = {**support.MODULE, "backend": "file", "dir": self.dir, "key_scheme": "unified", **extra}
+        backend = HiCacheStorage(support.storage_config(extra, tp_rank=rank, tp_size=size), {})
+        backend.register_mem_pool_host(pool)
+        self.addCleanup(backend.close)
+        return backend
+
+    def pool(self, tp_size):
+        heads = self.HEADS // tp_size
+        # one KV head per chunk: the pool's page in as many groups as it has heads
+        return support.mha_pool(
+            "page_unified", layers=self.LAYERS, heads=heads, head_dim=self.HEAD_DIM, page_size=self.PAGE,
+            head_group_num=heads,
+        )
+
+    def test_a_tp1_rank_reads_the_pages_two_tp2_ranks_stored(self):
+        generator = torch.Generator().manual_seed(torch.seed())
+        keys = support.random_keys(6, generator)
+        sources = list(range(1, 7))
+        blocks = []
+        for rank in range(2):
+            pool = self.pool(2)
+            support.randomize(pool, int(torch.randint(0, 2**31, (1,), generator=generator)))
+            backend = self.backend(pool, rank, 2, head_group=1, layer_partition=2)
+            self.assertEqual(backend.batch_set_v1(keys, support.page_indices(sources, self.PAGE)), [True] * 6)
+            blocks.append([pool.kv_buffer[page].clone() for page in sources])
+        reader = self.pool(1)
+        reader.kv_buffer.zero_()
+        backend = self.backend(reader, 0, 1, head_group=1, layer_partition=2)
+        self.assertEqual(backend.batch_exists(keys), 6)
+        targets = list(range(7, 13))
+        self.assertEqual(backend.batch_get_v1(keys, support.page_indices(targets, self.PAGE)), [True] * 6)
+        for index, page in enumerate(targets):
+            expected = torch.cat([blocks[0][index].reshape(-1), blocks[1][index].reshape(-1)])
+            self.assertTrue(support.same_bytes(reader.kv_buffer[page].reshape(-1), expected), f"page {page}")
+        # another grid (two layers per chunk is the fleet's agreement) finds nothing
+        other = self.backend(self.pool(1), 0, 1, head_group=1, layer_partition=4)
+        self.assertEqual(other.batch_exists(keys), 0)
+
+    def test_agreements_without_the_scheme_and_pools_that_are_not_page_unified_are_refused(self):
+        with self.assertRaisesRegex(ValueError, "head_group"):
+            HiCacheStorage(support.storage_config({**support.MODULE, "dir": self.dir, "head_group": 1}), {})
+        backend = HiCacheStorage(
+            support.storage_config({**support.MODULE, "dir": self.dir, "key_scheme": "unified"}), {}
+        )
+        self.addCleanup(backend.close)
+        with self.assertRaisesRegex(ValueError, "mem_layout"):
+            backend.register_mem_pool_host(support.mha_pool("page_first"))
+

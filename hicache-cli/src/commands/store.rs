@@ -113,6 +113,10 @@ pub(crate) struct TargetArgs {
     /// Host layout (decides the flat page's byte order; default: the config's mem_layout, else layer_first).
     #[arg(long, value_enum)]
     layout: Option<LayoutArg>,
+    /// KV heads per head group of page-unified pages (default: the config's head_group, else the extra config's
+    /// unified key scheme's, else one group of all the heads).
+    #[arg(long, value_name = "N")]
+    head_group: Option<usize>,
     /// Tokens per page (default: the config's page_size, else 64); a page's bytes are tokens × the geometry's bytes
     /// per token.
     #[arg(long, value_name = "N")]
@@ -261,7 +265,7 @@ fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
     let mut namespace = StorageNamespace::single_rank(model, geometry, layout, page_size);
     namespace.tp_rank = args.tp_rank;
     namespace.tp_size = args.tp_size;
-    let namespace = namespace.validated()?;
+    let mut namespace = namespace.validated()?;
     let page_bytes = geometry.bytes_per_page(page_size);
     if let Some(given) = args.page_bytes
         && given != page_bytes
@@ -286,6 +290,16 @@ fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
             .or(config.as_ref().map(|config| config.storage_capacity_bytes))
             .filter(|&bytes| bytes > 0),
     };
+    let unified = backends::settings(backend, &options)?.unified;
+    let head_group = args
+        .head_group
+        .or(config.as_ref().and_then(|config| config.head_group))
+        .or(unified.and_then(|agreements| agreements.head_group).map(|group| group as usize));
+    let head_groups = HiCacheConfig { mem_layout: layout, head_group, ..HiCacheConfig::default() }
+        .head_groups(&geometry)
+        .map_err(|error| Usage(format!("--head-group: {error}")))?;
+    namespace.head_groups = head_groups;
+    let namespace = namespace;
     let file_like = backend.is("file") || backend.is("nixl");
     if file_like && mode != Mode::Write {
         let dir = backends::dir_of(backend, &options);

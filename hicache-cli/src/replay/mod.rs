@@ -23,14 +23,14 @@ use clap::{Args, ValueEnum};
 use hicache_core::HiCacheBuilder;
 use hicache_core::collective::{Collective, InProcessGroup, SingleRank};
 use hicache_core::config::{HiCacheConfig, MAX_SECONDS, PrefetchPolicy, WritePolicy};
+use hicache_core::extra_config::UnifiedAgreements;
 use hicache_core::extra_config::throttled;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::host_memory::{HostAllocation, HostMemory};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore, StorageBackend, UnifiedStorage};
+use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore, StorageBackend};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
-use hicache_core::unified_keys::{self, UnifiedRank};
 
 use crate::backends::{self, BackendName, BackendOptions, FileFormatArg, OptionalBackend};
 use crate::exit::Usage;
@@ -616,34 +616,38 @@ fn run_on<E: device::ReplayEngine>(
             SharedStorage::Memory(store, throttle) => {
                 Ok(throttled(Box::new(MemoryStorage::shared(store.clone(), namespace)), *throttle))
             }
-            SharedStorage::Backend { name, options, .. } => backends::open(*name, namespace, options)
-                .map_err(|error| hicache_core::Error::storage(name.name(), format!("{error:#}"))),
+            SharedStorage::Backend { name, options, .. } => {
+                let settings = backends::settings(*name, options)
+                    .map_err(|error| hicache_core::Error::storage(name.name(), format!("{error:#}")))?;
+                backends::open_tier(*name, &settings, namespace)
+            }
         }
     };
-    let mut unified = None;
-    let opened: Option<Box<dyn StorageBackend>> = match storage {
+    // the unified key scheme: by the flags, else by the extra config's `key_scheme`
+    let agreements = match storage {
         SharedStorage::None => None,
-        _ if args.unified_keys => {
-            if let SharedStorage::Backend { name, options, .. } = storage {
-                // the flags' and the extra config's mistakes are usage errors, as without the scheme
-                backends::settings(*name, options)?;
-            }
+        _ if args.unified_keys => Some(UnifiedAgreements {
+            head_group: args.head_group.map(|group| group as u64),
+            layer_partition: args.layer_partition.map(|layers| layers as u64),
+        }),
+        // the flags' and the extra config's mistakes are usage errors, as without the scheme
+        SharedStorage::Backend { name, options, .. } => backends::settings(*name, options)?.unified,
+        SharedStorage::Memory(..) => None,
+    };
+    let mut unified = None;
+    let opened: Option<Box<dyn StorageBackend>> = match (storage, agreements) {
+        (SharedStorage::None, _) => None,
+        (_, Some(agreements)) => {
             if layout(args) != HostLayout::PageUnified {
-                bail!(Usage(format!("--unified-keys stores page-unified pages, not {}", layout(args).name())));
+                bail!(Usage(format!("the unified key scheme stores page-unified pages, not {}", layout(args).name())));
             }
-            let rank = UnifiedRank::of(
-                &StorageNamespace { model: "hicache-replay".into(), ..namespace.clone() },
-                (0, true),
-                args.head_group.map(|group| group as u64),
-                args.layer_partition.map(|layers| layers as u64),
-            );
-            let plan = unified_keys::plan(&rank).map_err(|error| Usage(format!("--unified-keys: {error}")))?;
-            let storage = Arc::new(UnifiedStorage::open(namespace.clone(), &plan, &open_tier)?);
+            let model = StorageNamespace { model: "hicache-replay".into(), ..namespace.clone() };
+            let storage = Arc::new(backends::open_unified(&model, agreements, &open_tier)?);
             unified = Some(storage.clone());
             Some(Box::new(storage))
         }
-        SharedStorage::Backend { name, options, .. } => Some(backends::open(*name, &namespace, options)?),
-        SharedStorage::Memory(..) => Some(open_tier(&namespace)?),
+        (SharedStorage::Backend { name, options, .. }, None) => Some(backends::open(*name, &namespace, options)?),
+        (SharedStorage::Memory(..), None) => Some(open_tier(&namespace)?),
     };
     // with fault injection, every storage call of this rank goes through the fault wrapper
     let (backend, faults): (Option<Arc<dyn StorageBackend>>, Option<Arc<Faulty>>) =

@@ -19,7 +19,7 @@ const PAGE: usize = 3;
 const HEAD_GROUP: u64 = 2;
 const LAYER_PARTITION: u64 = 4;
 /// Pages written.
-const PAGES: u64 = 5;
+pub const PAGES: u64 = 5;
 /// Chunks of one page over the whole model: two layer chunks × four head groups.
 pub const CHUNKS_PER_PAGE: u64 = 8;
 

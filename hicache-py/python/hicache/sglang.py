@@ -264,6 +264,8 @@ def _describe_pool(pool):
     }
     if pool.layout == "page_unified":
         description["head_group_num"] = getattr(pool, "head_group_num", 1)
+    if getattr(pool, "start_layer", None) is not None:
+        description["start_layer"] = pool.start_layer
     if hasattr(pool, "kv_lora_rank"):
         description.update(
             kind="mla",
