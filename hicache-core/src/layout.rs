@@ -70,11 +70,6 @@ impl HostLayout {
             Self::PageUnified => "[page][head group][layer][part][token in page][item / head groups]",
         }
     }
-
-    /// Whether each part of a page is one contiguous range of the host buffer.
-    pub const fn page_part_is_contiguous(self) -> bool {
-        !matches!(self, Self::LayerFirst)
-    }
 }
 
 /// One contiguous range of the host buffer that belongs to a page.

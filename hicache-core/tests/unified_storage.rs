@@ -61,5 +61,20 @@ fn pools_that_do_not_hold_the_plans_chunks_as_runs_are_refused_by_name() {
     assert!(open(base.clone()).unwrap_err().to_string().contains("head_group"));
     let other = StorageNamespace { page_size: 4, head_groups: 4, ..base.clone() };
     assert!(open(other).unwrap_err().to_string().contains("page_size"));
-    assert!(open(StorageNamespace { head_groups: 4, ..base }).is_ok());
+    assert!(open(StorageNamespace { head_groups: 4, ..base.clone() }).is_ok());
+    // a plan made by hand that does not tile the page: a gap between layer ranges, a suffix too few
+    let grouped = StorageNamespace { head_groups: 4, ..base };
+    let mut gap = plan.clone();
+    gap.layer_ranges = vec![(0, 2), (3, 6)];
+    gap.suffixes = (0..8).map(|chunk| format!("x_{chunk}")).collect();
+    let mut short = plan.clone();
+    short.suffixes.pop();
+    for bad in [gap, short] {
+        let store = store.clone();
+        let error = UnifiedStorage::open(grouped.clone(), &bad, &move |chunk: &StorageNamespace| {
+            Ok(Box::new(MemoryStorage::shared(store.clone(), chunk)) as Box<dyn StorageBackend>)
+        })
+        .unwrap_err();
+        assert!(error.to_string().contains("layers"), "{error}");
+    }
 }

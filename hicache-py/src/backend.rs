@@ -96,7 +96,16 @@ impl PySettings {
                 pp_rank: rank.pp_rank,
                 pp_size: rank.pp_size,
             };
-            // SGLang's stage: the pool's first layer, the last stage or not
+            // SGLang's stage: the pool's first layer, the last stage or not; the chunks' names hold absolute layers, so
+            // a later stage that does not say where it starts would name its chunks as the first stage's
+            if self.settings.unified.is_some() && rank.pp_size > 1 && description.start_layer.is_none() {
+                return Err(guard::config_to_py(ConfigError::value(
+                    "start_layer",
+                    "the host pool of a pipeline stage does not say its first layer, which the unified key scheme \
+                     names its chunks by"
+                        .to_owned(),
+                )));
+            }
             let stage = (description.start_layer.unwrap_or(0) as u64, rank.pp_rank + 1 == rank.pp_size);
             let storage = py.detach(|| self.open_rank(&namespace, stage))?;
             // SAFETY: the buffer is `keepalive`'s, which `Open` holds until after it unregisters the region.

@@ -480,6 +480,16 @@ fn build<E: Engine>(
     Inner::new(builder.build()?, storage)
 }
 
+/// The `head_group` agreement of the config's extra config, under `key_scheme: "unified"`.
+fn unified_head_group(config: &HiCacheConfig) -> PyResult<Option<usize>> {
+    let Some(name) = &config.storage_backend else { return Ok(None) };
+    let tier = hicache_core::storage::tiers::lookup("storage_backend", name).map_err(guard::config_to_py)?;
+    let fields = hicache_core::extra_config::tier_fields(tier, config.storage_backend_extra_config.as_ref())
+        .map_err(guard::config_to_py)?;
+    let settings = hicache_core::extra_config::Settings::parse(&fields.to_string()).map_err(guard::config_to_py)?;
+    Ok(settings.unified.and_then(|agreements| agreements.head_group).map(|group| group as usize))
+}
+
 /// The storage tier the config names (`storage_backend`, with SGLang's extra config keys in
 /// `storage_backend_extra_config`), opened for this model's namespace.
 fn open_storage(config: &HiCacheConfig, namespace: &StorageNamespace) -> PyResult<Option<Arc<dyn StorageBackend>>> {
@@ -500,7 +510,11 @@ impl Cache {
     #[new]
     fn new(py: Python<'_>, config: &str, kv: &str, keepalive: Py<PyAny>) -> PyResult<Self> {
         guard::run(|| {
-            let config = HiCacheConfig::from_json(config).map_err(guard::to_py)?;
+            let mut config = HiCacheConfig::from_json(config).map_err(guard::to_py)?;
+            // a page_unified pool cut by the unified key scheme's agreement when the config names no head_group
+            if config.head_group.is_none() {
+                config.head_group = unified_head_group(&config)?;
+            }
             let kv: KvDescription =
                 serde_json::from_str(kv).map_err(|error| PyValueError::new_err(format!("hicache: kv: {error}")))?;
             let geometry = kv.geometry.validated().map_err(guard::to_py)?;

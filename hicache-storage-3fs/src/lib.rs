@@ -2,8 +2,9 @@
 //! host pool, with the key → page metadata in this process or in Redis (docs/storage-3fs.md).
 //!
 //! * **Files.** One data file per rank, `{file_path_prefix}.{rank}.bin` (MLA: rank 0, shared by every rank; with
-//!   pipeline stages `{file_path_prefix}.{rank}.pp{stage}.bin`), `file_size` bytes, made sparse on first use; a file
-//!   already there and shorter is refused. Page `i` is at `i × page_bytes`; footers follow the pages ([`layout`]).
+//!   pipeline stages `{file_path_prefix}.{rank}.pp{stage}.bin`; for a chunk namespace of the unified key scheme one
+//!   file per chunk size that every rank shares, `{file_path_prefix}.{digest}-chunk-L{layers}.bin`), `file_size`
+//!   bytes, made sparse on first use; a file already there and shorter is refused. Page `i` is at `i × page_bytes`; footers follow the pages ([`layout`]).
 //! * **Metadata.** [`metadata`]: which key holds which page, LRU reuse of pages, one atomic operation per batch. Keys
 //!   are `{namespace digest}/{page hash}`, so models and ranks sharing a file never see each other's pages, and
 //!   `clear` removes exactly this namespace's.

@@ -2,7 +2,9 @@
 //! and into the host pool.
 //!
 //! * **Objects.** One object per page part (`keys`): K and V for MHA, the latent for MLA, each the contiguous half
-//!   (or the whole) of the flat page, so a page-first host pool is read and written in place. Where a part is not one
+//!   (or the whole) of the flat page, so a page-first host pool is read and written in place. (A `page_unified`
+//!   page keeps K and V together inside each layer: its halves, still keyed `_k` and `_v`, are its first and
+//!   second halves of head groups or layers.) Where a part is not one
 //!   contiguous range of the caller's memory (a `layer_first` pool), it goes through a staging buffer, counted in
 //!   `staging_bytes`.
 //! * **Host memory.** The host pool is registered with Mooncake once

@@ -290,6 +290,9 @@ fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
             .or(config.as_ref().map(|config| config.storage_capacity_bytes))
             .filter(|&bytes| bytes > 0),
     };
+    if args.head_group.is_some() && layout != hicache_core::layout::HostLayout::PageUnified {
+        bail!(Usage(format!("--head-group cuts page-unified pages only, not {}", layout.name())));
+    }
     let unified = backends::settings(backend, &options)?.unified;
     let head_group = args
         .head_group
@@ -297,7 +300,7 @@ fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
         .or(unified.and_then(|agreements| agreements.head_group).map(|group| group as usize));
     let head_groups = HiCacheConfig { mem_layout: layout, head_group, ..HiCacheConfig::default() }
         .head_groups(&geometry)
-        .map_err(|error| Usage(format!("--head-group: {error}")))?;
+        .map_err(|error| Usage(format!("the page's head groups: {error}")))?;
     namespace.head_groups = head_groups;
     let namespace = namespace;
     let file_like = backend.is("file") || backend.is("nixl");

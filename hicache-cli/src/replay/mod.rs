@@ -534,12 +534,38 @@ pub(crate) fn host_layout(layout: LayoutArg) -> HostLayout {
 }
 
 /// The head groups of each host page: `--head-group` under page-unified, checked against the rank's heads.
+/// Without `--head-group`, the unified key scheme's agreement of the extra config.
 fn head_groups(args: &ReplayArgs, geometry: &KvGeometry) -> anyhow::Result<usize> {
     if args.head_group.is_some() && layout(args) != HostLayout::PageUnified {
         bail!(Usage(format!("--head-group cuts page-unified pages only, not {}", layout(args).name())));
     }
-    let config = HiCacheConfig { mem_layout: layout(args), head_group: args.head_group, ..HiCacheConfig::default() };
+    let config = HiCacheConfig { mem_layout: layout(args), head_group: head_group(args)?, ..HiCacheConfig::default() };
     config.head_groups(geometry).map_err(|error| Usage(format!("--head-group: {error}")).into())
+}
+
+/// KV heads per head group: `--head-group`, else the unified key scheme's agreement of the extra config.
+fn head_group(args: &ReplayArgs) -> anyhow::Result<Option<usize>> {
+    let agreed = unified_agreements(args)?.and_then(|agreements| agreements.head_group).map(|group| group as usize);
+    Ok(args.head_group.or(agreed))
+}
+
+/// The unified key scheme's agreements: by the flags (`--unified-keys`), else by the extra config's `key_scheme`;
+/// `None` for keys of each rank.
+fn unified_agreements(args: &ReplayArgs) -> anyhow::Result<Option<UnifiedAgreements>> {
+    let Some(name) = args.backend.0 else {
+        if args.unified_keys {
+            bail!(Usage("--unified-keys stores pages on a storage tier; --backend none has none".into()));
+        }
+        return Ok(None);
+    };
+    if args.unified_keys {
+        return Ok(Some(UnifiedAgreements {
+            head_group: args.head_group.map(|group| group as u64),
+            layer_partition: args.layer_partition.map(|layers| layers as u64),
+        }));
+    }
+    // the flags' and the extra config's mistakes are usage errors, as without the scheme
+    Ok(backends::settings(name, &backend_options(args))?.unified)
 }
 
 /// Builds one rank's engine, controller, storage and tree, and runs the workload on it.
@@ -623,17 +649,7 @@ fn run_on<E: device::ReplayEngine>(
             }
         }
     };
-    // the unified key scheme: by the flags, else by the extra config's `key_scheme`
-    let agreements = match storage {
-        SharedStorage::None => None,
-        _ if args.unified_keys => Some(UnifiedAgreements {
-            head_group: args.head_group.map(|group| group as u64),
-            layer_partition: args.layer_partition.map(|layers| layers as u64),
-        }),
-        // the flags' and the extra config's mistakes are usage errors, as without the scheme
-        SharedStorage::Backend { name, options, .. } => backends::settings(*name, options)?.unified,
-        SharedStorage::Memory(..) => None,
-    };
+    let agreements = unified_agreements(args)?;
     let mut unified = None;
     let opened: Option<Box<dyn StorageBackend>> = match (storage, agreements) {
         (SharedStorage::None, _) => None,
@@ -641,8 +657,7 @@ fn run_on<E: device::ReplayEngine>(
             if layout(args) != HostLayout::PageUnified {
                 bail!(Usage(format!("the unified key scheme stores page-unified pages, not {}", layout(args).name())));
             }
-            let model = StorageNamespace { model: "hicache-replay".into(), ..namespace.clone() };
-            let storage = Arc::new(backends::open_unified(&model, agreements, &open_tier)?);
+            let storage = Arc::new(backends::open_unified(&namespace, agreements, &open_tier)?);
             unified = Some(storage.clone());
             Some(Box::new(storage))
         }
@@ -661,7 +676,7 @@ fn run_on<E: device::ReplayEngine>(
     let config = HiCacheConfig {
         page_size: page,
         mem_layout: layout(args),
-        head_group: args.head_group,
+        head_group: head_group(args)?,
         write_policy: write_policy(args),
         prefetch_policy: match args.prefetch_policy {
             PrefetchPolicyArg::BestEffort => PrefetchPolicy::BestEffort,

@@ -92,10 +92,29 @@ impl UnifiedStorage {
             );
         }
         let geometry = namespace.geometry;
-        if plan.layer_ranges.last().map(|range| range.1) != Some(geometry.layers as u64) {
+        // the chunks must tile the page: layer ranges back to back over the pool's layers, a suffix per chunk
+        let mut next = 0;
+        for &(start, end) in &plan.layer_ranges {
+            if start != next || end <= start {
+                return bad("layers", format!("the plan's layer ranges {:?} do not tile the pool", plan.layer_ranges));
+            }
+            next = end;
+        }
+        if next != geometry.layers as u64 {
             return bad(
                 "layers",
                 format!("the plan's layer ranges do not end at the pool's {} layers", geometry.layers),
+            );
+        }
+        if plan.suffixes.len() != plan.layer_ranges.len() * plan.head_ranges.len() {
+            return bad(
+                "layers",
+                format!(
+                    "{} key suffixes for {} layer ranges by {} head groups",
+                    plan.suffixes.len(),
+                    plan.layer_ranges.len(),
+                    plan.head_ranges.len()
+                ),
             );
         }
         let map = HostLayoutMap::new(geometry, namespace.layout, namespace.page_size, 1)?
@@ -367,6 +386,7 @@ impl StorageBackend for UnifiedStorage {
         Ok(outcomes)
     }
 
+    /// Removes the pages' chunks; returns how many pages' worth of chunks were present (whole pages).
     fn remove(&self, keys: &[PageKey]) -> Result<usize, Error> {
         let mut removed = 0;
         for (tier, stored) in self.tiers.iter().zip(self.per_tier(keys)) {
