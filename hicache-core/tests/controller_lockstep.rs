@@ -285,23 +285,21 @@ fn four_ranks_with_random_faults_decide_the_same_and_never_hang() {
 
 #[test]
 fn four_ranks_that_measure_different_rates_make_the_same_cost_plans() {
-    let mut splits = 0;
+    let (mut splits, mut fetched, mut computed) = (0, 0, 0);
     for (seed, policy) in
         [(5, PrefetchPolicy::WaitComplete), (6, PrefetchPolicy::Timeout), (7, PrefetchPolicy::BestEffort)]
     {
         let decisions = run_group(&Script { seed, policy, rounds: 150, by_cost: true }, 4);
-        // the plans went every way: some hits were worth reading, some were computed instead (and, below, some split)
-        let fetched = decisions[0]
+        // the plans went every way: some hits were worth reading, some were computed instead, some split (counted
+        // over the three scripts: whether a best-effort or timed fetch kept pages depends on how fast the reads
+        // ran, which the machine's load moves; waiting for completion keeps what a plan fetched)
+        fetched += decisions[0]
             .prefetches
             .iter()
             .zip(&decisions[0].plans)
-            .filter(|((_, kept), plan)| *kept > 0 && plan.is_some());
-        assert!(fetched.count() > 0, "{policy}: no plan fetched anything: {:?}", decisions[0].plans);
-        assert!(
-            decisions[0].stops.contains(&PrefetchStop::RecomputeFaster),
-            "{policy}: no plan chose to compute: {:?}",
-            decisions[0].stops
-        );
+            .filter(|((_, kept), plan)| *kept > 0 && plan.is_some())
+            .count();
+        computed += decisions[0].stops.iter().filter(|stop| **stop == PrefetchStop::RecomputeFaster).count();
         splits += decisions[0].plans.iter().filter(|plan| plan.is_some_and(|(head, _)| head > 0)).count();
         for (rank, rank_decisions) in decisions.iter().enumerate().skip(1) {
             assert_eq!(rank_decisions.plans, decisions[0].plans, "{policy}: rank {rank}'s plans differ");
@@ -312,6 +310,8 @@ fn four_ranks_that_measure_different_rates_make_the_same_cost_plans() {
     // a split needs the measured reads near the compute, which the machine's load moves: one script of three may
     // have none, all three together have some
     assert!(splits > 0, "no plan split a hit");
+    assert!(fetched > 0, "no plan fetched anything");
+    assert!(computed > 0, "no plan chose to compute");
 }
 
 proptest! {
