@@ -86,13 +86,15 @@ def mla_pool(layout, layers=2, kv_lora_rank=512, rope_dim=64, page_size=16, devi
     )
 
 
-def storage_config(extra, mla=False, tp_rank=0, tp_size=1, model="org/model-1", page_first=True, metrics=False):
-    """SGLang's storage config for one rank."""
+def storage_config(
+    extra, mla=False, tp_rank=0, tp_size=1, model="org/model-1", page_first=True, metrics=False, pp=(0, 1)
+):
+    """SGLang's storage config for one rank (of pipeline stage `pp[0]` of `pp[1]`)."""
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
+        pp_rank=pp[0],
+        pp_size=pp[1],
         attn_cp_rank=0,
         attn_cp_size=1,
         is_mla_model=mla,

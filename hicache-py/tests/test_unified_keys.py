@@ -123,3 +123,17 @@ class UnifiedChunks(support.TempDirTest):
         with self.assertRaisesRegex(ValueError, "mem_layout"):
             backend.register_mem_pool_host(support.mha_pool("page_first"))
 
+    def test_a_later_stage_whose_pool_does_not_say_its_first_layer_is_refused(self):
+        # the chunks are named by absolute layers: stage 1 must not name its chunks as stage 0's
+        extra = {**support.MODULE, "dir": self.dir, "key_scheme": "unified", "head_group": 1}
+        backend = HiCacheStorage(support.storage_config(extra, pp=(1, 2)), {})
+        self.addCleanup(backend.close)
+        pool = self.pool(1)
+        pool.start_layer = None
+        with self.assertRaisesRegex(ValueError, "start_layer"):
+            backend.register_mem_pool_host(pool)
+        # a stage that says where it starts is served
+        served = HiCacheStorage(support.storage_config(extra, pp=(1, 2)), {})
+        self.addCleanup(served.close)
+        served.register_mem_pool_host(self.pool(1))
+
