@@ -343,7 +343,8 @@ pub(crate) fn open(
     let open = |namespace: &StorageNamespace| open_tier(name, &settings, namespace);
     match settings.unified {
         None => Ok(open(namespace)?),
-        Some(agreements) => Ok(Box::new(open_unified(namespace, agreements, &open)?)),
+        // one stage holding every layer
+        Some(agreements) => Ok(Box::new(open_unified(namespace, (0, true), agreements, &open)?)),
     }
 }
 
@@ -361,17 +362,19 @@ pub(crate) fn open_tier(
     Ok(throttled(name.0.open(&settings.fields, namespace)?, settings.throttle_read_bytes_per_s))
 }
 
-/// The pages of `namespace` (one stage holding every layer) as unified-key chunks on the tier `open` opens.
+/// The pages of `namespace` as unified-key chunks on the tier `open` opens: a pipeline stage whose first layer is
+/// `stage.0` (the model's index), the last stage when `stage.1`.
 ///
 /// # Errors
 ///
 /// [`Usage`] naming the agreement or the pool's field SGLang's plan or the pool refuses; the tier's errors.
 pub(crate) fn open_unified(
     namespace: &StorageNamespace,
+    stage: (u64, bool),
     agreements: UnifiedAgreements,
     open: &hicache_core::storage::OpenTier<'_>,
 ) -> anyhow::Result<UnifiedStorage> {
-    let rank = UnifiedRank::of(namespace, (0, true), agreements.head_group, agreements.layer_partition);
+    let rank = UnifiedRank::of(namespace, stage, agreements.head_group, agreements.layer_partition);
     let plan = plan(&rank).map_err(|error| Usage(format!("key_scheme unified: {error}")))?;
     UnifiedStorage::open(namespace.clone(), &plan, open).map_err(|error| match error.kind() {
         hicache_core::ErrorKind::InvalidInput => Usage(format!("key_scheme unified: {error}")).into(),

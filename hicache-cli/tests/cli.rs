@@ -263,18 +263,19 @@ fn a_page_unified_replay_cut_into_head_groups_verifies_through_every_tier() {
 }
 
 #[test]
-fn replays_of_any_tp_size_read_the_chunks_a_tp2_replay_stored() {
+fn replays_of_any_topology_read_the_chunks_a_tp2_replay_stored() {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path().to_str().unwrap();
     let file = ["--backend", "file", "--dir", dir];
-    let readers = common::other_topologies_read_what_tp2_stored(|tp| {
+    let readers = common::other_topologies_read_what_tp2_stored(|topology| {
         // the readers read-only: every chunk they read is one the TP2 replay wrote
-        let read_only: &[&str] = if tp == "2" { &[] } else { &["--extra-config", r#"{"read_only": true}"#] };
-        replay_json(&[&file[..], read_only, &common::UNIFIED, &["--tp-size", tp, "--sync-storage"]].concat())
+        let writer = topology == ["--tp-size", "2"];
+        let read_only: &[&str] = if writer { &[] } else { &["--extra-config", r#"{"read_only": true}"#] };
+        replay_json(&[&file[..], read_only, &common::unified(), topology, &["--sync-storage"]].concat())
     });
     assert!(readers.iter().all(|report| report["unified_chunks"]["stored"] == 0));
     // a replay keyed per rank (no --unified-keys) finds none of them
-    let ranked = replay_json(&[&file[..], &common::UNIFIED[..10], &[WHOLE, "--tp-size", "4"]].concat());
+    let ranked = replay_json(&[&file[..], &common::POOLS[..], &["--tp-size", "4"]].concat());
     assert_eq!(ranked["rounds"][0]["tokens_from_l3"], 0, "{ranked}");
     let refused = hicache(&["replay", "--backend", "memory", "--layout", "page-first", "--unified-keys"], "");
     assert_usage_error(&refused, "page-unified");
@@ -353,6 +354,24 @@ fn four_tp_ranks_replay_in_lockstep() {
 }
 
 #[test]
+fn pipeline_stages_of_tp_ranks_replay_in_lockstep_over_keys_of_each_rank() {
+    // seven layers over two stages: layers 0..3 and 3..7, as SGLang splits them; each rank's bytes are the model's
+    // heads and layers, so a stage that loaded another stage's (or another rank's) page would fail verification
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--tp-size", "2", "--pp-size", "2", "--layers", "7", "--backend", "file"];
+    let report = replay_json(&[&flags[..], &["--dir", dir.path().to_str().unwrap(), WHOLE]].concat());
+    assert_eq!((report["tp_size"].as_u64(), report["pp_size"].as_u64()), (Some(2), Some(2)), "{report}");
+    assert_eq!((report["lockstep"].as_bool(), report["verified"].as_bool()), (Some(true), Some(true)), "{report}");
+    // rank 0's pages: its stage's three layers, K and V, one of two heads of 64 bf16 values, 32 tokens
+    assert_eq!(report["parameters"]["page_bytes"], 3 * 2 * 64 * 2 * 32, "{report}");
+    assert!(report["tokens_from_l3"].as_u64().unwrap() > 0, "{report}");
+    // the four ranks' pages are files of their own: each stage keeps its layers under its own keys
+    let files = walk(dir.path()).len();
+    let pages = report["storage"]["set_stored"].as_u64().unwrap() as usize;
+    assert!(pages > 0 && files >= 4 * pages, "{files} files for {pages} pages of rank 0: {report}");
+}
+
+#[test]
 fn tp_ranks_as_processes_replay_in_lockstep_and_a_failing_rank_stops_the_run() {
     let report = replay_json(&["--tp-size", "2", "--processes", WHOLE]);
     assert_eq!((report["tp_size"].as_u64(), report["processes"].as_bool()), (Some(2), Some(true)), "{report}");
@@ -365,7 +384,7 @@ fn tp_ranks_as_processes_replay_in_lockstep_and_a_failing_rank_stops_the_run() {
     // every rank fails (its data files are refused): the launcher says which rank failed
     let output = hicache(&["replay", "--tp-size", "2", "--processes", "--dir", "/proc/hicache-cannot-be-here"], "");
     assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
-    assert!(stderr(&output).contains("TP rank"), "{}", stderr(&output));
+    assert!(stderr(&output).contains("(a process of its own) failed"), "{}", stderr(&output));
     assert_usage_error(&hicache(&["replay", "--processes", "--backend", "memory"], ""), "--processes needs a storage");
     assert_usage_error(&hicache(&["replay", "--process-rank", "1"], ""), "set by --processes");
 }
@@ -1165,7 +1184,7 @@ fn input_files_are_read_within_a_size_limit() {
 fn out_of_range_flags_are_refused_at_once_by_name() {
     // each would have panicked (a duration past `Duration::MAX`), run for ever, or waited a minute for ranks that
     // never come
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 10] = [
         (
             &["--storage-read-deadline", "1e300"],
             "--storage-read-deadline 1e300 must be a number of seconds in (0, 86400]",
@@ -1175,11 +1194,14 @@ fn out_of_range_flags_are_refused_at_once_by_name() {
             "--fault-latency-us 18446744073709551615 is not in [0, 60000000]",
         ),
         (&["--fault-hang-ms", "600001"], "--fault-hang-ms 600001 is not in [0, 600000]"),
-        (&["--tp-size", "100000"], "--tp-size 100000 is not in [1, 256]"),
+        (&["--tp-size", "100000"], "--tp-size × --pp-size 100000 is not in [1, 256]"),
+        (&["--tp-size", "16", "--pp-size", "32", "--layers", "64"], "--tp-size × --pp-size 512 is not in [1, 256]"),
+        (&["--pp-size", "0"], "--pp-size must be at least 1"),
+        (&["--pp-size", "9"], "--pp-size 9 has more stages than --layers 8"),
         (&["--max-parallel", "2000000"], "--max-parallel 2000000 is not in [1, 1048576]"),
         (
             &["--processes", "--process-rank", "5", "--process-dir", "/tmp", "--tp-size", "2"],
-            "--process-rank 5 is not a rank of --tp-size 2",
+            "--process-rank 5 is not a rank of --tp-size 2 × --pp-size 1",
         ),
         (&["--processes", "--process-rank", "1", "--tp-size", "2"], "--process-rank and --process-dir come together"),
     ];

@@ -103,19 +103,20 @@ fn redis_that_does_not_answer_and_a_path_off_the_mount_are_one_line_errors() {
 }
 
 #[test]
-fn replays_of_other_tp_sizes_read_the_unified_chunks_a_tp2_replay_stored_in_3fs() {
+fn replays_of_other_topologies_read_the_unified_chunks_a_tp2_replay_stored_in_3fs() {
     let (mount, redis) = (Mount::new(), RedisServer::start());
     let extra = serde_json::json!({"metadata_server_url": redis.url(), "file_size": "1GiB"}).to_string();
     let dir = mount.path().to_str().unwrap();
-    common::other_topologies_read_what_tp2_stored(|tp| {
+    common::other_topologies_read_what_tp2_stored(|topology| {
         let mut args = vec!["replay", "--backend", "3fs", "--dir", dir, "--extra-config", &extra, "--json"];
-        args.extend(common::UNIFIED);
-        args.extend(["--tp-size", tp, "--sync-storage"]);
+        args.extend(common::unified());
+        args.extend(topology);
+        args.push("--sync-storage");
         let output = hicache(&args);
-        assert!(output.status.success(), "TP{tp}: {}", String::from_utf8_lossy(&output.stderr));
+        assert!(output.status.success(), "{topology:?}: {}", String::from_utf8_lossy(&output.stderr));
         serde_json::from_slice(&output.stdout).unwrap()
     });
-    // one data file per chunk size (three layers, and the last chunk's two), whatever the topology
+    // one data file per chunk size (two layers, and the last chunk's one), whatever the topology
     let mut files: Vec<String> = std::fs::read_dir(mount.path())
         .unwrap()
         .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
@@ -123,7 +124,7 @@ fn replays_of_other_tp_sizes_read_the_unified_chunks_a_tp2_replay_stored_in_3fs(
         .collect();
     files.sort();
     assert!(
-        files.len() == 2 && files[0].ends_with("-chunk-L2.bin") && files[1].ends_with("-chunk-L3.bin"),
+        files.len() == 2 && files[0].ends_with("-chunk-L1.bin") && files[1].ends_with("-chunk-L2.bin"),
         "{files:?}"
     );
 }

@@ -307,18 +307,19 @@ fn the_benchmark_measures_hicache_next_to_the_official_client() {
 }
 
 #[test]
-fn replays_of_other_tp_sizes_read_the_unified_chunks_a_tp2_replay_stored() {
+fn replays_of_other_topologies_read_the_unified_chunks_a_tp2_replay_stored() {
     let master = Master::start();
     // a store node that outlives the replays holds the objects; the replays lend nothing
     let address = master.address();
     let mut keeper = spawn_ready("mooncake_keeper.py", &[address.as_str(), "268435456"]);
     let extra = extra_config(&master);
-    common::other_topologies_read_what_tp2_stored(|tp| {
+    common::other_topologies_read_what_tp2_stored(|topology| {
         let mut args = vec!["replay", "--backend", "mooncake", "--extra-config", &extra, "--json"];
-        args.extend(common::UNIFIED);
-        args.extend(["--tp-size", tp, "--sync-storage"]);
+        args.extend(common::unified());
+        args.extend(topology);
+        args.push("--sync-storage");
         let output = hicache(&args);
-        assert!(output.status.success(), "TP{tp}: {}", String::from_utf8_lossy(&output.stderr));
+        assert!(output.status.success(), "{topology:?}: {}", String::from_utf8_lossy(&output.stderr));
         serde_json::from_slice(&output.stdout).unwrap()
     });
     drop(keeper.stdin.take());

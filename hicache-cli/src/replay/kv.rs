@@ -1,8 +1,8 @@
 //! The KV bytes a replay writes and checks: every KV head of every item is a function of its token's page key (the
-//! whole prefix up to that page), its place in the page, the layer, the part and the model's index of the head. A
-//! prefill writes them; every load is checked against them, so a page that came back from the wrong slot, the wrong
-//! host page or the wrong storage object (another prefix, another rank's heads, another layer) shows, and replays
-//! of different TP sizes agree on every head's bytes.
+//! whole prefix up to that page), its place in the page, the model's index of the layer, the part and the model's
+//! index of the head. A prefill writes them; every load is checked against them, so a page that came back from the
+//! wrong slot, the wrong host page or the wrong storage object (another prefix, another rank's heads, another
+//! stage's layers) shows, and replays of different TP and PP sizes agree on every head's bytes.
 
 use hicache_core::DeviceSlot;
 use hicache_core::geometry::{Attention, KvGeometry, KvPart};
@@ -62,22 +62,30 @@ pub(crate) struct KvPattern {
     page_size: usize,
     /// The model's index of the pool's first KV head.
     first_head: usize,
+    /// The model's index of the pool's first layer (its pipeline stage's first).
+    first_layer: usize,
     /// Bytes of one head of an item (MLA: the whole latent).
     head_bytes: usize,
 }
 
 impl KvPattern {
-    pub(crate) fn new(map: DeviceLayoutMap, page_size: usize, first_head: usize) -> Self {
+    /// The pattern of a pool of `map`'s geometry whose first head and first layer are the model's `first`.
+    pub(crate) fn new(map: DeviceLayoutMap, page_size: usize, (first_head, first_layer): (usize, usize)) -> Self {
         let geometry = *map.geometry();
         let head_bytes = match geometry.attention {
             Attention::Mha { head_dim, .. } => head_dim * geometry.dtype.bytes(),
             Attention::Mla { .. } => geometry.item_bytes(),
         };
-        Self { geometry, page_size, first_head, head_bytes }
+        Self { geometry, page_size, first_head, first_layer, head_bytes }
     }
 
     fn place(&self, position: usize, layer: usize, part: KvPart) -> Place {
-        Place { offset: position % self.page_size, layer, part: part.index(), head: self.first_head }
+        Place {
+            offset: position % self.page_size,
+            layer: self.first_layer + layer,
+            part: part.index(),
+            head: self.first_head,
+        }
     }
 
     fn seed<'k>(&self, keys: &'k [PageKey], position: usize) -> &'k [u8; 32] {

@@ -190,6 +190,10 @@ pub(crate) struct ReplayArgs {
     /// whether they stayed in lockstep.
     #[arg(long, default_value_t = 1, value_name = "N")]
     tp_size: usize,
+    /// Pipeline stages, each holding a run of layers split as SGLang splits them (the last stages take one more when
+    /// they do not divide evenly), each with --tp-size ranks: --tp-size × --pp-size ranks in all, in lockstep.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pp_size: usize,
     /// Run each TP rank as a process of its own, as a served model does: with `--engine cuda` one GPU per rank
     /// (rank r on GPU r) agreeing through NCCL, with the CPU engine through a local socket. Needs a storage tier the
     /// processes share (not `memory`).
@@ -323,10 +327,10 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
         bar.finish_and_clear();
         return processes::run_rank(args, rank, dir, &storage);
     }
-    let outcomes = if args.tp_size == 1 {
+    let outcomes = if ranks(args) == 1 {
         vec![run_one(args, 0, &storage, RankGroup::Given(&mut SingleRank), &progress, metrics)?]
     } else {
-        let groups = InProcessGroup::new(args.tp_size, Duration::from_secs(60))?;
+        let groups = InProcessGroup::new(ranks(args), Duration::from_secs(60))?;
         std::thread::scope(|scope| {
             let handles: Vec<_> = groups
                 .into_iter()
@@ -352,7 +356,7 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
                 .collect();
             handles
                 .into_iter()
-                .map(|handle| handle.join().unwrap_or_else(|_| bail!("a TP rank panicked")))
+                .map(|handle| handle.join().unwrap_or_else(|_| bail!("a rank panicked")))
                 .collect::<anyhow::Result<Vec<_>>>()
         })?
     };
@@ -370,8 +374,37 @@ pub(crate) enum RankGroup<'a> {
     Nccl(hicache_cuda::NcclSettings),
 }
 
-/// The most TP ranks a replay runs (each a thread or a process with pools of its own).
-const MAX_TP_SIZE: u64 = 256;
+/// The most ranks (TP ranks × pipeline stages) a replay runs, each a thread or a process with pools of its own.
+const MAX_RANKS: u64 = 256;
+
+/// The ranks of the replay: --tp-size in each of --pp-size stages.
+pub(crate) fn ranks(args: &ReplayArgs) -> usize {
+    args.tp_size.saturating_mul(args.pp_size)
+}
+
+/// Where a rank sits: its TP rank within its stage, and its stage. Rank r is TP rank r mod --tp-size of stage
+/// r / --tp-size, so the ranks of stage 0 come first, as SGLang numbers them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Place {
+    /// The TP rank within the stage.
+    pub(crate) tp_rank: usize,
+    /// The pipeline stage.
+    pub(crate) stage: usize,
+}
+
+impl Place {
+    pub(crate) fn of(args: &ReplayArgs, rank: usize) -> Self {
+        Self { tp_rank: rank % args.tp_size, stage: rank / args.tp_size }
+    }
+}
+
+/// The first layer and the number of layers of pipeline stage `stage` of `stages` over `layers` layers, as SGLang's
+/// `get_pp_indices` splits them: `layers / stages` each, and one more for each of the last `layers % stages` stages.
+pub(crate) fn stage_layers(layers: usize, stages: usize, stage: usize) -> (usize, usize) {
+    let (base, remainder) = (layers / stages, layers % stages);
+    let plain = stages - remainder;
+    if stage >= plain { (stage * (base + 1) - plain, base + 1) } else { (stage * base, base) }
+}
 
 fn check(args: &ReplayArgs) -> anyhow::Result<()> {
     let usage = |message: String| -> anyhow::Result<()> { Err(Usage(message).into()) };
@@ -398,6 +431,7 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
         ("--kv-heads", args.kv_heads),
         ("--head-dim", args.head_dim),
         ("--tp-size", args.tp_size),
+        ("--pp-size", args.pp_size),
     ] {
         if value == 0 {
             return usage(format!("{name} must be at least 1"));
@@ -422,15 +456,18 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
         crate::backends::check_options(None, args.format, &args.network)?;
     }
     if let Some(rank) = args.process_rank
-        && rank >= args.tp_size
+        && rank >= ranks(args)
     {
-        return usage(format!("--process-rank {rank} is not a rank of --tp-size {}", args.tp_size));
+        return usage(format!(
+            "--process-rank {rank} is not a rank of --tp-size {} × --pp-size {}",
+            args.tp_size, args.pp_size
+        ));
     }
     if args.process_rank.is_some() != args.process_dir.is_some() {
         return usage("--process-rank and --process-dir come together (set by --processes)".into());
     }
     for (name, value, range) in [
-        ("--tp-size", args.tp_size as u64, 1..=MAX_TP_SIZE),
+        ("--tp-size × --pp-size", ranks(args) as u64, 1..=MAX_RANKS),
         ("--max-parallel", args.max_parallel as u64, 1..=1 << 20),
         ("--fault-latency-us", args.fault_latency_us, 0..=60_000_000),
         ("--fault-hang-ms", args.fault_hang_ms, 0..=600_000),
@@ -470,7 +507,12 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
     if args.kv_heads > args.tp_size && !args.kv_heads.is_multiple_of(args.tp_size) {
         return usage(format!("--kv-heads {} cannot be split over --tp-size {}", args.kv_heads, args.tp_size));
     }
-    let geometry = geometry(args).map_err(|error| Usage(format!("--layers, --kv-heads, --head-dim: {error}")))?;
+    if args.pp_size > args.layers {
+        return usage(format!("--pp-size {} has more stages than --layers {}", args.pp_size, args.layers));
+    }
+    // the last stage holds the most layers
+    let geometry = geometry(args, args.pp_size - 1)
+        .map_err(|error| Usage(format!("--layers, --kv-heads, --head-dim: {error}")))?;
     // each rank holds its pools and its copy of the workload (every conversation's tokens, as u32)
     let pools = crate::memory::product(&[(args.device_tokens as u64).saturating_add(args.host_tokens as u64), {
         geometry.bytes_per_token() as u64
@@ -482,16 +524,18 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
     let workload = conversation.and_then(|tokens| crate::memory::product(&[tokens, args.clients as u64, 4]));
     let per_rank = pools.zip(workload).and_then(|(pools, workload)| pools.checked_add(workload));
     crate::memory::require(
-        per_rank.and_then(|bytes| bytes.checked_mul(args.tp_size as u64)),
+        per_rank.and_then(|bytes| bytes.checked_mul(ranks(args) as u64)),
         "--clients, --rounds, --request-length, --output-length, --system-prompt, --device-tokens, --host-tokens, \
-         --layers, --kv-heads, --head-dim, --tp-size",
+         --layers, --kv-heads, --head-dim, --tp-size, --pp-size",
     )?;
     Ok(())
 }
 
-fn geometry(args: &ReplayArgs) -> anyhow::Result<KvGeometry> {
+/// The KV geometry of a rank of pipeline stage `stage`: its share of the heads, its stage's layers.
+pub(crate) fn geometry(args: &ReplayArgs, stage: usize) -> anyhow::Result<KvGeometry> {
     let heads = (args.kv_heads / args.tp_size).max(1);
-    Ok(KvGeometry::mha(args.layers, heads, args.head_dim, KvDtype::Bf16)?)
+    let (_, layers) = stage_layers(args.layers, args.pp_size, stage);
+    Ok(KvGeometry::mha(layers, heads, args.head_dim, KvDtype::Bf16)?)
 }
 
 /// What the flags say about the storage tier.
@@ -577,7 +621,7 @@ fn run_one(
     progress: &dyn Fn(u64),
     metrics: Option<&Metrics>,
 ) -> anyhow::Result<rank::RankOutcome> {
-    let geometry = geometry(args)?;
+    let geometry = geometry(args, Place::of(args, rank).stage)?;
     let page = args.page_size;
     let (device_pages, host_pages) = (args.device_tokens / page, args.host_tokens / page);
     let device_map = DeviceLayoutMap::new(geometry, device_pages * page)?;
@@ -629,13 +673,17 @@ fn run_on<E: device::ReplayEngine>(
     progress: &dyn Fn(u64),
     metrics: Option<&Metrics>,
 ) -> anyhow::Result<rank::RankOutcome> {
-    let geometry = geometry(args)?;
+    let place = Place::of(args, rank);
+    let geometry = geometry(args, place.stage)?;
+    let (first_layer, _) = stage_layers(args.layers, args.pp_size, place.stage);
     let page = args.page_size;
     let device_pages = args.device_tokens / page;
     let mut namespace = StorageNamespace::single_rank("hicache-replay", geometry, layout(args), page);
     namespace.head_groups = head_groups(args, &geometry)?;
-    namespace.tp_rank = rank;
+    namespace.tp_rank = place.tp_rank;
     namespace.tp_size = args.tp_size;
+    namespace.pp_rank = place.stage;
+    namespace.pp_size = args.pp_size;
     let open_tier = |namespace: &StorageNamespace| -> Result<Box<dyn StorageBackend>, hicache_core::Error> {
         match storage {
             SharedStorage::None => unreachable!("no tier is opened without one"),
@@ -657,7 +705,8 @@ fn run_on<E: device::ReplayEngine>(
             if layout(args) != HostLayout::PageUnified {
                 bail!(Usage(format!("the unified key scheme stores page-unified pages, not {}", layout(args).name())));
             }
-            let storage = Arc::new(backends::open_unified(&namespace, agreements, &open_tier)?);
+            let stage = (first_layer as u64, place.stage + 1 == args.pp_size);
+            let storage = Arc::new(backends::open_unified(&namespace, stage, agreements, &open_tier)?);
             unified = Some(storage.clone());
             Some(Box::new(storage))
         }
@@ -689,7 +738,7 @@ fn run_on<E: device::ReplayEngine>(
         prefetch_split: !args.fetch_whole_hits && !args.no_split,
         ..HiCacheConfig::default()
     };
-    let mut builder = HiCacheBuilder::new(config.clone(), engine).with_tp_rank(rank);
+    let mut builder = HiCacheBuilder::new(config.clone(), engine).with_tp_rank(place.tp_rank);
     if let Some(backend) = &backend {
         builder = builder.with_storage(backend.clone());
     }
@@ -717,7 +766,8 @@ fn run_on<E: device::ReplayEngine>(
         sync_storage: args.sync_storage,
         split: config.prefetch_split,
         // the heads are split over the ranks in order (each of too few heads held by several ranks)
-        first_head: rank * args.kv_heads / args.tp_size,
+        first_head: place.tp_rank * args.kv_heads / args.tp_size,
+        first_layer,
     };
     // the engine's allocator of device slots: the rank allocates its prefills from it and lends it to the tree
     let mut device = hicache_core::device_slots::PagedSlots::new(device_pages, page)?;
@@ -766,7 +816,7 @@ fn describe(args: &ReplayArgs, storage: &SharedStorage) -> String {
         },
     };
     format!(
-        "{} clients × {} rounds, +{} tokens per prompt, {} answer tokens, page {}, {} engine, {tier}, TP {}",
+        "{} clients × {} rounds, +{} tokens per prompt, {} answer tokens, page {}, {} engine, {tier}, TP {}{}",
         args.clients,
         args.rounds,
         args.request_length,
@@ -776,6 +826,50 @@ fn describe(args: &ReplayArgs, storage: &SharedStorage) -> String {
             EngineName::Cpu => "cpu",
             EngineName::Cuda => "cuda",
         },
-        args.tp_size
+        args.tp_size,
+        if args.pp_size > 1 { format!(" × PP {}", args.pp_size) } else { String::new() }
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::stage_layers;
+
+    /// SGLang's `get_pp_indices` (without `SGLANG_PP_LAYER_PARTITION`), line for line.
+    fn get_pp_indices(num_hidden_layers: usize, pp_rank: usize, pp_size: usize) -> (usize, usize) {
+        let base_layers = num_hidden_layers / pp_size;
+        let remainder = num_hidden_layers % pp_size;
+        if pp_rank >= pp_size - remainder {
+            let partitions_without_extra_layer = pp_size - remainder;
+            let start_layer = pp_rank * (base_layers + 1) - partitions_without_extra_layer;
+            (start_layer, start_layer + base_layers + 1)
+        } else {
+            let start_layer = pp_rank * base_layers;
+            (start_layer, start_layer + base_layers)
+        }
+    }
+
+    #[test]
+    fn eight_layers_over_three_stages_give_the_last_two_stages_one_more() {
+        let split: Vec<_> = (0..3).map(|stage| stage_layers(8, 3, stage)).collect();
+        assert_eq!(split, [(0, 2), (2, 3), (5, 3)]);
+    }
+
+    proptest! {
+        #[test]
+        fn stages_split_layers_as_sglang_does_and_tile_them((layers, stages) in (1usize..200).prop_flat_map(|layers| {
+            (Just(layers), 1..=layers)
+        })) {
+            let mut next = 0;
+            for stage in 0..stages {
+                let (first, count) = stage_layers(layers, stages, stage);
+                prop_assert_eq!((first, first + count), get_pp_indices(layers, stage, stages));
+                prop_assert!(first == next && count >= 1);
+                next = first + count;
+            }
+            prop_assert_eq!(next, layers);
+        }
+    }
 }

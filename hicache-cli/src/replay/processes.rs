@@ -35,7 +35,7 @@ pub(super) fn launch(args: &ReplayArgs, storage: &SharedStorage) -> anyhow::Resu
     let launcher = std::process::id();
     let program = std::env::current_exe().context("finding the hicache program")?;
     let mut children: Vec<Option<Child>> = Vec::new();
-    for rank in 0..args.tp_size {
+    for rank in 0..super::ranks(args) {
         let mut command = Command::new(&program);
         // SAFETY: between fork and exec the closure makes only async-signal-safe calls (prctl, getppid). The
         // parent-death signal follows the thread that forked, this (the launcher's main) thread, which outlives
@@ -83,7 +83,7 @@ pub(super) fn launch(args: &ReplayArgs, storage: &SharedStorage) -> anyhow::Resu
                 Some(status) => {
                     children[rank] = None;
                     stop(&mut children);
-                    bail!("TP rank {rank} (a process of its own) failed ({status}); its error is above");
+                    bail!("rank {rank} (a process of its own) failed ({status}); its error is above");
                 }
             }
         }
@@ -92,7 +92,7 @@ pub(super) fn launch(args: &ReplayArgs, storage: &SharedStorage) -> anyhow::Resu
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    let outcomes = (0..args.tp_size)
+    let outcomes = (0..super::ranks(args))
         .map(|rank| {
             let path = outcome_path(meeting.path(), rank);
             let text = std::fs::read(&path).with_context(|| format!("reading rank {rank}'s outcome"))?;
@@ -126,14 +126,14 @@ pub(super) fn run_rank(args: &ReplayArgs, rank: usize, dir: &Path, storage: &Sha
     let outcome = match args.engine {
         EngineName::Cpu => {
             let path = dir.join("collective.sock");
-            let mut group = super::socket_group::SocketGroup::join(rank, args.tp_size, &path, DEADLINE)?;
+            let mut group = super::socket_group::SocketGroup::join(rank, super::ranks(args), &path, DEADLINE)?;
             super::run_one(args, rank, storage, RankGroup::Given(&mut group), &nothing, None)?
         }
         #[cfg(feature = "cuda")]
         EngineName::Cuda => {
             let settings = hicache_cuda::NcclSettings {
                 rank,
-                world_size: args.tp_size,
+                world_size: super::ranks(args),
                 bootstrap: hicache_cuda::Bootstrap::File(dir.join("nccl.id")),
                 deadline: DEADLINE,
             };

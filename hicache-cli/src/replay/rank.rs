@@ -196,6 +196,8 @@ pub(crate) struct LoopSpec {
     pub(crate) split: bool,
     /// The model's index of this rank's first KV head (the KV bytes are a function of the global head).
     pub(crate) first_head: usize,
+    /// The model's index of this rank's first layer (its pipeline stage's first).
+    pub(crate) first_layer: usize,
 }
 
 struct Waiting {
@@ -247,7 +249,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
 ) -> anyhow::Result<RankOutcome> {
     let page = tree.page_size();
     let page_bytes = (tree.controller().engine().pool_map().geometry().bytes_per_token() * page) as u64;
-    let pattern = KvPattern::new(tree.controller().engine().pool_map(), page, spec.first_head);
+    let pattern = KvPattern::new(tree.controller().engine().pool_map(), page, (spec.first_head, spec.first_layer));
     let layers = pattern_layers(tree);
     let mut hasher = PageHasher::new();
     let mut outcome = RankOutcome { rounds: vec![Tally::default(); workload.spec.rounds], ..RankOutcome::default() };

@@ -92,6 +92,7 @@ struct Parameters {
     decode_ms_per_token: f64,
     sync_storage: bool,
     tp_size: usize,
+    pp_size: usize,
     fault_fail_rate: f64,
     fault_corrupt_rate: f64,
     fault_latency_us: u64,
@@ -134,6 +135,7 @@ fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
         decode_ms_per_token: args.decode_ms_per_token,
         sync_storage: args.sync_storage,
         tp_size: args.tp_size,
+        pp_size: args.pp_size,
         fault_fail_rate: args.fault_fail_rate,
         fault_corrupt_rate: args.fault_corrupt_rate,
         fault_latency_us: args.fault_latency_us,
@@ -188,7 +190,9 @@ struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     bytes_per_copy: Option<CopySizes>,
     tp_size: usize,
-    /// Whether each TP rank ran as a process of its own (`--processes`).
+    /// Pipeline stages, each of `tp_size` ranks.
+    pp_size: usize,
+    /// Whether each rank ran as a process of its own (`--processes`).
     processes: bool,
     lockstep: bool,
     /// Rank 0's digest of its decisions (the tree's host page states after every tick, every prefetch's fetched
@@ -270,7 +274,7 @@ fn round_report(round: Option<usize>, tally: &Tally) -> RoundReport {
 pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcome]) -> anyhow::Result<()> {
     let first = &outcomes[0];
     let lockstep = outcomes.iter().all(|outcome| outcome.digest == first.digest);
-    let page_bytes = (super::geometry(args)?.bytes_per_token() * args.page_size) as u64;
+    let page_bytes = (super::geometry(args, 0)?.bytes_per_token() * args.page_size) as u64;
     let bytes = Paths {
         device_to_host: first.pages_device_to_host * page_bytes,
         host_to_device: first.pages_host_to_device * page_bytes,
@@ -332,7 +336,7 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
         }),
         tree: first.tree.clone(),
         bytes_per_copy: {
-            let item = super::geometry(args)?.item_bytes() as f64;
+            let item = super::geometry(args, 0)?.item_bytes() as f64;
             let per = |items: u64, runs: u64| items as f64 * item / runs.max(1) as f64;
             first.copies.map(|copies| CopySizes {
                 device_to_host: per(copies.write_items, copies.write_runs),
@@ -340,6 +344,7 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
             })
         },
         tp_size: args.tp_size,
+        pp_size: args.pp_size,
         processes: args.processes,
         lockstep,
         decision_digest: format!("{:016x}", first.digest),
@@ -355,7 +360,7 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
         bail!("verification failed: {mismatch}");
     }
     if !lockstep {
-        bail!("the TP ranks diverged: their decisions differ");
+        bail!("the ranks diverged: their decisions differ");
     }
     Ok(())
 }
@@ -472,10 +477,11 @@ fn print_text(description: &str, report: &Report) {
         );
     }
     println!("page operations: {:.0} per second", report.page_ops_per_s);
-    if report.tp_size > 1 {
+    if report.tp_size * report.pp_size > 1 {
         println!(
-            "TP ranks: {} ({}) in lockstep: {}",
+            "ranks: {} TP × {} PP ({}) in lockstep: {}",
             report.tp_size,
+            report.pp_size,
             if report.processes { "processes" } else { "threads" },
             if report.lockstep { "yes" } else { "NO" }
         );
