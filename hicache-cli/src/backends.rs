@@ -8,6 +8,7 @@ use clap::ValueEnum;
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use hicache_core::extra_config::{UnifiedAgreements, take_shared, throttled};
 use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::l3_layout::L3Layout;
 use hicache_core::storage::tiers::{self, TierEntry, TierFields};
 use hicache_core::storage::{StorageBackend, UnifiedStorage};
 use hicache_core::unified_keys::{UnifiedRank, plan};
@@ -42,6 +43,11 @@ impl PartialEq for BackendName {
 impl Eq for BackendName {}
 
 impl BackendName {
+    /// The tier's entry in the table.
+    pub(crate) fn entry(self) -> &'static TierEntry {
+        self.0
+    }
+
     /// The tier named `name` (or an alias).
     ///
     /// # Errors
@@ -333,19 +339,41 @@ pub(crate) fn settings(name: BackendName, options: &BackendOptions) -> anyhow::R
     Ok(TierSettings { fields, throttle_read_bytes_per_s: shared.throttle_read_bytes_per_s, unified: shared.unified })
 }
 
-/// Opens `name` for `namespace` with its [`settings`].
+/// Opens `name` for `namespace` (whose pipeline stage starts at the model's layer `first_layer`) with its
+/// [`settings`].
 pub(crate) fn open(
     name: BackendName,
     namespace: &StorageNamespace,
+    first_layer: u64,
     options: &BackendOptions,
 ) -> anyhow::Result<Box<dyn StorageBackend>> {
     let settings = settings(name, options)?;
     let open = |namespace: &StorageNamespace| open_tier(name, &settings, namespace);
     match settings.unified {
         None => Ok(open(namespace)?),
-        // one stage holding every layer
-        Some(agreements) => Ok(Box::new(open_unified(namespace, (0, true), agreements, &open)?)),
+        Some(agreements) => {
+            let stage = (first_layer, namespace.pp_rank + 1 == namespace.pp_size);
+            Ok(Box::new(open_unified(namespace, stage, agreements, &open)?))
+        }
     }
+}
+
+/// The L3 key layout of the stage of `namespace` (every TP rank of it; its first layer the model's `first_layer`)
+/// on `name` with its [`settings`], for routers ([`L3Layout::describe`]). Nothing is opened.
+///
+/// # Errors
+///
+/// [`Usage`] naming the setting or the unified plan's field at fault.
+pub(crate) fn l3_layout(
+    name: BackendName,
+    namespace: &StorageNamespace,
+    first_layer: u64,
+    options: &BackendOptions,
+) -> anyhow::Result<L3Layout> {
+    let settings = settings(name, options)?;
+    let stage = (first_layer, namespace.pp_rank + 1 == namespace.pp_size);
+    L3Layout::describe(name.0, &settings.fields, namespace, settings.unified.map(|agreements| (agreements, stage)))
+        .map_err(|error| Usage(format!("the L3 layout: {error}")).into())
 }
 
 /// Opens `name` for `namespace` with `settings` as it is, held to its throttle (a chunk namespace's tier, under the

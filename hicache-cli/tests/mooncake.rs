@@ -259,13 +259,8 @@ fn the_benchmark_measures_hicache_next_to_the_official_client() {
     command
         .args(["bench", "storage", "--backend", "mooncake", "--extra-config", &extra])
         .args(["--pages", "16", "--page-bytes", "131072", "--batch", "8", "--rounds", "2", "--json"])
-        .env("MOONCAKE_STORE_LIBRARY", store_library())
-        .env("PYTHONPATH", python_path());
-    let shim = unpack_dir().join("no-device-cuda-shim");
-    if shim.is_dir() {
-        command.env("LD_LIBRARY_PATH", shim);
-    }
-    let output = command.output().unwrap();
+        .env("MOONCAKE_STORE_LIBRARY", store_library());
+    let output = with_official_client(&mut command).output().unwrap();
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let figure: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     for field in [
@@ -322,6 +317,98 @@ fn replays_of_other_topologies_read_the_unified_chunks_a_tp2_replay_stored() {
         assert!(output.status.success(), "{topology:?}: {}", String::from_utf8_lossy(&output.stderr));
         serde_json::from_slice(&output.stdout).unwrap()
     });
+    drop(keeper.stdin.take());
+    keeper.wait().unwrap();
+}
+
+/// `command` with Mooncake's official Python client on its path, and on a machine without the CUDA driver the
+/// no-device stand-in on its loader's path.
+fn with_official_client(command: &mut Command) -> &mut Command {
+    command.env("PYTHONPATH", python_path());
+    let shim = unpack_dir().join("no-device-cuda-shim");
+    if shim.is_dir() {
+        command.env("LD_LIBRARY_PATH", shim);
+    }
+    command
+}
+
+/// Runs the router of `tests/data/route_by_layout.py` on `layout` for `hashes`: per page, objects present and in all.
+fn route(master: &Master, layout: &str, hashes: &[String]) -> Vec<(u64, u64)> {
+    let mut command = Command::new("python3");
+    command
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/route_by_layout.py"))
+        .args([master.address().as_str(), layout])
+        .args(hashes);
+    let output = with_official_client(&mut command).output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+#[test]
+fn a_router_finds_the_stored_pages_from_the_layout_alone() {
+    let master = Master::start();
+    // a store node that outlives the store commands holds the objects
+    let address = master.address();
+    let mut keeper = spawn_ready("mooncake_keeper.py", &[address.as_str(), "268435456"]);
+    let work = tempfile::tempdir().unwrap();
+    let extra = |more: serde_json::Value| {
+        let mut extra: serde_json::Value = serde_json::from_str(&extra_config(&master)).unwrap();
+        extra.as_object_mut().unwrap().extend(more.as_object().unwrap().clone());
+        extra.to_string()
+    };
+    // three layers, two KV heads of 64 per rank, 16-token pages of bf16: 24 KiB (MLA 64 + 32: 9 KiB)
+    let mha = ["--layers", "3", "--kv-heads", "2", "--head-dim", "64", "--page-size", "16", "--tp-size", "2"];
+    let mla = ["--layers", "3", "--mla", "--kv-lora-rank", "64", "--rope-dim", "32", "--page-size", "16"];
+    let cases: [(&str, String, Vec<&str>, usize); 3] = [
+        ("native keys, TP2", extra(serde_json::json!({})), [&mha[..], &["--layout", "page-first"]].concat(), 24576),
+        (
+            "SGLang 0.5.23 keys, MLA, the second of two stages",
+            extra(serde_json::json!({"key_scheme": "sglang", "extra_backend_tag": "blue"})),
+            [&mla[..], &["--layout", "page-first", "--pp-size", "2", "--pp-rank", "1", "--tp-size", "2"]].concat(),
+            9216,
+        ),
+        (
+            "unified keys, TP2, chunks of one head by two layers",
+            extra(serde_json::json!({"key_scheme": "unified", "head_group": 1, "layer_partition": 2})),
+            [&mha[..], &["--layout", "page-unified"]].concat(),
+            24576,
+        ),
+    ];
+    for (case, extra, flags, page_bytes) in cases {
+        let target =
+            [&["--backend", "mooncake", "--extra-config", &extra, "--model", "org/Model-7B"][..], &flags].concat();
+        let hashes: Vec<String> =
+            (0..4).map(|_| (0..4).map(|_| format!("{:016x}", rand::random::<u64>())).collect()).collect();
+        // pages 0 and 1 stored by both ranks, page 2 by rank 0 only, page 3 never
+        for (rank, pages) in [("0", &hashes[..3]), ("1", &hashes[..2])] {
+            let input = work.path().join(format!("pages-{rank}.bin"));
+            let bytes: Vec<u8> = (0..pages.len() * page_bytes).map(|_| rand::random::<u8>()).collect();
+            std::fs::write(&input, bytes).unwrap();
+            let mut put =
+                [&["store", "put"][..], &target, &["--tp-rank", rank, "--in", input.to_str().unwrap()]].concat();
+            for hash in pages {
+                put.extend(["--key", hash.as_str()]);
+            }
+            let output = hicache(&put);
+            assert!(output.status.success(), "{case}: {}", String::from_utf8_lossy(&output.stderr));
+        }
+        let output = hicache(&[&["store", "layout", "--json"][..], &target].concat());
+        assert!(output.status.success(), "{case}: {}", String::from_utf8_lossy(&output.stderr));
+        let layout = String::from_utf8(output.stdout).unwrap();
+        let found = route(&master, &layout, &hashes);
+        let objects = found[0].1;
+        assert!(objects > 0 && found.iter().all(|&(_, all)| all == objects), "{case}: {found:?}\n{layout}");
+        assert_eq!(found[0], (objects, objects), "{case}: {layout}");
+        assert_eq!(found[1], (objects, objects), "{case}: {layout}");
+        assert_eq!(found[3].0, 0, "{case}: a page never stored has objects: {layout}");
+        if case.contains("MLA") {
+            // one object per page, the same on every rank: rank 0's alone is the whole page
+            assert_eq!((objects, found[2].0), (1, 1), "{case}: {layout}");
+        } else {
+            // rank 1's objects are missing: the router sees the page as absent
+            assert!(found[2].0 > 0 && found[2].0 < objects, "{case}: {found:?}\n{layout}");
+        }
+    }
     drop(keeper.stdin.take());
     keeper.wait().unwrap();
 }

@@ -14,6 +14,7 @@ use std::sync::{Arc, RwLock};
 use hicache_core::hash::PageKey;
 use hicache_core::host_memory::MemoryRegion;
 use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::l3_layout::L3Layout;
 use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, StorageBackend};
 use hicache_storage_file::FileConfig;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -107,6 +108,11 @@ impl PySettings {
                 )));
             }
             let stage = (description.start_layer.unwrap_or(0) as u64, rank.pp_rank + 1 == rank.pp_size);
+            let settings = &self.settings;
+            let unified = settings.unified.map(|agreements| (agreements, stage));
+            let layout =
+                L3Layout::describe(settings.tier, &settings.fields, &namespace, unified).map_err(guard::to_py)?;
+            let l3_layout = serde_json::to_string(&layout).map_err(|error| PyValueError::new_err(error.to_string()))?;
             let storage = py.detach(|| self.open_rank(&namespace, stage))?;
             // SAFETY: the buffer is `keepalive`'s, which `Open` holds until after it unregisters the region.
             let region =
@@ -119,6 +125,7 @@ impl PySettings {
                 name,
                 page_bytes,
                 writer: rank.writer,
+                l3_layout,
             })
         })
     }
@@ -184,6 +191,8 @@ pub(crate) struct Backend {
     name: String,
     page_bytes: usize,
     writer: bool,
+    /// The L3 key layout of this rank's stage (every TP rank of it), JSON in SGLang's shape.
+    l3_layout: String,
 }
 
 impl Backend {
@@ -211,6 +220,13 @@ impl Backend {
     #[getter]
     fn writer(&self) -> bool {
         self.writer
+    }
+
+    /// The key layout a router outside the engine needs to find this stage's pages in the store (every TP rank's
+    /// objects), JSON in the shape of SGLang's `describe_l3_object_layout`.
+    #[getter]
+    fn l3_layout(&self) -> &str {
+        &self.l3_layout
     }
 
     /// How many of `keys`, from the first, are stored.

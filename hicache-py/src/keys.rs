@@ -4,6 +4,7 @@
 use std::str::FromStr;
 
 use hicache_core::hash::{PageHasher, PageKey, PartialPage, namespace_seed as seed};
+use hicache_core::storage::l3_layout::{self, L3Layout};
 use hicache_core::unified_keys::{UnifiedRank, plan};
 use pyo3::exceptions::PyNotImplementedError;
 use pyo3::exceptions::PyValueError;
@@ -52,6 +53,17 @@ pub(crate) fn page_keys(
 #[pyo3(signature = (extra_key = None, cache_salt = None))]
 pub(crate) fn namespace_seed(extra_key: Option<&str>, cache_salt: Option<&str>) -> PyResult<Option<String>> {
     guard::run(|| Ok(seed(extra_key, cache_salt).map(|key| key.to_hex())))
+}
+
+/// SGLang's `merge_l3_layouts`: the L3 layouts of several schedulers (JSON of a list, `null` for one that gave
+/// none) as one (JSON; `null` when none gave one). Raises `ValueError` naming what is not a layout.
+#[pyfunction]
+pub(crate) fn merge_l3_layouts(layouts: &str) -> PyResult<String> {
+    guard::run(|| {
+        let layouts: Vec<Option<L3Layout>> = serde_json::from_str(layouts)
+            .map_err(|error| PyValueError::new_err(format!("hicache: L3 layouts: {error}")))?;
+        serde_json::to_string(&l3_layout::merge(&layouts)).map_err(|error| PyValueError::new_err(error.to_string()))
+    })
 }
 
 /// One rank's plan under SGLang's unified L3 key scheme (`rank`: JSON of the arguments of SGLang's

@@ -43,6 +43,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(keys::page_keys, module)?)?;
     module.add_function(wrap_pyfunction!(keys::namespace_seed, module)?)?;
     module.add_function(wrap_pyfunction!(keys::unified_plan, module)?)?;
+    module.add_function(wrap_pyfunction!(keys::merge_l3_layouts, module)?)?;
     module.add_function(wrap_pyfunction!(panic_is_caught, module)?)?;
     module.add_class::<backend::PySettings>()?;
     module.add_class::<backend::Backend>()?;

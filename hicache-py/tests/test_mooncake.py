@@ -6,16 +6,19 @@ Needs what `cargo xtask mooncake` unpacks under `target/mooncake/` (`cargo xtask
 """
 
 import ctypes
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import unittest
 
 import support
 import torch
 
+import hicache
 from hicache.sglang import HiCacheStorage
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -23,6 +26,10 @@ UNPACKED = os.path.join(ROOT, "target", "mooncake")
 MASTER = os.environ.get("HICACHE_MOONCAKE_MASTER_BIN") or os.path.join(UNPACKED, "official/lib/mooncake/mooncake_master")
 LIBRARY = os.environ.get("MOONCAKE_STORE_LIBRARY") or os.path.join(UNPACKED, "store/lib/mooncake/libmooncake_store.so")
 SHIM = os.path.join(UNPACKED, "no-device-cuda-shim", "libcuda.so.1")
+# Mooncake's official Python client (`mooncake.store`), which SGLang's own MooncakeStore imports
+# whether the no-device stand-in of libcuda.so.1 is needed (no CUDA driver here)
+NEEDS_SHIM = False
+OFFICIAL = os.environ.get("HICACHE_MOONCAKE_PYTHONPATH") or os.path.join(UNPACKED, "official", "lib")
 
 
 def setUpModule():
@@ -32,11 +39,13 @@ def setUpModule():
         if os.environ.get("CI") == "true":
             raise RuntimeError(message)
         raise unittest.SkipTest(message)
+    global NEEDS_SHIM
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
         # no CUDA driver here: the store library's need for libcuda.so.1 is met by the no-device stand-in
         ctypes.CDLL(SHIM, mode=ctypes.RTLD_GLOBAL)
+        NEEDS_SHIM = True
 
 
 def free_port():
@@ -126,6 +135,52 @@ class MooncakeTier(unittest.TestCase):
                     backend.clear()
                     self.assertEqual(backend.batch_exists(keys), 0)
                     backend.close()
+
+    def test_the_layout_for_routers_is_the_one_sglangs_own_mooncake_store_gives(self):
+        # SGLang's own MooncakeStore, on the same master through Mooncake's official client (in a process of its
+        # own: that client and the store library hicache loads cannot share one), describes its MLA stages for
+        # routers; hicache storing under SGLang's keys describes the same objects and joins the stages as SGLang does
+        spec = {"master": f"127.0.0.1:{self.master.port}", "extra_backend_tag": "blue", "official": OFFICIAL}
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+        if NEEDS_SHIM:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join([os.path.dirname(SHIM), os.environ.get("LD_LIBRARY_PATH", "")])
+        done = subprocess.run(
+            [sys.executable, os.path.join(here, "sglang_mooncake_layout.py"), json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        self.assertEqual(done.returncode, 0, done.stderr[-4000:])
+        theirs = json.loads(done.stdout.strip().splitlines()[-1])
+        extra = self.extra(key_scheme="sglang", extra_backend_tag="blue")
+        ours = []
+        for stage in range(2):
+            for tp_rank in range(2):
+                pool = support.mla_pool("page_first")
+                backend = HiCacheStorage(support.storage_config(extra, mla=True, tp_rank=tp_rank, tp_size=2, pp=(stage, 2)), {})
+                backend.register_mem_pool_host(pool)
+                ours.append(
+                    backend.describe_l3_object_layout(sidecar_pool_specs=(), swa_trailing_pages=None, page_size=pool.page_size)
+                )
+                backend.close()
+                self.assertTrue(ours[-1]["enabled"])
+                self.assertEqual(ours[-1], theirs["mla"][stage * 2 + tp_rank], f"stage {stage}, rank {tp_rank}")
+        merged = hicache.merge_l3_layouts(ours)
+        self.assertEqual(merged, theirs["merged"])
+        self.assertEqual([pool["suffixes"] for pool in merged["hicache_object_layout"]["pools"]], [["_0_k"], ["_1_k"]])
+        # MHA: SGLang serves no layout (one scheduler cannot list the other ranks' keys); hicache lists every rank's,
+        # as SGLang's own key builder names them on each rank
+        self.assertEqual([rank["enabled"] for rank in theirs["mha"]], [False, False])
+        for tp_rank in range(2):
+            backend = HiCacheStorage(support.storage_config(extra, tp_rank=tp_rank, tp_size=2), {})
+            backend.register_mem_pool_host(support.mha_pool("page_first"))
+            layout = backend.describe_l3_object_layout(page_size=16)
+            backend.close()
+            self.assertEqual(
+                layout["hicache_object_layout"]["pools"][0]["suffixes"], theirs["mha"][0]["keys"] + theirs["mha"][1]["keys"]
+            )
 
     def test_a_master_that_is_not_there_is_an_error_at_registration(self):
         backend = HiCacheStorage(

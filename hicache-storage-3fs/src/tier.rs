@@ -39,6 +39,7 @@ pub const HF3FS_TIER: TierEntry = TierEntry {
     keys: &crate::config::KEYS,
     check,
     open,
+    objects: None,
 };
 
 inventory::submit!(HF3FS_TIER);

@@ -104,6 +104,7 @@ pub const FILE_TIER: TierEntry = TierEntry {
     keys: &["dir", "file_storage_path", "format", "capacity", "io_threads", "direct_io", "read_only"],
     check,
     open,
+    objects: None,
 };
 
 inventory::submit!(FILE_TIER);

@@ -17,6 +17,7 @@
 use hicache_core::Error;
 use hicache_core::hash::PageKey;
 use hicache_core::namespace::{ObjectPart, StorageNamespace, native_key_with_digest};
+use hicache_core::storage::l3_layout::PageObjects;
 
 /// The SGLang release whose Mooncake keys are used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,6 +146,11 @@ impl KeyRenderer {
         Ok(Self { before, suffixes, pattern })
     }
 
+    /// How a page's objects are named, for a router: the prefix before `_` and the hash, and the suffixes.
+    pub(crate) fn page_objects(&self) -> PageObjects {
+        PageObjects { key_prefix: self.before.strip_suffix('_').map(str::to_owned), suffixes: self.suffixes.clone() }
+    }
+
     /// Objects per page.
     pub(crate) fn parts(&self) -> usize {
         self.suffixes.len()
@@ -238,6 +244,32 @@ mod tests {
                 vec![ns.native_key(&key, ObjectPart::K), ns.native_key(&key, ObjectPart::V)]
             };
             assert_eq!(keys(&KeyScheme::Native, &ns, &key), expected);
+        }
+    }
+
+    #[test]
+    fn a_router_rebuilds_every_object_key_from_the_page_objects() {
+        let key = page_key(None, &[4, 5]);
+        let schemes = [
+            KeyScheme::Native,
+            KeyScheme::Sglang { release: SglangRelease::V0_5_2, tag: None },
+            KeyScheme::Sglang { release: SglangRelease::V0_5_23, tag: None },
+            KeyScheme::Sglang { release: SglangRelease::V0_5_23, tag: Some("blue".into()) },
+        ];
+        for scheme in &schemes {
+            for (mla, rank, pp) in [(false, 2, (0, 1)), (true, 1, (0, 1)), (false, 3, (1, 2)), (true, 0, (1, 2))] {
+                let Ok(renderer) = KeyRenderer::new(scheme, &namespace(mla, rank, pp)) else { continue };
+                let objects = renderer.page_objects();
+                let rebuilt: Vec<String> = objects
+                    .suffixes
+                    .iter()
+                    .map(|suffix| match &objects.key_prefix {
+                        Some(prefix) => format!("{prefix}_{key}{suffix}"),
+                        None => format!("{key}{suffix}"),
+                    })
+                    .collect();
+                assert_eq!(rebuilt, keys(scheme, &namespace(mla, rank, pp), &key), "{scheme:?} mla={mla}");
+            }
         }
     }
 

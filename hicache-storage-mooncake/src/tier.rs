@@ -5,8 +5,10 @@ use hicache_core::Error;
 use hicache_core::extra_config::ConfigError;
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::StorageBackend;
+use hicache_core::storage::l3_layout::PageObjects;
 use hicache_core::storage::tiers::{self, TierEntry, TierFields};
 
+use crate::keys::KeyRenderer;
 use crate::{MooncakeConfig, MooncakeStorage};
 
 fn check(fields: &TierFields) -> Result<(), ConfigError> {
@@ -15,6 +17,12 @@ fn check(fields: &TierFields) -> Result<(), ConfigError> {
 
 fn open(fields: &TierFields, namespace: &StorageNamespace) -> Result<Box<dyn StorageBackend>, Error> {
     Ok(Box::new(MooncakeStorage::open(MooncakeConfig::from_fields(fields)?, namespace)?))
+}
+
+/// The names of a namespace's objects under the settings' key scheme (nothing is opened).
+fn objects(fields: &TierFields, namespace: &StorageNamespace) -> Result<PageObjects, Error> {
+    let config = MooncakeConfig::from_fields(fields)?;
+    Ok(KeyRenderer::new(&config.scheme, namespace)?.page_objects())
 }
 
 /// Mooncake Store in the table of tiers.
@@ -41,6 +49,7 @@ pub const MOONCAKE_TIER: TierEntry = TierEntry {
     ],
     check,
     open,
+    objects: Some(objects),
 };
 
 inventory::submit!(MOONCAKE_TIER);

@@ -66,6 +66,7 @@ pub const NIXL_TIER: TierEntry = TierEntry {
     keys: &["dir", "plugin", "plugin_params", "lib_dir", "max_open_files", "max_registered_regions"],
     check,
     open,
+    objects: None,
 };
 
 inventory::submit!(NIXL_TIER);

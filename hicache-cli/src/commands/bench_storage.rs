@@ -201,7 +201,7 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
     let private = crate::cleanup::TempFolder::new_in(&dir, ".hicache-bench-")?;
     options.dir = Some(private.path().to_owned());
     let namespace = namespace(args.page_bytes)?;
-    let backend = backends::open(args.backend, &namespace, &options)?;
+    let backend = backends::open(args.backend, &namespace, 0, &options)?;
     if args.via == Via::Controller {
         return via_controller(args, backend.into(), &namespace, &dir);
     }

@@ -41,6 +41,9 @@ pub(crate) enum StoreCommand {
     Clear(TargetArgs),
     /// The backend, the namespace, and how many pages and bytes it holds.
     Stat(TargetArgs),
+    /// The key layout a router outside the engine needs to find this stage's pages in the store (every TP rank's
+    /// objects), as SGLang serves it at /get_hicache_l3_cache_layout; nothing is opened.
+    Layout(TargetArgs),
 }
 
 /// KV dtypes by name.
@@ -89,6 +92,15 @@ pub(crate) struct TargetArgs {
     /// Attention TP size.
     #[arg(long, default_value_t = 1, value_name = "S")]
     tp_size: usize,
+    /// Pipeline stage.
+    #[arg(long, default_value_t = 0, value_name = "R")]
+    pp_rank: usize,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 1, value_name = "S")]
+    pp_size: usize,
+    /// The model's index of this stage's first layer (the unified key scheme names chunks by absolute layers).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    start_layer: u64,
     /// An MLA model (keys shared by every rank): the geometry is --layers × (--kv-lora-rank + --rope-dim).
     #[arg(long)]
     mla: bool,
@@ -209,6 +221,7 @@ pub(crate) fn run(command: &StoreCommand) -> anyhow::Result<()> {
         StoreCommand::Rm(args) => rm(args),
         StoreCommand::Clear(args) => clear(args),
         StoreCommand::Stat(args) => stat(args),
+        StoreCommand::Layout(args) => layout(args),
     }
 }
 
@@ -223,7 +236,33 @@ enum Mode {
     Write,
 }
 
+/// A backend and namespace the flags name, not opened yet.
+struct Target {
+    backend: BackendName,
+    namespace: StorageNamespace,
+    options: BackendOptions,
+    page_bytes: usize,
+}
+
 fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
+    let Target { backend, namespace, options, page_bytes } = target(args, mode)?;
+    let file_like = backend.is("file") || backend.is("nixl");
+    if file_like && mode != Mode::Write {
+        let dir = backends::dir_of(backend, &options);
+        if !dir.is_dir() {
+            bail!(Usage(format!("the storage directory {} does not exist (--dir)", dir.display())));
+        }
+    }
+    let opened = backends::open(backend, &namespace, args.start_layer, &options)?;
+    let description = if file_like {
+        format!("{} backend in {}", opened.name(), backends::dir_of(backend, &options).display())
+    } else {
+        format!("{} backend", backend.name())
+    };
+    Ok(Opened { backend: opened, namespace, page_bytes, description })
+}
+
+fn target(args: &TargetArgs, mode: Mode) -> anyhow::Result<Target> {
     let config = match &args.config {
         Some(path) => {
             let text = crate::input::read_text(Some(path), "config", crate::input::CONFIG_LIMIT)?;
@@ -265,6 +304,8 @@ fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
     let mut namespace = StorageNamespace::single_rank(model, geometry, layout, page_size);
     namespace.tp_rank = args.tp_rank;
     namespace.tp_size = args.tp_size;
+    namespace.pp_rank = args.pp_rank;
+    namespace.pp_size = args.pp_size;
     let mut namespace = namespace.validated()?;
     let page_bytes = geometry.bytes_per_page(page_size);
     if let Some(given) = args.page_bytes
@@ -302,21 +343,7 @@ fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
         .head_groups(&geometry)
         .map_err(|error| Usage(format!("the page's head groups: {error}")))?;
     namespace.head_groups = head_groups;
-    let namespace = namespace;
-    let file_like = backend.is("file") || backend.is("nixl");
-    if file_like && mode != Mode::Write {
-        let dir = backends::dir_of(backend, &options);
-        if !dir.is_dir() {
-            bail!(Usage(format!("the storage directory {} does not exist (--dir)", dir.display())));
-        }
-    }
-    let opened = backends::open(backend, &namespace, &options)?;
-    let description = if file_like {
-        format!("{} backend in {}", opened.name(), backends::dir_of(backend, &options).display())
-    } else {
-        format!("{} backend", backend.name())
-    };
-    Ok(Opened { backend: opened, namespace, page_bytes, description })
+    Ok(Target { backend, namespace, options, page_bytes })
 }
 
 fn keys(args: &KeysArgs, page_size: usize) -> anyhow::Result<Vec<PageKey>> {
@@ -553,6 +580,41 @@ fn stat(args: &TargetArgs) -> anyhow::Result<()> {
     match (stat.pages, stat.bytes) {
         (Some(pages), Some(bytes)) => println!("pages: {pages} ({bytes} bytes in storage)"),
         _ => println!("pages: not countable (the {} backend cannot enumerate its pages)", opened.backend.name()),
+    }
+    Ok(())
+}
+
+fn layout(args: &TargetArgs) -> anyhow::Result<()> {
+    let Target { backend, namespace, options, .. } = target(args, Mode::Inspect)?;
+    let layout = backends::l3_layout(backend, &namespace, args.start_layer, &options)?;
+    if args.json {
+        return print_json(&layout);
+    }
+    println!("backend: {}", layout.backend.as_deref().unwrap_or("none"));
+    let objects = &layout.hicache_object_layout;
+    if let Some(reason) = &layout.reason {
+        println!("not served to routers: {reason}");
+        return Ok(());
+    }
+    if let Some(stage) = &objects.stage {
+        let prefix = stage.key_prefix.as_ref().map_or(String::new(), |prefix| format!("{prefix}_"));
+        println!(
+            "stage {} of {}; a page's objects: {prefix}{{page hash}} followed by",
+            stage.pp_rank.unwrap_or(0),
+            stage.pp_size
+        );
+        if let Some(unified) = &stage.unified {
+            println!(
+                "(unified key scheme, digest {}: each such key names a chunk, stored under the SHA-256 of the key; \
+                 --json gives the tier's names)",
+                unified.digest
+            );
+        }
+    }
+    for pool in &objects.pools {
+        for suffix in &pool.suffixes {
+            println!("  {suffix}");
+        }
     }
     Ok(())
 }

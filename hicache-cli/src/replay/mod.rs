@@ -29,6 +29,7 @@ use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::host_memory::{HostAllocation, HostMemory};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::l3_layout::{self, L3Layout};
 use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore, StorageBackend};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
 
@@ -362,7 +363,37 @@ pub(crate) fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     };
     bar.finish_and_clear();
     let description = describe(args, &storage);
-    report::print(args, &description, &outcomes)
+    report::print(args, &description, &outcomes, l3_layout(args, &storage)?)
+}
+
+/// The L3 key layout of the replay's stages, merged, for routers; `None` without a storage tier.
+fn l3_layout(args: &ReplayArgs, storage: &SharedStorage) -> anyhow::Result<Option<L3Layout>> {
+    let (tier, fields) = match storage {
+        SharedStorage::None => return Ok(None),
+        SharedStorage::Memory(..) => (&hicache_core::storage::tiers::MEMORY, Default::default()),
+        SharedStorage::Backend { name, options, .. } => (name.entry(), backends::settings(*name, options)?.fields),
+    };
+    let agreements = unified_agreements(args)?;
+    let mut layouts = Vec::new();
+    for stage in 0..args.pp_size {
+        let namespace = rank_namespace(args, Place { tp_rank: 0, stage })?;
+        let (first_layer, _) = stage_layers(args.layers, args.pp_size, stage);
+        let unified = agreements.map(|agreements| (agreements, (first_layer as u64, stage + 1 == args.pp_size)));
+        layouts.push(Some(L3Layout::describe(tier, &fields, &namespace, unified)?));
+    }
+    Ok(l3_layout::merge(&layouts))
+}
+
+/// The storage namespace of the rank at `place`.
+fn rank_namespace(args: &ReplayArgs, place: Place) -> anyhow::Result<StorageNamespace> {
+    let geometry = geometry(args, place.stage)?;
+    let mut namespace = StorageNamespace::single_rank("hicache-replay", geometry, layout(args), args.page_size);
+    namespace.head_groups = head_groups(args, &geometry)?;
+    namespace.tp_rank = place.tp_rank;
+    namespace.tp_size = args.tp_size;
+    namespace.pp_rank = place.stage;
+    namespace.pp_size = args.pp_size;
+    Ok(namespace)
 }
 
 /// How a rank agrees with the others.
@@ -674,16 +705,10 @@ fn run_on<E: device::ReplayEngine>(
     metrics: Option<&Metrics>,
 ) -> anyhow::Result<rank::RankOutcome> {
     let place = Place::of(args, rank);
-    let geometry = geometry(args, place.stage)?;
     let (first_layer, _) = stage_layers(args.layers, args.pp_size, place.stage);
     let page = args.page_size;
     let device_pages = args.device_tokens / page;
-    let mut namespace = StorageNamespace::single_rank("hicache-replay", geometry, layout(args), page);
-    namespace.head_groups = head_groups(args, &geometry)?;
-    namespace.tp_rank = place.tp_rank;
-    namespace.tp_size = args.tp_size;
-    namespace.pp_rank = place.stage;
-    namespace.pp_size = args.pp_size;
+    let namespace = rank_namespace(args, place)?;
     let open_tier = |namespace: &StorageNamespace| -> Result<Box<dyn StorageBackend>, hicache_core::Error> {
         match storage {
             SharedStorage::None => unreachable!("no tier is opened without one"),
@@ -710,7 +735,9 @@ fn run_on<E: device::ReplayEngine>(
             unified = Some(storage.clone());
             Some(Box::new(storage))
         }
-        (SharedStorage::Backend { name, options, .. }, None) => Some(backends::open(*name, &namespace, options)?),
+        (SharedStorage::Backend { name, options, .. }, None) => {
+            Some(backends::open(*name, &namespace, first_layer as u64, options)?)
+        }
         (SharedStorage::Memory(..), None) => Some(open_tier(&namespace)?),
     };
     // with fault injection, every storage call of this rank goes through the fault wrapper

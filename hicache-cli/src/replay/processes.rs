@@ -100,7 +100,7 @@ pub(super) fn launch(args: &ReplayArgs, storage: &SharedStorage) -> anyhow::Resu
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let description = super::describe(args, storage);
-    super::report::print(args, &description, &outcomes)
+    super::report::print(args, &description, &outcomes, super::l3_layout(args, storage)?)
 }
 
 fn stop(children: &mut [Option<Child>]) {

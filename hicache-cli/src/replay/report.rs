@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::bail;
+use hicache_core::storage::l3_layout::L3Layout;
 use serde::Serialize;
 
 use super::ReplayArgs;
@@ -202,6 +203,10 @@ struct Report {
     /// The collectives of the controller's ticks (rank 0, and the slowest rank's cost).
     collectives: CollectiveCost,
     rounds: Vec<RoundReport>,
+    /// The key layout a router needs to find the replay's pages in the store (every stage, every rank), in
+    /// SGLang's shape (`hicache store layout`); absent without a storage tier.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    l3_layout: Option<L3Layout>,
 }
 
 /// What the cost plans decided and how they came out.
@@ -271,7 +276,12 @@ fn round_report(round: Option<usize>, tally: &Tally) -> RoundReport {
     }
 }
 
-pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcome]) -> anyhow::Result<()> {
+pub(super) fn print(
+    args: &ReplayArgs,
+    description: &str,
+    outcomes: &[RankOutcome],
+    l3_layout: Option<L3Layout>,
+) -> anyhow::Result<()> {
     let first = &outcomes[0];
     let lockstep = outcomes.iter().all(|outcome| outcome.digest == first.digest);
     let page_bytes = (super::geometry(args, 0)?.bytes_per_token() * args.page_size) as u64;
@@ -350,6 +360,7 @@ pub(super) fn print(args: &ReplayArgs, description: &str, outcomes: &[RankOutcom
         decision_digest: format!("{:016x}", first.digest),
         collectives: collective_cost(outcomes),
         rounds: first.rounds.iter().enumerate().map(|(index, tally)| round_report(Some(index), tally)).collect(),
+        l3_layout,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);

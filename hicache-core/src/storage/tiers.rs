@@ -62,6 +62,9 @@ pub struct TierEntry {
     pub check: fn(&TierFields) -> Result<(), ConfigError>,
     /// Opens the tier for one namespace.
     pub open: OpenTier,
+    /// How the tier names a namespace's objects, for routers that look pages up in the store themselves
+    /// ([`super::l3_layout`]); `None` for a tier whose objects are not found by name outside hicache.
+    pub objects: Option<super::l3_layout::DescribeObjects>,
 }
 
 inventory::collect!(TierEntry);
@@ -190,6 +193,7 @@ pub const MEMORY: TierEntry = TierEntry {
     keys: &[],
     check: memory_check,
     open: memory_open,
+    objects: None,
 };
 
 inventory::submit!(MEMORY);

@@ -174,7 +174,7 @@ impl UnifiedStorage {
 
 /// The namespace every topology stores one chunk size under: the scheme's digest as the model, the chunk's layers
 /// and heads as the geometry, one rank.
-fn chunk_namespace(
+pub(crate) fn chunk_namespace(
     digest: &str,
     geometry: &KvGeometry,
     layers: usize,

@@ -40,6 +40,7 @@ pub const PROBE: TierEntry = TierEntry {
     keys: &["label"],
     check,
     open,
+    objects: None,
 };
 
 inventory::submit!(PROBE);

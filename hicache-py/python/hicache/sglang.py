@@ -217,6 +217,31 @@ class HiCacheStorage(_SglangStorage):
             self._reset_metrics()
         return metrics
 
+    def describe_l3_object_layout(self, *, sidecar_pool_specs=(), swa_trailing_pages=None, page_size=None) -> dict:
+        """The key layout a router outside the engine (SGLang's ``/get_hicache_l3_cache_layout``) needs to find this
+        stage's pages in the store, in the shape of SGLang's ``MooncakeStore.describe_l3_object_layout``: every TP
+        rank's objects (a page is stored when all are), each stage its own (``hicache.merge_l3_layouts`` joins
+        them). Disabled, with the reason, before a host pool is registered, on a tier whose objects are not found
+        by name outside hicache (only Mooncake's are), and for hybrid models' sidecar pools, which hicache does not
+        store."""
+        from sglang.srt.mem_cache.hicache_storage import disabled_l3_layout
+
+        backend = self._settings.backend
+        if sidecar_pool_specs or swa_trailing_pages is not None:
+            return disabled_l3_layout(
+                "hicache stores no sidecar pools of hybrid models", backend=backend, page_size=page_size
+            )
+        if self._backend is None:
+            return disabled_l3_layout("no host pool is registered yet", backend=backend, page_size=page_size)
+        layout = json.loads(self._backend.l3_layout)
+        if page_size is not None and page_size != layout.get("page_size"):
+            return disabled_l3_layout(
+                f"the engine's page size {page_size} is not the host pool's {layout.get('page_size')}",
+                backend=backend,
+                page_size=page_size,
+            )
+        return layout
+
     def hicache_stats(self) -> dict:
         """The tier's counters since it was opened (pages and bytes read and written, hits, misses, failures)."""
         return {} if self._backend is None else self._backend.stats()
