@@ -22,7 +22,7 @@ static MADE: AtomicUsize = AtomicUsize::new(0);
 
 /// Hosts as network namespaces on one bridge.
 struct Hosts {
-    /// What every name of this harness starts with (`hc{pid}{n}`: interface names stay within 15 bytes).
+    /// What every name of this harness starts with (`hc{pid}x{n}`: interface names stay within 15 bytes).
     prefix: String,
     count: usize,
 }
@@ -35,7 +35,7 @@ fn ip(args: &[&str]) {
 impl Hosts {
     /// `count` hosts; `None` when namespaces cannot be made here (not root) outside CI.
     fn new(count: usize) -> Option<Self> {
-        let prefix = format!("hc{}{}", std::process::id() % 100_000, MADE.fetch_add(1, Ordering::Relaxed));
+        let prefix = format!("hc{}x{}", std::process::id() % 100_000, MADE.fetch_add(1, Ordering::Relaxed));
         let probe = Command::new("ip").args(["netns", "add", &format!("{prefix}sw")]).output();
         match probe {
             Ok(output) if output.status.success() => {}
