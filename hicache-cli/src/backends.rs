@@ -351,11 +351,14 @@ pub(crate) fn open(
     let open = |namespace: &StorageNamespace| open_tier(name, &settings, namespace);
     match settings.unified {
         None => Ok(open(namespace)?),
-        Some(agreements) => {
-            let stage = (first_layer, namespace.pp_rank + 1 == namespace.pp_size);
-            Ok(Box::new(open_unified(namespace, stage, agreements, &open)?))
-        }
+        Some(agreements) => Ok(Box::new(open_unified(namespace, stage(namespace, first_layer), agreements, &open)?)),
     }
+}
+
+/// The pipeline stage of `namespace` as the unified key scheme takes it: its first layer (`first_layer`, the
+/// model's index), and whether it is the last stage.
+pub(crate) fn stage(namespace: &StorageNamespace, first_layer: u64) -> (u64, bool) {
+    (first_layer, namespace.pp_rank + 1 == namespace.pp_size)
 }
 
 /// The L3 key layout of the stage of `namespace` (every TP rank of it; its first layer the model's `first_layer`)
@@ -371,7 +374,7 @@ pub(crate) fn l3_layout(
     options: &BackendOptions,
 ) -> anyhow::Result<L3Layout> {
     let settings = settings(name, options)?;
-    let stage = (first_layer, namespace.pp_rank + 1 == namespace.pp_size);
+    let stage = stage(namespace, first_layer);
     L3Layout::describe(name.0, &settings.fields, namespace, settings.unified.map(|agreements| (agreements, stage)))
         .map_err(|error| Usage(format!("the L3 layout: {error}")).into())
 }

@@ -27,8 +27,10 @@ use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use crate::namespace::StorageNamespace;
+use crate::storage::l3_layout::L3Layout;
 use crate::storage::tiers::{self, TierEntry, TierFields};
 use crate::storage::{FaultPlan, FaultyStorage, StorageBackend, UnifiedStorage};
+pub use crate::unified_keys::UnifiedAgreements;
 use crate::unified_keys::UnifiedRank;
 
 /// A bad extra config, naming the key (the tiers' settings share it).
@@ -112,15 +114,6 @@ pub struct Shared {
     pub throttle_read_bytes_per_s: Option<u64>,
     /// `key_scheme: "unified"`: the fleet's agreements on the chunks.
     pub unified: Option<UnifiedAgreements>,
-}
-
-/// The fleet's agreements on the chunks of the unified key scheme (`None`: each rank's own heads or layers).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct UnifiedAgreements {
-    /// KV heads per chunk.
-    pub head_group: Option<u64>,
-    /// Layers per chunk.
-    pub layer_partition: Option<u64>,
 }
 
 /// Takes the keys every tier shares out of an extra config's `fields` (SGLang's own keys are dropped), leaving the
@@ -240,6 +233,16 @@ impl Settings {
         let rank = UnifiedRank::of(namespace, stage, agreements.head_group, agreements.layer_partition);
         let plan = crate::unified_keys::plan(&rank)?;
         Ok(Box::new(UnifiedStorage::open(namespace.clone(), &plan, &|chunk: &StorageNamespace| self.open(chunk))?))
+    }
+
+    /// The L3 key layout of the stage of `namespace` (as [`open_rank`](Self::open_rank) takes it), for routers
+    /// ([`L3Layout::describe`]); nothing is opened.
+    ///
+    /// # Errors
+    ///
+    /// As [`L3Layout::describe`].
+    pub fn l3_layout(&self, namespace: &StorageNamespace, stage: (u64, bool)) -> Result<L3Layout, crate::Error> {
+        L3Layout::describe(self.tier, &self.fields, namespace, self.unified.map(|agreements| (agreements, stage)))
     }
 }
 

@@ -122,6 +122,15 @@ enum Field<'a> {
     Bool(bool),
 }
 
+/// The fleet's agreements on the chunks of the unified key scheme (`None`: each rank's own heads or layers).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UnifiedAgreements {
+    /// KV heads per chunk.
+    pub head_group: Option<u64>,
+    /// Layers per chunk.
+    pub layer_partition: Option<u64>,
+}
+
 /// One rank of a deployment, and the fleet's agreements (the arguments of SGLang's `plan_unified_kv`).
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -14,7 +14,6 @@ use std::sync::{Arc, RwLock};
 use hicache_core::hash::PageKey;
 use hicache_core::host_memory::MemoryRegion;
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::l3_layout::L3Layout;
 use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, StorageBackend};
 use hicache_storage_file::FileConfig;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -108,10 +107,7 @@ impl PySettings {
                 )));
             }
             let stage = (description.start_layer.unwrap_or(0) as u64, rank.pp_rank + 1 == rank.pp_size);
-            let settings = &self.settings;
-            let unified = settings.unified.map(|agreements| (agreements, stage));
-            let layout =
-                L3Layout::describe(settings.tier, &settings.fields, &namespace, unified).map_err(guard::to_py)?;
+            let layout = self.settings.l3_layout(&namespace, stage).map_err(guard::to_py)?;
             let l3_layout = serde_json::to_string(&layout).map_err(|error| PyValueError::new_err(error.to_string()))?;
             let storage = py.detach(|| self.open_rank(&namespace, stage))?;
             // SAFETY: the buffer is `keepalive`'s, which `Open` holds until after it unregisters the region.

@@ -17,7 +17,7 @@
 use hicache_core::Error;
 use hicache_core::hash::PageKey;
 use hicache_core::namespace::{ObjectPart, StorageNamespace, native_key_with_digest};
-use hicache_core::storage::l3_layout::PageObjects;
+use hicache_core::storage::tiers::PageObjects;
 
 /// The SGLang release whose Mooncake keys are used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -5,8 +5,7 @@ use hicache_core::Error;
 use hicache_core::extra_config::ConfigError;
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::StorageBackend;
-use hicache_core::storage::l3_layout::PageObjects;
-use hicache_core::storage::tiers::{self, TierEntry, TierFields};
+use hicache_core::storage::tiers::{self, PageObjects, TierEntry, TierFields};
 
 use crate::keys::KeyRenderer;
 use crate::{MooncakeConfig, MooncakeStorage};

@@ -378,7 +378,7 @@ fn l3_layout(args: &ReplayArgs, storage: &SharedStorage) -> anyhow::Result<Optio
     for stage in 0..args.pp_size {
         let namespace = rank_namespace(args, Place { tp_rank: 0, stage })?;
         let (first_layer, _) = stage_layers(args.layers, args.pp_size, stage);
-        let unified = agreements.map(|agreements| (agreements, (first_layer as u64, stage + 1 == args.pp_size)));
+        let unified = agreements.map(|agreements| (agreements, backends::stage(&namespace, first_layer as u64)));
         layouts.push(Some(L3Layout::describe(tier, &fields, &namespace, unified)?));
     }
     Ok(l3_layout::merge(&layouts))
@@ -730,7 +730,7 @@ fn run_on<E: device::ReplayEngine>(
             if layout(args) != HostLayout::PageUnified {
                 bail!(Usage(format!("the unified key scheme stores page-unified pages, not {}", layout(args).name())));
             }
-            let stage = (first_layer as u64, place.stage + 1 == args.pp_size);
+            let stage = backends::stage(&namespace, first_layer as u64);
             let storage = Arc::new(backends::open_unified(&namespace, stage, agreements, &open_tier)?);
             unified = Some(storage.clone());
             Some(Box::new(storage))

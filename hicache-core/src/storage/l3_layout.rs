@@ -23,24 +23,11 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::tiers::{TierEntry, TierFields};
+use super::tiers::{PageObjects, TierEntry, TierFields};
 use super::unified::chunk_namespace;
 use crate::error::Error;
-use crate::extra_config::UnifiedAgreements;
 use crate::namespace::StorageNamespace;
-use crate::unified_keys::{UnifiedRank, plan};
-
-/// How a tier names the objects of one page of a namespace.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PageObjects {
-    /// What precedes `_` and the page hash in every object key; `None`: the key starts with the hash.
-    pub key_prefix: Option<String>,
-    /// What follows the page hash, one per object.
-    pub suffixes: Vec<String>,
-}
-
-/// A tier's description of how it names a namespace's objects ([`TierEntry::objects`]).
-pub type DescribeObjects = fn(&TierFields, &StorageNamespace) -> Result<PageObjects, Error>;
+use crate::unified_keys::{UnifiedAgreements, UnifiedRank, plan};
 
 /// The layout, or why there is none.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -46,6 +46,18 @@ pub type TierFields = Map<String, Value>;
 /// A tier's `open`: its settings and the namespace to a backend.
 pub type OpenTier = fn(&TierFields, &StorageNamespace) -> Result<Box<dyn StorageBackend>, Error>;
 
+/// How a tier names the objects of one page of a namespace.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PageObjects {
+    /// What precedes `_` and the page hash in every object key; `None`: the key starts with the hash.
+    pub key_prefix: Option<String>,
+    /// What follows the page hash, one per object.
+    pub suffixes: Vec<String>,
+}
+
+/// A tier's description of how it names a namespace's objects ([`TierEntry::objects`]).
+pub type DescribeObjects = fn(&TierFields, &StorageNamespace) -> Result<PageObjects, Error>;
+
 /// One storage tier a build can open by name.
 #[derive(Debug)]
 pub struct TierEntry {
@@ -64,7 +76,7 @@ pub struct TierEntry {
     pub open: OpenTier,
     /// How the tier names a namespace's objects, for routers that look pages up in the store themselves
     /// ([`super::l3_layout`]); `None` for a tier whose objects are not found by name outside hicache.
-    pub objects: Option<super::l3_layout::DescribeObjects>,
+    pub objects: Option<DescribeObjects>,
 }
 
 inventory::collect!(TierEntry);
