@@ -4,7 +4,8 @@
 //! Everything the harness makes is removed when it is dropped, also when a test fails; its services are stopped by
 //! their PIDs. Traffic stays inside the namespaces.
 //!
-//! Creating namespaces needs root. Without it the tests say so and pass, except under `CI=true`, where they fail.
+//! Creating namespaces needs root, and impairing a link `tc` and `nft` (`cargo xtask ci` installs nftables). Without
+//! root the tests say so and pass, except under `CI=true`, where they fail.
 #![cfg(all(feature = "mooncake", feature = "3fs"))]
 
 use std::io::{BufRead as _, BufReader};
@@ -98,6 +99,33 @@ impl Hosts {
         ip(&["-n", &self.switch(), "link", "set", &self.port(host), if up { "up" } else { "down" }]);
     }
 
+    /// Makes host `host`'s link poor: `percent` of the packets it receives are dropped (nftables; this kernel has no
+    /// netem, so there is no fixed delay), and what reaches it is capped at `rate` by a token bucket whose queue
+    /// delays packets up to 100 ms.
+    fn impair(&self, host: usize, percent: u32, rate: &str) {
+        let rules = format!(
+            "table inet hicache_test {{\n chain input {{\n  type filter hook input priority 0;\n  numgen random mod \
+             100 < {percent} drop\n }}\n}}\n"
+        );
+        let mut nft = self.command(host, "nft").args(["-f", "-"]).stdin(Stdio::piped()).spawn().expect("runs nft");
+        std::io::Write::write_all(&mut nft.stdin.take().unwrap(), rules.as_bytes()).unwrap();
+        assert!(
+            nft.wait().unwrap().success(),
+            "nft (nftables; `cargo xtask ci` installs it) refused the rules: {rules}"
+        );
+        let port = self.port(host);
+        let tbf = ["qdisc", "add", "dev", &port, "root", "tbf", "rate", rate, "burst", "64kb", "latency", "100ms"];
+        let output = Command::new("ip").args(["netns", "exec", &self.switch(), "tc"]).args(tbf).output().unwrap();
+        assert!(output.status.success(), "tc {tbf:?}: {}", String::from_utf8_lossy(&output.stderr));
+    }
+
+    /// Undoes [`impair`](Self::impair).
+    fn heal(&self, host: usize) {
+        let nft = self.command(host, "nft").args(["delete", "table", "inet", "hicache_test"]).output().unwrap();
+        assert!(nft.status.success(), "nft: {}", String::from_utf8_lossy(&nft.stderr));
+        ip(&["netns", "exec", &self.switch(), "tc", "qdisc", "del", "dev", &self.port(host), "root"]);
+    }
+
     /// Whether something listens on TCP `port` on host `host`.
     fn listens(&self, host: usize, port: u16) -> bool {
         let output = self.command(host, "ss").args(["-Hltn", &format!("sport = :{port}")]).output();
@@ -188,80 +216,105 @@ fn keyed<'a>(mut args: Vec<&'a str>, hashes: &'a [String]) -> Vec<&'a str> {
     args
 }
 
-/// Pages `hicache store put` wrote on host 1 and host 2 read back (with the store flags `writer` and `reader`):
-/// asserts they are the same bytes, and keeps what is needed to read them again.
-struct SharedPages {
-    /// `store get` of the pages, into `got`.
-    get: Vec<String>,
-    got: std::path::PathBuf,
-    bytes: Vec<u8>,
+/// Pages `hicache store put` wrote on host 1 (with the store flags `writer`) and `hicache store get` read back on
+/// host 2 (with `reader`): asserts they are the same bytes; their keys and the file of their bytes.
+fn write_on_1_read_on_2(hosts: &Hosts, (writer, reader): (&[&str], &[&str]), work: &Path) -> (Vec<String>, String) {
+    let hashes = random_hashes(4);
+    let (input, bytes) = random_pages(work, "in.bin", hashes.len());
+    let input = input.to_str().unwrap().to_owned();
+    let put = keyed([&["store", "put"][..], writer, &["--in", &input]].concat(), &hashes);
+    let output = hicache(hosts, 1, &put);
+    assert!(output.status.success(), "put on host 1: {}", String::from_utf8_lossy(&output.stderr));
+    let got = work.join("got.bin");
+    let get = keyed([&["store", "get"][..], reader, &["--out", got.to_str().unwrap()]].concat(), &hashes);
+    let output = hicache(hosts, 2, &get);
+    assert!(output.status.success(), "get on host 2: {}", String::from_utf8_lossy(&output.stderr));
+    assert!(std::fs::read(&got).unwrap() == bytes, "host 2 read other bytes than host 1 wrote");
+    (hashes, input)
 }
 
-impl SharedPages {
-    fn write_on_1_read_on_2(hosts: &Hosts, (writer, reader): (&[&str], &[&str]), work: &Path) -> Self {
-        let hashes = random_hashes(4);
-        let (input, bytes) = random_pages(work, "in.bin", hashes.len());
-        let put = keyed([&["store", "put"][..], writer, &["--in", input.to_str().unwrap()]].concat(), &hashes);
-        let output = hicache(hosts, 1, &put);
-        assert!(output.status.success(), "put on host 1: {}", String::from_utf8_lossy(&output.stderr));
-        let got = work.join("got.bin");
-        let get = keyed([&["store", "get"][..], reader, &["--out", got.to_str().unwrap()]].concat(), &hashes);
-        let pages = Self { get: get.into_iter().map(str::to_owned).collect(), got, bytes };
-        let output = pages.read(hosts);
-        assert!(output.status.success(), "get on host 2: {}", String::from_utf8_lossy(&output.stderr));
-        assert!(std::fs::read(&pages.got).unwrap() == pages.bytes, "host 2 read other bytes than host 1 wrote");
-        pages
-    }
-
-    /// Reads them on host 2 again (the file of the last read removed first).
-    fn read(&self, hosts: &Hosts) -> Output {
-        let _ = std::fs::remove_file(&self.got);
-        hicache(hosts, 2, &self.get.iter().map(String::as_str).collect::<Vec<_>>())
-    }
-
-    /// Whether the last read wrote the pages host 1 wrote.
-    fn read_whole(&self) -> bool {
-        std::fs::read(&self.got).is_ok_and(|bytes| bytes == self.bytes)
-    }
-
-    /// Reads them on host 2 with its link down: the read fails, within a minute; returns how long it took.
-    fn read_with_link_down(&self, hosts: &Hosts) -> Duration {
-        hosts.link(2, false);
-        let started = Instant::now();
-        let output = self.read(hosts);
-        let took = started.elapsed();
-        hosts.link(2, true);
-        assert!(!output.status.success() && !self.got.exists(), "pages read across a link that is down");
-        assert!(took < Duration::from_secs(60), "a read across a link that is down took {took:?}");
-        took
-    }
+/// `hicache store watch --json` running on a host: its lines, read on a thread of their own as they come;
+/// stopped when dropped.
+struct Watch {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<serde_json::Value>,
+    host: usize,
 }
 
-/// A Mooncake client lending a segment on host `host` (Mooncake's official Python client), alive until dropped.
-struct Keeper(Child);
+impl Watch {
+    /// Starts it on `host` with `args` (after `store watch --json`), and waits for its `ready` line.
+    fn start(hosts: &Hosts, host: usize, args: &[&str]) -> Self {
+        let watch = [&["store", "watch", "--json", "--interval-ms", "100"][..], args].concat();
+        let mut child = hicache_command(hosts, host, &watch)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("runs hicache");
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let (sender, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in stdout.lines().map_while(Result::ok) {
+                let line: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+                if sender.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut watch = Self { child, lines, host };
+        let ready = watch.next(Duration::from_secs(60)).expect("the watch is ready within a minute");
+        assert_eq!(ready["event"], "ready", "{ready}");
+        watch
+    }
 
-impl Keeper {
-    fn start(hosts: &Hosts, host: usize, master: &str) -> Self {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/mooncake_keeper.py");
-        let mut command = hosts.command(host, "python3");
-        command.arg(script).args([master, "268435456", &hosts.address(host)]).env("PYTHONPATH", python_path());
-        let shim = unpack_dir().join("no-device-cuda-shim");
-        if shim.is_dir() {
-            command.env("LD_LIBRARY_PATH", shim);
+    /// Its next line within `wait`; `None` when it ended. A page read whole with other bytes fails the test.
+    fn next(&mut self, wait: Duration) -> Option<serde_json::Value> {
+        let line = match self.lines.recv_timeout(wait) {
+            Ok(line) => line,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return None,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                panic!("the watch on host {} wrote no line in {wait:?}: a round outlived every deadline", self.host)
+            }
+        };
+        assert_ne!(line["outcome"], "wrong", "host {} read a page whole with other bytes: {line}", self.host);
+        Some(line)
+    }
+
+    /// Round lines up to and with the first that `wanted` accepts, which must come within `deadline`.
+    fn until(
+        &mut self,
+        what: &str,
+        deadline: Duration,
+        wanted: impl Fn(&serde_json::Value) -> bool,
+    ) -> Vec<serde_json::Value> {
+        let end = Instant::now() + deadline;
+        let mut lines = Vec::new();
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            let line = self.next(left).unwrap_or_else(|| panic!("the watch on host {} ended", self.host));
+            let found = wanted(&line);
+            lines.push(line);
+            if found {
+                return lines;
+            }
+            assert!(Instant::now() < end, "host {} saw no {what} in {deadline:?}: {:?}", self.host, lines.last());
         }
-        let mut child = command.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("python3 runs");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "ready", "the keeper on host {host} did not mount its segment");
-        Self(child)
     }
 }
 
-impl Drop for Keeper {
+impl Drop for Watch {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        // SIGKILL: a host that dies (a watch that is done goes the same way: nothing depends on its closing)
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
+}
+
+fn outcome(line: &serde_json::Value) -> &str {
+    line["outcome"].as_str().unwrap_or_default()
+}
+
+fn millis(line: &serde_json::Value) -> f64 {
+    line["ms"].as_f64().unwrap_or_default()
 }
 
 /// Two replays of one workload, on host 1 (with `first`), then on host 2 (with `second`): each verifies, and the
@@ -282,8 +335,36 @@ fn replays_share(hosts: &Hosts, tier: &str, (first, second): (&[&str], &[&str]))
     );
 }
 
+/// What a round of a watch may take: Mooncake's deadlines (its RPC deadline, its 60 s transfer deadline) bound it.
+const ROUND_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Host 2's link taken down mid-run under `watch` (on host 2): a round fails within its deadline; back up, the
+/// same process reads whole again. Then a poor link: ten rounds, each within its deadline. Prints the figures.
+fn link_faults(hosts: &Hosts, tier: &str, watch: &mut Watch) {
+    watch.until("a whole read", ROUND_DEADLINE, |line| outcome(line) == "whole");
+    hosts.link(2, false);
+    let down = watch.until("a failed round", ROUND_DEADLINE, |line| outcome(line) != "whole");
+    let failed = down.last().unwrap().clone();
+    hosts.link(2, true);
+    let back = watch.until("a whole read after the link came back", ROUND_DEADLINE, |line| outcome(line) == "whole");
+    eprintln!(
+        "{tier}: host 2's link down: a round failed in {:.0} ms ({}); back up: whole again after {} rounds",
+        millis(&failed),
+        failed["message"],
+        back.len()
+    );
+    // a fifth of the packets dropped, 100 Mbit/s
+    hosts.impair(2, 20, "100mbit");
+    let poor: Vec<_> = (0..10).flat_map(|_| watch.until("a round", ROUND_DEADLINE, |_| true)).collect();
+    hosts.heal(2);
+    let whole = poor.iter().filter(|line| outcome(line) == "whole").count();
+    let slowest = poor.iter().map(millis).fold(0.0, f64::max);
+    assert!(slowest < ROUND_DEADLINE.as_millis() as f64);
+    eprintln!("{tier}: on a poor link, {whole} of {} rounds whole, the slowest in {slowest:.0} ms", poor.len());
+}
+
 #[test]
-fn pages_one_host_wrote_to_mooncake_are_read_on_another_over_tcp_and_a_dead_host_is_a_miss() {
+fn pages_one_host_wrote_to_mooncake_are_read_on_another_over_tcp_through_link_faults_and_a_dead_host() {
     let Some(hosts) = Hosts::new(3) else { return };
     let port = 50051;
     let mut master = hosts.command(0, master_program());
@@ -291,22 +372,31 @@ fn pages_one_host_wrote_to_mooncake_are_read_on_another_over_tcp_and_a_dead_host
     master.args(["--metrics_port=9003".to_owned(), format!("--metrics_host={}", hosts.address(0))]);
     let _master = hosts.service(0, master, port);
     let address = format!("{}:{port}", hosts.address(0));
-    // host 1's segment holds the objects: the hicache processes lend nothing, so every put lands there
-    let keeper = Keeper::start(&hosts, 1, &address);
-    let extra = |host: usize| {
+    let extra = |host: usize, segment: u64| {
         serde_json::json!({
-            "master_server_address": address, "local_hostname": hosts.address(host), "global_segment_size": 0,
+            "master_server_address": address, "local_hostname": hosts.address(host), "global_segment_size": segment,
             "protocol": "tcp",
         })
         .to_string()
     };
-    let (extra1, extra2) = (extra(1), extra(2));
+    // host 1 runs a hicache process that writes the pages and lends its own segment while it runs (puts ask for
+    // the writer's own segment first, so they land there); the other processes lend none, so whatever they put
+    // lands in host 1's segment too, and outlives them
+    let (lender, extra1, extra2) = (extra(1, 256 << 20), extra(1, 0), extra(2, 0));
+    let lending = ["--backend", "mooncake", "--extra-config", lender.as_str()];
     let mooncake1 = ["--backend", "mooncake", "--extra-config", extra1.as_str()];
     let mooncake2 = ["--backend", "mooncake", "--extra-config", extra2.as_str()];
-    // host 2 reads them from host 1's segment, across the bridge
     let work = tempfile::tempdir().unwrap();
-    let sides = ([&mooncake1[..], &PAGE].concat(), [&mooncake2[..], &PAGE].concat());
-    let pages = SharedPages::write_on_1_read_on_2(&hosts, (&sides.0, &sides.1), work.path());
+    let hashes = random_hashes(4);
+    let (input, _) = random_pages(work.path(), "in.bin", hashes.len());
+    let input = input.to_str().unwrap();
+    let keys: Vec<&str> = keyed(Vec::new(), &hashes);
+    let owner = [&lending[..], &PAGE, &["--put", input], &keys].concat();
+    let mut owner_watch = Watch::start(&hosts, 1, &owner);
+    // host 2 watches them, in one process from here on: read over TCP from host 1's segment, byte for byte
+    let mut watch = Watch::start(&hosts, 2, &[&mooncake2[..], &PAGE, &["--expect", input], &keys].concat());
+    let first = watch.until("a whole read", ROUND_DEADLINE, |line| outcome(line) == "whole");
+    eprintln!("Mooncake: host 2 read host 1's pages whole in {:.1} ms", millis(first.last().unwrap()));
     replays_share(&hosts, "Mooncake", (&mooncake1, &mooncake2));
     // reads across the link beside reads on the segment's own host, in one run
     let bench = ["bench", "storage", "--pages", "32", "--page-bytes", "1048576", "--batch", "8", "--rounds", "3"];
@@ -326,19 +416,28 @@ fn pages_one_host_wrote_to_mooncake_are_read_on_another_over_tcp_and_a_dead_host
         rate(&across, "reference_get_gbps"),
         rate(&local, "reference_get_gbps"),
     );
-    // host 2's link down: its read fails within the client's deadlines; back up, it reads again
-    eprintln!("Mooncake: host 2's read with its link down failed in {:?}", pages.read_with_link_down(&hosts));
-    let output = pages.read(&hosts);
-    assert!(output.status.success(), "get after the link came back: {}", String::from_utf8_lossy(&output.stderr));
-    assert!(pages.read_whole(), "host 2 read other bytes after the link came back");
-    // host 1 dies (its segment's owner killed): host 2 gets no page, within its deadlines, never other bytes
-    drop(keeper);
-    let started = Instant::now();
-    let output = pages.read(&hosts);
-    let took = started.elapsed();
-    assert!(!output.status.success() && !pages.got.exists(), "pages read from a dead host's segment");
-    assert!(took < Duration::from_secs(60), "the read of a dead host's pages took {took:?}");
-    eprintln!("Mooncake: host 2's read of dead host 1's pages failed in {took:?}");
+    link_faults(&hosts, "Mooncake", &mut watch);
+    // host 1 dies (its segment's owner killed): host 2 gets no page, within its deadlines, never other bytes, and
+    // its client is replaced; once the master has dropped the dead segment, host 1 comes back and writes the pages
+    // again, and the same process on host 2 reads them
+    watch.until("a whole read", ROUND_DEADLINE, |line| outcome(line) == "whole");
+    drop(owner_watch);
+    let dead = watch.until("a failed round", ROUND_DEADLINE, |line| outcome(line) != "whole");
+    eprintln!(
+        "Mooncake: host 1 killed: host 2's round failed in {:.0} ms ({})",
+        millis(dead.last().unwrap()),
+        dead.last().unwrap()["message"]
+    );
+    let gone = watch.until("the pages missing", ROUND_DEADLINE, |line| outcome(line) == "missing");
+    owner_watch = Watch::start(&hosts, 1, &owner);
+    let again = watch.until("a whole read", ROUND_DEADLINE, |line| outcome(line) == "whole");
+    eprintln!(
+        "Mooncake: {} rounds until the master dropped the dead segment's pages, {} more until host 2 read them whole \
+         from host 1 come back",
+        gone.len(),
+        again.len()
+    );
+    drop((owner_watch, watch));
 }
 
 #[test]
@@ -363,14 +462,15 @@ fn pages_one_host_wrote_to_3fs_are_read_on_another_and_replays_on_two_hosts_shar
     let (stored_pages, replays, killed) = (extra("pages"), extra("replays"), extra("killed"));
     let target: Vec<&str> = [&["--backend", "3fs", "--extra-config", &stored_pages][..], &PAGE].concat();
     let work = tempfile::tempdir().unwrap();
-    let pages = SharedPages::write_on_1_read_on_2(&hosts, (&target, &target), work.path());
+    let (hashes, input) = write_on_1_read_on_2(&hosts, (&target, &target), work.path());
     let replay = ["--backend", "3fs", "--extra-config", &replays];
     replays_share(&hosts, "3FS", (&replay, &replay));
-    // host 2's link down: its calls to the metadata service fail, within their deadlines; back up, it serves again
-    eprintln!("3FS: host 2's read with its link down failed in {:?}", pages.read_with_link_down(&hosts));
-    let output = pages.read(&hosts);
-    assert!(output.status.success(), "get after the link came back: {}", String::from_utf8_lossy(&output.stderr));
-    assert!(pages.read_whole(), "host 2 read other bytes after the link came back");
+    // host 2 watches the pages in one process: its link down, its calls to the metadata service fail within their
+    // deadlines; back up, it serves again; a poor link
+    let keys = keyed(Vec::new(), &hashes);
+    let mut watch = Watch::start(&hosts, 2, &[&target[..], &["--expect", &input], &keys].concat());
+    link_faults(&hosts, "3FS", &mut watch);
+    drop(watch);
     // host 1 killed while its replay writes: host 2's replay of the same workload verifies every byte it loads
     let stored = || -> u64 {
         // the pages every namespace holds, asked of Redis on its host

@@ -293,7 +293,7 @@ fn help_describes_every_store_option() {
         assert!(help.contains(option), "store put --help lacks {option}");
     }
     let help = ok(hicache(&["store", "--help"], &[]));
-    for command in ["put", "get", "exists", "ls", "rm", "clear", "stat"] {
+    for command in ["put", "get", "exists", "ls", "rm", "clear", "stat", "layout", "watch"] {
         assert!(help.contains(command), "store --help lacks {command}");
     }
 }
@@ -371,4 +371,66 @@ fn pages_put_by_two_tp2_ranks_under_the_unified_scheme_are_got_whole_by_a_tp1_ra
     assert_eq!(std::fs::read(&output).unwrap(), halves.concat());
     // under the rank's own keys the page is not there
     assert!(!run("get", "2", &["--key", &key, "--out", output.to_str().unwrap()]).status.success());
+}
+
+/// The JSON lines of a `store watch` that ran to its end.
+fn watch_lines(output: &Output) -> Vec<Value> {
+    String::from_utf8_lossy(&output.stdout).lines().map(|line| serde_json::from_str(line).unwrap()).collect()
+}
+
+#[test]
+fn a_watch_reads_the_pages_each_round_and_says_when_they_are_missing_or_other_bytes() {
+    let work = tempfile::tempdir().unwrap();
+    let storage = work.path().join("storage");
+    let (tokens, bytes) = fixture(work.path(), 3);
+    let input = work.path().join("pages.bin");
+    let input = input.to_str().unwrap();
+    // --put writes them, then reads them each round
+    let output = store("watch", &storage, &["--tokens", &tokens, "--put", input, "--rounds", "3", "--json"]);
+    let lines = watch_lines(&output);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    assert_eq!(lines[0]["event"], "ready");
+    for (round, line) in lines[1..].iter().enumerate() {
+        assert_eq!((line["round"].as_u64(), line["outcome"].as_str()), (Some(round as u64 + 1), Some("whole")));
+        assert_eq!((line["pages_whole"].as_u64(), line["pages"].as_u64()), (Some(3), Some(3)));
+    }
+    // other bytes expected: every page read whole is `wrong`, and the watch fails
+    let mut other = bytes.clone();
+    other[PAGE_BYTES + 5] ^= 1;
+    let expected = work.path().join("other.bin");
+    std::fs::write(&expected, &other).unwrap();
+    let output = store(
+        "watch",
+        &storage,
+        &["--tokens", &tokens, "--expect", expected.to_str().unwrap(), "--rounds", "1", "--json"],
+    );
+    failure(&output, 1, "other bytes than expected");
+    let round = &watch_lines(&output)[1];
+    assert_eq!((round["outcome"].as_str(), round["pages_wrong"].as_u64()), (Some("wrong"), Some(1)), "{round}");
+    assert_eq!(round["pages_whole"], 2);
+    // a page removed: `missing`, naming it, and the watch goes on until its standard input ends
+    let keys = ok(hicache(&["hash", "--page-size", "4", &tokens], &[]));
+    let second = keys.lines().nth(1).unwrap();
+    ok(store("rm", &storage, &["--key", second]));
+    let dir = storage.to_str().unwrap();
+    let mut args = vec!["store", "watch", "--dir", dir, "--model", "m", "--tokens", &tokens, "--expect", input];
+    args.extend(GEOMETRY);
+    args.extend(["--json", "--interval-ms", "1"]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hicache"))
+        .args(&args)
+        .env_remove("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    let ready: Value = serde_json::from_str(&stdout.next().unwrap().unwrap()).unwrap();
+    assert_eq!(ready["event"], "ready");
+    let round: Value = serde_json::from_str(&stdout.next().unwrap().unwrap()).unwrap();
+    assert_eq!(round["outcome"], "missing", "{round}");
+    assert!(round["message"].as_str().unwrap().contains(second), "{round}");
+    assert_eq!(round["pages_whole"], 2);
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
 }

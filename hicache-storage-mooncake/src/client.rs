@@ -35,6 +35,8 @@ const PROBE_KEY: &str = "hicache-master-probe";
 struct Handle {
     api: &'static Api,
     raw: sys::Handle,
+    /// Told when the handle is destroyed, for [`Client::close`].
+    destroyed: Mutex<Option<std::sync::mpsc::SyncSender<()>>>,
 }
 
 // SAFETY: a Mooncake client serves calls from many threads at once (SGLang calls one from its backup and prefetch
@@ -49,6 +51,9 @@ impl Drop for Handle {
         // SAFETY: the handle is live and this is its last use (every holder shares this one value); destroying
         // unmounts the client's segment.
         unsafe { (self.api.destroy)(self.raw) };
+        if let Some(sender) = self.destroyed.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take() {
+            let _ = sender.send(());
+        }
     }
 }
 
@@ -114,7 +119,7 @@ impl Client {
                     let _ = sender.send(None);
                     return;
                 }
-                let handle = Handle { api, raw };
+                let handle = Handle { api, raw, destroyed: Mutex::new(None) };
                 // SAFETY: the handle is live; the strings are NUL-terminated and owned by this thread for the call
                 // (the C API keeps no pointer to them after it returns).
                 let status = unsafe {
@@ -250,11 +255,6 @@ impl Client {
     /// The segment puts ask for first, if any.
     pub(crate) fn preferred_segment(&self) -> Option<&std::ffi::CStr> {
         self.preferred_segment.as_deref()
-    }
-
-    /// The master's address, for messages.
-    pub(crate) fn master(&self) -> &str {
-        &self.master
     }
 
     /// Registers `[address, address + len)` for transfers.
@@ -414,6 +414,20 @@ impl Client {
         } else {
             Err(format!("{call} at the master {} failed: {}", self.master, sys::code_name(status.into())))
         }
+    }
+}
+
+impl Client {
+    /// Destroys the client, which stops its transfers and unmounts its segment, and waits for that up to `wait`
+    /// (a probe still waiting on the master holds the handle too: the destruction waits for it); whether it ended.
+    pub(crate) fn close(mut self, wait: Duration) -> bool {
+        let Some(handle) = self.handle.take() else { return true };
+        let (sender, receiver) = sync_channel(1);
+        *handle.destroyed.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(sender);
+        // the last holder destroys it, on a thread of its own so that this wait keeps its deadline (a thread that
+        // cannot start drops the handle here, with the closure)
+        let _ = std::thread::Builder::new().name("hicache-mooncake-close".into()).spawn(move || drop(handle));
+        receiver.recv_timeout(wait).is_ok()
     }
 }
 

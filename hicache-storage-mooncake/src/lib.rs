@@ -20,9 +20,13 @@
 //!   another not is a failed page (`Corrupt`: incomplete); fewer bytes than the part is `Corrupt` (short read); an
 //!   object larger than the part is `SizeMismatch`.
 //! * **Failures the store cannot vouch for.** Mooncake settles most failures before or after the transfer (no space,
-//!   not found, the master did not answer); any other failure of a read or write may leave a transfer in flight that
-//!   still touches the caller's memory. After one, the backend refuses every later call (the host pool pages it
-//!   used may be written to late), and says why: reopen it to go on.
+//!   not found, the master did not answer); any other failure of a read or write (`TRANSFER_FAIL`: a peer died, a
+//!   link went down, a transfer missed Mooncake's 60 s deadline) may leave a transfer in flight that still touches
+//!   the caller's memory. After one, the call closes its client, which stops the client's transfers, before it
+//!   returns, so the host pool pages it was given are never written late; calls that used the same client return
+//!   only once it is closed too ([`Replaceable`]). A new client then connects on a thread of its own (retried every
+//!   half second, re-registering the host memory); until it does, calls fail at once, saying why. A client whose
+//!   close does not end within [`CLOSE_DEADLINE`] leaves the backend refusing every call for good: reopen it.
 //! * **Removal.** `remove` deletes an object unless a reader holds its lease (Mooncake's 10 s read lease, `-706`),
 //!   in which case it waits for the lease up to [`MooncakeConfig::lease_wait`]. `clear` removes exactly this
 //!   namespace's objects by a regular expression over their keys, leases or not (an operator's wipe; a reader in
@@ -46,19 +50,21 @@ mod tier;
 
 use std::ffi::CString;
 use std::ops::Range;
-use std::sync::RwLock;
-use std::time::Instant;
+use std::sync::{Arc, RwLock, Weak};
+use std::time::{Duration, Instant};
 
 use hicache_core::Error;
 use hicache_core::hash::PageKey;
 use hicache_core::host_memory::MemoryRegion;
 use hicache_core::namespace::StorageNamespace;
 use hicache_core::storage::{
-    FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, Poison, SetOutcome, StatsRecorder,
-    StorageBackend, StorageStats, check_batch, segments_len, size_mismatch,
+    FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, StatsRecorder, StorageBackend,
+    StorageStats, check_batch, segments_len, size_mismatch,
 };
 
-use crate::client::{Client, Setup};
+use hicache_core::storage::replaceable::{Generation, Replaceable, Retired};
+
+use crate::client::{Client, PROBE_INTERVAL, Setup};
 pub use crate::config::{DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LOCAL_BUFFER_SIZE, MooncakeConfig};
 use crate::keys::KeyRenderer;
 pub use crate::keys::{KeyScheme, SglangRelease};
@@ -66,21 +72,83 @@ use crate::sys::code;
 pub use crate::tier::MOONCAKE_TIER;
 
 /// How long a read waits for an object whose replica another writer is still putting.
-const NOT_READY_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+const NOT_READY_WAIT: Duration = Duration::from_secs(2);
+
+/// How long a call whose failure may have left transfers in flight waits for its client to close: the transfers end
+/// within Mooncake's own 60 s deadline, the unmount within its RPC deadline.
+pub const CLOSE_DEADLINE: Duration = Duration::from_secs(90);
 
 /// A Mooncake Store backend for one namespace.
 pub struct MooncakeStorage {
     /// The namespace it serves.
     namespace: StorageNamespace,
-    client: Client,
+    link: Arc<Link>,
     keys: KeyRenderer,
     page_bytes: usize,
     part_bytes: usize,
-    config: MooncakeConfig,
-    regions: RwLock<Vec<MemoryRegion>>,
-    /// Why the backend refuses calls, once a transfer may have been left in flight.
-    poisoned: Poison,
     stats: StatsRecorder,
+}
+
+/// The client, and what connecting a new one takes (shared with the thread that does).
+struct Link {
+    api: &'static sys::Api,
+    config: MooncakeConfig,
+    client: Replaceable<Client>,
+    /// The host memory registered with the backend, registered with every client it has.
+    regions: RwLock<Vec<MemoryRegion>>,
+}
+
+impl Link {
+    fn connect(api: &'static sys::Api, config: &MooncakeConfig) -> Result<Client, String> {
+        Client::connect(
+            api,
+            &Setup {
+                local_hostname: &config.local_hostname,
+                metadata_server: &config.metadata_server,
+                global_segment_size: config.global_segment_size,
+                local_buffer_size: config.local_buffer_size,
+                protocol: &config.protocol,
+                device: &config.device,
+                master: &config.master,
+                connect_timeout: config.connect_timeout,
+                // a client that lends nothing has no segment to prefer
+                prefer_local_segment: config.prefer_local_segment && config.global_segment_size > 0,
+            },
+        )
+    }
+
+    /// Connects a new client on a thread of its own, again every [`PROBE_INTERVAL`] until one connects or the
+    /// backend is gone; registers the host memory with it and puts it in.
+    fn replace(link: Weak<Self>) {
+        let spawned = std::thread::Builder::new().name("hicache-mooncake-reconnect".into()).spawn(move || {
+            loop {
+                let Some(link) = link.upgrade() else { return };
+                match Self::connect(link.api, &link.config) {
+                    Ok(client) => {
+                        // held across the install: a region registered meanwhile waits, then finds the new client
+                        let regions = link.regions.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+                        for region in regions.iter() {
+                            // SAFETY: the region stays mapped while it is in the list (`unregister_host_memory`
+                            // takes it out and unregisters it from the client then in place).
+                            if let Err(why) = unsafe { client.register(region.address(), region.len()) } {
+                                tracing::warn!(master = %link.config.master, %why, "registering host memory with the \
+                                    new Mooncake client");
+                            }
+                        }
+                        link.client.install(client);
+                        tracing::info!(master = %link.config.master, "a new Mooncake client connected: calls go on");
+                        return;
+                    }
+                    Err(why) => tracing::debug!(%why, "connecting a new Mooncake client"),
+                }
+                drop(link);
+                std::thread::sleep(PROBE_INTERVAL);
+            }
+        });
+        if let Err(why) = spawned {
+            tracing::error!(%why, "cannot start the Mooncake reconnect thread: the backend stays without a client");
+        }
+    }
 }
 
 /// Where the bytes of one object are: in place in the caller's memory, or in the call's staging buffer.
@@ -106,49 +174,69 @@ impl MooncakeStorage {
         let page_bytes = namespace.geometry.bytes_per_page(namespace.page_size);
         let part_bytes = page_bytes / keys.parts();
         let api = sys::load(&sys::resolve_library(config.library.as_deref())).map_err(error)?;
-        let client = Client::connect(
-            api,
-            &Setup {
-                local_hostname: &config.local_hostname,
-                metadata_server: &config.metadata_server,
-                global_segment_size: config.global_segment_size,
-                local_buffer_size: config.local_buffer_size,
-                protocol: &config.protocol,
-                device: &config.device,
-                master: &config.master,
-                connect_timeout: config.connect_timeout,
-                // a client that lends nothing has no segment to prefer
-                prefer_local_segment: config.prefer_local_segment && config.global_segment_size > 0,
-            },
-        )
-        .map_err(error)?;
-        Ok(Self {
-            namespace: namespace.clone(),
-            client,
-            keys,
-            page_bytes,
-            part_bytes,
-            config,
-            regions: RwLock::new(Vec::new()),
-            poisoned: Poison::default(),
-            stats: StatsRecorder::default(),
-        })
+        let client = Replaceable::new(Link::connect(api, &config).map_err(error)?);
+        let link = Arc::new(Link { api, config, client, regions: RwLock::new(Vec::new()) });
+        Ok(Self { namespace: namespace.clone(), link, keys, page_bytes, part_bytes, stats: StatsRecorder::default() })
+    }
+
+    /// Runs `f` on the client in place (failing at once while there is none); its generation with the answer.
+    fn call<R>(&self, f: impl FnOnce(&Client) -> Result<R, String>) -> Result<(Generation, R), Error> {
+        match self.link.client.call(f) {
+            Ok((generation, Ok(answer))) => Ok((generation, answer)),
+            Ok((_, Err(why))) | Err(why) => Err(error(why)),
+        }
+    }
+
+    /// After `call` on the client of `generation` failed with `status`, which may leave its transfers in flight:
+    /// closes that client (or waits for another call closing it) and starts a new one. The error to return, and
+    /// whether the client is closed (else memory the call used may still be touched: keep it).
+    fn unsettled(&self, generation: Generation, call: &str, status: i64) -> (Error, bool) {
+        let why = format!(
+            "a {call} at the master {} failed with {}, after which Mooncake may still move bytes of that call",
+            self.master(),
+            sys::code_name(status)
+        );
+        tracing::warn!("{why}: closing the client, which stops its transfers, and connecting a new one");
+        let close = |client: Client| client.close(CLOSE_DEADLINE);
+        match self.link.client.retire(generation, why.clone(), close, CLOSE_DEADLINE) {
+            Ok(retired) => {
+                if retired == Retired::ByThisCall {
+                    Link::replace(Arc::downgrade(&self.link));
+                }
+                let closed = format!("{why}; the client is closed (its transfers stopped) and a new one connects");
+                (error(closed), true)
+            }
+            Err(stuck) => {
+                tracing::error!("{stuck}");
+                (error(stuck), false)
+            }
+        }
+    }
+
+    fn master(&self) -> &str {
+        &self.link.config.master
+    }
+
+    /// Why calls fail at once now (no client: a new one is connecting, or the backend must be reopened).
+    pub fn down(&self) -> Option<String> {
+        self.link.client.down()
     }
 
     /// The segment puts ask the master for first: this client's own (its name as the master knows it), when
     /// [`MooncakeConfig::prefer_local_segment`] is set and the library names it.
     pub fn preferred_segment(&self) -> Option<String> {
-        self.client.preferred_segment().map(|name| name.to_string_lossy().into_owned())
+        let preferred = self.link.client.call(|client| client.preferred_segment().map(std::ffi::CStr::to_owned));
+        preferred.ok()?.1.map(|name| name.to_string_lossy().into_owned())
     }
 
     /// The settings it was opened with.
     pub fn config(&self) -> &MooncakeConfig {
-        &self.config
+        &self.link.config
     }
 
     /// Host memory regions registered now (told with `register_host_memory`).
     pub fn registered_regions(&self) -> usize {
-        self.regions.read().unwrap_or_else(|poisoned| poisoned.into_inner()).len()
+        self.link.regions.read().unwrap_or_else(|poisoned| poisoned.into_inner()).len()
     }
 
     /// Whether the client and its master are well.
@@ -157,7 +245,7 @@ impl MooncakeStorage {
     ///
     /// [`Error::Storage`] naming the master and Mooncake's code.
     pub fn health_check(&self) -> Result<(), Error> {
-        self.client.health_check().map_err(error)
+        self.call(Client::health_check).map(|_| ())
     }
 
     /// The object keys of a page, as stored in Mooncake.
@@ -174,20 +262,6 @@ impl MooncakeStorage {
             .collect()
     }
 
-    fn check_usable(&self) -> Result<(), Error> {
-        self.poisoned.check("mooncake")
-    }
-
-    fn poison(&self, call: &str, status: i64) {
-        let why = format!(
-            "refusing calls: a {call} at the master {} failed with {}, after which Mooncake may still move bytes of \
-             that call; reopen the backend",
-            self.client.master(),
-            sys::code_name(status)
-        );
-        self.poisoned.set("mooncake", why);
-    }
-
     /// Where object `part` of a page given as segments (lengths `lens`, starting at `starts`) lies: in place when
     /// the part is inside one segment and the transport may use that memory, else staged.
     fn place(&self, starts: &[usize], lens: &[usize], part: usize, staged: &mut usize) -> Place {
@@ -202,8 +276,9 @@ impl MooncakeStorage {
     }
 
     fn may_use(&self, address: usize) -> bool {
-        self.config.protocol == "tcp"
+        self.link.config.protocol == "tcp"
             || self
+                .link
                 .regions
                 .read()
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -219,9 +294,9 @@ impl MooncakeStorage {
     /// # Safety
     ///
     /// Each `[addresses[i], addresses[i] + part_bytes)` is writable, and neither read nor written by anyone else
-    /// until the call returns. After a failure that may leave a transfer in flight the backend is poisoned and
-    /// `Err` returned: the memory must then be given up.
-    unsafe fn read_objects(&self, keys: &[CString], addresses: &[usize]) -> Result<Vec<i64>, Error> {
+    /// until the call returns. After a failure that may leave a transfer in flight, `Err` says whether the client
+    /// was closed: if not, the memory must be given up.
+    unsafe fn read_objects(&self, keys: &[CString], addresses: &[usize]) -> Result<Vec<i64>, (Error, bool)> {
         let mut results = vec![code::OBJECT_NOT_FOUND; keys.len()];
         let mut pending: Vec<usize> = (0..keys.len()).collect();
         let deadline = Instant::now() + NOT_READY_WAIT;
@@ -233,11 +308,11 @@ impl MooncakeStorage {
             let round_addresses: Vec<usize> = round.iter().map(|&object| addresses[object]).collect();
             let sizes = vec![self.part_bytes; round.len()];
             // SAFETY: the caller vouches for every address and length.
-            let answers =
-                unsafe { self.client.batch_get_into(&round_keys, &round_addresses, &sizes) }.map_err(error)?;
+            let (generation, answers) = self
+                .call(|client| unsafe { client.batch_get_into(&round_keys, &round_addresses, &sizes) })
+                .map_err(|failure| (failure, true))?;
             if let Some(&status) = answers.iter().find(|&&status| status < 0 && !sys::is_settled_failure(status)) {
-                self.poison("batch_get_into", status);
-                return Err(self.check_usable().expect_err("just poisoned"));
+                return Err(self.unsettled(generation, "batch_get_into", status));
             }
             pending = later;
             let mut not_ready = false;
@@ -249,28 +324,28 @@ impl MooncakeStorage {
                 }
             }
             if not_ready {
-                std::thread::sleep(std::time::Duration::from_millis(5));
+                std::thread::sleep(Duration::from_millis(5));
             }
         }
         Ok(results)
     }
 }
 
-/// A staging buffer for the objects of one call that cannot move in place; registered for the call when the
-/// transport needs it.
+/// A staging buffer for the objects of one call that cannot move in place; registered for the call (with the
+/// client in place) when the transport needs it.
 struct Staging<'a> {
     bytes: Vec<u8>,
-    registered: Option<&'a Client>,
+    registered: Option<(&'a Link, Generation)>,
 }
 
 impl<'a> Staging<'a> {
     fn new(len: usize, storage: &'a MooncakeStorage) -> Result<Self, Error> {
         let bytes = vec![0u8; len];
-        let registered = if len > 0 && storage.config.protocol != "tcp" {
+        let registered = if len > 0 && storage.link.config.protocol != "tcp" {
             // SAFETY: the buffer is owned by this value and stays allocated until `Drop` unregisters it (or is
             // leaked, with its registration, when a transfer may still use it).
-            unsafe { storage.client.register(bytes.as_ptr() as usize, len) }.map_err(error)?;
-            Some(&storage.client)
+            let (generation, ()) = storage.call(|client| unsafe { client.register(bytes.as_ptr() as usize, len) })?;
+            Some((&*storage.link, generation))
         } else {
             None
         };
@@ -289,8 +364,9 @@ impl<'a> Staging<'a> {
 
 impl Drop for Staging<'_> {
     fn drop(&mut self) {
-        if let Some(client) = self.registered {
-            client.unregister(self.bytes.as_ptr() as usize);
+        // a client closed since knows nothing of the buffer any more
+        if let Some((link, generation)) = self.registered {
+            link.client.call_on(generation, |client| client.unregister(self.bytes.as_ptr() as usize));
         }
     }
 }
@@ -364,11 +440,10 @@ impl StorageBackend for MooncakeStorage {
     }
 
     fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {
-        self.check_usable()?;
         if keys.is_empty() {
             return Ok(0);
         }
-        let results = self.client.batch_is_exist(&self.c_keys(keys)).map_err(error)?;
+        let (_, results) = self.call(|client| client.batch_is_exist(&self.c_keys(keys)))?;
         let parts = self.keys.parts();
         let mut found = 0;
         for page in results.chunks(parts) {
@@ -377,7 +452,7 @@ impl StorageBackend for MooncakeStorage {
             {
                 return Err(error(format!(
                     "batch_is_exist at the master {} failed: {}",
-                    self.client.master(),
+                    self.master(),
                     sys::code_name(status)
                 )));
             }
@@ -392,7 +467,6 @@ impl StorageBackend for MooncakeStorage {
 
     fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
         check_batch(keys.len(), pages.len())?;
-        self.check_usable()?;
         let parts = self.keys.parts();
         let mut outcomes: Vec<Option<GetOutcome>> = vec![None; keys.len()];
         let (mut object_keys, mut places, mut owners) = (Vec::new(), Vec::new(), Vec::new());
@@ -425,9 +499,11 @@ impl StorageBackend for MooncakeStorage {
         // and no two overlap (distinct parts of distinct pages, each page's segments distinct by the borrow).
         let results = match unsafe { self.read_objects(&object_keys, &addresses) } {
             Ok(results) => results,
-            Err(failure) => {
-                // a transfer may still write the staging buffer
-                staging.abandon();
+            Err((failure, closed)) => {
+                if !closed {
+                    // a transfer may still write the staging buffer
+                    staging.abandon();
+                }
                 return Err(failure);
             }
         };
@@ -435,7 +511,7 @@ impl StorageBackend for MooncakeStorage {
         for ((&(index, part), &status), &place) in owners.iter().zip(&results).zip(&places) {
             by_page[index].push((part, status, place));
         }
-        let master = self.client.master();
+        let master = self.master();
         for (index, objects) in by_page.into_iter().enumerate() {
             if outcomes[index].is_some() {
                 continue;
@@ -484,13 +560,12 @@ impl StorageBackend for MooncakeStorage {
 
     fn batch_set(&self, keys: &[PageKey], pages: &[PageSegments<'_>]) -> Result<Vec<SetOutcome>, Error> {
         check_batch(keys.len(), pages.len())?;
-        self.check_usable()?;
         if keys.is_empty() {
             return Ok(Vec::new());
         }
         let parts = self.keys.parts();
         let all_keys = self.c_keys(keys);
-        let present = self.client.batch_is_exist(&all_keys).map_err(error)?;
+        let (generation, present) = self.call(|client| client.batch_is_exist(&all_keys))?;
         let mut outcomes: Vec<Option<SetOutcome>> = vec![None; keys.len()];
         // per object: Ok(true) stored now, Ok(false) present before, Err(status) failed
         let mut object_results: Vec<Result<bool, i64>> = vec![Ok(false); all_keys.len()];
@@ -536,18 +611,21 @@ impl StorageBackend for MooncakeStorage {
             });
         }
         let sizes = vec![self.part_bytes; addresses.len()];
-        let results = if put_keys.is_empty() {
-            Vec::new()
+        let replicas = self.link.config.replicas;
+        let (generation, results) = if put_keys.is_empty() {
+            (generation, Vec::new())
         } else {
             // SAFETY: every address is inside one segment of `pages` (borrowed for this call, so nobody writes
             // them) or inside `staging`, which outlives the call; each range is `part_bytes` long. After an
-            // unsettled failure the backend is poisoned and the staging buffer leaked.
-            unsafe { self.client.batch_put_from(&put_keys, &addresses, &sizes, self.config.replicas) }.map_err(error)?
+            // unsettled failure the client is closed before the call returns, or the staging buffer leaked.
+            self.call(|client| unsafe { client.batch_put_from(&put_keys, &addresses, &sizes, replicas) })?
         };
         if let Some(&status) = results.iter().find(|&&status| status < 0 && !sys::is_settled_failure(status)) {
-            self.poison("batch_put_from", status);
-            staging.abandon();
-            return Err(self.check_usable().expect_err("just poisoned"));
+            let (failure, closed) = self.unsettled(generation, "batch_put_from", status);
+            if !closed {
+                staging.abandon();
+            }
+            return Err(failure);
         }
         for (&object, &status) in put_objects.iter().zip(&results) {
             object_results[object] = match status {
@@ -559,7 +637,7 @@ impl StorageBackend for MooncakeStorage {
         for (object, first) in duplicates {
             object_results[object] = object_results[first].map(|_| false);
         }
-        let master = self.client.master();
+        let master = self.master();
         for (index, outcome) in outcomes.iter_mut().enumerate() {
             if outcome.is_some() {
                 continue;
@@ -580,16 +658,15 @@ impl StorageBackend for MooncakeStorage {
     }
 
     fn remove(&self, keys: &[PageKey]) -> Result<usize, Error> {
-        self.check_usable()?;
         let parts = self.keys.parts();
         let object_keys = self.c_keys(keys);
         let mut removed_pages = 0;
         for page in object_keys.chunks(parts) {
             let mut any = false;
             for key in page {
-                let deadline = Instant::now() + self.config.lease_wait;
+                let deadline = Instant::now() + self.link.config.lease_wait;
                 loop {
-                    match self.client.remove(key).map_err(error)? {
+                    match self.call(|client| client.remove(key))?.1 {
                         0 => any = true,
                         code::OBJECT_NOT_FOUND => {}
                         code::OBJECT_HAS_LEASE if Instant::now() < deadline => {
@@ -600,10 +677,13 @@ impl StorageBackend for MooncakeStorage {
                             return Err(error(format!(
                                 "removing {} at the master {}: {}{}",
                                 key.to_string_lossy(),
-                                self.client.master(),
+                                self.master(),
                                 sys::code_name(status),
                                 if status == code::OBJECT_HAS_LEASE {
-                                    format!(" (still read after {} ms; lease_wait)", self.config.lease_wait.as_millis())
+                                    format!(
+                                        " (still read after {} ms; lease_wait)",
+                                        self.link.config.lease_wait.as_millis()
+                                    )
                                 } else {
                                     String::new()
                                 }
@@ -620,8 +700,7 @@ impl StorageBackend for MooncakeStorage {
     }
 
     fn clear(&self) -> Result<u64, Error> {
-        self.check_usable()?;
-        let objects = self.client.remove_by_regex(self.keys.pattern(), true).map_err(error)?;
+        let (_, objects) = self.call(|client| client.remove_by_regex(self.keys.pattern(), true))?;
         let pages = objects.div_ceil(self.keys.parts() as u64);
         self.stats.record_removed(pages);
         Ok(pages)
@@ -632,18 +711,22 @@ impl StorageBackend for MooncakeStorage {
     }
 
     fn register_host_memory(&self, region: &MemoryRegion) -> Result<(), Error> {
+        let mut regions = self.link.regions.write().unwrap_or_else(|poisoned| poisoned.into_inner());
         // SAFETY: the caller keeps the region mapped until `unregister_host_memory` with the same region (the
-        // trait's contract), which unregisters it here.
-        unsafe { self.client.register(region.address(), region.len()) }.map_err(error)?;
-        self.regions.write().unwrap_or_else(|poisoned| poisoned.into_inner()).push(region.clone());
+        // trait's contract), which unregisters it here; a client that connects later registers it from the list.
+        match self.link.client.call(|client| unsafe { client.register(region.address(), region.len()) }) {
+            Ok((_, Err(why))) => return Err(error(why)),
+            Ok((_, Ok(()))) | Err(_) => {}
+        }
+        regions.push(region.clone());
         Ok(())
     }
 
     fn unregister_host_memory(&self, region: &MemoryRegion) {
-        let mut regions = self.regions.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut regions = self.link.regions.write().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(at) = regions.iter().position(|known| known == region) {
             regions.remove(at);
-            self.client.unregister(region.address());
+            let _ = self.link.client.call(|client| client.unregister(region.address()));
         }
     }
 }

@@ -17,11 +17,31 @@ pub(crate) struct Prepared {
 }
 
 fn find_redis_server() -> Option<PathBuf> {
+    find_program("redis-server")
+}
+
+/// `program` on `PATH` or in the system's folders for programs.
+pub(crate) fn find_program(program: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/local/bin")])
-        .map(|dir| dir.join("redis-server"))
+        .chain(["/usr/sbin", "/usr/bin", "/sbin", "/usr/local/bin"].map(PathBuf::from))
+        .map(|dir| dir.join(program))
         .find(|candidate| candidate.is_file())
+}
+
+/// The across-hosts tests (hicache-cli/tests/hosts.rs) make network namespaces (`ip`), cap links (`tc`) and drop
+/// packets (`nft`): installs what is missing.
+pub(crate) fn network_tools() -> anyhow::Result<()> {
+    let mut missing: Vec<&str> = [("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables")]
+        .into_iter()
+        .filter(|(program, _)| find_program(program).is_none())
+        .map(|(_, package)| package)
+        .collect();
+    missing.dedup();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    crate::apt_install(&missing, "the across-hosts tests make network namespaces and impair their links")
 }
 
 pub(crate) fn prepare() -> anyhow::Result<Prepared> {

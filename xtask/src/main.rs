@@ -166,6 +166,7 @@ fn ci(args: &[String]) -> anyhow::Result<()> {
     // 3FS: the committed declarations match the header, a real Redis, the USRBIO mock (3FS itself cannot run here)
     bindgen::run(&["--check".into()])?;
     let hf3fs = hf3fs::prepare()?;
+    hf3fs::network_tools()?;
     let redis_server = hf3fs.redis_server.to_str().context("the redis-server path is not UTF-8")?;
     let mock_dir = hf3fs.mock_dir.to_str().context("the USRBIO mock path is not UTF-8")?;
     // unit, integration, property and doc tests, and the tidy test (xtask's own tests)

@@ -15,3 +15,4 @@ pub(crate) mod config;
 pub(crate) mod hash;
 pub(crate) mod placement;
 pub(crate) mod store;
+mod watch;

@@ -6,7 +6,7 @@
 //! or pages concatenated in key order.
 
 use std::io::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, bail};
 use clap::{Args, Subcommand, ValueEnum};
@@ -44,6 +44,11 @@ pub(crate) enum StoreCommand {
     /// The key layout a router outside the engine needs to find this stage's pages in the store (every TP rank's
     /// objects), as SGLang serves it at /get_hicache_l3_cache_layout; nothing is opened.
     Layout(TargetArgs),
+    /// Read the same pages again and again through one open backend, a line per round (whole, missing, failed,
+    /// and how long it took; with --expect or --put, whether the bytes are right), until --rounds, SIGINT or SIGTERM,
+    /// or the end of standard input when that is a pipe. With --put it writes them first and keeps them: a canary
+    /// page for watching a store from a host, and (Mooncake) a process that lends its segment while it runs.
+    Watch(super::watch::WatchArgs),
 }
 
 /// KV dtypes by name.
@@ -142,7 +147,7 @@ pub(crate) struct TargetArgs {
     page_bytes: Option<usize>,
     /// Print JSON.
     #[arg(long)]
-    json: bool,
+    pub(super) json: bool,
 }
 
 /// The pages a command is about: keys given, or computed from tokens.
@@ -196,11 +201,11 @@ pub(crate) struct GetArgs {
 }
 
 /// An opened backend and what is known about its pages.
-struct Opened {
-    backend: Box<dyn StorageBackend>,
-    namespace: StorageNamespace,
-    page_bytes: usize,
-    description: String,
+pub(super) struct Opened {
+    pub(super) backend: Box<dyn StorageBackend>,
+    pub(super) namespace: StorageNamespace,
+    pub(super) page_bytes: usize,
+    pub(super) description: String,
 }
 
 /// One page's outcome in JSON.
@@ -222,12 +227,13 @@ pub(crate) fn run(command: &StoreCommand) -> anyhow::Result<()> {
         StoreCommand::Clear(args) => clear(args),
         StoreCommand::Stat(args) => stat(args),
         StoreCommand::Layout(args) => layout(args),
+        StoreCommand::Watch(args) => super::watch::watch(args),
     }
 }
 
 /// What a store command does to the directory of a file-like backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
+pub(super) enum Mode {
     /// Reads only: the directory must exist, and nothing in it is created, changed or removed.
     Inspect,
     /// Removes pages: the directory must exist.
@@ -244,7 +250,7 @@ struct Target {
     page_bytes: usize,
 }
 
-fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
+pub(super) fn open(args: &TargetArgs, mode: Mode) -> anyhow::Result<Opened> {
     let Target { backend, namespace, options, page_bytes } = target(args, mode)?;
     let file_like = backend.is("file") || backend.is("nixl");
     if file_like && mode != Mode::Write {
@@ -346,7 +352,7 @@ fn target(args: &TargetArgs, mode: Mode) -> anyhow::Result<Target> {
     Ok(Target { backend, namespace, options, page_bytes })
 }
 
-fn keys(args: &KeysArgs, page_size: usize) -> anyhow::Result<Vec<PageKey>> {
+pub(super) fn keys(args: &KeysArgs, page_size: usize) -> anyhow::Result<Vec<PageKey>> {
     let keys = match &args.tokens {
         Some(path) => {
             let text = crate::input::read_text(Some(path), "token file", crate::input::TOKENS_LIMIT)?;
@@ -384,33 +390,7 @@ fn put(args: &PutArgs) -> anyhow::Result<()> {
         ));
     }
     let keys = keys(&args.keys, opened.namespace.page_size)?;
-    let expected = crate::memory::product(&[keys.len() as u64, opened.page_bytes as u64]);
-    crate::memory::require(expected, "the pages given × --page-size (and the geometry)")?;
-    let expected = expected.expect("required above");
-    let cannot_read = |error: std::io::Error| Usage(format!("cannot read --in {}: {error}", args.input.display()));
-    let file = std::fs::File::open(&args.input).map_err(cannot_read)?;
-    // a regular file's length is known before reading it; a device or a pipe is read to at most one byte more than
-    // the pages take, so one that never ends (/dev/zero) stops there
-    let length = match file.metadata().map_err(cannot_read)? {
-        metadata if metadata.is_file() => Some(metadata.len()),
-        _ => None,
-    };
-    let mut bytes = Vec::new();
-    if length.is_none_or(|length| length == expected) {
-        std::io::Read::read_to_end(&mut std::io::Read::take(file, expected + 1), &mut bytes).map_err(cannot_read)?;
-    }
-    let found = length.unwrap_or(bytes.len() as u64);
-    if found != expected || bytes.len() as u64 != expected {
-        let shown =
-            if found > expected && length.is_none() { format!("more than {expected}") } else { found.to_string() };
-        bail!(Usage(format!(
-            "--in {} has {shown} bytes; {} of {} bytes are {}",
-            args.input.display(),
-            plural(keys.len(), "page"),
-            opened.page_bytes,
-            keys.len() * opened.page_bytes
-        )));
-    }
+    let bytes = read_pages(&args.input, "--in", keys.len(), opened.page_bytes)?;
     let pages: Vec<PageSegments<'_>> = bytes.chunks(opened.page_bytes).map(|page| vec![page]).collect();
     let outcomes = opened.backend.batch_set(&keys, &pages)?;
     let reports: Vec<PageReport> = keys
@@ -430,6 +410,36 @@ fn put(args: &PutArgs) -> anyhow::Result<()> {
         bail!("{failed} of {} pages failed to store in the {}", keys.len(), opened.description);
     }
     Ok(())
+}
+
+/// The bytes of `pages` pages of `page_bytes` from `input` (the flag `flag`), which must hold exactly that many.
+pub(super) fn read_pages(input: &Path, flag: &str, pages: usize, page_bytes: usize) -> anyhow::Result<Vec<u8>> {
+    let expected = crate::memory::product(&[pages as u64, page_bytes as u64]);
+    crate::memory::require(expected, "the pages given × --page-size (and the geometry)")?;
+    let expected = expected.expect("required above");
+    let cannot_read = |error: std::io::Error| Usage(format!("cannot read {flag} {}: {error}", input.display()));
+    let file = std::fs::File::open(input).map_err(cannot_read)?;
+    // a regular file's length is known before reading it; a device or a pipe is read to at most one byte more than
+    // the pages take, so one that never ends (/dev/zero) stops there
+    let length = match file.metadata().map_err(cannot_read)? {
+        metadata if metadata.is_file() => Some(metadata.len()),
+        _ => None,
+    };
+    let mut bytes = Vec::new();
+    if length.is_none_or(|length| length == expected) {
+        std::io::Read::read_to_end(&mut std::io::Read::take(file, expected + 1), &mut bytes).map_err(cannot_read)?;
+    }
+    let found = length.unwrap_or(bytes.len() as u64);
+    if found != expected || bytes.len() as u64 != expected {
+        let shown =
+            if found > expected && length.is_none() { format!("more than {expected}") } else { found.to_string() };
+        bail!(Usage(format!(
+            "{flag} {} has {shown} bytes; {} of {page_bytes} bytes are {expected}",
+            input.display(),
+            plural(pages, "page"),
+        )));
+    }
+    Ok(bytes)
 }
 
 fn report_pages(target: &TargetArgs, reports: &[PageReport]) -> anyhow::Result<()> {

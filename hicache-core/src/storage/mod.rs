@@ -12,6 +12,7 @@
 mod fault;
 pub mod l3_layout;
 mod memory;
+pub mod replaceable;
 mod stats;
 pub mod tiers;
 mod unified;
