@@ -15,4 +15,5 @@ pub(crate) mod config;
 pub(crate) mod hash;
 pub(crate) mod placement;
 pub(crate) mod store;
+mod store_target;
 mod watch;

@@ -23,7 +23,7 @@ use clap::Args;
 use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, SetOutcome};
 use serde::Serialize;
 
-use super::store::{KeysArgs, Mode, TargetArgs, keys, open, read_pages};
+use super::store_target::{KeysArgs, Mode, TargetArgs, keys, open, read_pages};
 
 /// Arguments of `store watch`.
 #[derive(Debug, Args)]
