@@ -373,6 +373,20 @@ fn pages_put_by_two_tp2_ranks_under_the_unified_scheme_are_got_whole_by_a_tp1_ra
     assert!(!run("get", "2", &["--key", &key, "--out", output.to_str().unwrap()]).status.success());
 }
 
+/// `hicache args` (a `store watch --json`) running, with its standard input a pipe, and its lines as they come.
+fn running_watch(args: &[&str]) -> (std::process::Child, impl Iterator<Item = Value>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hicache"))
+        .args(args)
+        .env_remove("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()))
+        .map(|line| serde_json::from_str::<Value>(&line.unwrap()).unwrap());
+    (child, lines)
+}
+
 /// The JSON lines of a `store watch` that ran to its end.
 fn watch_lines(output: &Output) -> Vec<Value> {
     String::from_utf8_lossy(&output.stdout).lines().map(|line| serde_json::from_str(line).unwrap()).collect()
@@ -389,9 +403,10 @@ fn a_watch_reads_the_pages_each_round_and_says_when_they_are_missing_or_other_by
     let output = store("watch", &storage, &["--tokens", &tokens, "--put", input, "--rounds", "3", "--json"]);
     let lines = watch_lines(&output);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    assert_eq!(lines.len(), 4, "{lines:?}");
+    assert_eq!(lines.len(), 5, "{lines:?}");
     assert_eq!(lines[0]["event"], "ready");
-    for (round, line) in lines[1..].iter().enumerate() {
+    assert_eq!((lines[4]["event"].as_str(), lines[4]["message"].as_str()), (Some("end"), Some("rounds")));
+    for (round, line) in lines[1..4].iter().enumerate() {
         assert_eq!((line["round"].as_u64(), line["outcome"].as_str()), (Some(round as u64 + 1), Some("whole")));
         assert_eq!((line["pages_whole"].as_u64(), line["pages"].as_u64()), (Some(3), Some(3)));
     }
@@ -417,20 +432,28 @@ fn a_watch_reads_the_pages_each_round_and_says_when_they_are_missing_or_other_by
     let mut args = vec!["store", "watch", "--dir", dir, "--model", "m", "--tokens", &tokens, "--expect", input];
     args.extend(GEOMETRY);
     args.extend(["--json", "--interval-ms", "1"]);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hicache"))
-        .args(&args)
-        .env_remove("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdout = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
-    let ready: Value = serde_json::from_str(&stdout.next().unwrap().unwrap()).unwrap();
-    assert_eq!(ready["event"], "ready");
-    let round: Value = serde_json::from_str(&stdout.next().unwrap().unwrap()).unwrap();
+    let (mut child, mut lines) = running_watch(&args);
+    assert_eq!(lines.next().unwrap()["event"], "ready");
+    let round = lines.next().unwrap();
     assert_eq!(round["outcome"], "missing", "{round}");
     assert!(round["message"].as_str().unwrap().contains(second), "{round}");
     assert_eq!(round["pages_whole"], 2);
+    drop(child.stdin.take());
+    let end = lines.last().unwrap();
+    assert_eq!((end["event"].as_str(), end["message"].as_str()), (Some("end"), Some("the end of standard input")));
+    assert!(child.wait().unwrap().success());
+    // a canary (--put) that finds a page missing writes the pages again: a page removed while it runs comes back
+    let flag = args.iter().position(|&arg| arg == "--expect").unwrap();
+    args[flag] = "--put";
+    let (mut child, mut lines) = running_watch(&args);
+    assert_eq!(lines.next().unwrap()["event"], "ready");
+    assert_eq!(lines.next().unwrap()["outcome"], "whole", "the first put restored the page");
+    ok(store("rm", &storage, &["--key", second]));
+    let missing = lines.by_ref().find(|line| line["outcome"] != "whole").expect("a round after the removal");
+    assert_eq!(missing["outcome"], "missing", "{missing}");
+    let put = lines.next().unwrap();
+    assert_eq!((put["event"].as_str(), put["pages_whole"].as_u64()), (Some("put"), Some(1)), "{put}");
+    assert_eq!(lines.next().unwrap()["outcome"], "whole");
     drop(child.stdin.take());
     assert!(child.wait().unwrap().success());
 }

@@ -176,14 +176,15 @@ impl Rates {
 
     /// The rates as integers for the tick's collective, in units where larger is slower, so that a MAX over the
     /// ranks is the slowest rank's (the collective reduces with MIN: the caller negates): nanoseconds per call,
-    /// picoseconds per byte read and loaded, picoseconds per token, attoseconds per token per prefix token
+    /// femtoseconds per byte read and loaded (a load at 55 GB/s is 18 182 fs a byte; whole picoseconds would round
+    /// it to 18, and 52 GB/s to 50), picoseconds per token, attoseconds per token per prefix token
     /// (0: unknown, for the read and the prefill rates).
     pub fn encode(&self) -> [i64; ENCODED] {
         let scaled = |value: f64, unit: f64| (value * unit).round().clamp(0.0, i64::MAX as f64) as i64;
         [
             scaled(self.storage_call_s, 1e9),
-            self.storage_read_bytes_per_s.map_or(0, |rate| scaled(1.0 / rate, 1e12).max(1)),
-            scaled(1.0 / self.load_bytes_per_s, 1e12),
+            self.storage_read_bytes_per_s.map_or(0, |rate| scaled(1.0 / rate, 1e15).max(1)),
+            scaled(1.0 / self.load_bytes_per_s, 1e15),
             self.prefill_s_per_token.map_or(0, |alpha| scaled(alpha, 1e12).max(1)),
             scaled(self.prefill_s_per_token_per_prefix, 1e18),
         ]
@@ -191,8 +192,8 @@ impl Rates {
 
     /// The rates [`encode`](Self::encode) gave (reduced over the ranks), with `batch_pages`.
     pub fn decode(values: &[i64; ENCODED], batch_pages: usize) -> Self {
-        // a zero time per byte would be an infinite rate: one picosecond per byte (1 TB/s) is the fastest kept
-        let per_byte = |value: i64| 1e12 / value.max(1) as f64;
+        // a zero time per byte would be an infinite rate: one femtosecond per byte (1 PB/s) is the fastest kept
+        let per_byte = |value: i64| 1e15 / value.max(1) as f64;
         Self {
             storage_call_s: values[0] as f64 / 1e9,
             storage_read_bytes_per_s: (values[1] > 0).then(|| per_byte(values[1])),

@@ -65,6 +65,10 @@ impl Default for TmaShape {
     }
 }
 
+/// Events that keep their completion time (cudarc's default disables timing, which is cheaper): the start events and
+/// a load's last layer, whose difference is the load's duration on the device.
+const TIMED: cudarc::driver::sys::CUevent_flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+
 /// A completion event of the CUDA engine.
 #[derive(Clone, Debug)]
 pub struct CudaTransferEvent {
@@ -103,6 +107,12 @@ pub fn wait_layer_on(
 impl TransferEvent for CudaTransferEvent {
     fn is_complete(&self) -> bool {
         self.event.is_complete()
+    }
+
+    fn seconds_since(&self, start: &Self) -> Option<f64> {
+        // both events are timed where the engine records them so (start events, a load's last layer): others
+        // answer CUDA_ERROR_INVALID_HANDLE
+        start.event.elapsed_ms(&self.event).ok().map(|ms| f64::from(ms) / 1e3)
     }
 
     fn wait(&self) -> Result<(), Error> {
@@ -727,6 +737,12 @@ impl CudaEngine {
         let event = stream.record_event(None).map_err(driver("record the transfer's event"))?;
         Ok(CudaTransferEvent { event: Arc::new(event) })
     }
+
+    /// An event that keeps the time it completed (start events and a load's last layer: the cost model's loads).
+    fn record_timed(stream: &Arc<CudaStream>) -> Result<CudaTransferEvent, Error> {
+        let event = stream.record_event(Some(TIMED)).map_err(driver("record the transfer's event"))?;
+        Ok(CudaTransferEvent { event: Arc::new(event) })
+    }
 }
 
 impl Drop for CudaEngine {
@@ -750,11 +766,15 @@ impl TransferEngine for CudaEngine {
         self.device_map
     }
 
+    fn times_loads(&self) -> bool {
+        true
+    }
+
     fn start_event(&mut self) -> Result<CudaTransferEvent, Error> {
         let event = match &self.caller {
-            Caller::Own(stream) => stream.record_event(None).map_err(driver("record a start event"))?,
+            Caller::Own(stream) => stream.record_event(Some(TIMED)).map_err(driver("record a start event"))?,
             &Caller::Lent(stream) => {
-                let event = self.device.context().new_event(None).map_err(driver("create a start event"))?;
+                let event = self.device.context().new_event(Some(TIMED)).map_err(driver("create a start event"))?;
                 driver::record_on(&event, stream).map_err(driver("record a start event on the caller's stream"))?;
                 event
             }
@@ -822,10 +842,11 @@ impl CudaEngine {
         let stream = self.load_stream.clone();
         let index = self.upload(&stream, &plan.kernel_host, &plan.kernel_slots, after)?;
         let mut events = Vec::with_capacity(layers.len());
+        let last = layers.end - 1;
         for layer in layers {
             self.copy_runs(&stream, &plan.runs, layer..layer + 1, true)?;
             self.launch(&stream, index, plan.kernel_host.len(), layer..layer + 1, true)?;
-            events.push(Self::record(&stream)?);
+            events.push(if layer == last { Self::record_timed(&stream)? } else { Self::record(&stream)? });
         }
         Self::release(&stream, index)?;
         Ok(events)

@@ -588,3 +588,60 @@ fn dropping_the_engine_waits_for_its_transfers() {
     let got = host.with_all_mut(|bytes| bytes.to_vec());
     assert!(got == expected, "the host pool after the drop differs from the CPU engine's");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_controller_learns_the_load_rate_from_the_engines_timed_events() {
+    use hicache_core::collective::SingleRank;
+    use hicache_core::config::HiCacheConfig;
+    use hicache_core::controller::StorageSettings;
+    use hicache_core::namespace::StorageNamespace;
+    use hicache_core::rate_limit::SystemClock;
+    use hicache_core::storage::MemoryStorage;
+
+    let device = device();
+    let geometry = KvGeometry::mha(32, 8, 128, KvDtype::Bf16).unwrap();
+    let (page, device_pages, host_pages) = (16, 256, 512);
+    let engine = CudaEngine::new(
+        &device,
+        DeviceLayoutMap::new(geometry, device_pages * page).unwrap(),
+        HostLayoutMap::new(geometry, HostLayout::PageFirst, page, host_pages).unwrap(),
+    )
+    .unwrap();
+    assert!(engine.times_loads());
+    // a prior far from any H200 (1 MB/s): the rate the plan takes after the load is the measured one
+    let config = HiCacheConfig { page_size: page, prior_load_gbps: 0.001, ..HiCacheConfig::default() };
+    let settings = StorageSettings::from_config(&config, host_pages * page, device_pages * page, false, 0).unwrap();
+    let namespace = StorageNamespace::single_rank("m", geometry, HostLayout::PageFirst, page);
+    let storage = Arc::new(MemoryStorage::new(&namespace));
+    let mut controller = CacheController::new(engine, page, host_pages, device_pages, geometry.layers)
+        .unwrap()
+        .with_storage(storage, settings, Arc::new(SystemClock::new()))
+        .unwrap();
+    let prior = controller.agreed_rates().unwrap().load_bytes_per_s;
+    let mut slots_of_engine = PagedSlots::new(device_pages, page).unwrap();
+    let slots = slots_of_engine.alloc_pages(128).unwrap();
+    let host = controller.write(&slots, NodeId(1), None).unwrap().unwrap();
+    controller.take_all_write_acks().unwrap();
+    controller.evict_device(&host).unwrap();
+    slots_of_engine.free(&slots).unwrap();
+    let loaded = slots_of_engine.alloc_pages(host.len()).unwrap();
+    let wall = std::time::Instant::now();
+    controller.load(&host, &loaded, NodeId(2), None).unwrap();
+    controller.start_loading(SlotReuse::Wait).unwrap().unwrap();
+    controller.engine().synchronize().unwrap();
+    let wall = wall.elapsed().as_secs_f64();
+    let done = controller.completed_loads();
+    assert_eq!(done, 1);
+    controller.take_load_acks(done).unwrap();
+    controller.tick(&mut SingleRank).unwrap();
+    let measured = controller.agreed_rates().unwrap().load_bytes_per_s;
+    // the device's time for the load is within the wall time around it: the rate is at least bytes / wall
+    let bytes = (host.len() * geometry.bytes_per_token() * page) as f64;
+    assert!(measured != prior && measured >= bytes / wall, "prior {prior}, measured {measured}, {bytes} B in {wall} s");
+    eprintln!(
+        "load of {bytes} B timed on the device: {:.2} GB/s (wall time around it: {:.2} GB/s)",
+        measured / 1e9,
+        bytes / wall / 1e9
+    );
+}

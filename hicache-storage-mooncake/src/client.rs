@@ -319,6 +319,7 @@ impl Client {
             preferred_segments_count: preferred.len(),
         };
         let mut results: Vec<c_int> = vec![0; keys.len()];
+        let started = Instant::now();
         // SAFETY: the handle is live; keys, buffers, sizes and results have one entry per key and outlive the call;
         // the caller vouches for the buffers' memory; `config` and the segment name it points to outlive the call.
         let status = unsafe {
@@ -332,6 +333,9 @@ impl Client {
                 results.as_mut_ptr(),
             )
         };
+        if let Some(unsettled) = unsettled(status, started.elapsed(), keys.len()) {
+            return Ok(unsettled);
+        }
         self.check("batch_put_from", status)?;
         Ok(self.observe_each("batch_put_from", results.into_iter().map(i64::from).collect()))
     }
@@ -353,6 +357,7 @@ impl Client {
         let pointers = key_pointers(keys);
         let buffers: Vec<*mut c_void> = buffers.iter().map(|&address| address as *mut c_void).collect();
         let mut results: Vec<i64> = vec![0; keys.len()];
+        let started = Instant::now();
         // SAFETY: the handle is live; keys, buffers, sizes and results have one entry per key and outlive the call;
         // the caller vouches for the buffers' memory.
         let status = unsafe {
@@ -365,6 +370,9 @@ impl Client {
                 results.as_mut_ptr(),
             )
         };
+        if let Some(unsettled) = unsettled(status, started.elapsed(), keys.len()) {
+            return Ok(unsettled);
+        }
         self.check("batch_get_into", status)?;
         Ok(self.observe_each("batch_get_into", results))
     }
@@ -459,6 +467,13 @@ fn probe(handle: &Handle) -> bool {
     // the call.
     let status = unsafe { (handle.api.batch_is_exist)(handle.raw, pointers.as_ptr(), 1, &mut result) };
     status == 0 && result >= 0
+}
+
+/// A whole call's failure that may leave transfers in flight, given to every object (so the caller handles it as
+/// one); `None` for success or a settled failure.
+fn unsettled(status: c_int, took: Duration, objects: usize) -> Option<Vec<i64>> {
+    let status = i64::from(status);
+    (status < 0 && !sys::is_settled_failure(status, took)).then(|| vec![status; objects])
 }
 
 fn key_pointers(keys: &[CString]) -> Vec<*const c_char> {

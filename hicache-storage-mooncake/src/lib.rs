@@ -20,13 +20,16 @@
 //!   another not is a failed page (`Corrupt`: incomplete); fewer bytes than the part is `Corrupt` (short read); an
 //!   object larger than the part is `SizeMismatch`.
 //! * **Failures the store cannot vouch for.** Mooncake settles most failures before or after the transfer (no space,
-//!   not found, the master did not answer); any other failure of a read or write (`TRANSFER_FAIL`: a peer died, a
-//!   link went down, a transfer missed Mooncake's 60 s deadline) may leave a transfer in flight that still touches
-//!   the caller's memory. After one, the call closes its client, which stops the client's transfers, before it
-//!   returns, so the host pool pages it was given are never written late; calls that used the same client return
-//!   only once it is closed too ([`Replaceable`]). A new client then connects on a thread of its own (retried every
-//!   half second, re-registering the host memory); until it does, calls fail at once, saying why. A client whose
-//!   close does not end within [`CLOSE_DEADLINE`] leaves the backend refusing every call for good: reopen it.
+//!   not found, the master did not answer, and a `TRANSFER_FAIL` that came back before Mooncake's 60 s transfer
+//!   deadline: its transfers all ended, as when a peer died; `sys::TRANSFER_DEADLINE_SETTLES_BEFORE`). Any other
+//!   failure of a read or write (a `TRANSFER_FAIL` at the deadline, with transfers still running; a code hicache
+//!   does not know) may leave a transfer in flight that still touches the caller's memory. After one, the call
+//!   closes its client, which stops the client's transfers, before it returns, so the host pool pages it was given
+//!   are never written late; calls that used the same client return only once it is closed too ([`Replaceable`]).
+//!   Closing unmounts the segment this client lends, and its objects go with it. A new client then connects on a
+//!   thread of its own (retried every half second, registering the host memory); until it does, calls fail at once,
+//!   saying why. A client whose close does not end within [`CLOSE_DEADLINE`] leaves the backend refusing every call
+//!   for good: reopen it.
 //! * **Removal.** `remove` deletes an object unless a reader holds its lease (Mooncake's 10 s read lease, `-706`),
 //!   in which case it waits for the lease up to [`MooncakeConfig::lease_wait`]. `clear` removes exactly this
 //!   namespace's objects by a regular expression over their keys, leases or not (an operator's wipe; a reader in
@@ -35,8 +38,8 @@
 //! * **The master.** Opening (the master accepting a connection, then the client's setup) ends within
 //!   [`MooncakeConfig::connect_timeout`] (Mooncake's own setup retries for minutes against a stopped master). A
 //!   master that stops answering fails the calls in flight within Mooncake's own RPC deadline, and every later call
-//!   at once (naming its address), until a probe finds it answering again; the client then reconnects. Closing
-//!   waits for the segment's unmount up to the connect timeout.
+//!   at once (naming its address), until a probe finds it answering again; the client then reconnects. Dropping the
+//!   backend waits for the segment's unmount up to the connect timeout.
 //!
 //! The library is Mooncake's C API, loaded at run time (the crate's `sys` module).
 
@@ -96,6 +99,9 @@ struct Link {
     client: Replaceable<Client>,
     /// The host memory registered with the backend, registered with every client it has.
     regions: RwLock<Vec<MemoryRegion>>,
+    /// Set (under the `regions` lock) when the backend is dropped: a client connected after that registers nothing
+    /// and is not put in.
+    closing: std::sync::atomic::AtomicBool,
 }
 
 impl Link {
@@ -127,17 +133,23 @@ impl Link {
                     Ok(client) => {
                         // held across the install: a region registered meanwhile waits, then finds the new client
                         let regions = link.regions.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-                        for region in regions.iter() {
-                            // SAFETY: the region stays mapped while it is in the list (`unregister_host_memory`
-                            // takes it out and unregisters it from the client then in place).
-                            if let Err(why) = unsafe { client.register(region.address(), region.len()) } {
-                                tracing::warn!(master = %link.config.master, %why, "registering host memory with the \
-                                    new Mooncake client");
-                            }
+                        if link.closing.load(std::sync::atomic::Ordering::Acquire) {
+                            return;
                         }
-                        link.client.install(client);
-                        tracing::info!(master = %link.config.master, "a new Mooncake client connected: calls go on");
-                        return;
+                        // SAFETY: a region stays mapped while it is in the list (`unregister_host_memory` takes it
+                        // out and unregisters it from the client then in place; the backend's drop sets `closing`).
+                        let registered = regions
+                            .iter()
+                            .try_for_each(|region| unsafe { client.register(region.address(), region.len()) });
+                        match registered {
+                            Ok(()) => {
+                                link.client.install(client);
+                                tracing::info!(master = %link.config.master, "a new Mooncake client connected");
+                                return;
+                            }
+                            // a client without the host memory would fail every transfer into it: try another
+                            Err(why) => tracing::warn!(%why, "registering host memory with a new Mooncake client"),
+                        }
                     }
                     Err(why) => tracing::debug!(%why, "connecting a new Mooncake client"),
                 }
@@ -175,7 +187,13 @@ impl MooncakeStorage {
         let part_bytes = page_bytes / keys.parts();
         let api = sys::load(&sys::resolve_library(config.library.as_deref())).map_err(error)?;
         let client = Replaceable::new(Link::connect(api, &config).map_err(error)?);
-        let link = Arc::new(Link { api, config, client, regions: RwLock::new(Vec::new()) });
+        let link = Arc::new(Link {
+            api,
+            config,
+            client,
+            regions: RwLock::new(Vec::new()),
+            closing: std::sync::atomic::AtomicBool::new(false),
+        });
         Ok(Self { namespace: namespace.clone(), link, keys, page_bytes, part_bytes, stats: StatsRecorder::default() })
     }
 
@@ -184,6 +202,25 @@ impl MooncakeStorage {
         match self.link.client.call(f) {
             Ok((generation, Ok(answer))) => Ok((generation, answer)),
             Ok((_, Err(why))) | Err(why) => Err(error(why)),
+        }
+    }
+
+    /// [`call`](Self::call), on the client of `on` when given (a call whose staging buffer that client registered):
+    /// a client connected since is not tried.
+    fn call_for<R>(
+        &self,
+        on: Option<Generation>,
+        f: impl FnOnce(&Client) -> Result<R, String>,
+    ) -> Result<(Generation, R), Error> {
+        let Some(generation) = on else { return self.call(f) };
+        match self.link.client.call_on(generation, f) {
+            Some(Ok(answer)) => Ok((generation, answer)),
+            Some(Err(why)) => Err(error(why)),
+            None => Err(error(format!(
+                "the client that registered this call's staging buffer was replaced before the transfer (the master \
+                 at {}); the call is not tried",
+                self.master()
+            ))),
         }
     }
 
@@ -295,8 +332,14 @@ impl MooncakeStorage {
     ///
     /// Each `[addresses[i], addresses[i] + part_bytes)` is writable, and neither read nor written by anyone else
     /// until the call returns. After a failure that may leave a transfer in flight, `Err` says whether the client
-    /// was closed: if not, the memory must be given up.
-    unsafe fn read_objects(&self, keys: &[CString], addresses: &[usize]) -> Result<Vec<i64>, (Error, bool)> {
+    /// was closed: if not, the memory must be given up. `on`: the client the call must run on (the one that
+    /// registered its staging buffer), if any.
+    unsafe fn read_objects(
+        &self,
+        keys: &[CString],
+        addresses: &[usize],
+        on: Option<Generation>,
+    ) -> Result<Vec<i64>, (Error, bool)> {
         let mut results = vec![code::OBJECT_NOT_FOUND; keys.len()];
         let mut pending: Vec<usize> = (0..keys.len()).collect();
         let deadline = Instant::now() + NOT_READY_WAIT;
@@ -307,11 +350,14 @@ impl MooncakeStorage {
             let round_keys: Vec<CString> = round.iter().map(|&object| keys[object].clone()).collect();
             let round_addresses: Vec<usize> = round.iter().map(|&object| addresses[object]).collect();
             let sizes = vec![self.part_bytes; round.len()];
+            let started = Instant::now();
             // SAFETY: the caller vouches for every address and length.
             let (generation, answers) = self
-                .call(|client| unsafe { client.batch_get_into(&round_keys, &round_addresses, &sizes) })
+                .call_for(on, |client| unsafe { client.batch_get_into(&round_keys, &round_addresses, &sizes) })
                 .map_err(|failure| (failure, true))?;
-            if let Some(&status) = answers.iter().find(|&&status| status < 0 && !sys::is_settled_failure(status)) {
+            let took = started.elapsed();
+            if let Some(&status) = answers.iter().find(|&&status| status < 0 && !sys::is_settled_failure(status, took))
+            {
                 return Err(self.unsettled(generation, "batch_get_into", status));
             }
             pending = later;
@@ -328,6 +374,14 @@ impl MooncakeStorage {
             }
         }
         Ok(results)
+    }
+}
+
+impl Drop for MooncakeStorage {
+    fn drop(&mut self) {
+        // a client still connecting registers nothing of memory its owner may free after this
+        let _regions = self.link.regions.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        self.link.closing.store(true, std::sync::atomic::Ordering::Release);
     }
 }
 
@@ -354,6 +408,11 @@ impl<'a> Staging<'a> {
 
     fn address(&self, offset: usize) -> usize {
         self.bytes.as_ptr() as usize + offset
+    }
+
+    /// The client the buffer is registered with, which the call's transfer must use.
+    fn generation(&self) -> Option<Generation> {
+        self.registered.map(|(_, generation)| generation)
     }
 
     /// Keeps the buffer (and its registration) for the rest of the process: a transfer may still use it.
@@ -497,7 +556,7 @@ impl StorageBackend for MooncakeStorage {
         // SAFETY: every address is either inside one segment of `pages` (`place` found the whole part in it), which
         // this call borrows mutably, or inside `staging`, which outlives the call; each range is `part_bytes` long
         // and no two overlap (distinct parts of distinct pages, each page's segments distinct by the borrow).
-        let results = match unsafe { self.read_objects(&object_keys, &addresses) } {
+        let results = match unsafe { self.read_objects(&object_keys, &addresses, staging.generation()) } {
             Ok(results) => results,
             Err((failure, closed)) => {
                 if !closed {
@@ -612,15 +671,19 @@ impl StorageBackend for MooncakeStorage {
         }
         let sizes = vec![self.part_bytes; addresses.len()];
         let replicas = self.link.config.replicas;
+        let started = Instant::now();
         let (generation, results) = if put_keys.is_empty() {
             (generation, Vec::new())
         } else {
             // SAFETY: every address is inside one segment of `pages` (borrowed for this call, so nobody writes
             // them) or inside `staging`, which outlives the call; each range is `part_bytes` long. After an
             // unsettled failure the client is closed before the call returns, or the staging buffer leaked.
-            self.call(|client| unsafe { client.batch_put_from(&put_keys, &addresses, &sizes, replicas) })?
+            self.call_for(staging.generation(), |client| unsafe {
+                client.batch_put_from(&put_keys, &addresses, &sizes, replicas)
+            })?
         };
-        if let Some(&status) = results.iter().find(|&&status| status < 0 && !sys::is_settled_failure(status)) {
+        let took = started.elapsed();
+        if let Some(&status) = results.iter().find(|&&status| status < 0 && !sys::is_settled_failure(status, took)) {
             let (failure, closed) = self.unsettled(generation, "batch_put_from", status);
             if !closed {
                 staging.abandon();

@@ -132,6 +132,8 @@ pub(crate) mod code {
     pub(crate) const OBJECT_NOT_FOUND: i64 = -704;
     /// The object exists already.
     pub(crate) const OBJECT_ALREADY_EXISTS: i64 = -705;
+    /// A transfer of the call failed (a peer died, a link went down), or did not end by Mooncake's transfer deadline.
+    pub(crate) const TRANSFER_FAIL: i64 = -800;
     /// The object was read less than the lease time ago (10 s by default); a removal without force is refused.
     pub(crate) const OBJECT_HAS_LEASE: i64 = -706;
     /// The lease ran out while the object was read.
@@ -144,22 +146,31 @@ pub(crate) mod code {
     pub(crate) const TENANT_QUOTA_EXCEEDED: i64 = -1700;
 }
 
-/// Whether a failed read or write with this code is known to have moved no bytes after the call returned: the
-/// request was refused before any transfer was submitted, or after every transfer completed. Any other failure may
-/// leave a transfer in flight that still reads or writes the caller's memory.
-pub(crate) fn is_settled_failure(status: i64) -> bool {
-    matches!(
-        status,
-        code::NO_AVAILABLE_HANDLE
-            | code::INVALID_PARAMS
-            | code::REPLICA_IS_NOT_READY
-            | code::OBJECT_NOT_FOUND
-            | code::OBJECT_ALREADY_EXISTS
-            | code::LEASE_EXPIRED
-            | code::RPC_FAIL
-            | code::RPC_TIMEOUT
-            | code::TENANT_QUOTA_EXCEEDED
-    )
+/// Mooncake's deadline for a call's transfers (`transfer_task.cpp`: 60 s from the operation's start, in 0.3.12 and
+/// since). Its wait ends in one of two ways: every transfer of the call reached a final state (completed, failed,
+/// cancelled), or the deadline passed with some still running. Only the second leaves a transfer that may still
+/// touch the caller's memory, so a `TRANSFER_FAIL` that came back well before the deadline is settled (a dead peer
+/// fails its transfers at once). The margin covers the two clocks.
+pub(crate) const TRANSFER_DEADLINE_SETTLES_BEFORE: std::time::Duration = std::time::Duration::from_secs(50);
+
+/// Whether a failed read or write with this code, from a call that took `took`, is known to have moved no bytes
+/// after the call returned: the request was refused before any transfer was submitted, or after every transfer
+/// reached its final state ([`TRANSFER_DEADLINE_SETTLES_BEFORE`]). Any other failure may leave a transfer in flight
+/// that still reads or writes the caller's memory.
+pub(crate) fn is_settled_failure(status: i64, took: std::time::Duration) -> bool {
+    (status == code::TRANSFER_FAIL && took < TRANSFER_DEADLINE_SETTLES_BEFORE)
+        || matches!(
+            status,
+            code::NO_AVAILABLE_HANDLE
+                | code::INVALID_PARAMS
+                | code::REPLICA_IS_NOT_READY
+                | code::OBJECT_NOT_FOUND
+                | code::OBJECT_ALREADY_EXISTS
+                | code::LEASE_EXPIRED
+                | code::RPC_FAIL
+                | code::RPC_TIMEOUT
+                | code::TENANT_QUOTA_EXCEEDED
+        )
 }
 
 /// Mooncake's name of an error code (`types.h`), or `code N`.

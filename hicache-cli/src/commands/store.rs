@@ -40,8 +40,9 @@ pub(crate) enum StoreCommand {
     Layout(TargetArgs),
     /// Read the same pages again and again through one open backend, a line per round (whole, missing, failed,
     /// and how long it took; with --expect or --put, whether the bytes are right), until --rounds, SIGINT or SIGTERM,
-    /// or the end of standard input when that is a pipe. With --put it writes them first and keeps them: a canary
-    /// page for watching a store from a host, and (Mooncake) a process that lends its segment while it runs.
+    /// or the end of standard input when that is a pipe. With --put it writes them first, and again when a round finds
+    /// one missing: a canary page for watching a store from a host, and (Mooncake) a process that lends its segment
+    /// while it runs.
     Watch(super::watch::WatchArgs),
 }
 

@@ -7,9 +7,11 @@
 //! while the watch runs) each page read whole is compared with the file. A page read whole with other bytes is
 //! `wrong`, and the watch then exits with status 1 when it ends: a store must never serve it.
 //!
-//! Rounds start `--interval-ms` apart (after the last one ended). The watch ends after `--rounds`, on SIGINT or
-//! SIGTERM (the round in flight ends first, and the backend is closed), or at the end of standard input when that is
-//! a pipe (a test that drops its end stops the watch).
+//! Rounds start `--interval-ms` apart (after the last one ended). With `--put`, a round that finds a page missing
+//! (evicted, or on a host that went away) writes the pages again, so the canary stays. The watch ends after
+//! `--rounds`, on SIGINT or SIGTERM (the round in flight ends first, and the backend is closed; a second signal ends
+//! the process at once), or at the end of standard input when that is a pipe (a test that drops its end stops the
+//! watch); its last line says which.
 
 use std::os::unix::fs::FileTypeExt as _;
 use std::path::PathBuf;
@@ -20,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use clap::Args;
+use hicache_core::hash::PageKey;
 use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, SetOutcome};
 use serde::Serialize;
 
@@ -48,9 +51,10 @@ pub(crate) struct WatchArgs {
 }
 
 /// One line of the watch.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Default, Serialize)]
 struct Line {
-    /// `ready` (the backend is open, and the pages written with --put), then one `round` per read.
+    /// `ready` (the backend is open, and the pages written with --put), then one `round` per read, a `put` when
+    /// --put wrote pages a round found missing again, and `end` with why the watch ended.
     event: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     round: Option<u64>,
@@ -67,6 +71,7 @@ struct Line {
     /// How long the round's call took.
     #[serde(skip_serializing_if = "Option::is_none")]
     ms: Option<f64>,
+    /// What went wrong first (the first wrong page, if any), or the backend for `ready`, or why the watch ended.
     #[serde(skip_serializing_if = "Option::is_none")]
     message: Option<String>,
 }
@@ -75,12 +80,16 @@ pub(super) fn watch(args: &WatchArgs) -> anyhow::Result<()> {
     let mode = if args.put.is_some() { Mode::Write } else { Mode::Inspect };
     let opened = open(&args.target, mode)?;
     let keys = keys(&args.keys, opened.namespace.page_size)?;
+    crate::memory::require(
+        crate::memory::product(&[keys.len() as u64, opened.page_bytes as u64]),
+        "the pages watched × --page-size (and the geometry)",
+    )?;
     let expected = match (&args.put, &args.expect) {
         (Some(path), _) => Some(read_pages(path, "--put", keys.len(), opened.page_bytes)?),
         (None, Some(path)) => Some(read_pages(path, "--expect", keys.len(), opened.page_bytes)?),
         (None, None) => None,
     };
-    if let (Some(bytes), Some(_)) = (&expected, &args.put) {
+    let put = |bytes: &[u8]| -> anyhow::Result<usize> {
         let pages: Vec<PageSegments<'_>> = bytes.chunks(opened.page_bytes).map(|page| vec![page]).collect();
         let outcomes = opened.backend.batch_set(&keys, &pages)?;
         if let Some((key, SetOutcome::Failed(failure))) =
@@ -88,24 +97,28 @@ pub(super) fn watch(args: &WatchArgs) -> anyhow::Result<()> {
         {
             bail!("page {key} ({}): {failure}", opened.description);
         }
+        Ok(outcomes.iter().filter(|outcome| **outcome == SetOutcome::Stored).count())
+    };
+    let canary = expected.as_deref().filter(|_| args.put.is_some());
+    if let Some(bytes) = canary {
+        put(bytes)?;
     }
     let stop = stop_signals()?;
     let stdin_closed = stdin_end();
     let mut out = Printer { json: args.target.json, out: std::io::stdout().lock() };
-    out.line(&Line {
-        event: "ready",
-        round: None,
-        outcome: None,
-        pages_whole: 0,
-        pages: keys.len(),
-        pages_wrong: 0,
-        ms: None,
-        message: Some(opened.description.clone()),
-    })?;
+    let ready =
+        Line { event: "ready", pages: keys.len(), message: Some(opened.description.clone()), ..Line::default() };
+    out.line(&ready)?;
     let mut wrong_rounds = 0u64;
     let mut buffer = vec![0u8; keys.len() * opened.page_bytes];
     let mut round = 0;
-    while args.rounds.is_none_or(|rounds| round < rounds) && !stop.load(Ordering::Relaxed) {
+    let ended = loop {
+        if args.rounds.is_some_and(|rounds| round >= rounds) {
+            break "rounds";
+        }
+        if stop.load(Ordering::Relaxed) {
+            break "signal";
+        }
         round += 1;
         buffer.fill(0);
         let started = Instant::now();
@@ -113,56 +126,37 @@ pub(super) fn watch(args: &WatchArgs) -> anyhow::Result<()> {
         let answer = opened.backend.batch_get(&keys, &mut pages);
         let ms = started.elapsed().as_secs_f64() * 1e3;
         drop(pages);
-        let mut line = Line {
-            event: "round",
-            round: Some(round),
-            outcome: None,
-            pages_whole: 0,
-            pages: keys.len(),
-            pages_wrong: 0,
-            ms: Some(ms),
-            message: None,
-        };
+        let mut line = Line { event: "round", round: Some(round), pages: keys.len(), ms: Some(ms), ..Line::default() };
         match answer {
             Err(error) => (line.outcome, line.message) = (Some("error"), Some(error.to_string())),
-            Ok(outcomes) => {
-                for ((index, outcome), key) in outcomes.iter().enumerate().zip(&keys) {
-                    let page = index * opened.page_bytes..(index + 1) * opened.page_bytes;
-                    match outcome {
-                        GetOutcome::Hit
-                            if expected.as_ref().is_some_and(|bytes| bytes[page.clone()] != buffer[page]) =>
-                        {
-                            line.pages_wrong += 1;
-                            line.message.get_or_insert_with(|| format!("page {key}: other bytes than expected"));
-                        }
-                        GetOutcome::Hit => line.pages_whole += 1,
-                        GetOutcome::Miss => {
-                            line.outcome.get_or_insert("missing");
-                            line.message.get_or_insert_with(|| format!("page {key}: not in the store"));
-                        }
-                        GetOutcome::Failed(failure) => {
-                            line.outcome.get_or_insert("failed");
-                            line.message.get_or_insert_with(|| format!("page {key}: {failure}"));
-                        }
-                    }
-                }
-                if line.pages_wrong > 0 {
-                    line.outcome = Some("wrong");
-                    wrong_rounds += 1;
-                }
-                line.outcome.get_or_insert("whole");
-            }
+            Ok(outcomes) => judge(&mut line, &outcomes, &keys, expected.as_deref(), &buffer, opened.page_bytes),
         }
+        wrong_rounds += u64::from(line.outcome == Some("wrong"));
+        let missing = line.outcome == Some("missing");
         out.line(&line)?;
-        if args.rounds.is_some_and(|rounds| round >= rounds) {
-            break;
+        // a canary that lost pages (evicted, or a host that held them gone) writes them again
+        if let (Some(bytes), true) = (canary, missing) {
+            let line = match put(bytes) {
+                Ok(stored) => Line { event: "put", pages: keys.len(), pages_whole: stored, ..Line::default() },
+                Err(error) => {
+                    Line { event: "put", pages: keys.len(), message: Some(error.to_string()), ..Line::default() }
+                }
+            };
+            out.line(&line)?;
         }
         match stdin_closed.as_ref().map(|closed| closed.recv_timeout(Duration::from_millis(args.interval_ms))) {
-            Some(Ok(()) | Err(RecvTimeoutError::Disconnected)) => break,
+            Some(Ok(()) | Err(RecvTimeoutError::Disconnected)) => break "the end of standard input",
             Some(Err(RecvTimeoutError::Timeout)) => {}
             None => std::thread::sleep(Duration::from_millis(args.interval_ms)),
         }
-    }
+    };
+    out.line(&Line {
+        event: "end",
+        round: Some(round),
+        pages: keys.len(),
+        message: Some(ended.into()),
+        ..Line::default()
+    })?;
     if wrong_rounds > 0 {
         bail!(
             "{wrong_rounds} of {round} rounds read pages whole with other bytes than expected ({})",
@@ -170,6 +164,40 @@ pub(super) fn watch(args: &WatchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A round's outcome from its pages' (`expected`: the bytes they must hold, if known; `buffer`: what was read).
+fn judge(
+    line: &mut Line,
+    outcomes: &[GetOutcome],
+    keys: &[PageKey],
+    expected: Option<&[u8]>,
+    buffer: &[u8],
+    page_bytes: usize,
+) {
+    let mut wrong = None;
+    for ((index, outcome), key) in outcomes.iter().enumerate().zip(keys) {
+        let page = index * page_bytes..(index + 1) * page_bytes;
+        match outcome {
+            GetOutcome::Hit if expected.is_some_and(|bytes| bytes[page.clone()] != buffer[page]) => {
+                line.pages_wrong += 1;
+                wrong.get_or_insert_with(|| format!("page {key}: other bytes than expected"));
+            }
+            GetOutcome::Hit => line.pages_whole += 1,
+            GetOutcome::Miss => {
+                line.outcome.get_or_insert("missing");
+                line.message.get_or_insert_with(|| format!("page {key}: not in the store"));
+            }
+            GetOutcome::Failed(failure) => {
+                line.outcome.get_or_insert("failed");
+                line.message.get_or_insert_with(|| format!("page {key}: {failure}"));
+            }
+        }
+    }
+    if let Some(wrong) = wrong {
+        (line.outcome, line.message) = (Some("wrong"), Some(wrong));
+    }
+    line.outcome.get_or_insert("whole");
 }
 
 /// Lines as text or JSON (one object per line), flushed each.
@@ -183,16 +211,24 @@ impl<W: std::io::Write> Printer<W> {
         if self.json {
             serde_json::to_writer(&mut self.out, line)?;
             writeln!(self.out)?;
-        } else if line.event == "ready" {
-            writeln!(self.out, "ready: {} pages, {}", line.pages, line.message.as_deref().unwrap_or_default())?;
+        } else if line.event != "round" {
+            let detail = line.message.as_deref().unwrap_or_default();
+            match line.event {
+                "put" => {
+                    writeln!(self.out, "put: {} of {} pages written again {detail}", line.pages_whole, line.pages)?
+                }
+                "end" => writeln!(self.out, "end after {} rounds: {detail}", line.round.unwrap_or_default())?,
+                _ => writeln!(self.out, "{}: {} pages, {detail}", line.event, line.pages)?,
+            }
         } else {
             write!(
                 self.out,
-                "round {}: {} ({} of {} pages whole) in {:.1} ms",
+                "round {}: {} ({} of {} pages whole, {} wrong) in {:.1} ms",
                 line.round.unwrap_or_default(),
                 line.outcome.unwrap_or_default(),
                 line.pages_whole,
                 line.pages,
+                line.pages_wrong,
                 line.ms.unwrap_or_default()
             )?;
             match &line.message {
@@ -205,10 +241,12 @@ impl<W: std::io::Write> Printer<W> {
     }
 }
 
-/// Set once SIGINT or SIGTERM arrives: the watch ends after its round.
+/// Set once SIGINT or SIGTERM arrives: the watch ends after its round (and closes its backend); a second one ends the
+/// process at once, with 128 + the signal's number, as a shell reports a process killed by it.
 fn stop_signals() -> anyhow::Result<Arc<AtomicBool>> {
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_conditional_shutdown(signal, 128 + signal, stop.clone())?;
         signal_hook::flag::register(signal, stop.clone())?;
     }
     Ok(stop)

@@ -596,7 +596,8 @@ fn run_request<E: ReplayEngine>(
     if uncached > 0 {
         tree.observe_prefill(uncached, cached, Duration::from_secs_f64(compute_s));
     }
-    if !loaded.is_empty() {
+    // (an engine that times its loads on the device reports them through the controller)
+    if !loaded.is_empty() && !hicache_core::transfer::TransferEngine::times_loads(tree.controller().engine()) {
         let bytes = (tree.controller().engine().pool_map().geometry().bytes_per_token() * loaded.len()) as u64;
         tree.observe_load(bytes, Duration::from_secs_f64(load_s));
     }

@@ -81,6 +81,8 @@ pub struct Ack<E> {
     pub failed: Option<Error>,
     /// The events of a load's layers before the last (`finish`); empty for a write. A load failed if any did.
     pub layer_events: Vec<E>,
+    /// A load's start event, kept where the engine times its loads: with `finish`, how long the load took.
+    pub start: Option<E>,
 }
 
 /// A backup to storage finished on every rank.
@@ -296,6 +298,7 @@ impl<E: TransferEngine> CacheController<E> {
             storage_op: None,
             failed: None,
             layer_events: Vec::new(),
+            start: None,
         };
         self.write_acks.push_back(PendingWrite { ack, keys: keys.map(<[PageKey]>::to_vec) });
         Ok(Some(host_pages))
@@ -365,6 +368,7 @@ impl<E: TransferEngine> CacheController<E> {
             storage_op: None,
             failed: None,
             layer_events,
+            start: self.engine.times_loads().then_some(start),
         });
         Ok(Ok(Some(slot)))
     }
@@ -475,6 +479,11 @@ impl<E: TransferEngine> CacheController<E> {
         let acks = Self::take(&mut self.load_acks, count, "load")?;
         for ack in &acks {
             self.host.complete_io(&ack.host_pages)?;
+            // the engine timed the load on the device: the cost model learns the host → device rate from it
+            if let Some(seconds) = ack.start.as_ref().and_then(|start| ack.finish.seconds_since(start)) {
+                let bytes = (ack.host_pages.len() * self.memory.page_bytes()) as u64;
+                self.observe_load(bytes, std::time::Duration::from_secs_f64(seconds));
+            }
         }
         Ok(acks)
     }

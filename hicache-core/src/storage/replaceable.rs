@@ -23,6 +23,9 @@ pub struct Generation(u64);
 /// A client that can be retired and replaced; see the module docs.
 pub struct Replaceable<C> {
     state: RwLock<State<C>>,
+    /// The generation being retired and why, from the retirement's start until its client is taken out: calls fail
+    /// at once meanwhile, instead of queueing behind the retirement's wait for the calls in flight.
+    retiring: Mutex<Option<(Generation, String)>>,
     closed: Mutex<Closed>,
     closed_changed: Condvar,
 }
@@ -60,17 +63,24 @@ impl<C> Replaceable<C> {
         let first = Generation(1);
         Self {
             state: RwLock::new(State { current: Some((first, client)), installed: first, down: None }),
+            retiring: Mutex::new(None),
             closed: Mutex::new(Closed::default()),
             closed_changed: Condvar::new(),
         }
     }
 
-    /// Runs `f` on the client, under the shared lock; its generation with the result.
+    /// Runs `f` on the client, under the shared lock; its generation with the result. `f` must not retire (it runs
+    /// under the lock a retirement takes).
     ///
     /// # Errors
     ///
-    /// Why there is no client (retired and not replaced yet, or stuck), at once.
+    /// Why there is no client (being retired, retired and not replaced yet, or stuck), at once.
     pub fn call<R>(&self, f: impl FnOnce(&C) -> R) -> Result<(Generation, R), String> {
+        if let Some((_, why)) = &*self.retiring.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            return Err(format!(
+                "no client: {why}; it is being closed, and calls fail at once until a new one connects"
+            ));
+        }
         let state = self.state.read().unwrap_or_else(std::sync::PoisonError::into_inner);
         match &state.current {
             Some((generation, client)) => Ok((*generation, f(client))),
@@ -79,7 +89,7 @@ impl<C> Replaceable<C> {
     }
 
     /// Runs `f` on the client of `generation` if that is the client in place (to undo what an earlier call did on
-    /// it); `None` when it was retired.
+    /// it, or to run a transfer on the client that registered its memory); `None` when it was retired.
     pub fn call_on<R>(&self, generation: Generation, f: impl FnOnce(&C) -> R) -> Option<R> {
         let state = self.state.read().unwrap_or_else(std::sync::PoisonError::into_inner);
         match &state.current {
@@ -103,28 +113,37 @@ impl<C> Replaceable<C> {
         close: impl FnOnce(C) -> bool,
         wait: Duration,
     ) -> Result<Retired, String> {
-        let taken = {
-            let mut state = self.state.write().unwrap_or_else(std::sync::PoisonError::into_inner);
-            match state.current.take() {
-                Some((current, client)) if current == generation => {
-                    state.down = Some((Instant::now(), why.clone()));
-                    Some(client)
-                }
-                other => {
-                    state.current = other;
-                    None
-                }
+        if let Some(settled) = self.closed_settles(generation) {
+            return settled;
+        }
+        let retires = {
+            let mut retiring = self.retiring.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let current = self.state_generation();
+            let first = retiring.is_none() && current == Some(generation);
+            if first {
+                *retiring = Some((generation, why.clone()));
             }
+            first
         };
-        if let Some(client) = taken {
+        if retires {
+            let client = {
+                let mut state = self.state.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+                state.down = Some((Instant::now(), why.clone()));
+                let (_, client) = state.current.take().expect("only the retiring call takes the client out");
+                client
+            };
+            // (locks: `retiring` is taken before the state, never inside it)
+            *self.retiring.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
             let ended = close(client);
             let mut closed = self.closed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if ended {
                 closed.through = closed.through.max(generation.0);
             } else {
-                closed.stuck.get_or_insert_with(|| {
-                    format!("{why}; closing the client did not end in time, so it may still move bytes: reopen")
-                });
+                let stuck =
+                    format!("{why}; closing the client did not end in time, so it may still move bytes: reopen");
+                self.state.write().unwrap_or_else(std::sync::PoisonError::into_inner).down =
+                    Some((Instant::now(), stuck.clone()));
+                closed.stuck.get_or_insert(stuck);
             }
             self.closed_changed.notify_all();
             return match &closed.stuck {
@@ -132,7 +151,9 @@ impl<C> Replaceable<C> {
                 _ => Ok(Retired::ByThisCall),
             };
         }
-        let deadline = Instant::now() + wait;
+        // another call retires it (or did): its close is waited for, with some margin over the close's own deadline
+        // (which may have started before this wait did)
+        let deadline = Instant::now() + wait + wait / 4;
         let mut closed = self.closed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         loop {
             if closed.through >= generation.0 {
@@ -152,6 +173,17 @@ impl<C> Replaceable<C> {
         }
     }
 
+    /// How a retirement of `generation` ends without waiting: closed already, or stuck; `None` when it must wait.
+    fn closed_settles(&self, generation: Generation) -> Option<Result<Retired, String>> {
+        let closed = self.closed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if closed.through >= generation.0 { Some(Ok(Retired::ByAnother)) } else { closed.stuck.clone().map(Err) }
+    }
+
+    fn state_generation(&self) -> Option<Generation> {
+        let state = self.state.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.current.as_ref().map(|(generation, _)| *generation)
+    }
+
     /// Puts `client` in, replacing none: calls run on it from now on. A holder left stuck refuses it (it is dropped).
     pub fn install(&self, client: C) {
         if self.closed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).stuck.is_some() {
@@ -166,6 +198,9 @@ impl<C> Replaceable<C> {
 
     /// Why calls fail now, if they do.
     pub fn down(&self) -> Option<String> {
+        if let Some((_, why)) = &*self.retiring.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            return Some(format!("no client: {why}; it is being closed"));
+        }
         let state = self.state.read().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.current.is_none().then(|| down_message(state.down.as_ref()))
     }
@@ -173,6 +208,9 @@ impl<C> Replaceable<C> {
 
 fn down_message(down: Option<&(Instant, String)>) -> String {
     match down {
+        Some((since, why)) if why.ends_with("reopen") => {
+            format!("no client: {why} ({:.1} s ago)", since.elapsed().as_secs_f64())
+        }
         Some((since, why)) => format!(
             "no client: {why} ({:.1} s ago); calls fail at once until a new client connects",
             since.elapsed().as_secs_f64()
@@ -272,7 +310,8 @@ mod tests {
         // another caller of the same client hears the same
         assert_eq!(holder.retire(generation, "again".into(), close, Duration::ZERO), Err(stuck));
         holder.install(fake().0);
-        assert!(holder.call(|_| ()).is_err(), "a stuck holder took a new client");
+        let refused = holder.call(|_| ()).unwrap_err();
+        assert!(refused.contains("reopen") && !refused.contains("until a new client"), "{refused}");
     }
 }
 

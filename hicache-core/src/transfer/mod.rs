@@ -35,6 +35,13 @@ pub trait TransferEvent: Clone + Send + Sync + std::fmt::Debug {
     /// [`Error::Device`] when the transfer failed: the bytes it was to move are unspecified, and the controller never
     /// treats its pages as copied.
     fn wait(&self) -> Result<(), Error>;
+
+    /// Seconds from `start`'s completion to this event's, both complete, where the engine times its events (see
+    /// [`TransferEngine::times_loads`]); `None` where it does not.
+    fn seconds_since(&self, start: &Self) -> Option<f64> {
+        let _ = start;
+        None
+    }
 }
 
 /// Moves pages between the device pool and the host pool.
@@ -48,6 +55,15 @@ pub trait TransferEngine: Send {
 
     /// The device pool's map (geometry and slots), whatever its allocation.
     fn device_layout(&self) -> DeviceLayoutMap;
+
+    /// Whether a load's duration can be read from its events: the start event and the last layer's event of
+    /// [`load_layers`](Self::load_layers) give it through [`TransferEvent::seconds_since`]. The controller then reports
+    /// every load to the cost model itself (the engine's loads need no timing by the caller); otherwise the caller
+    /// reports them ([`CacheController::observe_load`](crate::controller::CacheController::observe_load)) or the
+    /// model keeps the config's prior.
+    fn times_loads(&self) -> bool {
+        false
+    }
 
     /// An event recorded on the caller's stream now: a transfer given it as `after` starts only once the caller's
     /// work submitted before it is done.
