@@ -60,12 +60,11 @@ use hicache_core::Error;
 use hicache_core::hash::PageKey;
 use hicache_core::host_memory::MemoryRegion;
 use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::replaceable::{Generation, Replaceable, Retired};
 use hicache_core::storage::{
     FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, StatsRecorder, StorageBackend,
     StorageStats, check_batch, segments_len, size_mismatch,
 };
-
-use hicache_core::storage::replaceable::{Generation, Replaceable, Retired};
 
 use crate::client::{Client, PROBE_INTERVAL, Setup};
 pub use crate::config::{DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LOCAL_BUFFER_SIZE, MooncakeConfig};

@@ -132,12 +132,12 @@ pub(crate) mod code {
     pub(crate) const OBJECT_NOT_FOUND: i64 = -704;
     /// The object exists already.
     pub(crate) const OBJECT_ALREADY_EXISTS: i64 = -705;
-    /// A transfer of the call failed (a peer died, a link went down), or did not end by Mooncake's transfer deadline.
-    pub(crate) const TRANSFER_FAIL: i64 = -800;
     /// The object was read less than the lease time ago (10 s by default); a removal without force is refused.
     pub(crate) const OBJECT_HAS_LEASE: i64 = -706;
     /// The lease ran out while the object was read.
     pub(crate) const LEASE_EXPIRED: i64 = -707;
+    /// A transfer of the call failed (a peer died, a link went down), or did not end by Mooncake's transfer deadline.
+    pub(crate) const TRANSFER_FAIL: i64 = -800;
     /// The master did not answer.
     pub(crate) const RPC_FAIL: i64 = -900;
     /// The master did not answer in time.
@@ -203,4 +203,23 @@ pub(crate) fn code_name(status: i64) -> String {
         _ => return format!("code {status}"),
     };
     format!("{name} ({status})")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn a_transfer_failure_is_settled_only_before_mooncakes_transfer_deadline() {
+        let quick = Duration::from_millis(900);
+        assert!(is_settled_failure(code::TRANSFER_FAIL, quick));
+        assert!(!is_settled_failure(code::TRANSFER_FAIL, Duration::from_secs(61)));
+        assert!(!is_settled_failure(code::TRANSFER_FAIL, TRANSFER_DEADLINE_SETTLES_BEFORE));
+        assert!(is_settled_failure(code::OBJECT_NOT_FOUND, Duration::from_secs(61)));
+        assert!(is_settled_failure(code::RPC_TIMEOUT, Duration::from_secs(31)));
+        // a code hicache does not know may leave a transfer running, however soon it came back
+        assert!(!is_settled_failure(-1, quick));
+    }
 }
