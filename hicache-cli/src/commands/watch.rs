@@ -63,7 +63,7 @@ struct Line {
     /// whole with other bytes than expected).
     #[serde(skip_serializing_if = "Option::is_none")]
     outcome: Option<&'static str>,
-    /// Pages read whole (with the right bytes, when they are known).
+    /// Pages read whole (with the right bytes, when they are known); for `put`, the pages written again.
     pages_whole: usize,
     pages: usize,
     /// Pages read whole with other bytes than expected.
