@@ -237,7 +237,9 @@ fn write_on_1_read_on_2(hosts: &Hosts, (writer, reader): (&[&str], &[&str]), wor
 /// `hicache store watch --json` running on a host: its lines, read on a thread of their own as they come;
 /// stopped when dropped.
 struct Watch {
-    child: Child,
+    /// SIGKILL when dropped: a host that dies (a watch that is done goes the same way: nothing depends on its
+    /// closing).
+    _process: Running,
     lines: std::sync::mpsc::Receiver<serde_json::Value>,
     host: usize,
 }
@@ -262,7 +264,7 @@ impl Watch {
                 }
             }
         });
-        let mut watch = Self { child, lines, host };
+        let mut watch = Self { _process: Running(child), lines, host };
         let ready = watch.next(Duration::from_secs(60)).expect("the watch is ready within a minute");
         assert_eq!(ready["event"], "ready", "{ready}");
         watch
@@ -305,14 +307,6 @@ impl Watch {
             }
             assert!(Instant::now() < end, "host {} saw no {what} in {deadline:?}: {:?}", self.host, lines.last());
         }
-    }
-}
-
-impl Drop for Watch {
-    fn drop(&mut self) {
-        // SIGKILL: a host that dies (a watch that is done goes the same way: nothing depends on its closing)
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

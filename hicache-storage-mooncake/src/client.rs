@@ -426,29 +426,17 @@ impl Client {
 }
 
 impl Client {
-    /// Destroys the client, which stops its transfers and unmounts its segment, and waits for that up to `wait`
-    /// (a probe still waiting on the master holds the handle too: the destruction waits for it); whether it ended.
+    /// Destroys the client, which stops its transfers and unmounts its segment, and waits for that up to `wait`;
+    /// whether it ended.
     pub(crate) fn close(mut self, wait: Duration) -> bool {
-        let Some(handle) = self.handle.take() else { return true };
-        let (sender, receiver) = sync_channel(1);
-        *handle.destroyed.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(sender);
-        // the last holder destroys it, on a thread of its own so that this wait keeps its deadline (a thread that
-        // cannot start drops the handle here, with the closure)
-        let _ = std::thread::Builder::new().name("hicache-mooncake-close".into()).spawn(move || drop(handle));
-        receiver.recv_timeout(wait).is_ok()
+        self.handle.take().is_none_or(|handle| destroy_within(handle, wait))
     }
 }
 
 impl Drop for Client {
     fn drop(&mut self) {
         let Some(handle) = self.handle.take() else { return };
-        let (sender, receiver) = sync_channel(1);
-        // a probe still waiting holds the handle too: it is destroyed when that ends
-        let spawned = std::thread::Builder::new().name("hicache-mooncake-close".into()).spawn(move || {
-            drop(handle);
-            let _ = sender.send(());
-        });
-        if spawned.is_ok() && receiver.recv_timeout(self.close_wait).is_err() {
+        if !destroy_within(handle, self.close_wait) {
             tracing::warn!(
                 master = %self.master,
                 waited_ms = self.close_wait.as_millis() as u64,
@@ -456,6 +444,16 @@ impl Drop for Client {
             );
         }
     }
+}
+
+/// Gives up this holder of `handle` on a thread of its own and waits up to `wait` for the handle's destruction
+/// (a probe still waiting on the master holds it too: the last holder destroys it); whether it ended. A thread that
+/// cannot start drops the handle here, with the closure.
+fn destroy_within(handle: Arc<Handle>, wait: Duration) -> bool {
+    let (sender, receiver) = sync_channel(1);
+    *handle.destroyed.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(sender);
+    let _ = std::thread::Builder::new().name("hicache-mooncake-close".into()).spawn(move || drop(handle));
+    receiver.recv_timeout(wait).is_ok()
 }
 
 /// Whether the master answers a one-key `batch_is_exist` on `handle`.
