@@ -1,5 +1,7 @@
 //! hicache across hosts, on one machine: network namespaces act as hosts on a private subnet (10.213.0.0/24), each
 //! joined by a veth pair to a bridge in a namespace of its own, so a link is taken down by its port on the bridge.
+//! Hardware addresses are fixed and every neighbour table is static, so a link down drops packets silently, the same
+//! whenever it comes.
 //! Host 0 runs the services (a Mooncake master, a Redis for 3FS's page metadata); the other hosts run `hicache`.
 //! Everything the harness makes is removed when it is dropped, also when a test fails; its services are stopped by
 //! their PIDs. Traffic stays inside the namespaces.
@@ -58,7 +60,7 @@ impl Hosts {
         for host in 0..count {
             let (name, port) = (hosts.name(host), hosts.port(host));
             ip(&["netns", "add", &name]);
-            ip(&["link", "add", &name, "type", "veth", "peer", "name", &port]);
+            ip(&["link", "add", &name, "address", &hosts.mac(host), "type", "veth", "peer", "name", &port]);
             ip(&["link", "set", &name, "netns", &name]);
             ip(&["link", "set", &port, "netns", &switch]);
             ip(&["-n", &switch, "link", "set", &port, "master", "br0"]);
@@ -66,6 +68,15 @@ impl Hosts {
             ip(&["-n", &name, "addr", "add", &format!("{}/24", hosts.address(host)), "dev", &name]);
             ip(&["-n", &name, "link", "set", &name, "up"]);
             ip(&["-n", &name, "link", "set", "lo", "up"]);
+        }
+        // a static neighbour table: a cut link then drops packets silently, as a cut beyond the first hop does,
+        // instead of failing them once address resolution gives up (after a randomised 15 to 45 s), which would make
+        // a transfer's fate depend on when the cut came
+        for (host, other) in (0..count).flat_map(|host| (0..count).map(move |other| (host, other))) {
+            if host != other {
+                let (name, address, mac) = (hosts.name(host), hosts.address(other), hosts.mac(other));
+                ip(&["-n", &name, "neigh", "replace", &address, "lladdr", &mac, "dev", &name, "nud", "permanent"]);
+            }
         }
         Some(hosts)
     }
@@ -86,6 +97,11 @@ impl Hosts {
 
     fn address(&self, host: usize) -> String {
         format!("10.213.0.{}", host + 1)
+    }
+
+    /// Host `host`'s hardware address (locally administered), fixed so that every host's neighbour table is static.
+    fn mac(&self, host: usize) -> String {
+        format!("02:00:0a:d5:00:{:02x}", host + 1)
     }
 
     /// `program` to be run on host `host`.
@@ -435,7 +451,7 @@ fn pages_one_host_wrote_to_mooncake_are_read_on_another_over_tcp_through_link_fa
     );
     link_faults(&hosts, "Mooncake", &mut watch);
     // host 1's link down (the segment's owner cut off, alive): host 2's transfers from it hang until Mooncake's
-    // transfer deadline, which leaves them running, so host 2's client is closed (stopping them) before the round
+    // transfer deadline (nothing tells host 2 the link is gone: its neighbour table is static), which leaves them running, so host 2's client is closed (stopping them) before the round
     // returns, and a new one connects; back up, host 1's watch writes its pages again once it finds them gone (the
     // master dropped its segment when its heartbeats stopped), and the same process on host 2 reads them whole
     watch.until("a whole read", ROUND_DEADLINE, |line| outcome(line) == "whole");
