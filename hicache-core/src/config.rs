@@ -142,6 +142,12 @@ pub struct HiCacheConfig {
     /// `HiRadixTree::prefetch_head` for the head and inserts its KV before it asks for the prefetch's result. Needs
     /// `prefetch_by_cost`.
     pub prefetch_split: bool,
+    /// The engine *meets* the reads (Cake, arXiv 2410.03065): a planned fetch is read from its last page backwards
+    /// while the engine computes from the front, past a split's head, and the engine takes the result as soon as its
+    /// compute reaches the pages read (`HiRadixTree::prefetch_meeting`, `HiRadixTree::meet_prefetch`). No request then
+    /// waits on storage longer than computing would take, however slow a read turns out. Only for an engine that does
+    /// so; needs `prefetch_split`.
+    pub prefetch_meet: bool,
     /// The engine's prefill tokens per second (with no prefix) assumed until it reports its own; 0: unknown.
     pub prior_prefill_tokens_per_s: f64,
     /// Storage → host GB/s (10^9 bytes) assumed until reads are measured; 0: unknown (hits are read to measure the
@@ -178,6 +184,7 @@ impl Default for HiCacheConfig {
             storage_capacity_bytes: 0,
             prefetch_by_cost: true,
             prefetch_split: false,
+            prefetch_meet: false,
             prior_prefill_tokens_per_s: 0.0,
             prior_storage_read_gbps: 0.0,
             prior_load_gbps: 10.0,
@@ -296,6 +303,9 @@ impl HiCacheConfig {
         }
         if self.prefetch_split && !self.prefetch_by_cost {
             return bad("prefetch_split", "needs prefetch_by_cost: a split is a plan of the cost model".into());
+        }
+        if self.prefetch_meet && !self.prefetch_split {
+            return bad("prefetch_meet", "needs prefetch_split: an engine that meets the reads computes heads".into());
         }
         if self.storage_batch_pages == 0 {
             return bad("storage_batch_pages", "must be at least 1".into());
@@ -453,6 +463,11 @@ mod tests {
         assert!(message(r#"{"page_size": 0}"#).starts_with("config field `page_size`"));
         assert!(message(r#"{"page_size": -1}"#).starts_with("config field `page_size`"));
         assert!(message(r#"{"hicache_ratio": 0.5}"#).starts_with("config field `hicache_ratio`"));
+        assert!(message(r#"{"prefetch_split": true, "prefetch_by_cost": false}"#).contains("`prefetch_split`: needs"));
+        assert!(
+            message(r#"{"prefetch_meet": true}"#).starts_with("config field `prefetch_meet`: needs prefetch_split")
+        );
+        assert!(HiCacheConfig::from_json(r#"{"prefetch_split": true, "prefetch_meet": true}"#).is_ok());
         assert!(
             message(r#"{"storage_backend_extra_config": "{oops"}"#)
                 .contains("storage_backend_extra_config`: not valid JSON")

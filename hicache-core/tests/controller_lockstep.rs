@@ -57,6 +57,8 @@ struct Script {
     rounds: usize,
     /// Fetch by cost, each rank reporting prefills of its own speed (so their rates differ and must be agreed).
     by_cost: bool,
+    /// The engine meets the reads (reads from the end; only with `by_cost`).
+    meet: bool,
 }
 
 /// Runs the scheduler script on one rank; panics on any broken invariant.
@@ -85,6 +87,7 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
         by_cost: script.by_cost,
         // by cost, some hits are split: their heads are the engine's (every rank must plan the same head)
         split: script.by_cost,
+        meet: script.meet,
         priors: hicache_core::cost::Priors::UNKNOWN,
     };
     let mut controller = HiCacheBuilder::new(
@@ -138,7 +141,11 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
             decisions.prefetches.push((done.request_id.clone(), done.explanation.fetched_tokens));
             decisions.local.push((done.explanation.local_hit_tokens, done.explanation.local_fetched_tokens));
             decisions.plans.push(done.explanation.plan.map(|plan| (plan.compute_head_pages, plan.fetch_pages)));
-            let head = done.explanation.plan.map_or(0, |plan| plan.compute_head_pages) * PAGE;
+            let mut head = done.explanation.plan.map_or(0, |plan| plan.compute_head_pages) * PAGE;
+            if script.meet && done.explanation.fetched_tokens > 0 {
+                // read from the end: the pages kept are the reserved ones' last
+                head += done.explanation.reserved_tokens - done.explanation.fetched_tokens;
+            }
             assert!(done.head_tokens == 0 || done.head_tokens == head, "{} of {head}", done.head_tokens);
             decisions.stops.push(done.explanation.stop.clone());
             assert_eq!(done.host_pages.len() * PAGE, done.explanation.fetched_tokens);
@@ -195,6 +202,11 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
             match shared.random_range(0..40) {
                 0 => assert!(controller.abort_prefetch(&id)),
                 1..=4 => assert!(controller.finish_prefetch(&id)),
+                // an engine that meets the reads: the scheduler's choice, the same on every rank (the reads each
+                // rank has done differ; the result is their minimum)
+                5..=8 if script.meet => {
+                    controller.meet_prefetch(&id);
+                }
                 _ => {}
             }
         }
@@ -269,7 +281,7 @@ fn four_ranks_with_random_faults_decide_the_same_and_never_hang() {
         (3, PrefetchPolicy::Timeout),
         (4, PrefetchPolicy::BestEffort),
     ] {
-        let decisions = run_group(&Script { seed, policy, rounds: 150, by_cost: false }, 4);
+        let decisions = run_group(&Script { seed, policy, rounds: 150, by_cost: false, meet: false }, 4);
         let kept = decisions[0].prefetches.iter().filter(|(_, tokens)| *tokens > 0).count();
         assert!(kept >= 3, "{policy}: only {kept} prefetches kept pages");
         // the faults made the ranks see different things, so agreeing took the reduction
@@ -289,7 +301,7 @@ fn four_ranks_that_measure_different_rates_make_the_same_cost_plans() {
     for (seed, policy) in
         [(5, PrefetchPolicy::WaitComplete), (6, PrefetchPolicy::Timeout), (7, PrefetchPolicy::BestEffort)]
     {
-        let decisions = run_group(&Script { seed, policy, rounds: 150, by_cost: true }, 4);
+        let decisions = run_group(&Script { seed, policy, rounds: 150, by_cost: true, meet: false }, 4);
         // the plans went every way: some hits were worth reading, some were computed instead, some split (counted
         // over the three scripts: whether a best-effort or timed fetch kept pages depends on how fast the reads
         // ran, which the machine's load moves; waiting for completion keeps what a plan fetched)
@@ -314,6 +326,23 @@ fn four_ranks_that_measure_different_rates_make_the_same_cost_plans() {
     assert!(computed > 0, "no plan chose to compute");
 }
 
+#[test]
+fn four_ranks_whose_engines_meet_the_reads_from_the_end_decide_the_same() {
+    let (mut met, mut kept) = (0, 0);
+    for (seed, policy) in [(8, PrefetchPolicy::WaitComplete), (9, PrefetchPolicy::BestEffort)] {
+        let decisions = run_group(&Script { seed, policy, rounds: 150, by_cost: true, meet: true }, 4);
+        met += decisions[0].stops.iter().filter(|stop| **stop == PrefetchStop::Met).count();
+        kept += decisions[0].prefetches.iter().filter(|(_, tokens)| *tokens > 0).count();
+        for (rank, rank_decisions) in decisions.iter().enumerate().skip(1) {
+            assert_eq!(rank_decisions.plans, decisions[0].plans, "{policy}: rank {rank}'s plans differ");
+            assert_eq!(rank_decisions.prefetches, decisions[0].prefetches, "{policy}: rank {rank} differs");
+            assert_eq!(rank_decisions.states, decisions[0].states, "{policy}: rank {rank}'s allocator differs");
+        }
+    }
+    assert!(met > 0, "no engine met the reads");
+    assert!(kept > 0, "no prefetch kept pages");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
@@ -322,6 +351,7 @@ proptest! {
     #[test]
     fn random_scripts_return_every_page(seed in any::<u64>(), policy in 0usize..3) {
         let policy = [PrefetchPolicy::BestEffort, PrefetchPolicy::WaitComplete, PrefetchPolicy::Timeout][policy];
-        run_rank(&Script { seed, policy, rounds: 60, by_cost: seed % 2 == 0 }, &mut SingleRank, &MemoryStore::new());
+        let (by_cost, meet) = (seed % 2 == 0, seed % 4 == 0);
+        run_rank(&Script { seed, policy, rounds: 60, by_cost, meet }, &mut SingleRank, &MemoryStore::new());
     }
 }

@@ -63,6 +63,7 @@ fn settings(policy: PrefetchPolicy) -> StorageSettings {
         tick_slots: 8,
         by_cost: false,
         split: false,
+        meet: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
     }
 }
@@ -903,6 +904,7 @@ fn by_cost(policy: PrefetchPolicy, storage_read_bytes_per_s: f64, prefill_tokens
     StorageSettings {
         by_cost: true,
         split: false,
+        meet: false,
         priors: hicache_core::cost::Priors {
             storage_read_bytes_per_s: Some(storage_read_bytes_per_s),
             storage_call_s: 0.0,

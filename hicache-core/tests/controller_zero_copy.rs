@@ -169,6 +169,7 @@ fn settings() -> StorageSettings {
         tick_slots: 8,
         by_cost: false,
         split: false,
+        meet: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
     }
 }

@@ -71,6 +71,7 @@ fn controller_with(
                 tick_slots: 4,
                 by_cost: false,
                 split: false,
+                meet: false,
                 priors: hicache_core::cost::Priors::UNKNOWN,
             };
             // this process is the rank the backend was opened for

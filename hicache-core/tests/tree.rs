@@ -9,14 +9,14 @@ use std::time::{Duration, Instant};
 use hicache_core::DeviceSlot;
 use hicache_core::collective::SingleRank;
 use hicache_core::config::{PrefetchPolicy, WritePolicy};
-use hicache_core::controller::{PrefetchHead, PrefetchStart, PrefetchStop, StorageSettings};
+use hicache_core::controller::{Meeting, PrefetchHead, PrefetchStart, PrefetchStop, StorageSettings};
 use hicache_core::device_slots::{DeviceSlotAllocator as _, PagedSlots};
 use hicache_core::error::ErrorKind;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PartialPage, page_keys};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::{MemoryStorage, MemoryStore};
+use hicache_core::storage::{GetOutcome, MemoryStorage, MemoryStore, StorageBackend, StorageStats};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
 use hicache_core::tree::{HiRadixTree, PrefetchCheck};
 use hicache_core::{HiCacheBuilder, HiCacheConfig};
@@ -47,6 +47,20 @@ fn rig_with(
     store: Option<&Arc<MemoryStore>>,
     adjust: impl FnOnce(StorageSettings) -> StorageSettings,
 ) -> Rig {
+    let namespace = StorageNamespace::single_rank("tree-test", geometry(), HostLayout::LayerFirst, PAGE);
+    let backend =
+        store.map(|store| Arc::new(MemoryStorage::shared(store.clone(), &namespace)) as Arc<dyn StorageBackend>);
+    rig_on(policy, device_pages, host_pages, backend, adjust)
+}
+
+/// [`rig_with`] on any storage backend.
+fn rig_on(
+    policy: WritePolicy,
+    device_pages: usize,
+    host_pages: usize,
+    backend: Option<Arc<dyn StorageBackend>>,
+    adjust: impl FnOnce(StorageSettings) -> StorageSettings,
+) -> Rig {
     let device = DeviceLayoutMap::new(geometry(), device_pages * PAGE).unwrap();
     let host = HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, host_pages).unwrap();
     let engine = CpuEngine::new(device, host, Completion::Immediate).unwrap();
@@ -59,8 +73,7 @@ fn rig_with(
         ..HiCacheConfig::default()
     };
     let mut builder = HiCacheBuilder::new(config, engine);
-    if let Some(store) = store {
-        let namespace = StorageNamespace::single_rank("tree-test", geometry(), HostLayout::LayerFirst, PAGE);
+    if let Some(backend) = backend {
         let settings = StorageSettings {
             page_size: PAGE,
             batch_pages: 4,
@@ -76,11 +89,10 @@ fn rig_with(
             tick_slots: 8,
             by_cost: false,
             split: false,
+            meet: false,
             priors: hicache_core::cost::Priors::UNKNOWN,
         };
-        builder = builder
-            .with_storage(Arc::new(MemoryStorage::shared(store.clone(), &namespace)))
-            .with_storage_settings(adjust(settings));
+        builder = builder.with_storage(backend).with_storage_settings(adjust(settings));
     }
     Rig { tree: builder.build().unwrap(), device: PagedSlots::new(device_pages, PAGE).unwrap(), requests: 0 }
 }
@@ -368,7 +380,11 @@ fn pages_evicted_from_the_host_come_back_from_storage() {
 /// A rig whose cost plan splits a hit: a page (64 bytes) reads in 2 ms, as long as its compute (2 tokens at 1000
 /// tokens per second).
 fn splitting_rig(store: &Arc<MemoryStore>) -> Rig {
-    rig_with(WritePolicy::WriteThrough, 16, 32, Some(store), |settings| StorageSettings {
+    rig_with(WritePolicy::WriteThrough, 16, 32, Some(store), splitting_rig_settings)
+}
+
+fn splitting_rig_settings(settings: StorageSettings) -> StorageSettings {
+    StorageSettings {
         by_cost: true,
         split: true,
         priors: hicache_core::cost::Priors {
@@ -378,7 +394,7 @@ fn splitting_rig(store: &Arc<MemoryStore>) -> Rig {
             prefill_tokens_per_s: Some(1000.0),
         },
         ..settings
-    })
+    }
 }
 
 /// Stores a conversation of `pages` pages and forgets it on the device and the host; returns its tokens.
@@ -470,6 +486,194 @@ fn a_split_tail_whose_head_never_came_is_given_back() {
     rig.tree.check_invariants().unwrap();
     // a request the scheduler wants at once (before its plan) is never split: its hit comes whole
     assert_eq!(rig.request(&a), Some((0, 10 * PAGE)));
+}
+
+/// Storage whose reads pass only as far as the test lets them: `open` reads may start, then each waits until the
+/// test opens another (hit queries and writes pass).
+struct Gated {
+    inner: MemoryStorage,
+    open: std::sync::Mutex<usize>,
+    opened: std::sync::Condvar,
+}
+
+impl Gated {
+    fn new(store: &Arc<MemoryStore>, open: usize) -> Arc<Self> {
+        let namespace = StorageNamespace::single_rank("tree-test", geometry(), HostLayout::LayerFirst, PAGE);
+        let inner = MemoryStorage::shared(store.clone(), &namespace);
+        Arc::new(Self { inner, open: std::sync::Mutex::new(open), opened: std::sync::Condvar::new() })
+    }
+
+    /// Lets every read through from now on.
+    fn open_all(&self) {
+        *self.open.lock().unwrap() = usize::MAX;
+        self.opened.notify_all();
+    }
+}
+
+impl StorageBackend for Gated {
+    fn name(&self) -> &str {
+        "gated"
+    }
+
+    fn batch_exists(&self, keys: &[hicache_core::hash::PageKey]) -> Result<usize, hicache_core::Error> {
+        self.inner.batch_exists(keys)
+    }
+
+    fn batch_get(
+        &self,
+        keys: &[hicache_core::hash::PageKey],
+        pages: &mut [hicache_core::storage::PageSegmentsMut<'_>],
+    ) -> Result<Vec<GetOutcome>, hicache_core::Error> {
+        let mut open = self.open.lock().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while *open == 0 {
+            let wait = deadline.checked_duration_since(Instant::now()).expect("the test never opened the gate");
+            open = self.opened.wait_timeout(open, wait).unwrap().0;
+        }
+        *open = open.saturating_sub(1);
+        drop(open);
+        self.inner.batch_get(keys, pages)
+    }
+
+    fn batch_set(
+        &self,
+        keys: &[hicache_core::hash::PageKey],
+        pages: &[hicache_core::storage::PageSegments<'_>],
+    ) -> Result<Vec<hicache_core::storage::SetOutcome>, hicache_core::Error> {
+        self.inner.batch_set(keys, pages)
+    }
+
+    fn remove(&self, keys: &[hicache_core::hash::PageKey]) -> Result<usize, hicache_core::Error> {
+        self.inner.remove(keys)
+    }
+
+    fn clear(&self) -> Result<u64, hicache_core::Error> {
+        self.inner.clear()
+    }
+
+    fn stats(&self) -> StorageStats {
+        self.inner.stats()
+    }
+}
+
+/// [`splitting_rig`] for an engine that meets the reads, on `gated` storage: reads of 2 pages, from the end.
+fn meeting_rig(gated: &Arc<Gated>) -> Rig {
+    let backend = gated.clone() as Arc<dyn StorageBackend>;
+    rig_on(WritePolicy::WriteThrough, 16, 32, Some(backend), |settings| {
+        let split = splitting_rig_settings(settings);
+        StorageSettings { meet: true, batch_pages: 2, ..split }
+    })
+}
+
+/// Ticks until `request`'s reads run from the end (its plan is known and its pages reserved).
+fn meeting(rig: &mut Rig, request: &str) -> Meeting {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(meeting) = rig.tree.prefetch_meeting(request) {
+            return meeting;
+        }
+        assert!(rig.tick().prefetches.is_empty(), "the prefetch ended before its reads");
+        assert!(Instant::now() < deadline, "no reads");
+    }
+}
+
+/// Waits until `request`'s reads have brought `tokens` from the end.
+fn arrived(rig: &Rig, request: &str, tokens: usize) -> Meeting {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let meeting = rig.tree.prefetch_meeting(request).expect("still read");
+        if meeting.arrived_tokens >= tokens {
+            assert_eq!(meeting.arrived_tokens, tokens, "read past the gate");
+            return meeting;
+        }
+        assert!(Instant::now() < deadline, "the reads did not arrive");
+        std::thread::yield_now();
+    }
+}
+
+/// The engine has computed `b`'s first `computed` tokens (their KV, inserted) and met the reads: ticks until the
+/// result comes, and returns its explanation and the tokens it added to the tree.
+fn meet(rig: &mut Rig, b: &[u32], computed: usize) -> (hicache_core::controller::PrefetchExplanation, usize) {
+    let slots = rig.device.alloc_pages(computed / PAGE).unwrap();
+    rig.fill(b, 0, &slots);
+    rig.tree.insert(&b[..computed], &slots, &mut rig.device).unwrap();
+    assert!(rig.tree.meet_prefetch("b"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(done) = rig.tick().prefetches.pop() {
+            return done;
+        }
+        assert!(Instant::now() < deadline, "no result");
+    }
+}
+
+/// A conversation of 10 stored pages and one new one, asked for as `b`; its meeting once its reads run.
+fn returning(rig: &mut Rig) -> (Vec<u32>, Meeting) {
+    let a = stored_only(rig, 10);
+    let mut b = a.clone();
+    b.extend(tokens(2, 1));
+    let matched = rig.tree.match_prefix(&b);
+    assert!(matches!(rig.tree.prefetch_from_storage("b", matched.last_host_node, &b), Ok(PrefetchStart::Started(_))));
+    let meeting = meeting(rig, "b");
+    assert!((4 * PAGE..=6 * PAGE).contains(&meeting.head_tokens), "about half the hit is computed: {meeting:?}");
+    assert_eq!(meeting.head_tokens + meeting.read_tokens, 10 * PAGE);
+    (b, meeting)
+}
+
+#[test]
+fn an_engine_that_meets_the_reads_computes_on_past_the_head_and_takes_the_pages_read_from_the_end() {
+    let store = MemoryStore::new();
+    // one read (a batch of 2 pages) passes, the next waits
+    let gated = Gated::new(&store, 1);
+    let mut rig = meeting_rig(&gated);
+    let (b, meeting) = returning(&mut rig);
+    assert!(meeting.read_tokens >= 4 * PAGE, "{meeting:?}");
+    // the first batch read is the hit's last two pages; the engine computes up to them, past its head
+    let meeting = arrived(&rig, "b", 2 * PAGE);
+    let computed = 8 * PAGE;
+    assert!(!meeting.met(computed - PAGE, 2 * PAGE) && meeting.met(computed, 2 * PAGE), "{meeting:?}");
+    let (explanation, new) = meet(&mut rig, &b, computed);
+    gated.open_all();
+    assert_eq!((explanation.stop, explanation.fetched_tokens, new), (PrefetchStop::Met, 2 * PAGE, 2 * PAGE));
+    // the blocked read's pages go back once it returns
+    rig.tree.drain(&mut SingleRank, Instant::now() + Duration::from_secs(10), &mut |_| {}).unwrap();
+    rig.tree.check_invariants().unwrap();
+    // the computed head on the device, the last two pages from storage: every byte where it belongs
+    assert_eq!(rig.request(&b), Some((computed, 2 * PAGE)));
+}
+
+#[test]
+fn reads_that_end_before_the_head_is_computed_meet_it_there_whole() {
+    let store = MemoryStore::new();
+    let gated = Gated::new(&store, usize::MAX);
+    let mut rig = meeting_rig(&gated);
+    let (b, meeting) = returning(&mut rig);
+    arrived(&rig, "b", meeting.read_tokens);
+    assert!(meeting.met(meeting.head_tokens, meeting.read_tokens));
+    let (explanation, new) = meet(&mut rig, &b, meeting.head_tokens);
+    assert_eq!(
+        (explanation.stop, explanation.fetched_tokens, new),
+        (PrefetchStop::Complete, meeting.read_tokens, meeting.read_tokens)
+    );
+    assert_eq!(rig.request(&b), Some((meeting.head_tokens, meeting.read_tokens)));
+}
+
+#[test]
+fn an_engine_whose_reads_never_came_computes_everything_and_keeps_none() {
+    let store = MemoryStore::new();
+    let gated = Gated::new(&store, 0);
+    let mut rig = meeting_rig(&gated);
+    let (b, meeting) = returning(&mut rig);
+    assert_eq!(meeting.arrived_tokens, 0);
+    assert!(meeting.met(10 * PAGE, 0) && !meeting.met(10 * PAGE - 1, 0));
+    let (explanation, new) = meet(&mut rig, &b, 10 * PAGE);
+    assert_eq!((explanation.stop, explanation.fetched_tokens, new), (PrefetchStop::Met, 0, 0));
+    let free = rig.tree.controller().host().available();
+    gated.open_all();
+    rig.tree.drain(&mut SingleRank, Instant::now() + Duration::from_secs(10), &mut |_| {}).unwrap();
+    assert!(rig.tree.controller().host().available() > free, "the reserved pages are free again");
+    rig.tree.check_invariants().unwrap();
+    assert_eq!(rig.request(&b), Some((10 * PAGE, 0)));
 }
 
 #[test]

@@ -511,6 +511,11 @@ impl Cache {
     fn new(py: Python<'_>, config: &str, kv: &str, keepalive: Py<PyAny>) -> PyResult<Self> {
         guard::run(|| {
             let mut config = HiCacheConfig::from_json(config).map_err(guard::to_py)?;
+            if config.prefetch_meet {
+                // the Python package's engine loop computes a split's head and then waits for its tail
+                let reason = "the Python package's engine does not meet reads (use prefetch_split alone)".to_owned();
+                return Err(guard::to_py(hicache_core::Error::InvalidConfig { field: "prefetch_meet".into(), reason }));
+            }
             // a page_unified pool cut by the unified key scheme's agreement when the config names no head_group
             if config.head_group.is_none() {
                 config.head_group = unified_head_group(&config)?;

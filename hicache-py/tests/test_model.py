@@ -331,6 +331,8 @@ class BadInput(unittest.TestCase):
         k, v = self.kv()
         with self.assertRaisesRegex(ValueError, "page_sise"):
             Cache({"page_sise": 16}, k, v)
+        with self.assertRaisesRegex(ValueError, "prefetch_meet`: the Python package's engine does not meet"):
+            Cache({"page_size": 16, "prefetch_split": True, "prefetch_meet": True}, k, v)
         cache = Cache({"page_size": 16}, k, v)
         with self.assertRaisesRegex(ValueError, "slots: 64 is out of range"):
             cache.insert(list(range(16)), list(range(48, 65)))

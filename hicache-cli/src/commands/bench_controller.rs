@@ -86,6 +86,7 @@ pub(crate) fn run(args: &BenchControllerArgs) -> anyhow::Result<()> {
         tick_slots: DEFAULT_TICK_SLOTS,
         by_cost: false,
         split: false,
+        meet: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
     };
     let config = HiCacheConfig { page_size: page, mem_layout: HostLayout::PageFirst, ..HiCacheConfig::default() };

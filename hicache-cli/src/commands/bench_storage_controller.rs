@@ -103,6 +103,7 @@ pub(super) fn run(
         tick_slots: 1,
         by_cost: false,
         split: false,
+        meet: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
     };
     let config = HiCacheConfig { page_size: 1, mem_layout: HostLayout::PageFirst, ..HiCacheConfig::default() };

@@ -178,6 +178,11 @@ pub(crate) struct ReplayArgs {
     /// cost plan finds that faster (a chunked prefill meeting the reads in the middle).
     #[arg(long)]
     no_split: bool,
+    /// Compute a split hit's head only, then wait for its tail. By default the engine computes on from the front
+    /// while storage reads the hit from its end, and takes the pages read once its compute reaches them (Cake's
+    /// bidirectional prefill): no request waits on storage longer than computing would take.
+    #[arg(long)]
+    no_meet: bool,
     /// Fault injection: the probability that a storage call hangs for --fault-hang-ms and then fails as timed out.
     #[arg(long, default_value_t = 0.0, value_name = "P")]
     fault_hang_rate: f64,
@@ -763,6 +768,7 @@ fn run_on<E: device::ReplayEngine>(
         storage_read_deadline_s: args.storage_read_deadline,
         prefetch_by_cost: !args.fetch_whole_hits,
         prefetch_split: !args.fetch_whole_hits && !args.no_split,
+        prefetch_meet: !args.fetch_whole_hits && !args.no_split && !args.no_meet,
         ..HiCacheConfig::default()
     };
     let mut builder = HiCacheBuilder::new(config.clone(), engine).with_tp_rank(place.tp_rank);
@@ -792,6 +798,7 @@ fn run_on<E: device::ReplayEngine>(
         decode_ms_per_token: args.decode_ms_per_token,
         sync_storage: args.sync_storage,
         split: config.prefetch_split,
+        meet: config.prefetch_meet,
         // the heads are split over the ranks in order (each of too few heads held by several ranks)
         first_head: place.tp_rank * args.kv_heads / args.tp_size,
         first_layer,

@@ -7,7 +7,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash as _, Hasher as _};
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
+use anyhow::{Context as _, bail};
 use hicache_core::collective::{Collective, ReduceOp};
 use hicache_core::controller::{PrefetchExplanation, PrefetchHead, PrefetchStart, PrefetchStop};
 use hicache_core::device_slots::DeviceSlotAllocator;
@@ -194,6 +194,9 @@ pub(crate) struct LoopSpec {
     pub(crate) sync_storage: bool,
     /// The engine computes a split hit's head while storage reads its tail (config `prefetch_split`).
     pub(crate) split: bool,
+    /// The engine computes from the front while storage reads from the end, and takes the pages read once its
+    /// compute meets them (config `prefetch_meet`; with `split`).
+    pub(crate) meet: bool,
     /// The model's index of this rank's first KV head (the KV bytes are a function of the global head).
     pub(crate) first_head: usize,
     /// The model's index of this rank's first layer (its pipeline stage's first).
@@ -214,6 +217,51 @@ struct Waiting {
     head_ends: Option<Instant>,
     /// Every rank's head has ended ([`settle_heads`]): the request asks for its tail.
     head_ended: bool,
+    /// An engine that meets the reads: when it started computing the prefetch's tokens from the front (once their
+    /// reads from the end were under way).
+    meet_started: Option<Instant>,
+    /// Every rank's compute met the reads ([`settle_meetings`]): the tokens to compute (those before the pages read,
+    /// every rank's) and the compute model's seconds for what the engine had computed by then.
+    meet_at: Option<(usize, f64)>,
+    /// The request met its reads and waits for the result.
+    met: bool,
+}
+
+/// For an engine that meets the reads: how far each request's compute from the front and its reads from the end
+/// have come, every rank's (a MIN over the ranks, so every rank decides at the same step); a request whose compute
+/// reached the pages read gets its meeting point. The engine's compute runs in wall-clock time at the compute
+/// model's rate from when the reads started, and stops at the end of what is read (it has computed everything then).
+fn settle_meetings<E: ReplayEngine>(
+    tree: &HiRadixTree<E>,
+    waiting: &mut [Waiting],
+    spec: &LoopSpec,
+    collective: &mut dyn Collective,
+) -> anyhow::Result<()> {
+    let now = Instant::now();
+    let mut meetings = Vec::new();
+    let mut values = Vec::new();
+    for (index, request) in waiting.iter().enumerate() {
+        let (Some(started), None, false) = (request.meet_started, request.meet_at, request.met) else { continue };
+        let meeting = tree.prefetch_meeting(&request.id).context("a started meeting has its reads")?;
+        let end = meeting.head_tokens + meeting.read_tokens;
+        let computed = (now.saturating_duration_since(started).as_secs_f64() * spec.prefill_tokens_per_s) as usize;
+        values.extend([computed.min(end) as i64, meeting.arrived_tokens as i64]);
+        meetings.push((index, meeting));
+    }
+    if meetings.is_empty() {
+        return Ok(());
+    }
+    if collective.world_size() > 1 {
+        collective.all_reduce(&mut values, ReduceOp::Min)?;
+    }
+    for ((index, meeting), agreed) in meetings.into_iter().zip(values.chunks(2)) {
+        let (computed, arrived) = (agreed[0] as usize, agreed[1] as usize);
+        if meeting.met(computed, arrived) {
+            let before_reads = meeting.head_tokens + meeting.read_tokens - arrived.min(meeting.read_tokens);
+            waiting[index].meet_at = Some((before_reads, computed as f64 / spec.prefill_tokens_per_s));
+        }
+    }
+    Ok(())
 }
 
 /// Marks the split heads whose compute has ended in wall-clock time on every rank (a MIN over the ranks, so every
@@ -281,6 +329,9 @@ pub(crate) fn run_rank<E: ReplayEngine>(
             }
         }
         settle_heads(&mut waiting, collective)?;
+        if spec.meet {
+            settle_meetings(tree, &mut waiting, spec, collective)?;
+        }
         for request in waiting.iter_mut().take(spec.max_parallel * 2) {
             let head = request.head;
             ask_for(tree, device, workload, spec, &pattern, layers, &mut hasher, request, &mut outcome)?;
@@ -303,6 +354,8 @@ pub(crate) fn run_rank<E: ReplayEngine>(
             let asked = !spec.split
                 || match tree.prefetch_head(&waiting[index].id) {
                     PrefetchHead::NotPlanned => false,
+                    // an engine that meets the reads asks once it met them, or when there are none to meet
+                    _ if spec.meet => waiting[index].met || tree.prefetch_meeting(&waiting[index].id).is_none(),
                     PrefetchHead::Compute(_) => waiting[index].head_ended,
                     PrefetchHead::Nothing => true,
                 };
@@ -410,6 +463,9 @@ fn admit<E: ReplayEngine>(
         head: None,
         head_ends: None,
         head_ended: false,
+        meet_started: None,
+        meet_at: None,
+        met: false,
     })
 }
 
@@ -430,6 +486,20 @@ fn ask_for<E: ReplayEngine>(
     if spec.split {
         match tree.prefetch_head(&request.id) {
             PrefetchHead::NotPlanned => return Ok(()),
+            _ if spec.meet && request.met => return Ok(()),
+            _ if spec.meet && tree.prefetch_meeting(&request.id).is_some() => {
+                // the engine computes from the front while the reads run from the end; once it met them (every
+                // rank: `settle_meetings`), it inserts what it computed up to the pages read and takes those
+                request.meet_started.get_or_insert_with(Instant::now);
+                let Some((tokens, seconds)) = request.meet_at else { return Ok(()) };
+                if compute_head(tree, device, workload, spec, pattern, layers, hasher, request, tokens, outcome)? {
+                    // the time is the compute's up to the meeting, past what it kept when the reads came late
+                    request.head = request.head.map(|(computed, _)| (computed, seconds));
+                    request.met = tree.meet_prefetch(&request.id);
+                    anyhow::ensure!(request.met, "request {}: its reads could not be met", request.id);
+                }
+                return Ok(());
+            }
             PrefetchHead::Compute(head)
                 if request.head.is_none()
                     && !compute_head(
@@ -668,9 +738,10 @@ fn absorb(
         outcome.prefetch_errors += u64::from(explanation.error.is_some());
         outcome.pages_storage_to_host += (explanation.fetched_tokens / page) as u64;
         if let Some(request) = waiting.iter_mut().find(|request| request.id == explanation.request_id) {
-            // the storage reads of a prefetch that brought pages are on the request's critical path; the hit query
-            // overlaps the request's time in the queue (as a revoked prefetch's does)
-            if explanation.fetched_tokens > 0 {
+            // the storage reads of a prefetch that brought pages are on the request's critical path (unless the
+            // engine met them: its compute up to the meeting is); the hit query overlaps the request's time in the
+            // queue (as a revoked prefetch's does)
+            if explanation.fetched_tokens > 0 && !request.met {
                 request.prefetch_wait = explanation.read_time;
             }
             request.prefetched_tokens = *new_tokens;
@@ -706,6 +777,7 @@ pub(crate) fn stop_name(explanation: &PrefetchExplanation) -> &'static str {
         PrefetchStop::Complete => "complete",
         PrefetchStop::RecomputeFaster => "recompute_faster",
         PrefetchStop::CutOff => "cut_off",
+        PrefetchStop::Met => "met",
         PrefetchStop::TimedOut => "timed_out",
         PrefetchStop::Stalled => "stalled",
         PrefetchStop::Failed => "failed",

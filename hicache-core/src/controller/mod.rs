@@ -48,7 +48,7 @@ use tier::{Pool, StorageTier};
 pub use hit_query::{HitQuery, storage_hit_query, storage_hit_query_with};
 pub use operation::{CacheOperation, NodeId, OpId, OpIds};
 pub use outcome::{PageBackup, PrefetchExplanation, PrefetchStop, StorageFailure};
-pub use prefetch::{PrefetchDone, PrefetchHead, PrefetchStart};
+pub use prefetch::{Meeting, PrefetchDone, PrefetchHead, PrefetchStart};
 pub use progress::{Progress, Terminated};
 pub use release::{Release, ReleaseLedger};
 pub use storage::{DEFAULT_TICK_SLOTS, StorageSettings};

@@ -31,6 +31,9 @@ pub enum PrefetchStop {
     RecomputeFaster,
     /// `best_effort`: the scheduler took the request before every page arrived.
     CutOff,
+    /// The engine's compute met the reads (config `prefetch_meet`): it had computed the pages before those read from
+    /// the end, which are the result; the rest of the reads were not waited for.
+    Met,
     /// `timeout`: the limit passed on some rank before every page arrived.
     TimedOut,
     /// The prefetch made no progress within the read deadline on some rank (its storage stuck): it stopped with what

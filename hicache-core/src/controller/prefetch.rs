@@ -63,13 +63,35 @@ pub enum PrefetchHead {
     Compute(usize),
 }
 
+/// A pending prefetch whose reads run from the end of what it reserved, for an engine that meets them (config
+/// `prefetch_meet`): tokens relative to the prefetch's own ([`CacheController::prefetch_meeting`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Meeting {
+    /// Tokens at the start that are not read (a split's head): the reads cover the `read_tokens` after them.
+    pub head_tokens: usize,
+    /// Tokens of the reserved pages, read from their end backwards.
+    pub read_tokens: usize,
+    /// Tokens this rank has read so far, at the end of the reserved ones.
+    pub arrived_tokens: usize,
+}
+
+impl Meeting {
+    /// Whether an engine that has computed the prefetch's first `computed` tokens has met the reads, once `arrived`
+    /// tokens at the end are read (every rank's count, the minimum): nothing between its compute and the reads is
+    /// missing.
+    pub fn met(&self, computed: usize, arrived: usize) -> bool {
+        computed + arrived.min(self.read_tokens) >= self.head_tokens + self.read_tokens
+    }
+}
+
 /// A prefetch whose result is known on every rank.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PrefetchDone {
     /// The request.
     pub request_id: String,
     /// Tokens at the start of the prefetch's tokens that were not fetched because the engine computes them (a
-    /// split plan's head): the fetched pages follow them.
+    /// split plan's head, and where the engine met the reads everything before the pages read from the end): the
+    /// fetched pages follow them.
     pub head_tokens: usize,
     /// Host pages holding the fetched tokens, in order, in the backup state; the caller owns them now (insert them
     /// into the tree, or give them back with [`CacheController::evict_host`]).
@@ -129,6 +151,8 @@ pub(super) struct Prefetch {
     pub(super) shared: Arc<PrefetchShared>,
     /// The scheduler asked for the result.
     pub(super) wanted: bool,
+    /// The engine's compute met the reads ([`CacheController::meet_prefetch`]).
+    pub(super) met: bool,
     pub(super) aborted: bool,
     /// Some rank's prefetch had made no progress within the read deadline at a tick.
     pub(super) stalled: bool,
@@ -193,6 +217,7 @@ impl Prefetch {
             End::HitKnown { enough: false } => PrefetchStop::Revoked,
             End::HitKnown { enough: true } => return None,
             End::QueryAbandoned => past_wait(),
+            End::Counted { all: false, failed: false, .. } if self.met => PrefetchStop::Met,
             End::Counted { fetching, all: true, .. } => match &fetching.short {
                 Some(Short::Query(stop)) => stop.clone(),
                 Some(Short::Cost) => PrefetchStop::RecomputeFaster,
@@ -325,6 +350,42 @@ impl<E: TransferEngine> CacheController<E> {
             prefetch.shared.progress.terminate();
         }
         true
+    }
+
+    /// The engine's compute has met `request_id`'s reads ([`prefetch_meeting`](Self::prefetch_meeting)): the
+    /// prefetch stops at once, whatever the policy, and its result at a tick is the pages read at the end (every
+    /// rank's count, at least what the engine saw), after a head the engine has computed. Every rank calls it at the
+    /// same point of its schedule (the engine decides from values reduced over the ranks). False when the request has
+    /// no prefetch whose reads it could meet.
+    pub fn meet_prefetch(&mut self, request_id: &str) -> bool {
+        if self.prefetch_meeting(request_id).is_none() {
+            return false;
+        }
+        let Some(prefetch) = self.storage.as_mut().and_then(|storage| storage.prefetch_mut(request_id)) else {
+            return false;
+        };
+        prefetch.wanted = true;
+        prefetch.met = true;
+        prefetch.shared.progress.terminate();
+        true
+    }
+
+    /// Where the reads of `request_id`'s pending prefetch are, for an engine that meets them (config
+    /// `prefetch_meet`): `Some` once its pages are reserved and read from their end, until the scheduler asks for
+    /// it. The engine computes from the prefetch's first token; once its compute and the reads every rank has done
+    /// meet ([`Meeting::met`]), it calls [`meet_prefetch`](Self::meet_prefetch).
+    pub fn prefetch_meeting(&self, request_id: &str) -> Option<Meeting> {
+        let storage = self.storage.as_ref().filter(|storage| storage.settings.meet)?;
+        let Tracked { prefetch, stage } = storage.tracked(request_id)?;
+        let Stage::Fetching(fetching) = stage else { return None };
+        if prefetch.wanted || prefetch.aborted || fetching.reads.pages.is_empty() {
+            return None;
+        }
+        Some(Meeting {
+            head_tokens: prefetch.head_pages * self.page_size,
+            read_tokens: fetching.reads.pages.len() * self.page_size,
+            arrived_tokens: prefetch.shared.progress.completed() as usize,
+        })
     }
 
     /// Aborts `request_id`'s prefetch: it stops at once and keeps nothing; its pages return at a tick. False when

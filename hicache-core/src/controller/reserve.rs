@@ -29,7 +29,12 @@ impl StorageTier {
         last: bool,
     ) -> Result<(), Error> {
         let first = prefetch.head_pages + reads.pages.len();
-        let more_keys = prefetch.shared.found_keys(first..first + more.len());
+        let mut more_keys = prefetch.shared.found_keys(first..first + more.len());
+        if self.settings.meet {
+            // an engine that meets the reads computes from the front: they run from the end (all of them are
+            // queued here at once, when the whole hit is known), and the count is of pages at the end
+            more_keys.reverse();
+        }
         self.ledger.extend(op, more.clone())?;
         self.workers.fetch(prefetch.shared.clone(), more.clone(), more_keys.clone(), last);
         reads.pages.extend(more);
@@ -50,9 +55,9 @@ impl StorageTier {
         pool: &mut Pool<'_>,
     ) -> Result<Reads, Error> {
         // by cost: only what the plan for the hit found so far would fetch (reads queued now cannot be taken back);
-        // a split waits for the whole hit (its tail is the hit's end)
+        // a split waits for the whole hit (its tail is the hit's end), and so do reads from the end
         let planned = self.plan_for(prefetch, pool, agreed_pages, 0, 0);
-        if planned.is_some_and(|planned| planned.compute_head_pages > 0) {
+        if self.settings.meet || planned.is_some_and(|planned| planned.compute_head_pages > 0) {
             return Ok(reads);
         }
         let planned = planned.map(|planned| planned.fetch_pages);
@@ -327,9 +332,16 @@ impl StorageTier {
         &mut self,
         prefetch: &mut Prefetch,
         pool: &Pool<'_>,
-        pages: Vec<HostPageId>,
-        keys: Vec<PageKey>,
+        mut pages: Vec<HostPageId>,
+        mut keys: Vec<PageKey>,
     ) -> PrefetchDone {
+        let mut head_tokens = prefetch.head_pages * pool.page_size;
+        if self.settings.meet && !pages.is_empty() {
+            // read from the end: the pages kept are the reserved ones' last, and the engine computes those before
+            pages.reverse();
+            keys.reverse();
+            head_tokens += prefetch.explanation.reserved_tokens - pages.len() * pool.page_size;
+        }
         let explanation = &mut prefetch.explanation;
         explanation.elapsed = self.clock.now().saturating_sub(prefetch.started_at);
         explanation.query_time = prefetch.shared.hit.get().map_or(explanation.elapsed, |hit| hit.elapsed);
@@ -351,7 +363,7 @@ impl StorageTier {
         );
         PrefetchDone {
             request_id: prefetch.request_id.clone(),
-            head_tokens: prefetch.head_pages * pool.page_size,
+            head_tokens,
             host_pages: pages,
             keys,
             explanation: prefetch.explanation.clone(),

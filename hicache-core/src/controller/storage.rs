@@ -71,6 +71,8 @@ pub struct StorageSettings {
     pub by_cost: bool,
     /// The engine computes a split hit's head itself ([`crate::cost`]; only with `by_cost`).
     pub split: bool,
+    /// The engine meets the reads: planned fetches are read from their end ([`HiCacheConfig::prefetch_meet`]).
+    pub meet: bool,
     /// The rates assumed until measured.
     pub priors: Priors,
 }
@@ -111,6 +113,7 @@ impl StorageSettings {
             tick_slots: DEFAULT_TICK_SLOTS,
             by_cost: config.prefetch_by_cost,
             split: config.prefetch_split,
+            meet: config.prefetch_meet,
             priors: Priors {
                 storage_read_bytes_per_s: (config.prior_storage_read_gbps > 0.0)
                     .then_some(config.prior_storage_read_gbps * 1e9),

@@ -288,6 +288,7 @@ impl StorageTier {
             started_at,
             shared,
             wanted: false,
+            met: false,
             aborted: false,
             stalled: false,
             progress_mark: (0, started_at),

@@ -55,6 +55,7 @@ pub fn controller_over(
         tick_slots: 8,
         by_cost: false,
         split: false,
+        meet: false,
         priors: crate::cost::Priors::UNKNOWN,
     };
     let config = HiCacheConfig { page_size: page, mem_layout: namespace.layout, ..HiCacheConfig::default() };

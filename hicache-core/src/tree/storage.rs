@@ -6,7 +6,7 @@ use rustc_hash::FxHashMap as HashMap;
 use super::{HiRadixTree, Node};
 use crate::collective::Collective;
 use crate::controller::NodeId;
-use crate::controller::{PrefetchDone, PrefetchExplanation, PrefetchHead, PrefetchStart, TickProgress};
+use crate::controller::{Meeting, PrefetchDone, PrefetchExplanation, PrefetchHead, PrefetchStart, TickProgress};
 use crate::device_slots::DeviceSlot;
 use crate::device_slots::DeviceSlotAllocator;
 use crate::error::Error;
@@ -173,6 +173,22 @@ impl<E: TransferEngine> HiRadixTree<E> {
     /// [`PrefetchHead::NotPlanned`], such an engine does not ask for the result yet (asking first rules a split out).
     pub fn prefetch_head(&self, request_id: &str) -> PrefetchHead {
         self.controller.prefetch_head(request_id)
+    }
+
+    /// Where the reads of `request_id`'s pending prefetch are, for an engine that meets them (config
+    /// `prefetch_meet`): see [`prefetch_meeting`](crate::controller::CacheController::prefetch_meeting). Such an
+    /// engine computes the prompt from the prefetch's first token while the reads run from the end; once its compute
+    /// meets the reads every rank has done ([`Meeting::met`]), it inserts the KV it computed, as far as it got, and
+    /// calls [`meet_prefetch`](Self::meet_prefetch); the pages read join the tree below it at a tick.
+    pub fn prefetch_meeting(&self, request_id: &str) -> Option<Meeting> {
+        self.controller.prefetch_meeting(request_id)
+    }
+
+    /// The engine's compute met `request_id`'s reads: see
+    /// [`meet_prefetch`](crate::controller::CacheController::meet_prefetch). The request waits for the tick that
+    /// brings the result, as after [`check_prefetch_progress`](Self::check_prefetch_progress).
+    pub fn meet_prefetch(&mut self, request_id: &str) -> bool {
+        self.controller.meet_prefetch(request_id)
     }
 
     /// Whether `request_id` can be scheduled; a pending prefetch is asked to stop (by policy), and the request
