@@ -1108,7 +1108,14 @@ fn replay_splits_a_hit_between_computing_its_head_and_reading_its_tail() {
         assert!(split["prefetch_stop_reasons"].get(failed).is_none(), "{failed}: {split}");
     }
     assert_eq!(split["storage_failures"]["prefetch_errors"], 0, "{split}");
-    assert_eq!(split["parameters"]["no_split"], false);
+    assert_eq!(
+        (split["parameters"]["no_split"].clone(), split["parameters"]["no_meet"].clone()),
+        (false.into(), false.into())
+    );
+    // the engine meets the reads from the end; without that, it computes the head and waits for the tail
+    let head_only = replay_json(&["--fault-read-mbps", "20", "--no-meet"]);
+    assert_eq!(head_only["verified"], true, "{head_only}");
+    assert!(head_only["prefetch_stop_reasons"].get("met").is_none(), "{head_only}");
     // and in lockstep over two ranks, which plan and split the same
     let ranks = replay_json(&["--fault-read-mbps", "20", "--tp-size", "2", "--clients", "8"]);
     assert_eq!((ranks["verified"].clone(), ranks["lockstep"].clone()), (true.into(), true.into()), "{ranks}");

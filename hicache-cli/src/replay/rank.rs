@@ -672,7 +672,9 @@ fn run_request<E: ReplayEngine>(
         tree.observe_load(bytes, Duration::from_secs_f64(load_s));
     }
     // the storage reads this request waited for (beside its head's compute), against computing what they brought
-    if from_l3 > 0 && waited.as_secs_f64() > (head_tokens + from_l3) as f64 / spec.prefill_tokens_per_s {
+    if from_l3 > 0
+        && request.prefetch_wait.as_secs_f64().max(head_s) > (head_tokens + from_l3) as f64 / spec.prefill_tokens_per_s
+    {
         outcome.slower_than_recompute += 1;
     }
     // up to the prefill: matching, load-back and the layer waits; the byte check is the replay's, not the cache's

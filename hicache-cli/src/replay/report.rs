@@ -103,6 +103,7 @@ struct Parameters {
     fault_read_mbps: u64,
     fetch_whole_hits: bool,
     no_split: bool,
+    no_meet: bool,
 }
 
 fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
@@ -146,6 +147,7 @@ fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
         fault_read_mbps: args.fault_read_mbps,
         fetch_whole_hits: args.fetch_whole_hits,
         no_split: args.no_split,
+        no_meet: args.no_meet,
     }
 }
 
