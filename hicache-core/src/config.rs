@@ -142,8 +142,8 @@ pub struct HiCacheConfig {
     /// `HiRadixTree::prefetch_head` for the head and inserts its KV before it asks for the prefetch's result. Needs
     /// `prefetch_by_cost`.
     pub prefetch_split: bool,
-    /// The engine *meets* the reads (Cake, arXiv 2410.03065): a planned fetch is read from its last page backwards
-    /// while the engine computes from the front, past a split's head, and the engine takes the result as soon as its
+    /// The engine *meets* the reads (Cake, arXiv 2410.03065): a planned fetch, a split's head included, is read from
+    /// its last page backwards while the engine computes from the front, and the engine takes the result as soon as its
     /// compute reaches the pages read (`HiRadixTree::prefetch_meeting`, `HiRadixTree::meet_prefetch`). No request then
     /// waits on storage longer than computing would take, however slow a read turns out. Only for an engine that does
     /// so; needs `prefetch_split`.

@@ -31,6 +31,13 @@
 //! `T(k)`: it gives up hits (the head is computed) and makes the engine compute before it asks for the request, which
 //! a gain within the model's error does not pay for.
 //!
+//! A plan's times are expectations; a read can still come late. An engine that *meets* the reads (config
+//! `prefetch_meet`) turns that into no loss: every planned fetch, a split's head included, is read from its last
+//! page backwards while the engine computes from the front, and the engine takes the pages read as soon as its
+//! compute reaches them (`CacheController::meet_prefetch`). Its first token then comes no later than computing
+//! everything, and no later than the reads of everything; the plan's head is only where it expects the two to
+//! meet.
+//!
 //! The rates come from [`CostModel`]: priors from the config until measurements exist, then decayed averages of what
 //! the storage threads, the loads and the engine's prefills report. Until both the engine's compute and the tier's
 //! reads are known, a hit is read so that the reads measure the tier: an engine that splits reads the hit's last

@@ -142,9 +142,9 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
             decisions.local.push((done.explanation.local_hit_tokens, done.explanation.local_fetched_tokens));
             decisions.plans.push(done.explanation.plan.map(|plan| (plan.compute_head_pages, plan.fetch_pages)));
             let mut head = done.explanation.plan.map_or(0, |plan| plan.compute_head_pages) * PAGE;
-            if script.meet && done.explanation.fetched_tokens > 0 {
-                // read from the end: the pages kept are the reserved ones' last
-                head += done.explanation.reserved_tokens - done.explanation.fetched_tokens;
+            if script.meet {
+                // read from the end, a split's head too: the pages kept are the reserved ones' last
+                head = done.explanation.reserved_tokens - done.explanation.fetched_tokens;
             }
             assert!(done.head_tokens == 0 || done.head_tokens == head, "{} of {head}", done.head_tokens);
             decisions.stops.push(done.explanation.stop.clone());

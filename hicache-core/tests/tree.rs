@@ -584,6 +584,8 @@ fn arrived(rig: &Rig, request: &str, tokens: usize) -> Meeting {
         let meeting = rig.tree.prefetch_meeting(request).expect("still read");
         if meeting.arrived_tokens >= tokens {
             assert_eq!(meeting.arrived_tokens, tokens, "read past the gate");
+            assert_eq!(meeting.arrived_after > Duration::ZERO, tokens > 0, "the reads' time up to the last");
+            assert!(tokens == 0 || meeting.reads_started.is_some(), "reads arrived before they started");
             return meeting;
         }
         assert!(Instant::now() < deadline, "the reads did not arrive");
@@ -594,9 +596,11 @@ fn arrived(rig: &Rig, request: &str, tokens: usize) -> Meeting {
 /// The engine has computed `b`'s first `computed` tokens (their KV, inserted) and met the reads: ticks until the
 /// result comes, and returns its explanation and the tokens it added to the tree.
 fn meet(rig: &mut Rig, b: &[u32], computed: usize) -> (hicache_core::controller::PrefetchExplanation, usize) {
-    let slots = rig.device.alloc_pages(computed / PAGE).unwrap();
-    rig.fill(b, 0, &slots);
-    rig.tree.insert(&b[..computed], &slots, &mut rig.device).unwrap();
+    if computed > 0 {
+        let slots = rig.device.alloc_pages(computed / PAGE).unwrap();
+        rig.fill(b, 0, &slots);
+        rig.tree.insert(&b[..computed], &slots, &mut rig.device).unwrap();
+    }
     assert!(rig.tree.meet_prefetch("b"));
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -607,7 +611,9 @@ fn meet(rig: &mut Rig, b: &[u32], computed: usize) -> (hicache_core::controller:
     }
 }
 
-/// A conversation of 10 stored pages and one new one, asked for as `b`; its meeting once its reads run.
+/// A conversation of 10 stored pages and one new one, asked for as `b`; its meeting once its reads run: the whole
+/// hit is read from the end, the split's head too (the engine computes it anyway, and reads that come sooner than
+/// planned meet it earlier).
 fn returning(rig: &mut Rig) -> (Vec<u32>, Meeting) {
     let a = stored_only(rig, 10);
     let mut b = a.clone();
@@ -615,9 +621,15 @@ fn returning(rig: &mut Rig) -> (Vec<u32>, Meeting) {
     let matched = rig.tree.match_prefix(&b);
     assert!(matches!(rig.tree.prefetch_from_storage("b", matched.last_host_node, &b), Ok(PrefetchStart::Started(_))));
     let meeting = meeting(rig, "b");
-    assert!((4 * PAGE..=6 * PAGE).contains(&meeting.head_tokens), "about half the hit is computed: {meeting:?}");
-    assert_eq!(meeting.head_tokens + meeting.read_tokens, 10 * PAGE);
+    assert_eq!((meeting.head_tokens, meeting.read_tokens), (0, 10 * PAGE), "{meeting:?}");
     (b, meeting)
+}
+
+/// The plan split the hit (about half of it a head to compute), and yet every page of it was reserved to be read.
+fn planned_a_split_and_read_it_all(explanation: &hicache_core::controller::PrefetchExplanation) {
+    let plan = explanation.plan.expect("by cost");
+    assert!((4..=6).contains(&plan.compute_head_pages), "about half the hit is computed: {plan:?}");
+    assert_eq!(explanation.reserved_tokens, 10 * PAGE);
 }
 
 #[test]
@@ -626,14 +638,14 @@ fn an_engine_that_meets_the_reads_computes_on_past_the_head_and_takes_the_pages_
     // one read (a batch of 2 pages) passes, the next waits
     let gated = Gated::new(&store, 1);
     let mut rig = meeting_rig(&gated);
-    let (b, meeting) = returning(&mut rig);
-    assert!(meeting.read_tokens >= 4 * PAGE, "{meeting:?}");
-    // the first batch read is the hit's last two pages; the engine computes up to them, past its head
+    let (b, _) = returning(&mut rig);
+    // the first batch read is the hit's last two pages; the engine computes up to them, past the planned head
     let meeting = arrived(&rig, "b", 2 * PAGE);
     let computed = 8 * PAGE;
     assert!(!meeting.met(computed - PAGE, 2 * PAGE) && meeting.met(computed, 2 * PAGE), "{meeting:?}");
     let (explanation, new) = meet(&mut rig, &b, computed);
     gated.open_all();
+    planned_a_split_and_read_it_all(&explanation);
     assert_eq!((explanation.stop, explanation.fetched_tokens, new), (PrefetchStop::Met, 2 * PAGE, 2 * PAGE));
     // the blocked read's pages go back once it returns
     rig.tree.drain(&mut SingleRank, Instant::now() + Duration::from_secs(10), &mut |_| {}).unwrap();
@@ -643,19 +655,18 @@ fn an_engine_that_meets_the_reads_computes_on_past_the_head_and_takes_the_pages_
 }
 
 #[test]
-fn reads_that_end_before_the_head_is_computed_meet_it_there_whole() {
+fn reads_faster_than_planned_bring_the_whole_hit_the_split_head_too() {
     let store = MemoryStore::new();
     let gated = Gated::new(&store, usize::MAX);
     let mut rig = meeting_rig(&gated);
-    let (b, meeting) = returning(&mut rig);
-    arrived(&rig, "b", meeting.read_tokens);
-    assert!(meeting.met(meeting.head_tokens, meeting.read_tokens));
-    let (explanation, new) = meet(&mut rig, &b, meeting.head_tokens);
-    assert_eq!(
-        (explanation.stop, explanation.fetched_tokens, new),
-        (PrefetchStop::Complete, meeting.read_tokens, meeting.read_tokens)
-    );
-    assert_eq!(rig.request(&b), Some((meeting.head_tokens, meeting.read_tokens)));
+    let (b, _) = returning(&mut rig);
+    // every page arrived before the engine computed any: it meets them at the hit's first token
+    let meeting = arrived(&rig, "b", 10 * PAGE);
+    assert!(meeting.met(0, 10 * PAGE));
+    let (explanation, new) = meet(&mut rig, &b, 0);
+    planned_a_split_and_read_it_all(&explanation);
+    assert_eq!((explanation.stop, explanation.fetched_tokens, new), (PrefetchStop::Complete, 10 * PAGE, 10 * PAGE));
+    assert_eq!(rig.request(&b), Some((0, 10 * PAGE)));
 }
 
 #[test]
@@ -667,6 +678,7 @@ fn an_engine_whose_reads_never_came_computes_everything_and_keeps_none() {
     assert_eq!(meeting.arrived_tokens, 0);
     assert!(meeting.met(10 * PAGE, 0) && !meeting.met(10 * PAGE - 1, 0));
     let (explanation, new) = meet(&mut rig, &b, 10 * PAGE);
+    planned_a_split_and_read_it_all(&explanation);
     assert_eq!((explanation.stop, explanation.fetched_tokens, new), (PrefetchStop::Met, 0, 0));
     let free = rig.tree.controller().host().available();
     gated.open_all();

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use hicache_core::collective::{Collective, ReduceOp};
 use hicache_core::controller::{PrefetchExplanation, PrefetchHead, PrefetchStart, PrefetchStop};
+use hicache_core::cost::Rates;
 use hicache_core::device_slots::DeviceSlotAllocator;
 use hicache_core::hash::{PageHasher, PartialPage};
 use hicache_core::tree::{HiRadixTree, PrefetchCheck, TickSummary};
@@ -83,6 +84,9 @@ pub(crate) struct RankOutcome {
     /// Requests whose storage reads took longer than computing what they brought would have: the cost plan chose
     /// wrong for them (measured, not estimated: their read time against the compute model).
     pub(crate) slower_than_recompute: u64,
+    /// Each request's storage hit as this rank saw it, against computing all of it and reading all of it (the
+    /// report takes the slowest rank's times of each request).
+    pub(crate) storage_hits: Vec<HitOutcome>,
     /// The rates the ranks agreed on at the end (the slowest rank's).
     pub(crate) agreed_rates: Option<AgreedRates>,
     /// Controller ticks, and the time spent in them.
@@ -225,6 +229,39 @@ struct Waiting {
     meet_at: Option<(usize, f64)>,
     /// The request met its reads and waits for the result.
     met: bool,
+    /// For an engine that meets the reads: each count of tokens read from the end that every rank saw (their
+    /// minimum), with what the engine had computed when the last of them arrived (the latest rank's).
+    arrivals: Vec<(usize, usize)>,
+    /// What storage held for the request, once its prefetch ended.
+    storage_hit: Option<StorageHit>,
+}
+
+/// How a request's storage hit went on one rank, in seconds.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub(crate) struct HitOutcome {
+    pub(crate) request: String,
+    /// Spent on the hit: waiting for its reads beside the compute of a head or up to a meeting, then computing what
+    /// storage did not bring.
+    pub(crate) spent_s: f64,
+    /// Computing all of it.
+    pub(crate) recompute_s: f64,
+    /// Reading all of it (`None` when not known: see [`StorageHit::read_s`]).
+    pub(crate) fetch_whole_s: Option<f64>,
+}
+
+/// A prefetch's hit, against the two ways of serving it without a plan: computing all of it, and reading all of it.
+#[derive(Clone, Copy, Debug)]
+struct StorageHit {
+    /// Tokens storage held (every rank's).
+    tokens: usize,
+    /// Tokens the prefetch brought (every rank's).
+    fetched: usize,
+    /// Tokens a whole read could have brought: all of them, or what the host pool had room for when it was full.
+    readable: usize,
+    /// Seconds reading the `readable` tokens would have taken: the reads this rank made, as long as they took, and
+    /// the rest at the rates the plan agreed on (the reads' own rate while the plan's is unknown); not known when
+    /// neither is (the first reads of a run, met by the compute before any arrived).
+    read_s: Option<f64>,
 }
 
 /// For an engine that meets the reads: how far each request's compute from the front and its reads from the end
@@ -244,8 +281,15 @@ fn settle_meetings<E: ReplayEngine>(
         let (Some(started), None, false) = (request.meet_started, request.meet_at, request.met) else { continue };
         let meeting = tree.prefetch_meeting(&request.id).context("a started meeting has its reads")?;
         let end = meeting.head_tokens + meeting.read_tokens;
-        let computed = (now.saturating_duration_since(started).as_secs_f64() * spec.prefill_tokens_per_s) as usize;
-        values.extend([computed.min(end) as i64, meeting.arrived_tokens as i64]);
+        let tokens_in = |time: Duration| ((time.as_secs_f64() * spec.prefill_tokens_per_s) as usize).min(end);
+        // what the engine had computed when the last read arrived, in the reads' own time, negated: the MIN below
+        // makes it every rank's latest
+        let arrived_by = tokens_in(meeting.arrived_after);
+        // the compute runs from when the engine started it and the reads started (the replay charges a read its own
+        // time, not its wait behind other requests' reads, and so it does the compute beside it)
+        let computed =
+            meeting.reads_started.map_or(0, |reads| tokens_in(now.saturating_duration_since(started.max(reads))));
+        values.extend([computed as i64, meeting.arrived_tokens as i64, -(arrived_by as i64)]);
         meetings.push((index, meeting));
     }
     if meetings.is_empty() {
@@ -254,11 +298,26 @@ fn settle_meetings<E: ReplayEngine>(
     if collective.world_size() > 1 {
         collective.all_reduce(&mut values, ReduceOp::Min)?;
     }
-    for ((index, meeting), agreed) in meetings.into_iter().zip(values.chunks(2)) {
-        let (computed, arrived) = (agreed[0] as usize, agreed[1] as usize);
+    for ((index, meeting), agreed) in meetings.into_iter().zip(values.chunks(3)) {
+        let (computed, arrived, arrived_by) = (agreed[0] as usize, agreed[1] as usize, -agreed[2] as usize);
+        let request = &mut waiting[index];
+        if request.arrivals.last().is_none_or(|&(seen, _)| arrived > seen) {
+            request.arrivals.push((arrived, arrived_by));
+        }
         if meeting.met(computed, arrived) {
-            let before_reads = meeting.head_tokens + meeting.read_tokens - arrived.min(meeting.read_tokens);
-            waiting[index].meet_at = Some((before_reads, computed as f64 / spec.prefill_tokens_per_s));
+            // the meeting came when the compute first reached pages that had arrived, not when the loop looked (it
+            // looks between requests, and their copies take wall-clock time a serving engine's compute would not
+            // wait for): of the counts seen, the one the compute met earliest
+            let end = meeting.head_tokens + meeting.read_tokens;
+            let (tokens, arrived) = request
+                .arrivals
+                .iter()
+                .map(|&(arrived, seen_at)| (seen_at.max(end - arrived.min(meeting.read_tokens)), arrived))
+                .chain([(end, 0)])
+                .min()
+                .expect("the chain has an element");
+            let before_reads = end - arrived.min(meeting.read_tokens);
+            request.meet_at = Some((before_reads, tokens as f64 / spec.prefill_tokens_per_s));
         }
     }
     Ok(())
@@ -392,6 +451,10 @@ pub(crate) fn run_rank<E: ReplayEngine>(
                 }
                 None => waiting.insert(0, request),
             }
+            if spec.meet {
+                // the reads of the requests still waiting are seen between these requests' copies too
+                settle_meetings(tree, &mut waiting, spec, collective)?;
+            }
         }
         if ran.is_empty() {
             if tree.is_idle() {
@@ -466,6 +529,8 @@ fn admit<E: ReplayEngine>(
         meet_started: None,
         meet_at: None,
         met: false,
+        arrivals: Vec::new(),
+        storage_hit: None,
     })
 }
 
@@ -677,6 +742,20 @@ fn run_request<E: ReplayEngine>(
     {
         outcome.slower_than_recompute += 1;
     }
+    // the whole storage hit: the time this request spent on it (waiting for reads beside its head's or meeting's
+    // compute, then computing what storage did not bring), against computing all of it and against reading all of
+    // it (the loads to the device run beside the prefill either way, and are left out of all three)
+    if let Some(hit) = request.storage_hit.filter(|hit| hit.tokens > 0) {
+        let rate = spec.prefill_tokens_per_s;
+        // pages the prefetch brought that the host evicted before the request ran are counted as brought: the host
+        // tier's capacity lost them, whatever was decided
+        let rest = hit.tokens.saturating_sub(head_tokens + hit.fetched);
+        let spent_s = request.prefetch_wait.as_secs_f64().max(head_s) + rest as f64 / rate;
+        let recompute_s = hit.tokens as f64 / rate;
+        let fetch_whole_s = hit.read_s.map(|read_s| read_s + hit.tokens.saturating_sub(hit.readable) as f64 / rate);
+        let request = request.id.clone();
+        outcome.storage_hits.push(HitOutcome { request, spent_s, recompute_s, fetch_whole_s });
+    }
     // up to the prefill: matching, load-back and the layer waits; the byte check is the replay's, not the cache's
     // the load runs beside the prefill layer by layer (as the layer waits let a GPU engine run it): only what it
     // takes beyond the prefill counts
@@ -747,8 +826,33 @@ fn absorb(
                 request.prefetch_wait = explanation.read_time;
             }
             request.prefetched_tokens = *new_tokens;
+            request.storage_hit = Some(storage_hit(explanation, page, page_bytes));
         }
         explanation.fetched_tokens.hash(digest);
+    }
+}
+
+/// A prefetch's hit and what reading all of it would have taken.
+fn storage_hit(explanation: &PrefetchExplanation, page: usize, page_bytes: u64) -> StorageHit {
+    let readable = match explanation.stop {
+        PrefetchStop::HostPoolFull => explanation.reserved_tokens.min(explanation.tp_min_hit_tokens),
+        _ => explanation.tp_min_hit_tokens,
+    };
+    let pages = (readable / page, explanation.local_fetched_tokens / page);
+    let rates = explanation.plan.as_ref().map(|plan| &plan.rates);
+    let read_s = whole_read_s(rates, pages, explanation.read_time.as_secs_f64(), page_bytes);
+    StorageHit { tokens: explanation.tp_min_hit_tokens, fetched: explanation.fetched_tokens, readable, read_s }
+}
+
+/// Seconds reading `readable` pages would take, once `read` of them took `read_s`: the rest at the plan's `rates` (at
+/// the reads' own rate without a plan or while the tier's rate is unknown; `None` when nothing was read either).
+fn whole_read_s(rates: Option<&Rates>, (readable, read): (usize, usize), read_s: f64, page_bytes: u64) -> Option<f64> {
+    let read = read.min(readable);
+    match rates.filter(|rates| rates.storage_read_bytes_per_s.is_some()) {
+        _ if read == readable => Some(read_s),
+        Some(rates) => Some(read_s + rates.fetch_s(readable, page_bytes) - rates.fetch_s(read, page_bytes)),
+        None if read == 0 => None,
+        None => Some(read_s * readable as f64 / read as f64),
     }
 }
 
@@ -785,5 +889,72 @@ pub(crate) fn stop_name(explanation: &PrefetchExplanation) -> &'static str {
         PrefetchStop::Failed => "failed",
         PrefetchStop::TpMinimum => "tp_minimum",
         PrefetchStop::Aborted => "aborted",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rates(read_bytes_per_s: Option<f64>) -> Rates {
+        Rates {
+            storage_call_s: 0.001,
+            storage_read_bytes_per_s: read_bytes_per_s,
+            load_bytes_per_s: 1e9,
+            prefill_s_per_token: Some(1e-4),
+            prefill_s_per_token_per_prefix: 0.0,
+            batch_pages: 2,
+        }
+    }
+
+    #[test]
+    fn a_whole_read_is_the_reads_made_and_the_rest_at_the_agreed_rates_or_their_own() {
+        // 2 of 8 pages of 1000 bytes read in 10 ms; the rest at 1 ms a call of 2 pages and 1 MB/s: 8 pages are 4
+        // calls and 8 ms of bytes, the 2 read 1 call and 2 ms
+        let known = rates(Some(1e6));
+        let whole = whole_read_s(Some(&known), (8, 2), 0.010, 1000).unwrap();
+        assert!((whole - (0.010 + 0.012 - 0.003)).abs() < 1e-12, "{whole}");
+        assert_eq!(whole_read_s(Some(&known), (8, 8), 0.010, 1000), Some(0.010), "all of it read: what it took");
+        // the tier's rate not known, or no plan: the reads' own, per page; nothing read: not known
+        let unknown = rates(None);
+        assert_eq!(whole_read_s(Some(&unknown), (8, 2), 0.010, 1000), Some(0.040));
+        assert_eq!(whole_read_s(None, (8, 2), 0.010, 1000), Some(0.040));
+        assert_eq!(whole_read_s(Some(&unknown), (8, 0), 0.0, 1000), None);
+        assert_eq!(whole_read_s(None, (0, 0), 0.0, 1000), Some(0.0), "nothing to read");
+    }
+
+    #[test]
+    fn a_request_is_slower_than_either_way_as_its_slowest_rank_is() {
+        let hit = |request: &str, spent_s: f64, recompute_s: f64, fetch_whole_s: Option<f64>| HitOutcome {
+            request: request.to_owned(),
+            spent_s,
+            recompute_s,
+            fetch_whole_s,
+        };
+        let ranks = [
+            RankOutcome {
+                storage_hits: vec![
+                    hit("a", 1.0, 3.0, Some(2.0)),
+                    hit("b", 1.0, 3.0, None),
+                    hit("c", 2.0, 1.5, Some(5.0)),
+                    hit("d", 1.0, 3.0, Some(0.5)),
+                ],
+                ..RankOutcome::default()
+            },
+            RankOutcome {
+                storage_hits: vec![
+                    // rank 1 spent longer on `a` than reading it whole takes
+                    hit("a", 2.5, 3.0, Some(2.0)),
+                    // a whole read known on one rank only is not known for the request
+                    hit("b", 1.0, 3.0, Some(0.5)),
+                    hit("c", 1.0, 1.5, Some(5.0)),
+                    // rank 1's reads were slower: reading `d` whole would have waited for them
+                    hit("d", 1.0, 3.0, Some(1.5)),
+                ],
+                ..RankOutcome::default()
+            },
+        ];
+        // slower than reading whole: a; than the better of the two: a, and c (computing it takes 1.5 s)
+        assert_eq!(super::super::report::slower_than_either(&ranks), (1, 2));
     }
 }

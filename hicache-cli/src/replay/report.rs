@@ -220,6 +220,11 @@ struct PlanReport {
     tokens_recomputed: u64,
     /// Requests whose storage reads took longer than computing the tokens they brought (all ranks).
     slower_than_recompute: u64,
+    /// Requests whose storage hit took longer than reading all of it would have (each request's slowest rank).
+    slower_than_fetch_whole: u64,
+    /// Requests whose storage hit took longer than the better of computing and reading all of it (each request's
+    /// slowest rank).
+    slower_than_best: u64,
     /// The rates the ranks agreed on at the end of the run (the slowest rank's).
     #[serde(skip_serializing_if = "Option::is_none")]
     agreed_rates: Option<super::rank::AgreedRates>,
@@ -302,6 +307,7 @@ pub(super) fn print(
     };
     let total = round_report(None, &first.total);
     let mismatch = outcomes.iter().find_map(|outcome| outcome.mismatch.clone());
+    let (slower_than_fetch_whole, slower_than_best) = slower_than_either(outcomes);
     let report = Report {
         parameters: parameters(args, page_bytes),
         hit_rate: total.hit_rate,
@@ -323,6 +329,8 @@ pub(super) fn print(
             decisions: first.plans.clone(),
             tokens_recomputed: first.tokens_recomputed_by_plan,
             slower_than_recompute: outcomes.iter().map(|outcome| outcome.slower_than_recompute).sum(),
+            slower_than_fetch_whole,
+            slower_than_best,
             agreed_rates: first.agreed_rates.clone(),
         },
         staging_bytes: outcomes.iter().filter_map(|outcome| outcome.storage).map(|stats| stats.staging_bytes).sum(),
@@ -462,10 +470,13 @@ fn print_text(description: &str, report: &Report) {
         let decisions: Vec<String> =
             plans.decisions.iter().map(|(decision, count)| format!("{decision} {count}")).collect();
         println!(
-            "prefetch plans: {}; {} stored tokens computed instead; {} requests slower than recomputing",
+            "prefetch plans: {}; {} stored tokens computed instead; requests slower than recomputing {}, than \
+             reading the whole hit {}, than the better of the two {}",
             decisions.join(", "),
             plans.tokens_recomputed,
-            plans.slower_than_recompute
+            plans.slower_than_recompute,
+            plans.slower_than_fetch_whole,
+            plans.slower_than_best
         );
         if let Some(rates) = &plans.agreed_rates {
             println!(
@@ -509,4 +520,25 @@ fn print_text(description: &str, report: &Report) {
         if report.verified { "yes" } else { "NO" },
         report.verified_bytes as f64 / 1e6
     );
+}
+
+/// Requests whose storage hit took longer than reading all of it, and than the better of reading and computing all
+/// of it: a request waits for its slowest rank, so each request's times are the slowest rank's.
+pub(super) fn slower_than_either(outcomes: &[super::rank::RankOutcome]) -> (u64, u64) {
+    let mut hits: BTreeMap<&str, super::rank::HitOutcome> = BTreeMap::new();
+    for hit in outcomes.iter().flat_map(|outcome| &outcome.storage_hits) {
+        hits.entry(&hit.request)
+            .and_modify(|slowest| {
+                slowest.spent_s = slowest.spent_s.max(hit.spent_s);
+                slowest.recompute_s = slowest.recompute_s.max(hit.recompute_s);
+                // not known on one rank (its reads measured nothing): not known for the request
+                slowest.fetch_whole_s = slowest.fetch_whole_s.zip(hit.fetch_whole_s).map(|(a, b)| a.max(b));
+            })
+            .or_insert_with(|| hit.clone());
+    }
+    let slower = |than: &dyn Fn(&super::rank::HitOutcome) -> f64| {
+        hits.values().filter(|hit| hit.spent_s > than(hit)).count() as u64
+    };
+    let fetch_whole = |hit: &super::rank::HitOutcome| hit.fetch_whole_s.unwrap_or(f64::INFINITY);
+    (slower(&fetch_whole), slower(&|hit| fetch_whole(hit).min(hit.recompute_s)))
 }

@@ -28,7 +28,7 @@
 //! [`Prefetch::stop_reason`]. The tick itself, with its collective, is in `tick.rs`.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::CacheController;
 use super::outcome::{PrefetchExplanation, PrefetchStop, StorageFailure};
@@ -73,6 +73,13 @@ pub struct Meeting {
     pub read_tokens: usize,
     /// Tokens this rank has read so far, at the end of the reserved ones.
     pub arrived_tokens: usize,
+    /// The time this rank's reads of the prefetch took, up to the one that brought the last of them: the reads'
+    /// own time, without their wait behind other prefetches' reads (zero before any arrived). An engine that looks
+    /// at the reads only now and then, or a simulation, learns from it how far its compute had come when they
+    /// arrived.
+    pub arrived_after: Duration,
+    /// When this rank's first read of the prefetch started (`None` while its reads wait behind other prefetches').
+    pub reads_started: Option<Instant>,
 }
 
 impl Meeting {
@@ -381,10 +388,14 @@ impl<E: TransferEngine> CacheController<E> {
         if prefetch.wanted || prefetch.aborted || fetching.reads.pages.is_empty() {
             return None;
         }
+        let (arrived_tokens, arrived_after) =
+            *prefetch.shared.arrivals.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         Some(Meeting {
             head_tokens: prefetch.head_pages * self.page_size,
             read_tokens: fetching.reads.pages.len() * self.page_size,
-            arrived_tokens: prefetch.shared.progress.completed() as usize,
+            arrived_tokens,
+            arrived_after,
+            reads_started: prefetch.shared.reads_started.get().copied(),
         })
     }
 

@@ -219,6 +219,12 @@ impl StorageTier {
         };
         prefetch.explanation.plan = Some(planned);
         let cost_cut = planned.compute_head_pages + planned.fetch_pages < hit_pages;
+        if self.settings.meet {
+            // an engine that meets the reads computes a split's head anyway: its pages are read too, from the end,
+            // so reads faster than the plan expects meet the compute earlier (the head is only where it expects them
+            // to meet)
+            return (0, planned.compute_head_pages + planned.fetch_pages, cost_cut);
+        }
         (planned.compute_head_pages, planned.fetch_pages, cost_cut)
     }
 

@@ -187,6 +187,11 @@ pub(super) struct PrefetchShared {
     pub(super) failure: OnceLock<StorageFailure>,
     /// Nanoseconds the fetch thread spent in storage reads for this prefetch.
     pub(super) read_ns: std::sync::atomic::AtomicU64,
+    /// Tokens read and counted in `progress` so far, with the time spent in reads up to the one that brought the
+    /// last of them (as `read_ns`): the two together, so a reader never pairs a count with an earlier batch's time.
+    pub(super) arrivals: Mutex<(usize, Duration)>,
+    /// When the fetch thread started the prefetch's first read.
+    pub(super) reads_started: OnceLock<std::time::Instant>,
 }
 
 impl PrefetchShared {
@@ -471,6 +476,7 @@ fn run_fetches(io: &Io, jobs: Receiver<FetchJob>) {
             }
             // the lease ends with this block: the batch's pages are returned before their tokens are counted
             let started = std::time::Instant::now();
+            let _ = shared.reads_started.set(started);
             let (arrived, failure) = match io.host.lend_write(pages) {
                 Ok(mut lease) => match guarded(|| io.storage.batch_get(keys, &mut lease.pages_mut())) {
                     Ok(outcomes) => {
@@ -488,14 +494,17 @@ fn run_fetches(io: &Io, jobs: Receiver<FetchJob>) {
                 Err(error) => (0, Some(StorageFailure::Call(error))),
             };
             let elapsed = started.elapsed();
-            shared.read_ns.fetch_add(elapsed.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+            let read_ns = shared.read_ns.fetch_add(elapsed.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed)
+                + elapsed.as_nanos() as u64;
             if arrived > 0 {
                 let bytes = (arrived * io.host.page_bytes()) as u64;
                 let sample = ReadSample { calls: 1, bytes, elapsed };
                 io.reads.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(sample);
             }
-            if arrived > 0 && shared.progress.increment((arrived * io.page_size) as u64).is_err() {
-                break;
+            if arrived > 0 {
+                let Ok(completed) = shared.progress.increment((arrived * io.page_size) as u64) else { break };
+                *shared.arrivals.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) =
+                    (completed as usize, Duration::from_nanos(read_ns));
             }
             if let Some(failure) = failure {
                 tracing::warn!(backend = io.storage.name(), %failure, "prefetch read failed; the prefetch stops there");
