@@ -622,6 +622,7 @@ fn returning(rig: &mut Rig) -> (Vec<u32>, Meeting) {
     assert!(matches!(rig.tree.prefetch_from_storage("b", matched.last_host_node, &b), Ok(PrefetchStart::Started(_))));
     let meeting = meeting(rig, "b");
     assert_eq!((meeting.head_tokens, meeting.read_tokens), (0, 10 * PAGE), "{meeting:?}");
+    assert!((4 * PAGE..=6 * PAGE).contains(&meeting.planned_head_tokens), "about half the hit: {meeting:?}");
     (b, meeting)
 }
 
@@ -677,15 +678,25 @@ fn an_engine_whose_reads_never_came_computes_everything_and_keeps_none() {
     let (b, meeting) = returning(&mut rig);
     assert_eq!(meeting.arrived_tokens, 0);
     assert!(meeting.met(10 * PAGE, 0) && !meeting.met(10 * PAGE - 1, 0));
+    // the first read holds its pages in the gate
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rig.tree.prefetch_meeting("b").expect("still read").reads_started.is_none() {
+        assert!(Instant::now() < deadline, "the reads did not start");
+        std::thread::yield_now();
+    }
     let (explanation, new) = meet(&mut rig, &b, 10 * PAGE);
     planned_a_split_and_read_it_all(&explanation);
     assert_eq!((explanation.stop, explanation.fetched_tokens, new), (PrefetchStop::Met, 0, 0));
-    let free = rig.tree.controller().host().available();
     gated.open_all();
-    rig.tree.drain(&mut SingleRank, Instant::now() + Duration::from_secs(10), &mut |_| {}).unwrap();
-    assert!(rig.tree.controller().host().available() > free, "the reserved pages are free again");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    rig.tree.drain(&mut SingleRank, deadline, &mut |_| {}).unwrap();
     rig.tree.check_invariants().unwrap();
     assert_eq!(rig.request(&b), Some((10 * PAGE, 0)));
+    // every page reserved for the reads came back: with the tree emptied, the whole host pool is free
+    rig.tree.drain(&mut SingleRank, deadline, &mut |_| {}).unwrap();
+    rig.tree.evict(64 * PAGE, &mut rig.device).unwrap();
+    rig.tree.evict_host(64 * PAGE).unwrap();
+    assert_eq!(rig.tree.controller().host().available(), 32, "the reserved pages are free again");
 }
 
 #[test]

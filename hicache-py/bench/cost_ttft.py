@@ -1,7 +1,9 @@
 """Time to first token of a returning conversation whose prefix is only in storage, with every hit fetched whole
 (SGLang's way), with hicache's cost plan (a hit fetched only as far as bringing it is faster than computing it) and
-with the plan allowed to split a hit (the engine computes its head while storage reads its tail), beside recomputing
-the whole prompt, under a real model on one GPU, in one run.
+with the plan allowed to split a hit (the engine computes its head while storage reads its tail), and with an engine
+that meets the reads (it computes the hit from the front, in passes, while storage reads it from the end, and takes
+the pages read once its compute reaches them), beside recomputing the whole prompt, under a real model on one GPU, in
+one run.
 
 A Llama-3.1-8B-shaped model (transformers, random weights, bf16) serves a cached prefix (2k, 8k, 32k tokens) and 512
 new tokens through ``hicache.engine.Engine``, the prefix in the file tier on tmpfs only (device and host emptied
@@ -11,8 +13,8 @@ request of each prefix is not timed: it may be the one that measures the tier; b
 once from the device, as a serving engine's device hits teach it the cost of a pass after a prefix); the
 host-to-device rate, which the reference engine does not time, is given (``--load-gbps``). For each prefix and tier it prints
 the medians of ``--repeats`` requests: recompute (the whole prompt through the model's own sdpa attention), whole
-(every hit fetched, then the rest computed), by cost, split (by cost, splits allowed), and each of the last two
-against the better of the first two.
+(every hit fetched, then the rest computed), by cost, split (by cost, splits allowed), meet (splits allowed, the
+reads met), and each of the last three against the better of the first two.
 
     python hicache-py/bench/cost_ttft.py --json out.json    # needs hicache built with the cuda feature
 """
@@ -28,13 +30,14 @@ import torch
 from model_ttft import CUDA, DEVICE, NEW, Workload, config, cuda_ms, llama_8b, median, populate
 
 
-MODES = ("whole", "by cost", "split")
+MODES = ("whole", "by cost", "split", "meet")
 
 
 def engine_config(directory: str, mode: str, throttle: float | None, load_gbps: float) -> dict:
     settings = config("auto", directory)
     settings["prefetch_by_cost"] = mode != "whole"
-    settings["prefetch_split"] = mode == "split"
+    settings["prefetch_split"] = mode in ("split", "meet")
+    settings["prefetch_meet"] = mode == "meet"
     # the reference engine does not time its loads: the host-to-device rate is given
     settings["prior_load_gbps"] = load_gbps
     if throttle is not None:
@@ -86,7 +89,8 @@ def main():
                         served = engine.serve(f"{tier}-{mode}-{p}-{repeat}", work.returning(p), 1, all_logits=False)
                         if repeat > 0:
                             times.append(served.ttft_s * 1e3)
-                            # tokens taken from storage (a split's head is computed)
+                            # tokens taken from storage (a split's head, and what an engine that meets the reads
+                            # computed before it met them, are computed)
                             cached.append(served.cached - served.head)
                             heads.append(served.head)
                             phases.append(served.phases)
@@ -106,17 +110,20 @@ def main():
           f"prefix only in the file tier on tmpfs; medians of {args.repeats}; ms (tokens taken from storage)")
     for tier in ("tmpfs", f"{args.throttle:g} GB/s"):
         print(f"tier: {tier}")
-        print("prefix | recompute | whole | by cost | split (head computed) | by cost, split / min(recompute, whole)")
+        print("prefix | recompute | whole | by cost | split (head computed) | meet (computed) | by cost, split, meet / "
+              "min(recompute, whole)")
         for p in prefixes:
             row = report["prefixes"][p]
-            whole, planned, split = (row[f"{tier} {mode} ms"] for mode in MODES)
+            whole, planned, split, meet = (row[f"{tier} {mode} ms"] for mode in MODES)
             best = min(row["recompute_ms"], whole)
             row[f"{tier} by cost of best"] = planned / best
             row[f"{tier} split of best"] = split / best
+            row[f"{tier} meet of best"] = meet / best
             print(f"{p} | {row['recompute_ms']:.1f} | {whole:.1f} ({row[f'{tier} whole cached']:.0f}) | "
                   f"{planned:.1f} ({row[f'{tier} by cost cached']:.0f}) | "
                   f"{split:.1f} ({row[f'{tier} split cached']:.0f}, {row[f'{tier} split head']:.0f}) | "
-                  f"{planned / best:.3f}, {split / best:.3f}")
+                  f"{meet:.1f} ({row[f'{tier} meet cached']:.0f}, {row[f'{tier} meet head']:.0f}) | "
+                  f"{planned / best:.3f}, {split / best:.3f}, {meet / best:.3f}")
             for mode in MODES:
                 steps = ", ".join(f"{phase} {ms:.1f}" for phase, ms in row[f"{tier} {mode} phases ms"].items())
                 print(f"    {mode}: {steps}")

@@ -153,6 +153,17 @@ impl<E: Engine> Inner<E> {
         }
     }
 
+    /// For an engine that meets the reads: the tokens at the start of `request`'s prefetch not read yet (the engine
+    /// meets the reads once it has computed them) and where the plan expects it to meet them; `None` when the reads
+    /// are not (or no longer) under way. Ticks once first, so the reads' progress and results land.
+    fn prefetch_meeting(&mut self, request: &str) -> Result<Option<(usize, usize)>, Error> {
+        self.tree.tick(&mut SingleRank)?;
+        Ok(self.tree.prefetch_meeting(request).map(|meeting| {
+            let unread = meeting.head_tokens + meeting.read_tokens - meeting.arrived_tokens.min(meeting.read_tokens);
+            (unread, meeting.planned_head_tokens)
+        }))
+    }
+
     /// Ticks until `request`'s prefetch has joined the tree (true), or until `deadline` (false).
     fn wait_prefetch(&mut self, request: &str, deadline: Instant) -> Result<bool, Error> {
         loop {
@@ -511,11 +522,6 @@ impl Cache {
     fn new(py: Python<'_>, config: &str, kv: &str, keepalive: Py<PyAny>) -> PyResult<Self> {
         guard::run(|| {
             let mut config = HiCacheConfig::from_json(config).map_err(guard::to_py)?;
-            if config.prefetch_meet {
-                // the Python package's engine loop computes a split's head and then waits for its tail
-                let reason = "the Python package's engine does not meet reads (use prefetch_split alone)".to_owned();
-                return Err(guard::to_py(hicache_core::Error::InvalidConfig { field: "prefetch_meet".into(), reason }));
-            }
             // a page_unified pool cut by the unified key scheme's agreement when the config names no head_group
             if config.head_group.is_none() {
                 config.head_group = unified_head_group(&config)?;
@@ -626,6 +632,19 @@ impl Cache {
     fn plan_prefetch(&self, py: Python<'_>, request: &str, timeout_s: f64) -> PyResult<usize> {
         let deadline = deadline(timeout_s, "timeout")?;
         self.with(py, |tree| each!(tree, inner => inner.plan_prefetch(request, deadline)))
+    }
+
+    /// For an engine that meets the reads (config `prefetch_meet`): `(unread, planned)` while `request`'s reads run
+    /// from the end, `None` otherwise. `unread`: the tokens from the prefetch's start up to the first read (the engine
+    /// computes up to there, then calls `meet_prefetch`); `planned`: where the plan expects the two to meet.
+    fn prefetch_meeting(&self, py: Python<'_>, request: &str) -> PyResult<Option<(usize, usize)>> {
+        self.with(py, |tree| each!(tree, inner => inner.prefetch_meeting(request)))
+    }
+
+    /// The engine computed (and inserted) `request`'s tokens up to the pages read from the end: the reads stop, and
+    /// the pages read join the tree below its compute at the next tick. False when its reads are not under way.
+    fn meet_prefetch(&self, py: Python<'_>, request: &str) -> PyResult<bool> {
+        self.with(py, |tree| Ok(each!(tree, inner => inner.tree.meet_prefetch(request))))
     }
 
     /// Waits (ticking) until `request`'s prefetch has joined the tree: true, or false at the timeout.

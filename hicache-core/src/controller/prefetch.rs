@@ -67,8 +67,12 @@ pub enum PrefetchHead {
 /// `prefetch_meet`): tokens relative to the prefetch's own ([`CacheController::prefetch_meeting`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Meeting {
-    /// Tokens at the start that are not read (a split's head): the reads cover the `read_tokens` after them.
+    /// Tokens at the start that are not read: the reads cover the `read_tokens` after them (a split's head is read
+    /// too, so none where the plan split).
     pub head_tokens: usize,
+    /// Where the plan expects the compute to meet the reads: the head a split would have left to the engine (0 when
+    /// it did not split). An engine that computes in passes can make this its first.
+    pub planned_head_tokens: usize,
     /// Tokens of the reserved pages, read from their end backwards.
     pub read_tokens: usize,
     /// Tokens this rank has read so far, at the end of the reserved ones.
@@ -390,8 +394,10 @@ impl<E: TransferEngine> CacheController<E> {
         }
         let (arrived_tokens, arrived_after) =
             *prefetch.shared.arrivals.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let planned_head_pages = prefetch.explanation.plan.map_or(0, |plan| plan.compute_head_pages);
         Some(Meeting {
             head_tokens: prefetch.head_pages * self.page_size,
+            planned_head_tokens: planned_head_pages * self.page_size,
             read_tokens: fetching.reads.pages.len() * self.page_size,
             arrived_tokens,
             arrived_after,

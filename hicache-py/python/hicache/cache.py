@@ -198,6 +198,8 @@ class Cache:
         self.page_size = self._native.page_size
         self.layers = self._native.layers
         self.slots = slots - slots % self.page_size
+        # the engine meets the reads (``prefetch_meeting``)
+        self.meets = bool(config.get("prefetch_meet", False))
 
     def match(self, tokens) -> Match:
         """The prefix of ``tokens`` the cache holds on the device, and how much of the rest is on the host."""
@@ -223,6 +225,20 @@ class Cache:
         is slow to read: the engine computes its head (inserting its KV) while storage reads the tail, then waits for
         the prefetch. Asking for the prefetch (``wait_prefetch``) before the plan is known rules a split out."""
         return self._native.plan_prefetch(str(request_id), float(timeout))
+
+    def prefetch_meeting(self, request_id: str) -> tuple[int, int] | None:
+        """For an engine that meets the reads (``prefetch_meet`` in the config, with ``prefetch_split``): while
+        ``request_id``'s reads run from the end of its hit, ``(unread, planned)``: the tokens at the prefetch's start
+        that are not read yet, and where the plan expects the engine's compute to meet the reads; ``None`` when they
+        are not (or no longer) under way. The engine computes from the prefetch's first token, in passes, inserting
+        each pass's KV; once it has computed ``unread`` tokens it calls ``meet_prefetch``."""
+        return self._native.prefetch_meeting(str(request_id))
+
+    def meet_prefetch(self, request_id: str) -> bool:
+        """The engine's compute reached the pages read from the end: the reads stop, and the pages read join the
+        cache below what the engine inserted (``wait_prefetch`` returns once they have). False when the reads are not
+        under way."""
+        return self._native.meet_prefetch(str(request_id))
 
     def wait_prefetch(self, request_id: str, timeout: float = 30.0) -> bool:
         """Ticks until ``request_id``'s prefetch has joined the cache (True) or ``timeout`` seconds pass (False)."""

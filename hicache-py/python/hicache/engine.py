@@ -40,6 +40,10 @@ _ACTIVE = threading.local()
 # may use are process-wide state, and leaving it as found proved unreliable (with nothing set for long passes, a
 # 33k-token prompt served after short passes took the 1.78 s of the others).
 _PLANNED_FROM = 8192
+
+# The shortest pass of an engine that meets the reads (after its first): a pass has a fixed cost (the eager model
+# launches about a thousand kernels), so the passes that close the gap to the reads are not made ever shorter.
+_MEET_PASS = 1024
 _UNPLANNED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _PLANNED = [SDPBackend.CUDNN_ATTENTION, *_UNPLANNED]
 
@@ -179,7 +183,10 @@ class Engine:
         if prefetched:
             head = self.cache.plan_prefetch(request_id, prefetch_timeout)
             marks.append(time.perf_counter())
-            head_steps = self._compute_head(tokens, head) if head else {}
+            if self.cache.meets:
+                head, head_steps = self._meet(request_id, tokens)
+            else:
+                head_steps = self._compute_head(tokens, head) if head else {}
             marks.append(time.perf_counter())
             self.cache.wait_prefetch(request_id, prefetch_timeout)
         else:
@@ -222,13 +229,41 @@ class Engine:
             generated, logits, cached, load.loaded, prefetched, ttft, head, phases, load.slots, slots[: len(sequence)]
         )
 
+    def _meet(self, request_id: str, tokens: list[int]) -> tuple[int, dict]:
+        """An engine that meets the reads: computes the prefetch's tokens from the front, in passes, while storage
+        reads them from the end, until its compute reaches the pages read; then takes those (``meet_prefetch``).
+        The first pass goes as far as the plan expects the two to meet; each later one half the gap left (at least
+        ``_MEET_PASS`` tokens), so a pass costs its fixed overhead only a few times however the reads go. Returns the
+        tokens computed and the seconds of its steps (``head pass``: the passes, ``meet passes``: how many)."""
+        match = self.cache.match(token_ids(tokens[:-1]))
+        base = len(match.device_slots) + match.host_tokens
+        computed, passes, steps = 0, 0, {"head setup": 0.0, "head pass": 0.0, "head insert": 0.0}
+        while (meeting := self.cache.prefetch_meeting(request_id)) is not None:
+            unread, planned = meeting
+            if computed >= unread:
+                self.cache.meet_prefetch(request_id)
+                break
+            step = planned if passes == 0 and planned > computed else max((unread - computed) // 2, _MEET_PASS)
+            upto = min(unread, computed + step)
+            upto -= upto % self.cache.page_size
+            if upto <= computed:
+                upto = unread
+            for name, seconds in self._compute_upto(tokens, base + upto).items():
+                steps[name] += seconds
+            computed, passes = upto, passes + 1
+        steps["meet passes"] = passes
+        return computed, steps
+
     def _compute_head(self, tokens: list[int], head: int) -> dict:
         """A split's head: computes the ``head`` tokens after what the cache held of ``tokens`` when the prefetch
         started (the device and host hit) and inserts their KV, while storage reads the tail. Returns the seconds of
         its steps: ``head setup`` (match, load, slots), ``head pass`` (the forward pass), ``head insert``."""
-        started = time.perf_counter()
         match = self.cache.match(token_ids(tokens[:-1]))
-        upto = len(match.device_slots) + match.host_tokens + head
+        return self._compute_upto(tokens, len(match.device_slots) + match.host_tokens + head)
+
+    def _compute_upto(self, tokens: list[int], upto: int) -> dict:
+        """Computes ``tokens[:upto]`` past what the cache holds of it and inserts their KV (see ``_compute_head``)."""
+        started = time.perf_counter()
         load = self.cache.load(token_ids(tokens[:upto]), start=False)
         cached = len(load.slots)
         fresh = self.cache.alloc(upto - cached)
