@@ -234,11 +234,16 @@ class Engine:
         reads them from the end, until its compute reaches the pages read; then takes those (``meet_prefetch``).
         The first pass goes as far as the plan expects the two to meet; each later one half the gap left (at least
         ``_MEET_PASS`` tokens), so a pass costs its fixed overhead only a few times however the reads go. Returns the
-        tokens computed and the seconds of its steps (``head pass``: the passes, ``meet passes``: how many)."""
+        tokens computed and the seconds of its steps (``head pass``: the passes, ``meet passes``: how many), none when
+        there were no reads to meet."""
+        meeting = self.cache.prefetch_meeting(request_id)
+        if meeting is None:
+            # no reads to meet (nothing in storage, or nothing worth reading): the prefetch ends as it is
+            return 0, {}
         match = self.cache.match(token_ids(tokens[:-1]))
         base = len(match.device_slots) + match.host_tokens
         computed, passes, steps = 0, 0, {"head setup": 0.0, "head pass": 0.0, "head insert": 0.0}
-        while (meeting := self.cache.prefetch_meeting(request_id)) is not None:
+        while meeting is not None:
             unread, planned = meeting
             if computed >= unread:
                 self.cache.meet_prefetch(request_id)
@@ -251,6 +256,7 @@ class Engine:
             for name, seconds in self._compute_upto(tokens, base + upto).items():
                 steps[name] += seconds
             computed, passes = upto, passes + 1
+            meeting = self.cache.prefetch_meeting(request_id)
         steps["meet passes"] = passes
         return computed, steps
 
