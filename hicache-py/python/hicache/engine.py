@@ -8,7 +8,8 @@ attention over them. Positions are passed to the model, so the rotary embedding 
 prefix.
 
 A request (``Engine.serve``): fetch from storage what lies beyond the device and host hit (waiting for it; when the
-cache's plan splits the hit, computing its head first while storage reads the tail), load the
+cache's plan splits the hit, computing its head first while storage reads the tail; with ``prefetch_meet``, computing
+the hit from the front in passes while storage reads it from the end, until the two meet), load the
 host part back to the device (starting its copies once the forward pass's own small inputs are on the device, so
 they do not queue behind the prefix on the copy engine), prefill the rest layer by layer beside the load, decode greedily, insert the whole
 sequence (whole pages), tick. When the device pool is full, least recently used pages move to the host (and on to
@@ -40,12 +41,12 @@ _ACTIVE = threading.local()
 # may use are process-wide state, and leaving it as found proved unreliable (with nothing set for long passes, a
 # 33k-token prompt served after short passes took the 1.78 s of the others).
 _PLANNED_FROM = 8192
+_UNPLANNED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_PLANNED = [SDPBackend.CUDNN_ATTENTION, *_UNPLANNED]
 
 # The shortest pass of an engine that meets the reads (after its first): a pass has a fixed cost (the eager model
 # launches about a thousand kernels), so the passes that close the gap to the reads are not made ever shorter.
 _MEET_PASS = 1024
-_UNPLANNED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-_PLANNED = [SDPBackend.CUDNN_ATTENTION, *_UNPLANNED]
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **_kwargs):
