@@ -1119,6 +1119,13 @@ fn replay_splits_a_hit_between_computing_its_head_and_reading_its_tail() {
     // and in lockstep over two ranks, which plan and split the same
     let ranks = replay_json(&["--fault-read-mbps", "20", "--tp-size", "2", "--clients", "8"]);
     assert_eq!((ranks["verified"].clone(), ranks["lockstep"].clone()), (true.into(), true.into()), "{ranks}");
+    // each request's storage hit is weighed against reading all of it and against the better of that and computing
+    // all of it (how many come out slower depends on the machine's load; the second count holds the first)
+    for report in [&split, &head_only, &ranks] {
+        let plans = &report["prefetch_plans"];
+        let count = |name: &str| plans[name].as_u64().unwrap_or_else(|| panic!("{name}: {plans}"));
+        assert!(count("slower_than_best") >= count("slower_than_fetch_whole"), "{plans}");
+    }
 }
 
 #[test]
