@@ -809,12 +809,14 @@ fn absorb(
         if let Some(plan) = &explanation.plan {
             *outcome.plans.entry(plan.reason.name().to_owned()).or_default() += 1;
         }
-        if explanation.stop == PrefetchStop::RecomputeFaster {
+        let planned = explanation.plan.is_some();
+        if planned
+            && matches!(explanation.stop, PrefetchStop::RecomputeFaster | PrefetchStop::Met | PrefetchStop::Complete)
+        {
+            // what the plan left to compute (a split's head beside the tail's reads, a cut tail, all of it), or
+            // what the engine computed before it met the reads
             outcome.tokens_recomputed_by_plan +=
                 explanation.tp_min_hit_tokens.saturating_sub(explanation.fetched_tokens) as u64;
-        } else if let Some(plan) = explanation.plan.filter(|plan| plan.compute_head_pages > 0) {
-            // a split's head: computed beside the tail's reads
-            outcome.tokens_recomputed_by_plan += (plan.compute_head_pages * page) as u64;
         }
         outcome.prefetch_errors += u64::from(explanation.error.is_some());
         outcome.pages_storage_to_host += (explanation.fetched_tokens / page) as u64;
