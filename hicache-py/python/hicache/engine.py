@@ -104,8 +104,8 @@ class Served:
     ttft_s: float
     head: int
     # seconds of each step up to the first token: ``query`` (the prefetch's start, and its plan when the engine
-    # splits), ``head`` (a split's head computed), ``fetch`` (waiting for the prefetch), ``pass`` (the load and the
-    # prefill of the rest)
+    # splits), ``head`` (a split's head computed, or the passes of an engine that meets the reads, with their count
+    # in ``meet passes``), ``fetch`` (waiting for the prefetch), ``pass`` (the load and the prefill of the rest)
     phases: dict = field(repr=False)
     prefix_slots: torch.Tensor = field(repr=False)
     sequence_slots: torch.Tensor = field(repr=False)
