@@ -158,10 +158,10 @@ impl<E: Engine> Inner<E> {
     /// are not (or no longer) under way. Ticks once first, so the reads' progress and results land.
     fn prefetch_meeting(&mut self, request: &str) -> Result<Option<(usize, usize)>, Error> {
         self.tree.tick(&mut SingleRank)?;
-        Ok(self.tree.prefetch_meeting(request).map(|meeting| {
-            let unread = meeting.head_tokens + meeting.read_tokens - meeting.arrived_tokens.min(meeting.read_tokens);
-            (unread, meeting.planned_head_tokens)
-        }))
+        Ok(self
+            .tree
+            .prefetch_meeting(request)
+            .map(|meeting| (meeting.unread(meeting.arrived_tokens), meeting.planned_head_tokens)))
     }
 
     /// Ticks until `request`'s prefetch has joined the tree (true), or until `deadline` (false).

@@ -280,7 +280,7 @@ fn settle_meetings<E: ReplayEngine>(
     for (index, request) in waiting.iter().enumerate() {
         let (Some(started), None, false) = (request.meet_started, request.meet_at, request.met) else { continue };
         let meeting = tree.prefetch_meeting(&request.id).context("a started meeting has its reads")?;
-        let end = meeting.head_tokens + meeting.read_tokens;
+        let end = meeting.unread(0);
         let tokens_in = |time: Duration| ((time.as_secs_f64() * spec.prefill_tokens_per_s) as usize).min(end);
         // what the engine had computed when the last read arrived, in the reads' own time, negated: the MIN below
         // makes it every rank's latest
@@ -308,16 +308,14 @@ fn settle_meetings<E: ReplayEngine>(
             // the meeting came when the compute first reached pages that had arrived, not when the loop looked (it
             // looks between requests, and their copies take wall-clock time a serving engine's compute would not
             // wait for): of the counts seen, the one the compute met earliest
-            let end = meeting.head_tokens + meeting.read_tokens;
             let (tokens, arrived) = request
                 .arrivals
                 .iter()
-                .map(|&(arrived, seen_at)| (seen_at.max(end - arrived.min(meeting.read_tokens)), arrived))
-                .chain([(end, 0)])
+                .map(|&(arrived, seen_at)| (seen_at.max(meeting.unread(arrived)), arrived))
+                .chain([(meeting.unread(0), 0)])
                 .min()
                 .expect("the chain has an element");
-            let before_reads = end - arrived.min(meeting.read_tokens);
-            request.meet_at = Some((before_reads, tokens as f64 / spec.prefill_tokens_per_s));
+            request.meet_at = Some((meeting.unread(arrived), tokens as f64 / spec.prefill_tokens_per_s));
         }
     }
     Ok(())

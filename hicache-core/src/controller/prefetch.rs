@@ -91,7 +91,13 @@ impl Meeting {
     /// tokens at the end are read (every rank's count, the minimum): nothing between its compute and the reads is
     /// missing.
     pub fn met(&self, computed: usize, arrived: usize) -> bool {
-        computed + arrived.min(self.read_tokens) >= self.head_tokens + self.read_tokens
+        computed >= self.unread(arrived)
+    }
+
+    /// The tokens from the prefetch's start up to the first of those read once `arrived` tokens at the end are: what
+    /// an engine computes to meet them.
+    pub fn unread(&self, arrived: usize) -> usize {
+        self.head_tokens + self.read_tokens - arrived.min(self.read_tokens)
     }
 }
 
