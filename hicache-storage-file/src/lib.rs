@@ -22,11 +22,13 @@
 //! `clear` and `list` touch this namespace's files only (SGLang's `clear` removes the whole directory); in the
 //! SGLang layout only files directly in the directory whose names match the namespace exactly and whose length is
 //! this namespace's page, never below it.
-#![forbid(unsafe_code)]
+// io_uring needs `unsafe` to hand the kernel buffers; only `segment/io.rs` may
+#![deny(unsafe_code)]
 
 mod account;
 mod index;
 mod page_file;
+mod segment;
 mod tier;
 
 use std::collections::HashSet;
@@ -77,7 +79,24 @@ pub struct FileConfig {
     /// Open without creating or changing anything (for inspection): the directory must exist, puts, removals and
     /// clears are refused, and a damaged page is reported but left in place.
     pub read_only: bool,
+    /// Native pages smaller than this many bytes are appended to segment files instead of one file each (0: never).
+    /// A namespace that already holds pages in one layout keeps it.
+    pub segment_threshold: usize,
+    /// Bytes after which a writer starts a new segment file; with a capacity, at most an eighth of it, so eviction
+    /// (by whole segments) frees a part of the capacity, not all of it.
+    pub segment_bytes: u64,
+    /// Submit segment reads and writes through io_uring when the kernel allows it (else `preadv`/`pwritev` on the
+    /// I/O threads).
+    pub io_uring: bool,
 }
+
+/// The default [`FileConfig::segment_threshold`]: pages below 1 MiB go to segments (creating a file per page costs
+/// more than writing it below that size).
+pub const DEFAULT_SEGMENT_THRESHOLD: usize = 1 << 20;
+/// The default [`FileConfig::segment_bytes`].
+pub const DEFAULT_SEGMENT_BYTES: u64 = 256 << 20;
+/// The smallest [`FileConfig::segment_bytes`].
+pub const MIN_SEGMENT_BYTES: u64 = 1 << 20;
 
 impl FileConfig {
     /// `dir` if given, else `$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`, else `/tmp/hicache`, as SGLang.
@@ -100,6 +119,9 @@ impl FileConfig {
             capacity_bytes: None,
             direct_io: false,
             read_only: false,
+            segment_threshold: DEFAULT_SEGMENT_THRESHOLD,
+            segment_bytes: DEFAULT_SEGMENT_BYTES,
+            io_uring: true,
         }
     }
 }
@@ -128,6 +150,8 @@ pub struct FileStorage {
     account: Option<account::SharedAccount>,
     /// Pages read or written with `O_DIRECT`.
     direct_pages: AtomicU64,
+    /// Small native pages: the segment files that hold them (instead of a file per page).
+    segments: Option<segment::SegmentStore>,
     stats: StatsRecorder,
     /// `io_threads` threads, started once, that every batch's pages are spread over (the controller's query, fetch
     /// and backup threads share them).
@@ -186,12 +210,27 @@ impl FileStorage {
                 reason: format!("the file system of {} does not take O_DIRECT: {error}", root.display()),
             })?;
         }
+        if config.segment_bytes < MIN_SEGMENT_BYTES {
+            return Err(Error::InvalidArgument {
+                field: "segment_bytes",
+                reason: format!("{} is below the smallest segment, {MIN_SEGMENT_BYTES} bytes", config.segment_bytes),
+            });
+        }
+        let segmented = config.format == FileFormat::Native
+            && page_file::chooses_segments(&root, page_bytes < config.segment_threshold)
+                .map_err(|error| io_failure(format!("reading {}: {error}", root.display()), error))?;
+        // the smallest unit the capacity must hold: a page file, or a segment record of one page
+        let unit_bytes = if segmented {
+            segment::record::record_bytes(segment::record::Kind::Pages, 1, page_bytes) as u64
+        } else {
+            file_bytes
+        };
         if let Some(capacity) = config.capacity_bytes
-            && capacity < file_bytes
+            && capacity < unit_bytes
         {
             return Err(Error::InvalidArgument {
                 field: "capacity_bytes",
-                reason: format!("{capacity} bytes cannot hold one page file of {file_bytes} bytes"),
+                reason: format!("{capacity} bytes cannot hold one page of {unit_bytes} bytes as stored"),
             });
         }
         let config_threads = config.io_threads;
@@ -205,6 +244,7 @@ impl FileStorage {
             index: None,
             account: None,
             direct_pages: AtomicU64::new(0),
+            segments: None,
             stats: StatsRecorder::default(),
             pool: rayon::ThreadPoolBuilder::new()
                 .num_threads(config_threads)
@@ -212,6 +252,29 @@ impl FileStorage {
                 .build()
                 .map_err(|error| storage_error(format!("starting {config_threads} I/O threads: {error}")))?,
         };
+        if segmented {
+            let settings = segment::SegmentSettings {
+                root: storage.root.clone(),
+                base: storage.config.dir.clone(),
+                digest: storage.digest.as_bytes().to_vec(),
+                page_bytes,
+                segment_bytes: storage
+                    .config
+                    .capacity_bytes
+                    .map_or(storage.config.segment_bytes, |capacity| storage.config.segment_bytes.min(capacity / 8))
+                    .max(unit_bytes),
+                direct_io: storage.config.direct_io,
+                io_uring: storage.config.io_uring,
+                read_only: storage.config.read_only,
+                capacity_bytes: storage.config.capacity_bytes,
+                account: storage.config.capacity_bytes.map(|_| storage.account_path()),
+                changes: storage.config.dir.join("hicache-v1").join(format!(".changes-{}", storage.digest)),
+            };
+            storage.segments = Some(segment::SegmentStore::open(settings).map_err(|error| {
+                io_failure(format!("opening the segments of {}: {error}", storage.root.display()), error)
+            })?);
+            return Ok(storage);
+        }
         if !storage.config.read_only {
             storage.remove_stale_temporaries()?;
         }
@@ -326,11 +389,32 @@ impl FileStorage {
     /// Pages read or written with `O_DIRECT` so far (the others went through the page cache).
     pub fn direct_io_pages(&self) -> u64 {
         self.direct_pages.load(Ordering::Relaxed)
+            + self.segments.as_ref().map_or(0, segment::SegmentStore::direct_pages)
     }
 
-    /// Pages and bytes this namespace holds, when it has a capacity.
+    /// Pages and bytes this namespace holds, when it has a capacity (in segments: the pages this process knows of
+    /// and the bytes of the segment files).
     pub fn usage(&self) -> Option<(usize, u64)> {
+        if let Some(segments) = &self.segments {
+            return self.config.capacity_bytes.and_then(|_| segments.usage().ok());
+        }
         self.lock_index().map(|index| (index.len(), index.total()))
+    }
+
+    /// Whether this namespace's pages are appended to segment files (small native pages) rather than one file each.
+    pub fn uses_segments(&self) -> bool {
+        self.segments.is_some()
+    }
+
+    /// Whether segment reads and writes go through io_uring.
+    pub fn uses_io_uring(&self) -> bool {
+        self.segments.as_ref().is_some_and(segment::SegmentStore::uses_io_uring)
+    }
+
+    /// In segments under a capacity: the segments this process removed, and the pages it wrote again from them
+    /// because it had read them (compaction).
+    pub fn segment_evictions(&self) -> Option<(u64, u64)> {
+        self.segments.as_ref().map(segment::SegmentStore::evictions)
     }
 
     /// The file of a page.
@@ -554,6 +638,13 @@ impl StorageBackend for FileStorage {
     }
 
     fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {
+        if let Some(segments) = &self.segments {
+            let hits = segments.exists(keys).map_err(|error| {
+                io_failure(format!("reading the segments of {}: {error}", self.root.display()), error)
+            })?;
+            self.stats.record_exists(keys.len(), hits);
+            return Ok(hits);
+        }
         // one thread: a stat costs about a microsecond, less than handing slices of keys to the I/O threads (three
         // to four times slower over 4096 keys on two cores)
         let mut hits = 0;
@@ -574,13 +665,27 @@ impl StorageBackend for FileStorage {
 
     fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
         check_batch(keys.len(), pages.len())?;
-        let outcomes = self.in_parallel(keys, pages, |key, page| self.get_one(key, page));
+        let outcomes = match &self.segments {
+            Some(segments) => segments.get(keys, pages, &self.pool),
+            None => self.in_parallel(keys, pages, |key, page| self.get_one(key, page)),
+        };
         self.stats.record_get(&outcomes, |_| self.shape.page_bytes);
         Ok(outcomes)
     }
 
     fn batch_set(&self, keys: &[PageKey], pages: &[PageSegments<'_>]) -> Result<Vec<SetOutcome>, Error> {
         check_batch(keys.len(), pages.len())?;
+        if let Some(segments) = &self.segments {
+            let outcomes = if self.config.read_only {
+                keys.iter()
+                    .map(|_| SetOutcome::Failed(PageFailure::new(FailureKind::Rejected, self.read_only_message())))
+                    .collect()
+            } else {
+                segments.set(keys, pages, &self.pool)
+            };
+            self.stats.record_set(&outcomes, |_| self.shape.page_bytes);
+            return Ok(outcomes);
+        }
         let mut sources: Vec<&PageSegments<'_>> = pages.iter().collect();
         let mut outcomes = self.in_parallel(keys, &mut sources, |key, page| self.set_one(key, page));
         // a key repeated in the batch may have been written by two threads, in either order: one write stored the
@@ -608,6 +713,13 @@ impl StorageBackend for FileStorage {
     fn remove(&self, keys: &[PageKey]) -> Result<usize, Error> {
         if self.config.read_only {
             return Err(storage_error(self.read_only_message()));
+        }
+        if let Some(segments) = &self.segments {
+            let removed = segments
+                .remove(keys, &self.pool)
+                .map_err(|error| io_failure(format!("removing pages of {}: {error}", self.root.display()), error))?;
+            self.stats.record_removed(removed as u64);
+            return Ok(removed);
         }
         let mut removed = 0;
         let mut failure = None;
@@ -637,6 +749,19 @@ impl StorageBackend for FileStorage {
     fn clear(&self) -> Result<u64, Error> {
         if self.config.read_only {
             return Err(storage_error(self.read_only_message()));
+        }
+        if let Some(segments) = &self.segments {
+            let removed = segments
+                .clear()
+                .map_err(|error| io_failure(format!("clearing {}: {error}", self.root.display()), error))?;
+            // the namespace's folders go too when empty (itself, `hicache-v1`)
+            if std::fs::remove_dir(&self.root).is_ok()
+                && let Some(parent) = self.root.parent()
+            {
+                let _ = std::fs::remove_dir(parent);
+            }
+            self.stats.record_removed(removed);
+            return Ok(removed);
         }
         let removed = match self.config.format {
             FileFormat::Native => page_file::remove_tree_files(&self.root, true, &|_, _| true).and_then(|removed| {
@@ -674,6 +799,11 @@ impl StorageBackend for FileStorage {
     }
 
     fn list(&self) -> Result<Vec<(PageKey, u64)>, Error> {
+        if let Some(segments) = &self.segments {
+            return segments.list().map_err(|error| {
+                io_failure(format!("listing the segments of {}: {error}", self.root.display()), error)
+            });
+        }
         let mut pages = Vec::new();
         self.visit_own_files(&mut |_, key, bytes| pages.push((key, bytes)))?;
         Ok(pages)

@@ -264,7 +264,7 @@ fn unique_suffix() -> String {
 
 /// Makes the folders from `base` (exclusive, which must exist) down to `dir`, one level at a time: a `base` that was
 /// removed (a `clear`, or a process cleaning up its temporary directory) is never made again.
-fn make_dirs_below(base: &Path, dir: &Path) -> io::Result<()> {
+pub(crate) fn make_dirs_below(base: &Path, dir: &Path) -> io::Result<()> {
     let below = dir.strip_prefix(base).map_err(|_| io::Error::other("a page path lies below the storage directory"))?;
     let mut path = base.to_path_buf();
     for part in below {
@@ -334,6 +334,28 @@ pub(crate) fn probe_direct(dir: &Path) -> io::Result<()> {
     });
     let _ = std::fs::remove_file(&probe);
     result
+}
+
+/// Whether a native namespace folder's pages go to segment files: yes when it holds segments already, no when it
+/// holds page files already (shard folders of two hex digits), else when its pages are `small`. So a namespace
+/// written in one layout keeps it whatever the threshold says now.
+pub(crate) fn chooses_segments(root: &Path, small: bool) -> io::Result<bool> {
+    if root.join(crate::segment::FOLDER).is_dir() {
+        return Ok(true);
+    }
+    if !small {
+        return Ok(false);
+    }
+    let mut shards = false;
+    for_each_entry(root, &mut |entry| {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.len() == 2 && name.bytes().all(|byte| byte.is_ascii_hexdigit()) && entry.file_type()?.is_dir() {
+            shards = true;
+        }
+        Ok(())
+    })?;
+    Ok(!shards)
 }
 
 /// Calls `visit` with each entry of `dir`; a missing `dir` has none. Errors name the folder.

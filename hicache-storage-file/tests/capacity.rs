@@ -32,7 +32,11 @@ fn namespace() -> StorageNamespace {
 
 fn open(dir: &Path, format: FileFormat) -> FileStorage {
     let file_bytes = (PAGE + if format == FileFormat::Native { 16 } else { 0 }) as u64;
-    let config = FileConfig { capacity_bytes: Some(CAPACITY_PAGES * file_bytes), ..FileConfig::new(dir, format) };
+    let config = FileConfig {
+        capacity_bytes: Some(CAPACITY_PAGES * file_bytes),
+        segment_threshold: 0,
+        ..FileConfig::new(dir, format)
+    };
     FileStorage::open(config, &namespace()).expect("opens")
 }
 

@@ -29,7 +29,8 @@ fn namespace() -> StorageNamespace {
 }
 
 fn open(dir: &Path, format: FileFormat, direct_io: bool) -> FileStorage {
-    FileStorage::open(FileConfig { direct_io, ..FileConfig::new(dir, format) }, &namespace()).expect("opens")
+    FileStorage::open(FileConfig { direct_io, segment_threshold: 0, ..FileConfig::new(dir, format) }, &namespace())
+        .expect("opens")
 }
 
 fn aligned_copies(pages: &[Vec<u8>]) -> Vec<Box<AlignedPage>> {

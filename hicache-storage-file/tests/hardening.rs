@@ -23,7 +23,7 @@ fn namespace(model: &str, dtype: KvDtype, page_size: usize) -> StorageNamespace 
 }
 
 fn open(dir: &Path, format: FileFormat, namespace: &StorageNamespace) -> FileStorage {
-    FileStorage::open(FileConfig::new(dir, format), namespace).expect("opens")
+    FileStorage::open(FileConfig { segment_threshold: 0, ..FileConfig::new(dir, format) }, namespace).expect("opens")
 }
 
 fn failed(outcome: &GetOutcome, kind: FailureKind) -> bool {
@@ -221,7 +221,11 @@ fn a_directory_that_cannot_be_made_fails_the_open_with_the_os_error() {
     let file = parent.path().join("a-file");
     std::fs::write(&file, b"not a directory").unwrap();
     let ns = namespace("m", KvDtype::Bf16, 4);
-    let error = FileStorage::open(FileConfig::new(file.join("cache"), FileFormat::Native), &ns).unwrap_err();
+    let error = FileStorage::open(
+        FileConfig { segment_threshold: 0, ..FileConfig::new(file.join("cache"), FileFormat::Native) },
+        &ns,
+    )
+    .unwrap_err();
     assert_eq!(error.kind(), hicache_core::ErrorKind::Storage, "{error}");
     assert!(error.to_string().contains("a-file"), "names the path: {error}");
     let io = error.io_error().unwrap_or_else(|| panic!("no io::Error behind {error}"));

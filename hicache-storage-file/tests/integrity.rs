@@ -28,7 +28,8 @@ fn namespace(model: &str) -> StorageNamespace {
 const PAGE: usize = 512;
 
 fn open(dir: &Path, format: FileFormat, model: &str) -> FileStorage {
-    FileStorage::open(FileConfig::new(dir, format), &namespace(model)).expect("opens")
+    FileStorage::open(FileConfig { segment_threshold: 0, ..FileConfig::new(dir, format) }, &namespace(model))
+        .expect("opens")
 }
 
 fn is_corrupt(outcome: &GetOutcome) -> bool {
@@ -124,7 +125,11 @@ fn hostile_model_names_stay_inside_the_directory() {
     assert_eq!(path.parent().unwrap(), dir.path());
     assert!(path.file_name().unwrap().to_str().unwrap().ends_with("_..-..-etc-passwd_1_2.bin"), "{}", path.display());
     assert_eq!(put(&storage, &keys, &random_pages(1, PAGE)), [SetOutcome::Stored]);
-    let error = FileStorage::open(FileConfig::new(dir.path(), FileFormat::Sglang), &namespace("a\0b")).unwrap_err();
+    let error = FileStorage::open(
+        FileConfig { segment_threshold: 0, ..FileConfig::new(dir.path(), FileFormat::Sglang) },
+        &namespace("a\0b"),
+    )
+    .unwrap_err();
     assert!(error.to_string().starts_with("model:"), "{error}");
 }
 
@@ -134,7 +139,7 @@ fn clearing_the_sglang_directory_spares_other_namespaces_and_foreign_files() {
     let mine = open(dir.path(), FileFormat::Sglang, "org/model");
     let other_model = open(dir.path(), FileFormat::Sglang, "org/model2");
     let other_rank = FileStorage::open(
-        FileConfig::new(dir.path(), FileFormat::Sglang),
+        FileConfig { segment_threshold: 0, ..FileConfig::new(dir.path(), FileFormat::Sglang) },
         &StorageNamespace { tp_rank: 0, ..namespace("org/model") },
     )
     .unwrap();
@@ -160,7 +165,11 @@ fn set_mtime(path: &Path, seconds_ago: u64) {
 fn capacity_evicts_least_recently_used_pages_and_survives_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let file_bytes = (PAGE + 16) as u64;
-    let config = FileConfig { capacity_bytes: Some(3 * file_bytes), ..FileConfig::new(dir.path(), FileFormat::Native) };
+    let config = FileConfig {
+        capacity_bytes: Some(3 * file_bytes),
+        segment_threshold: 0,
+        ..FileConfig::new(dir.path(), FileFormat::Native)
+    };
     let storage = FileStorage::open(config.clone(), &namespace("m")).unwrap();
     let keys = random_keys(6);
     let pages = random_pages(6, PAGE);
@@ -188,11 +197,15 @@ fn capacity_evicts_least_recently_used_pages_and_survives_a_restart() {
     let present: Vec<bool> = keys.iter().map(|key| reopened.exists(key).unwrap()).collect();
     assert_eq!(present, [false, false, false, true, true, true]);
     let error = FileStorage::open(
-        FileConfig { capacity_bytes: Some(10), ..FileConfig::new(dir.path(), FileFormat::Native) },
+        FileConfig {
+            capacity_bytes: Some(10),
+            segment_threshold: 0,
+            ..FileConfig::new(dir.path(), FileFormat::Native)
+        },
         &namespace("m"),
     )
     .unwrap_err();
-    assert!(error.to_string().starts_with("capacity_bytes: 10 bytes cannot hold one page file"), "{error}");
+    assert!(error.to_string().starts_with("capacity_bytes: 10 bytes cannot hold one page of"), "{error}");
 }
 
 #[test]

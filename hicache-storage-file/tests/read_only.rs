@@ -23,7 +23,7 @@ fn namespace() -> StorageNamespace {
 const PAGE: usize = 512;
 
 fn read_only(dir: &Path, format: FileFormat) -> Result<FileStorage, Error> {
-    let config = FileConfig { read_only: true, direct_io: true, ..FileConfig::new(dir, format) };
+    let config = FileConfig { read_only: true, direct_io: true, segment_threshold: 0, ..FileConfig::new(dir, format) };
     FileStorage::open(config, &namespace())
 }
 
@@ -74,7 +74,9 @@ fn writes_removals_and_clears_are_refused_and_damage_is_left_in_place() {
         let dir = tempfile::tempdir().unwrap();
         let keys = random_keys(3);
         let pages = random_pages(3, PAGE);
-        let writer = FileStorage::open(FileConfig::new(dir.path(), format), &namespace()).unwrap();
+        let writer =
+            FileStorage::open(FileConfig { segment_threshold: 0, ..FileConfig::new(dir.path(), format) }, &namespace())
+                .unwrap();
         assert!(put(&writer, &keys[..2], &pages[..2]).iter().all(|outcome| *outcome == SetOutcome::Stored));
         OpenOptions::new().write(true).open(writer.page_path(&keys[1])).unwrap().set_len(100).unwrap();
         let before = tree(dir.path());

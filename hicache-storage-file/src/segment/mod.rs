@@ -1,0 +1,1085 @@
+//! Small pages appended to segment files, found through an index every process rebuilds from the segments.
+//!
+//! A namespace's segments live in `{namespace folder}/segments/`, named `{creation ns:020}-{writer:016x}.seg` so that
+//! names sort oldest first. Each process appends only to segments it created, one at a time: a batch is one record
+//! (a header naming the pages and their checksums, then the pages, see `record.rs`), written at an offset reserved
+//! under a lock, so threads of one process append side by side and processes never share a file. The pages of a
+//! record are written before its header.
+//!
+//! Every process keeps an index (key → segment, offset, checksum) in memory. It is built by reading the record
+//! headers of every segment when the backend opens (recovery: a torn header ends what is taken from its segment),
+//! and brought up to date (new segments, records appended since, segments gone) whenever a lookup misses. A read
+//! checks each page's checksum, which binds the namespace digest and the key, so a torn or foreign page is never
+//! returned. A removal is a record of removed keys, stamped, so every process applies it against the copies written
+//! before it.
+//!
+//! With a capacity, the bytes of the namespace's segments are counted in the account every process shares
+//! (`account.rs`); a writer that would pass the capacity removes whole segments, oldest first, down to 90%, then
+//! compacts: pages of the removed segments that this process read since they were written are written again, so a
+//! page in use outlives its segment (and the pages nobody read go with it).
+
+mod io;
+pub(crate) mod record;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{File, OpenOptions};
+use std::io::{IoSlice, IoSliceMut};
+use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+
+use hicache_core::hash::PageKey;
+use hicache_core::storage::{
+    FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, segments_len, size_mismatch,
+};
+
+use self::io::{MAX_BUFFERS, Op, Submitter};
+use self::record::{ALIGN, Header, Kind};
+use crate::account::SharedAccount;
+
+/// The folder of a namespace's segments, inside its namespace folder.
+pub(crate) const FOLDER: &str = "segments";
+/// Segments are files with this extension.
+const EXTENSION: &str = ".seg";
+
+/// Settings of a segment store.
+#[derive(Clone, Debug)]
+pub(crate) struct SegmentSettings {
+    /// The namespace folder (segments go in its [`FOLDER`]).
+    pub(crate) root: PathBuf,
+    /// The storage directory: folders are made below it, never it.
+    pub(crate) base: PathBuf,
+    /// The namespace digest, bound into every checksum.
+    pub(crate) digest: Vec<u8>,
+    pub(crate) page_bytes: usize,
+    /// Bytes after which a writer starts a new segment.
+    pub(crate) segment_bytes: u64,
+    pub(crate) direct_io: bool,
+    pub(crate) io_uring: bool,
+    pub(crate) read_only: bool,
+    pub(crate) capacity_bytes: Option<u64>,
+    /// The capacity account's file (with a capacity and writes).
+    pub(crate) account: Option<PathBuf>,
+    /// The file whose count every removal, clear and eviction raises (outside the namespace folder, which a clear
+    /// removes).
+    pub(crate) changes: PathBuf,
+}
+
+/// Where a key stands, with the stamp of the record that said so.
+#[derive(Clone, Copy, Debug)]
+enum Slot {
+    /// A page at `offset` of segment `segment`; `read`: this process read it since it was written.
+    Page { segment: u32, offset: u64, checksum: u64, stamp: u64, read: bool },
+    /// Removed.
+    Removed { stamp: u64 },
+}
+
+impl Slot {
+    fn stamp(&self) -> u64 {
+        match *self {
+            Slot::Page { stamp, .. } | Slot::Removed { stamp } => stamp,
+        }
+    }
+}
+
+/// One segment file as this process knows it.
+#[derive(Debug)]
+struct Segment {
+    name: String,
+    path: PathBuf,
+    /// Read handles, opened on first use (buffered, and `O_DIRECT`).
+    buffered: OnceLock<Arc<File>>,
+    direct: OnceLock<Arc<File>>,
+    /// Bytes of it whose records were taken into the index.
+    scanned: u64,
+    /// This process writes it (its records go into the index as they are written, never by scanning).
+    own: bool,
+    /// Pages of it the index points at.
+    pages: usize,
+}
+
+impl Segment {
+    fn new(name: String, path: PathBuf, own: bool) -> Self {
+        Self { name, path, buffered: OnceLock::new(), direct: OnceLock::new(), scanned: 0, own, pages: 0 }
+    }
+
+    /// A read handle, opened now if needed.
+    fn handle(&self, direct: bool) -> std::io::Result<Arc<File>> {
+        let cell = if direct { &self.direct } else { &self.buffered };
+        if let Some(file) = cell.get() {
+            return Ok(file.clone());
+        }
+        let mut options = OpenOptions::new();
+        options.read(true);
+        if direct {
+            options.custom_flags(libc::O_DIRECT);
+        }
+        let file = Arc::new(options.open(&self.path)?);
+        Ok(cell.get_or_init(|| file).clone())
+    }
+}
+
+/// The index: every key this process knows of, and the segments.
+#[derive(Debug, Default)]
+struct Index {
+    keys: HashMap<PageKey, Slot>,
+    segments: HashMap<u32, Segment>,
+    by_name: BTreeMap<String, u32>,
+    next_id: u32,
+}
+
+impl Index {
+    fn add_segment(&mut self, segment: Segment) -> u32 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.by_name.insert(segment.name.clone(), id);
+        self.segments.insert(id, segment);
+        id
+    }
+
+    /// Records `slot` for `key` unless the index holds a later record of it.
+    fn put(&mut self, key: PageKey, slot: Slot) {
+        if let Some(old) = self.keys.get(&key) {
+            if old.stamp() >= slot.stamp() {
+                return;
+            }
+            if let Slot::Page { segment, .. } = *old
+                && let Some(segment) = self.segments.get_mut(&segment)
+            {
+                segment.pages -= 1;
+            }
+        }
+        if let Slot::Page { segment, .. } = slot
+            && let Some(segment) = self.segments.get_mut(&segment)
+        {
+            segment.pages += 1;
+        }
+        self.keys.insert(key, slot);
+    }
+
+    /// Takes a record of segment `id` at `offset` into the index.
+    fn apply(&mut self, id: u32, offset: u64, header: &Header) {
+        match header.kind {
+            Kind::Pages => {
+                for (index, &(key, checksum)) in header.entries.iter().enumerate() {
+                    let offset = offset + header.data_offset + index as u64 * header.page_bytes;
+                    self.put(key, Slot::Page { segment: id, offset, checksum, stamp: header.stamp, read: false });
+                }
+            }
+            Kind::Removals => {
+                for &(key, _) in &header.entries {
+                    self.put(key, Slot::Removed { stamp: header.stamp });
+                }
+            }
+        }
+    }
+
+    /// Forgets segment `id` and the pages in it.
+    fn drop_segment(&mut self, id: u32) -> Option<Segment> {
+        let segment = self.segments.remove(&id)?;
+        self.by_name.remove(&segment.name);
+        if segment.pages > 0 {
+            self.keys.retain(|_, slot| !matches!(slot, Slot::Page { segment, .. } if *segment == id));
+        }
+        Some(segment)
+    }
+
+    /// Forgets a page that failed its check, unless a later record replaced it meanwhile.
+    fn forget(&mut self, key: &PageKey, stamp: u64) {
+        if let Some(&Slot::Page { segment, stamp: held, .. }) = self.keys.get(key)
+            && held == stamp
+        {
+            self.keys.remove(key);
+            if let Some(segment) = self.segments.get_mut(&segment) {
+                segment.pages -= 1;
+            }
+        }
+    }
+
+    fn page(&self, key: &PageKey) -> Option<(u32, u64, u64, u64)> {
+        match self.keys.get(key) {
+            Some(&Slot::Page { segment, offset, checksum, stamp, .. }) => Some((segment, offset, checksum, stamp)),
+            _ => None,
+        }
+    }
+
+    fn live_pages(&self) -> usize {
+        self.segments.values().map(|segment| segment.pages).sum()
+    }
+}
+
+/// The segment this process appends to.
+#[derive(Debug)]
+struct Writer {
+    id: u32,
+    buffered: Arc<File>,
+    direct: Option<Arc<File>>,
+    /// The next record's offset.
+    end: u64,
+}
+
+/// A namespace's pages in segment files.
+#[derive(Debug)]
+pub(crate) struct SegmentStore {
+    settings: SegmentSettings,
+    dir: PathBuf,
+    index: RwLock<Index>,
+    /// Held while the index is brought up to date (one refresh at a time).
+    refreshing: Mutex<()>,
+    writer: Mutex<Option<Writer>>,
+    submitter: Submitter,
+    account: Option<SharedAccount>,
+    /// The last stamp given.
+    stamp: AtomicU64,
+    /// This writer's part of its segments' names.
+    writer_tag: u64,
+    /// Pages read or written with `O_DIRECT`.
+    direct_pages: AtomicU64,
+    /// Held with the account's file lock, which the threads of one process share.
+    accounting: Mutex<()>,
+    /// The count of removals, clears and evictions, and the one the index was last brought up to date at.
+    changes: Changes,
+    seen_changes: AtomicU64,
+    /// Segments removed under the capacity, and pages written again from them.
+    evicted: AtomicU64,
+    compacted: AtomicU64,
+}
+
+/// Zeros for a record's padding, in a block `O_DIRECT` can take.
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C, align(4096))]
+struct Block([u8; ALIGN]);
+static ZEROS: Block = Block([0; ALIGN]);
+
+/// `len` bytes (rounded up to a block) of zeroed memory starting at a block boundary, as `O_DIRECT` needs.
+fn aligned_buffer(len: usize) -> Vec<Block> {
+    vec![Block([0; ALIGN]); len.div_ceil(ALIGN)]
+}
+
+fn failure(kind: FailureKind, message: String) -> PageFailure {
+    PageFailure::new(kind, message)
+}
+
+impl SegmentStore {
+    /// Opens the segments of a namespace, reading every record header into the index.
+    pub(crate) fn open(settings: SegmentSettings) -> std::io::Result<Self> {
+        let dir = settings.root.join(FOLDER);
+        let account = match (&settings.account, settings.read_only) {
+            (Some(path), false) => {
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent)?;
+                }
+                Some(SharedAccount::open(path)?)
+            }
+            _ => None,
+        };
+        let settings_changes = (settings.changes.clone(), settings.base.clone(), !settings.read_only);
+        let store = Self {
+            submitter: Submitter::new(settings.io_uring),
+            settings,
+            dir,
+            index: RwLock::new(Index::default()),
+            refreshing: Mutex::new(()),
+            writer: Mutex::new(None),
+            account,
+            stamp: AtomicU64::new(0),
+            writer_tag: rand::random(),
+            direct_pages: AtomicU64::new(0),
+            accounting: Mutex::new(()),
+            changes: Changes::new(settings_changes),
+            seen_changes: AtomicU64::new(0),
+            evicted: AtomicU64::new(0),
+            compacted: AtomicU64::new(0),
+        };
+        store.catch_up(true)?;
+        if let Some(account) = &store.account {
+            // the directory as it is now, counted under the lock, is the account every process starts from
+            let locked = account.lock()?;
+            locked.set(store.disk_bytes()?)?;
+        }
+        Ok(store)
+    }
+
+    /// Whether batches go through io_uring.
+    pub(crate) fn uses_io_uring(&self) -> bool {
+        self.submitter.uses_io_uring()
+    }
+
+    /// Pages read or written with `O_DIRECT`.
+    pub(crate) fn direct_pages(&self) -> u64 {
+        self.direct_pages.load(Ordering::Relaxed)
+    }
+
+    /// Segments this process removed under the capacity, and the pages of theirs it wrote again.
+    pub(crate) fn evictions(&self) -> (u64, u64) {
+        (self.evicted.load(Ordering::Relaxed), self.compacted.load(Ordering::Relaxed))
+    }
+
+    /// Pages held (as this process knows them) and the bytes of the segments.
+    pub(crate) fn usage(&self) -> std::io::Result<(usize, u64)> {
+        Ok((self.read_index().live_pages(), self.disk_bytes()?))
+    }
+
+    fn read_index(&self) -> std::sync::RwLockReadGuard<'_, Index> {
+        // every change of the index is one call that leaves it consistent, so a poisoned lock's data is sound
+        self.index.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn write_index(&self) -> std::sync::RwLockWriteGuard<'_, Index> {
+        self.index.write().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A stamp later than every one this process gave.
+    fn next_stamp(&self) -> u64 {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_nanos() as u64);
+        let mut last = self.stamp.load(Ordering::Relaxed);
+        loop {
+            let next = now.max(last + 1);
+            match self.stamp.compare_exchange_weak(last, next, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return next,
+                Err(current) => last = current,
+            }
+        }
+    }
+
+    /// The segment files in the folder, oldest first, with their lengths.
+    fn list_segments(&self) -> std::io::Result<Vec<(String, u64)>> {
+        let entries = match std::fs::read_dir(&self.dir) {
+            Ok(entries) => entries,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(error) => return Err(error),
+        };
+        let mut found = Vec::new();
+        for entry in entries {
+            let entry = entry?;
+            let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
+            if !name.ends_with(EXTENSION) {
+                continue;
+            }
+            match entry.metadata() {
+                Ok(metadata) if metadata.is_file() => found.push((name, metadata.len())),
+                Ok(_) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => return Err(error),
+            }
+        }
+        found.sort_unstable();
+        Ok(found)
+    }
+
+    /// Bytes the namespace's segments take.
+    fn disk_bytes(&self) -> std::io::Result<u64> {
+        Ok(self.list_segments()?.iter().map(|(_, bytes)| bytes).sum())
+    }
+
+    /// Brings the index up to date when another backend removed, cleared or evicted pages since it last was (one
+    /// read of the count), or always with `always`.
+    fn catch_up(&self, always: bool) -> std::io::Result<()> {
+        let count = self.changes.read();
+        if always || count != self.seen_changes.load(Ordering::Acquire) {
+            self.refresh()?;
+            self.seen_changes.store(count, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Brings the index up to date with the folder: new segments and records appended since are read, segments
+    /// removed (by another process's eviction or clear) are forgotten.
+    pub(crate) fn refresh(&self) -> std::io::Result<()> {
+        let _refreshing = self.refreshing.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let listed = self.list_segments()?;
+        // what to read, outside the index's lock: (id if known, name, from, length)
+        let mut work = Vec::new();
+        let gone: Vec<u32> = {
+            let index = self.read_index();
+            for (name, length) in &listed {
+                match index.by_name.get(name).map(|id| (*id, &index.segments[id])) {
+                    Some((_, segment)) if segment.own || segment.scanned >= *length => {}
+                    Some((id, segment)) => work.push((Some(id), name.clone(), segment.scanned, *length)),
+                    None => work.push((None, name.clone(), 0, *length)),
+                }
+            }
+            let listed: std::collections::HashSet<&str> = listed.iter().map(|(name, _)| name.as_str()).collect();
+            index.by_name.iter().filter(|(name, _)| !listed.contains(name.as_str())).map(|(_, id)| *id).collect()
+        };
+        let mut read = Vec::new();
+        for (id, name, from, length) in work {
+            let path = self.dir.join(&name);
+            let file = match File::open(&path) {
+                Ok(file) => file,
+                // removed since it was listed
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(error) => return Err(error),
+            };
+            let (headers, scanned) = self.scan(&file, from, length)?;
+            read.push((id, name, path, file, headers, scanned));
+        }
+        let mut index = self.write_index();
+        for id in gone {
+            index.drop_segment(id);
+        }
+        for (id, name, path, file, headers, scanned) in read {
+            let id = id.unwrap_or_else(|| {
+                let segment = Segment::new(name, path, false);
+                let _ = segment.buffered.set(Arc::new(file));
+                index.add_segment(segment)
+            });
+            for (offset, header) in &headers {
+                index.apply(id, *offset, header);
+            }
+            if let Some(segment) = index.segments.get_mut(&id) {
+                segment.scanned = scanned;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the record headers of `file` from `from` up to `length`: each with its offset, and where reading
+    /// stopped (the end, or a header that is torn, damaged or not yet written).
+    fn scan(&self, file: &File, from: u64, length: u64) -> std::io::Result<(Vec<(u64, Header)>, u64)> {
+        let page_bytes = self.settings.page_bytes;
+        let mut headers = Vec::new();
+        let mut offset = from;
+        let mut buffer = vec![0u8; record::header_len(record::MAX_ENTRIES)];
+        while offset + record::FIXED as u64 <= length {
+            let wanted = buffer.len().min((length - offset) as usize);
+            let got = read_at_most(file, &mut buffer[..wanted], offset)?;
+            let record::Peek::Header(header_len) = record::peek(&buffer[..got]) else { break };
+            if header_len > got {
+                break;
+            }
+            let Some(header) = record::decode(&self.settings.digest, &buffer[..header_len], page_bytes) else { break };
+            if offset + header.record_bytes > length {
+                // its pages are not all there: torn
+                break;
+            }
+            let next = offset + header.record_bytes;
+            headers.push((offset, header));
+            offset = next;
+        }
+        Ok((headers, offset))
+    }
+
+    /// How many of `keys`, from the first, are held.
+    pub(crate) fn exists(&self, keys: &[PageKey]) -> std::io::Result<usize> {
+        self.catch_up(false)?;
+        let leading = |index: &Index| keys.iter().take_while(|key| index.page(key).is_some()).count();
+        let hits = leading(&self.read_index());
+        if hits == keys.len() {
+            return Ok(hits);
+        }
+        self.refresh()?;
+        Ok(leading(&self.read_index()))
+    }
+
+    /// Reads `keys` into `pages` (each already checked to be a page long).
+    pub(crate) fn get(
+        &self,
+        keys: &[PageKey],
+        pages: &mut [PageSegmentsMut<'_>],
+        pool: &rayon::ThreadPool,
+    ) -> Vec<GetOutcome> {
+        let page_bytes = self.settings.page_bytes;
+        if let Err(error) = self.catch_up(false) {
+            let message = format!("{}: reading the segments: {error}", self.dir.display());
+            return keys.iter().map(|_| GetOutcome::Failed(failure(FailureKind::Io, message.clone()))).collect();
+        }
+        let look = |index: &Index| keys.iter().map(|key| index.page(key)).collect::<Vec<_>>();
+        let mut found = look(&self.read_index());
+        if found.iter().zip(pages.iter()).any(|(slot, page)| slot.is_none() && segments_len(page) == page_bytes) {
+            if let Err(error) = self.refresh() {
+                let message = format!("{}: reading the segments: {error}", self.dir.display());
+                return keys.iter().map(|_| GetOutcome::Failed(failure(FailureKind::Io, message.clone()))).collect();
+            }
+            found = look(&self.read_index());
+        }
+        let mut outcomes: Vec<Option<GetOutcome>> = found
+            .iter()
+            .zip(pages.iter())
+            .map(|(slot, page)| match segments_len(page) {
+                length if length != page_bytes => Some(GetOutcome::Failed(size_mismatch(length, page_bytes))),
+                _ => slot.is_none().then_some(GetOutcome::Miss),
+            })
+            .collect();
+        // (segment, offset, page index, direct) of each page to read, in file order
+        let mut reads: Vec<(u32, u64, usize, bool)> = Vec::new();
+        for (index, slot) in found.iter().enumerate() {
+            if let (Some((segment, offset, _, _)), None) = (*slot, &outcomes[index]) {
+                let direct = self.direct_fits(&pages[index]);
+                reads.push((segment, offset, index, direct));
+            }
+        }
+        reads.sort_unstable();
+        // handles of the segments read, held for the call (an evicted segment stays readable through them)
+        let mut handles: HashMap<(u32, bool), Arc<File>> = HashMap::new();
+        {
+            let index = self.read_index();
+            for &(segment, _, page, direct) in &reads {
+                if handles.contains_key(&(segment, direct)) {
+                    continue;
+                }
+                match index.segments.get(&segment).map(|held| held.handle(direct)) {
+                    Some(Ok(file)) => {
+                        handles.insert((segment, direct), file);
+                    }
+                    Some(Err(error)) if error.kind() == std::io::ErrorKind::NotFound => {
+                        outcomes[page] = Some(GetOutcome::Miss)
+                    }
+                    None => outcomes[page] = Some(GetOutcome::Miss),
+                    Some(Err(error)) => {
+                        outcomes[page] = Some(GetOutcome::Failed(PageFailure::caused(
+                            FailureKind::Io,
+                            format!("opening segment {segment} of {}: {error}", self.dir.display()),
+                            error,
+                        )))
+                    }
+                }
+            }
+        }
+        // the caller's buffers, taken out one page at a time in file order
+        let mut buffers: Vec<Option<Vec<IoSliceMut<'_>>>> = pages
+            .iter_mut()
+            .map(|page| Some(page.iter_mut().map(|segment| IoSliceMut::new(segment)).collect()))
+            .collect();
+        let mut ops: Vec<Op<'_>> = Vec::new();
+        // the pages of each operation
+        let mut members: Vec<Vec<usize>> = Vec::new();
+        let mut last: Option<(u32, bool, u64)> = None;
+        for &(segment, offset, page, direct) in &reads {
+            let Some(file) = handles.get(&(segment, direct)) else { continue };
+            let Some(mut slices) = buffers[page].take() else { continue };
+            let joins = last == Some((segment, direct, offset))
+                && matches!(ops.last(), Some(Op::Read { buffers, .. }) if buffers.len() + slices.len() <= MAX_BUFFERS);
+            if joins {
+                if let Some(Op::Read { buffers, .. }) = ops.last_mut() {
+                    buffers.append(&mut slices);
+                }
+                members.last_mut().expect("an operation per member list").push(page);
+            } else {
+                ops.push(Op::Read { file, offset, buffers: slices });
+                members.push(vec![page]);
+            }
+            last = Some((segment, direct, offset + page_bytes as u64));
+            if direct {
+                self.direct_pages.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let results = self.submitter.run(&mut ops, pool);
+        drop(ops);
+        drop(buffers);
+        for (result, pages_of) in results.into_iter().zip(&members) {
+            if let Err(error) = result {
+                for &page in pages_of {
+                    outcomes[page] = Some(GetOutcome::Failed(if error.kind() == std::io::ErrorKind::UnexpectedEof {
+                        failure(
+                            FailureKind::Corrupt,
+                            format!("{}: the segment ends inside the page (torn)", self.dir.display()),
+                        )
+                    } else {
+                        PageFailure::caused(
+                            FailureKind::Io,
+                            format!("{}: {error}", self.dir.display()),
+                            std::io::Error::new(error.kind(), error.to_string()),
+                        )
+                    }));
+                }
+            }
+        }
+        // each page read is checked against the checksum its record gave
+        let checked: Vec<(usize, bool)> = {
+            use rayon::prelude::*;
+            let todo: Vec<usize> = (0..keys.len()).filter(|&page| outcomes[page].is_none()).collect();
+            let check = |&page: &usize| {
+                let (_, _, checksum, _) = found[page].expect("a page read was found");
+                (page, record::page_checksum(&self.settings.digest, &keys[page], &pages[page]) == checksum)
+            };
+            if todo.len() * page_bytes >= 4 << 20 {
+                pool.install(|| todo.par_iter().map(check).collect())
+            } else {
+                todo.iter().map(check).collect()
+            }
+        };
+        let mut index = None;
+        for (page, intact) in checked {
+            if intact {
+                outcomes[page] = Some(GetOutcome::Hit);
+                continue;
+            }
+            outcomes[page] = Some(GetOutcome::Failed(failure(
+                FailureKind::Corrupt,
+                format!("{}: page {} failed its checksum (torn or damaged)", self.dir.display(), keys[page]),
+            )));
+        }
+        for (page, outcome) in outcomes.iter().enumerate() {
+            let Some((_, _, _, stamp)) = found[page] else { continue };
+            let index = index.get_or_insert_with(|| self.write_index());
+            match outcome {
+                Some(GetOutcome::Hit) => {
+                    if let Some(Slot::Page { read, stamp: held, .. }) = index.keys.get_mut(&keys[page])
+                        && *held == stamp
+                    {
+                        *read = true;
+                    }
+                }
+                // a torn or damaged page is as good as absent
+                Some(GetOutcome::Failed(PageFailure { kind: FailureKind::Corrupt, .. }) | GetOutcome::Miss) => {
+                    index.forget(&keys[page], stamp)
+                }
+                _ => {}
+            }
+        }
+        outcomes.into_iter().map(|outcome| outcome.expect("every page has an outcome")).collect()
+    }
+
+    /// Whether a page's segments can go to the disk with `O_DIRECT`.
+    fn direct_fits<S: AsRef<[u8]>>(&self, page: &[S]) -> bool {
+        self.settings.direct_io
+            && self.settings.page_bytes.is_multiple_of(ALIGN)
+            && page.iter().all(|segment| {
+                let segment = segment.as_ref();
+                segment.as_ptr().align_offset(ALIGN) == 0 && segment.len().is_multiple_of(ALIGN)
+            })
+    }
+
+    /// Writes the pages not held yet; a key repeated in the batch is written once.
+    pub(crate) fn set(
+        &self,
+        keys: &[PageKey],
+        pages: &[PageSegments<'_>],
+        pool: &rayon::ThreadPool,
+    ) -> Vec<SetOutcome> {
+        let mut outcomes: Vec<Option<SetOutcome>> = vec![None; keys.len()];
+        {
+            let index = self.read_index();
+            let mut seen = std::collections::HashSet::new();
+            for (page, key) in keys.iter().enumerate() {
+                let length = segments_len(&pages[page]);
+                if length != self.settings.page_bytes {
+                    outcomes[page] = Some(SetOutcome::Failed(size_mismatch(length, self.settings.page_bytes)));
+                } else if index.page(key).is_some() || !seen.insert(*key) {
+                    outcomes[page] = Some(SetOutcome::AlreadyPresent);
+                }
+            }
+        }
+        let todo: Vec<usize> = (0..keys.len()).filter(|&page| outcomes[page].is_none()).collect();
+        // records of at most MAX_ENTRIES pages
+        for chunk in todo.chunks(record::MAX_ENTRIES) {
+            let result = self.append_pages(keys, pages, chunk, pool);
+            for &page in chunk {
+                outcomes[page] = Some(match &result {
+                    Ok(()) => SetOutcome::Stored,
+                    Err(error) => SetOutcome::Failed(PageFailure::caused(
+                        FailureKind::Io,
+                        format!("{}: {error}", self.dir.display()),
+                        std::io::Error::new(error.kind(), error.to_string()),
+                    )),
+                });
+            }
+        }
+        outcomes.into_iter().map(|outcome| outcome.expect("every page has an outcome")).collect()
+    }
+
+    /// Appends one record of the pages `chunk` names and takes it into the index.
+    fn append_pages(
+        &self,
+        keys: &[PageKey],
+        pages: &[PageSegments<'_>],
+        chunk: &[usize],
+        pool: &rayon::ThreadPool,
+    ) -> std::io::Result<()> {
+        use rayon::prelude::*;
+        let page_bytes = self.settings.page_bytes;
+        let checksum =
+            |&page: &usize| (keys[page], record::page_checksum(&self.settings.digest, &keys[page], &pages[page]));
+        let entries: Vec<(PageKey, u64)> = if chunk.len() * page_bytes >= 4 << 20 {
+            pool.install(|| chunk.par_iter().map(checksum).collect())
+        } else {
+            chunk.iter().map(checksum).collect()
+        };
+        let direct = chunk.iter().all(|&page| self.direct_fits(&pages[page]));
+        let header = self.header(Kind::Pages, entries);
+        let (writer, offset) = self.reserve(header.record_bytes, pool)?;
+        let file = if direct { writer.direct.as_ref().unwrap_or(&writer.buffered) } else { &writer.buffered };
+        let direct = direct && writer.direct.is_some();
+        // the pages first, split where an operation would take too many buffers
+        let mut ops = Vec::new();
+        let mut at = offset + header.data_offset;
+        let mut buffers: Vec<IoSlice<'_>> = Vec::new();
+        let mut start = at;
+        for &page in chunk {
+            if buffers.len() + pages[page].len() > MAX_BUFFERS - 1 && !buffers.is_empty() {
+                ops.push(Op::Write { file, offset: start, buffers: std::mem::take(&mut buffers) });
+                start = at;
+            }
+            buffers.extend(pages[page].iter().map(|segment| IoSlice::new(segment)));
+            at += page_bytes as u64;
+        }
+        let padding = (offset + header.record_bytes - at) as usize;
+        if padding > 0 {
+            buffers.push(IoSlice::new(&ZEROS.0[..padding]));
+        }
+        ops.push(Op::Write { file, offset: start, buffers });
+        let written = self.submitter.run(&mut ops, pool).into_iter().collect::<std::io::Result<Vec<()>>>();
+        drop(ops);
+        let written = written.and_then(|_| self.write_header(&writer, file, offset, &header, pool));
+        if let Err(error) = written {
+            // a hole no reader passes: later records go to a new segment
+            self.retire(writer.id);
+            return Err(error);
+        }
+        if direct {
+            self.direct_pages.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        }
+        let mut index = self.write_index();
+        index.apply(writer.id, offset, &header);
+        Ok(())
+    }
+
+    /// A header for `entries`, stamped now.
+    fn header(&self, kind: Kind, entries: Vec<(PageKey, u64)>) -> Header {
+        let count = entries.len();
+        let page_bytes = self.settings.page_bytes;
+        Header {
+            kind,
+            page_bytes: page_bytes as u64,
+            data_offset: record::data_offset(kind, count) as u64,
+            record_bytes: record::record_bytes(kind, count, page_bytes) as u64,
+            stamp: self.next_stamp(),
+            entries,
+        }
+    }
+
+    /// Writes a record's header at `offset` of the writer's segment (through `file`).
+    fn write_header(
+        &self,
+        _writer: &WriterHandle,
+        file: &File,
+        offset: u64,
+        header: &Header,
+        pool: &rayon::ThreadPool,
+    ) -> std::io::Result<()> {
+        // pages records: the header's blocks; others: the whole record
+        let length = if header.kind == Kind::Pages { header.data_offset } else { header.record_bytes } as usize;
+        let mut blocks = aligned_buffer(length);
+        let bytes = bytemuck::cast_slice_mut::<Block, u8>(&mut blocks);
+        record::encode(&self.settings.digest, header, &mut bytes[..length]);
+        let mut ops = vec![Op::Write { file, offset, buffers: vec![IoSlice::new(&bytes[..length])] }];
+        self.submitter.run(&mut ops, pool).pop().expect("one result")
+    }
+
+    /// Reserves `bytes` at the end of this process's segment (starting a new one when it is full, removed, or
+    /// there is none), after making room for them under the capacity.
+    fn reserve(&self, bytes: u64, pool: &rayon::ThreadPool) -> std::io::Result<(WriterHandle, u64)> {
+        self.make_room(bytes, pool)?;
+        let mut writer = self.writer.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let usable = match writer.as_ref() {
+            Some(current) => {
+                let full = current.end > 0 && current.end + bytes > self.settings.segment_bytes;
+                // removed by another process's eviction or clear: appends would go nowhere
+                let removed = current.buffered.metadata().map_or(true, |metadata| metadata.nlink() == 0);
+                !(full || removed)
+            }
+            None => false,
+        };
+        if !usable {
+            *writer = Some(self.new_segment()?);
+        }
+        let current = writer.as_mut().expect("a writer");
+        let offset = current.end;
+        current.end += bytes;
+        Ok((
+            WriterHandle { id: current.id, buffered: current.buffered.clone(), direct: current.direct.clone() },
+            offset,
+        ))
+    }
+
+    /// Stops appending to segment `id` (after a failed write).
+    fn retire(&self, id: u32) {
+        let mut writer = self.writer.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if writer.as_ref().is_some_and(|current| current.id == id) {
+            *writer = None;
+        }
+    }
+
+    /// Creates a segment for this process to append to.
+    fn new_segment(&self) -> std::io::Result<Writer> {
+        let name = format!("{:020}-{:016x}{EXTENSION}", self.next_stamp(), self.writer_tag);
+        let path = self.dir.join(&name);
+        let open = |direct: bool| {
+            let mut options = OpenOptions::new();
+            options.read(true).write(true);
+            if direct {
+                options.custom_flags(libc::O_DIRECT);
+            } else {
+                options.create_new(true);
+            }
+            options.open(&path)
+        };
+        let buffered = match open(false) {
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                crate::page_file::make_dirs_below(&self.settings.base, &self.dir)?;
+                open(false)?
+            }
+            opened => opened?,
+        };
+        let direct = if self.settings.direct_io && self.settings.page_bytes.is_multiple_of(ALIGN) {
+            Some(Arc::new(open(true)?))
+        } else {
+            None
+        };
+        let buffered = Arc::new(buffered);
+        let segment = Segment::new(name, path, true);
+        let _ = segment.buffered.set(buffered.clone());
+        if let Some(direct) = &direct {
+            let _ = segment.direct.set(direct.clone());
+        }
+        let id = self.write_index().add_segment(segment);
+        Ok(Writer { id, buffered, direct, end: 0 })
+    }
+
+    /// Under the capacity, makes room for `bytes` more: when the segments would pass it, removes whole segments,
+    /// oldest first, down to 90% of it, then writes again the pages of theirs this process read (compaction: the
+    /// pages in use outlive their segment, the others go with it).
+    fn make_room(&self, bytes: u64, pool: &rayon::ThreadPool) -> std::io::Result<()> {
+        let (Some(capacity), Some(account)) = (self.settings.capacity_bytes, &self.account) else { return Ok(()) };
+        let mut kept = Vec::new();
+        {
+            // the file lock excludes other processes; this one, the threads of this process (which share the lock)
+            let _threads = self.accounting.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let locked = account.lock()?;
+            let mut total = match locked.bytes()? {
+                Some(total) => total,
+                None => self.disk_bytes()?,
+            };
+            if total + bytes > capacity {
+                let listed = self.list_segments()?;
+                total = listed.iter().map(|(_, length)| length).sum();
+                let low = (capacity - capacity / 10).max(bytes);
+                let mut victims = Vec::new();
+                for (name, length) in listed {
+                    if total + bytes <= low {
+                        break;
+                    }
+                    // under the account's lock, so no other process counts a segment removed here; a reader that
+                    // has the file open keeps reading it
+                    match std::fs::remove_file(self.dir.join(&name)) {
+                        Ok(()) => {}
+                        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(error) => return Err(error),
+                    }
+                    total -= length;
+                    victims.push(name);
+                }
+                self.evicted.fetch_add(victims.len() as u64, Ordering::Relaxed);
+                if !victims.is_empty() {
+                    // other processes let go of the removed files (their disk space is freed once none has them open)
+                    self.changes.raise()?;
+                }
+                let mut index = self.write_index();
+                for name in victims {
+                    let Some(&id) = index.by_name.get(&name) else { continue };
+                    let hot: Vec<(PageKey, u64, u64)> = index
+                        .keys
+                        .iter()
+                        .filter_map(|(key, slot)| match *slot {
+                            Slot::Page { segment, offset, checksum, read: true, .. } if segment == id => {
+                                Some((*key, offset, checksum))
+                            }
+                            _ => None,
+                        })
+                        .collect();
+                    if let Some(segment) = index.drop_segment(id)
+                        && !hot.is_empty()
+                    {
+                        kept.push((segment, hot));
+                    }
+                }
+            }
+            locked.set(total + bytes)?;
+        }
+        for (segment, hot) in kept {
+            self.compact(&segment, &hot, pool);
+        }
+        Ok(())
+    }
+
+    /// Writes again the pages `hot` (key, offset, checksum) of a removed segment, read through the handle this
+    /// process still holds; a page that cannot be read whole is left to go.
+    fn compact(&self, segment: &Segment, hot: &[(PageKey, u64, u64)], pool: &rayon::ThreadPool) {
+        let Some(file) = segment.buffered.get().or_else(|| segment.direct.get()).cloned() else { return };
+        let page_bytes = self.settings.page_bytes;
+        for chunk in hot.chunks(128) {
+            let mut blocks = aligned_buffer(chunk.len() * page_bytes);
+            let bytes = &mut bytemuck::cast_slice_mut::<Block, u8>(&mut blocks)[..chunk.len() * page_bytes];
+            let mut keys = Vec::new();
+            let mut offsets = Vec::new();
+            for (slot, (key, offset, checksum)) in chunk.iter().enumerate() {
+                let page = &mut bytes[slot * page_bytes..(slot + 1) * page_bytes];
+                let whole = read_at_most(&file, page, *offset).is_ok_and(|read| read == page_bytes)
+                    && record::page_checksum(&self.settings.digest, key, &[&*page]) == *checksum;
+                if whole {
+                    keys.push(*key);
+                    offsets.push(slot * page_bytes);
+                }
+            }
+            let pages: Vec<PageSegments<'_>> =
+                offsets.iter().map(|&offset| vec![&bytes[offset..offset + page_bytes]]).collect();
+            let stored = self.set(&keys, &pages, pool);
+            self.compacted.fetch_add(
+                stored.iter().filter(|outcome| **outcome == SetOutcome::Stored).count() as u64,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// Removes `keys` for every process: a record of them is appended. Returns how many were held.
+    pub(crate) fn remove(&self, keys: &[PageKey], pool: &rayon::ThreadPool) -> std::io::Result<usize> {
+        self.catch_up(false)?;
+        let held: Vec<PageKey> = {
+            let index = self.read_index();
+            let mut seen = std::collections::HashSet::new();
+            keys.iter().filter(|key| index.page(key).is_some() && seen.insert(**key)).copied().collect()
+        };
+        for chunk in held.chunks(record::MAX_ENTRIES) {
+            let header = self.header(Kind::Removals, chunk.iter().map(|key| (*key, 0)).collect());
+            let (writer, offset) = self.reserve(header.record_bytes, pool)?;
+            if let Err(error) = self.write_header(&writer, &writer.buffered.clone(), offset, &header, pool) {
+                self.retire(writer.id);
+                return Err(error);
+            }
+            self.write_index().apply(writer.id, offset, &header);
+        }
+        if !held.is_empty() {
+            self.changes.raise()?;
+        }
+        Ok(held.len())
+    }
+
+    /// Removes every segment of the namespace; returns how many pages they held.
+    pub(crate) fn clear(&self) -> std::io::Result<u64> {
+        self.refresh()?;
+        let mut writer = self.writer.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let pages = self.read_index().live_pages() as u64;
+        for (name, _) in self.list_segments()? {
+            match std::fs::remove_file(self.dir.join(&name)) {
+                Err(error) if error.kind() != std::io::ErrorKind::NotFound => return Err(error),
+                _ => {}
+            }
+        }
+        *writer = None;
+        *self.write_index() = Index::default();
+        let _ = std::fs::remove_dir(&self.dir);
+        self.changes.raise()?;
+        if let Some(account) = &self.account {
+            let locked = account.lock()?;
+            locked.set(self.disk_bytes()?)?;
+        }
+        Ok(pages)
+    }
+
+    /// The pages held.
+    pub(crate) fn list(&self) -> std::io::Result<Vec<(PageKey, u64)>> {
+        self.refresh()?;
+        let index = self.read_index();
+        Ok(index
+            .keys
+            .iter()
+            .filter_map(|(key, slot)| {
+                matches!(slot, Slot::Page { .. }).then_some((*key, self.settings.page_bytes as u64))
+            })
+            .collect())
+    }
+}
+
+/// The writer's segment as one append holds it.
+#[derive(Debug)]
+struct WriterHandle {
+    id: u32,
+    buffered: Arc<File>,
+    direct: Option<Arc<File>>,
+}
+
+/// A count in a small file, raised under a file lock by every removal, clear and eviction; read with one `pread`.
+#[derive(Debug)]
+struct Changes {
+    path: PathBuf,
+    /// The storage directory, below which the file's folder may be made.
+    base: PathBuf,
+    /// Opened for writing (not for a read-only backend).
+    writable: bool,
+    file: OnceLock<File>,
+}
+
+impl Changes {
+    fn new((path, base, writable): (PathBuf, PathBuf, bool)) -> Self {
+        Self { path, base, writable, file: OnceLock::new() }
+    }
+
+    /// The file, opened (and with `create`, made) on first use; `None` while it does not exist.
+    fn file(&self, create: bool) -> std::io::Result<Option<&File>> {
+        if let Some(file) = self.file.get() {
+            return Ok(Some(file));
+        }
+        let create = create && self.writable;
+        let open =
+            || OpenOptions::new().read(true).write(self.writable).create(create).truncate(false).open(&self.path);
+        let file = match open() {
+            Ok(file) => file,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound && create => {
+                if let Some(parent) = self.path.parent() {
+                    crate::page_file::make_dirs_below(&self.base, parent)?;
+                }
+                open()?
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(error) => return Err(error),
+        };
+        Ok(Some(self.file.get_or_init(|| file)))
+    }
+
+    /// The count (0 before the first change; a read that fails counts as a change, so the caller looks again).
+    fn read(&self) -> u64 {
+        let mut bytes = [0u8; 8];
+        match self.file(false) {
+            Ok(Some(file)) => match read_at_most(file, &mut bytes, 0) {
+                Ok(8) => u64::from_le_bytes(bytes),
+                Ok(_) => 0,
+                Err(_) => rand::random(),
+            },
+            Ok(None) => 0,
+            Err(_) => rand::random(),
+        }
+    }
+
+    /// Raises the count.
+    fn raise(&self) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt as _;
+        let Some(file) = self.file(true)? else { return Ok(()) };
+        file.lock()?;
+        let mut bytes = [0u8; 8];
+        let result = read_at_most(file, &mut bytes, 0).and_then(|read| {
+            let count = if read == 8 { u64::from_le_bytes(bytes) } else { 0 };
+            file.write_all_at(&(count + 1).to_le_bytes(), 0)
+        });
+        let _ = file.unlock();
+        result
+    }
+}
+
+/// Reads up to `buffer.len()` bytes at `offset`; fewer only at the end of the file.
+fn read_at_most(file: &File, buffer: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    use std::os::unix::fs::FileExt as _;
+    let mut done = 0;
+    while done < buffer.len() {
+        match file.read_at(&mut buffer[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(read) => done += read,
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(done)
+}

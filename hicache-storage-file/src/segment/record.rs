@@ -1,0 +1,257 @@
+//! One record of a segment file: a header naming its pages (or the keys it removes), then the pages.
+//!
+//! A record starts at a multiple of [`ALIGN`] and takes a whole number of [`ALIGN`] blocks, so that pages of whole
+//! blocks can be written and read with `O_DIRECT`. Its header (little-endian) is:
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 0..4 | magic `HCSG` |
+//! | 4..8 | format version |
+//! | 8..12 | kind: 0 pages, 1 removals |
+//! | 12..16 | entries |
+//! | 16..24 | bytes per page |
+//! | 24..32 | where the pages start, from the record's start (the header rounded up to a block) |
+//! | 32..40 | the record's length, padding included (the next record starts there) |
+//! | 40..48 | stamp: nanoseconds since the epoch, increasing within a writer (orders a removal against a write) |
+//! | 48.. | per entry: the key (32 bytes) and the XXH3-64 of the namespace digest, the key and the page (8 bytes) |
+//! | then | the XXH3-64 of the namespace digest and every header byte before it |
+//!
+//! Pages follow at `data_offset`, back to back in entry order. A record's pages are written before its header, so a
+//! reader that finds a whole header finds whole pages behind it in the page cache; after a power loss a page may
+//! still be torn, and its checksum tells. A torn or missing header ends what a reader takes from the segment.
+
+use std::hash::Hasher as _;
+
+use hicache_core::hash::PageKey;
+use twox_hash::XxHash3_64;
+
+/// Record alignment and the unit of `O_DIRECT` here.
+pub(crate) const ALIGN: usize = crate::page_file::DIRECT_ALIGN;
+const MAGIC: [u8; 4] = *b"HCSG";
+const VERSION: u32 = 1;
+/// The fixed part of a header.
+pub(crate) const FIXED: usize = 48;
+/// Bytes per entry.
+pub(crate) const ENTRY: usize = 40;
+/// The most entries one record holds (a batch larger than this is written as several records).
+pub(crate) const MAX_ENTRIES: usize = 4096;
+
+/// What a record says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Pages, whose bytes follow the header.
+    Pages,
+    /// Keys removed: copies written before the stamp are gone.
+    Removals,
+}
+
+impl Kind {
+    fn code(self) -> u32 {
+        match self {
+            Self::Pages => 0,
+            Self::Removals => 1,
+        }
+    }
+
+    fn from_code(code: u32) -> Option<Self> {
+        match code {
+            0 => Some(Self::Pages),
+            1 => Some(Self::Removals),
+            _ => None,
+        }
+    }
+}
+
+/// A decoded header.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub(crate) kind: Kind,
+    pub(crate) page_bytes: u64,
+    pub(crate) data_offset: u64,
+    pub(crate) record_bytes: u64,
+    pub(crate) stamp: u64,
+    /// Keys with their page checksums (0 for removals).
+    pub(crate) entries: Vec<(PageKey, u64)>,
+}
+
+/// Bytes a header of `entries` takes, checksum included.
+pub(crate) fn header_len(entries: usize) -> usize {
+    FIXED + entries * ENTRY + 8
+}
+
+/// `bytes` rounded up to a whole block.
+pub(crate) fn round_up(bytes: usize) -> usize {
+    bytes.div_ceil(ALIGN) * ALIGN
+}
+
+/// Where the pages of a record of `entries` start.
+pub(crate) fn data_offset(kind: Kind, entries: usize) -> usize {
+    match kind {
+        Kind::Pages => round_up(header_len(entries)),
+        Kind::Removals => header_len(entries),
+    }
+}
+
+/// The length of a record of `entries` pages of `page_bytes` (or of removals, without pages).
+pub(crate) fn record_bytes(kind: Kind, entries: usize, page_bytes: usize) -> usize {
+    let pages = if kind == Kind::Pages { entries * page_bytes } else { 0 };
+    round_up(data_offset(kind, entries) + pages)
+}
+
+/// The checksum of a page: the namespace digest and the key, then the page's segments.
+pub(crate) fn page_checksum<S: AsRef<[u8]>>(digest: &[u8], key: &PageKey, page: &[S]) -> u64 {
+    let mut hasher = XxHash3_64::with_seed(0);
+    hasher.write(digest);
+    hasher.write(key.as_bytes());
+    for segment in page {
+        hasher.write(segment.as_ref());
+    }
+    hasher.finish()
+}
+
+fn header_checksum(digest: &[u8], bytes: &[u8]) -> u64 {
+    let mut hasher = XxHash3_64::with_seed(0);
+    hasher.write(digest);
+    hasher.write(bytes);
+    hasher.finish()
+}
+
+/// Encodes a header into `out` (which is [`data_offset`] long; the rest stays zero).
+pub(crate) fn encode(digest: &[u8], header: &Header, out: &mut [u8]) {
+    let count = header.entries.len();
+    let end = FIXED + count * ENTRY;
+    out[..4].copy_from_slice(&MAGIC);
+    out[4..8].copy_from_slice(&VERSION.to_le_bytes());
+    out[8..12].copy_from_slice(&header.kind.code().to_le_bytes());
+    out[12..16].copy_from_slice(&(count as u32).to_le_bytes());
+    out[16..24].copy_from_slice(&header.page_bytes.to_le_bytes());
+    out[24..32].copy_from_slice(&header.data_offset.to_le_bytes());
+    out[32..40].copy_from_slice(&header.record_bytes.to_le_bytes());
+    out[40..48].copy_from_slice(&header.stamp.to_le_bytes());
+    for (index, (key, checksum)) in header.entries.iter().enumerate() {
+        let at = FIXED + index * ENTRY;
+        out[at..at + 32].copy_from_slice(key.as_bytes());
+        out[at + 32..at + ENTRY].copy_from_slice(&checksum.to_le_bytes());
+    }
+    let checksum = header_checksum(digest, &out[..end]);
+    out[end..end + 8].copy_from_slice(&checksum.to_le_bytes());
+}
+
+/// What the start of a record says before its entries are read.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Peek {
+    /// A header of this many bytes (checksum included) starts here: read that much and [`decode`] it.
+    Header(usize),
+    /// No header: zeros (the end, or a record still being written) or something else.
+    Nothing,
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn u64_at(bytes: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// Looks at the first [`FIXED`] bytes of a record.
+pub(crate) fn peek(fixed: &[u8]) -> Peek {
+    if fixed.len() < FIXED || fixed[..4] != MAGIC || u32_at(fixed, 4) != VERSION {
+        return Peek::Nothing;
+    }
+    let count = u32_at(fixed, 12) as usize;
+    if count > MAX_ENTRIES {
+        return Peek::Nothing;
+    }
+    Peek::Header(header_len(count))
+}
+
+/// Decodes a whole header (`bytes` is [`Peek::Header`]'s length), checking its checksum and that its lengths agree
+/// with `page_bytes`; `None` when it is torn, damaged or another geometry's.
+pub(crate) fn decode(digest: &[u8], bytes: &[u8], page_bytes: usize) -> Option<Header> {
+    let Peek::Header(length) = peek(bytes) else { return None };
+    if bytes.len() < length {
+        return None;
+    }
+    let end = length - 8;
+    if u64_at(bytes, end) != header_checksum(digest, &bytes[..end]) {
+        return None;
+    }
+    let kind = Kind::from_code(u32_at(bytes, 8))?;
+    let count = u32_at(bytes, 12) as usize;
+    let header = Header {
+        kind,
+        page_bytes: u64_at(bytes, 16),
+        data_offset: u64_at(bytes, 24),
+        record_bytes: u64_at(bytes, 32),
+        stamp: u64_at(bytes, 40),
+        entries: (0..count)
+            .map(|index| {
+                let at = FIXED + index * ENTRY;
+                let key = PageKey::from_bytes(bytes[at..at + 32].try_into().expect("32 bytes"));
+                (key, u64_at(bytes, at + 32))
+            })
+            .collect(),
+    };
+    let agrees = header.page_bytes == page_bytes as u64
+        && header.data_offset == data_offset(kind, count) as u64
+        && header.record_bytes == record_bytes(kind, count, page_bytes) as u64;
+    agrees.then_some(header)
+}
+
+#[cfg(test)]
+mod tests {
+    use hicache_core::hash::page_key;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn header(kind: Kind, keys: usize, page_bytes: usize, stamp: u64) -> Header {
+        let entries: Vec<(PageKey, u64)> =
+            (0..keys).map(|index| (page_key(None, &[index as u32]), index as u64 * 7)).collect();
+        Header {
+            kind,
+            page_bytes: page_bytes as u64,
+            data_offset: data_offset(kind, keys) as u64,
+            record_bytes: record_bytes(kind, keys, page_bytes) as u64,
+            stamp,
+            entries,
+        }
+    }
+
+    proptest! {
+        /// Every header decodes to itself; any one byte changed, any shorter read, or another digest or page size
+        /// does not decode.
+        #[test]
+        fn headers_round_trip_and_any_damage_is_refused(
+            kind in prop_oneof![Just(Kind::Pages), Just(Kind::Removals)],
+            keys in 0usize..200,
+            page_bytes in 1usize..300_000,
+            stamp: u64,
+            flip in any::<prop::sample::Index>(),
+            bit in 0u8..8,
+        ) {
+            let header = header(kind, keys, page_bytes, stamp);
+            let mut bytes = vec![0u8; data_offset(kind, keys)];
+            encode(b"digest", &header, &mut bytes);
+            let length = header_len(keys);
+            prop_assert_eq!(peek(&bytes[..FIXED]), Peek::Header(length));
+            prop_assert_eq!(decode(b"digest", &bytes[..length], page_bytes), Some(header));
+            prop_assert!(decode(b"other", &bytes[..length], page_bytes).is_none());
+            prop_assert!(decode(b"digest", &bytes[..length], page_bytes + 1).is_none());
+            prop_assert!(decode(b"digest", &bytes[..length - 1], page_bytes).is_none());
+            let at = flip.index(length);
+            bytes[at] ^= 1 << bit;
+            prop_assert!(decode(b"digest", &bytes[..length], page_bytes).is_none(), "byte {} changed", at);
+        }
+    }
+
+    #[test]
+    fn records_take_whole_blocks_and_pages_start_on_one() {
+        assert_eq!(data_offset(Kind::Pages, 1), ALIGN);
+        assert_eq!(record_bytes(Kind::Pages, 128, 4096), 2 * ALIGN + 128 * 4096);
+        assert_eq!(record_bytes(Kind::Pages, 3, 512), ALIGN * 2);
+        assert_eq!(record_bytes(Kind::Removals, 2, 4096), ALIGN);
+        assert_eq!(peek(&[0u8; FIXED]), Peek::Nothing);
+    }
+}

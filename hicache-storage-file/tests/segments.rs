@@ -1,0 +1,264 @@
+//! Small native pages in segment files: recovery from torn and damaged records, what one process sees of another's
+//! writes and removals, the capacity across processes with eviction by segment and compaction, read-only opens,
+//! and a namespace keeping the layout it was written in.
+//!
+//! The capacity writers are this test binary re-run as child processes (the test notices the environment variable).
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use hicache_core::geometry::{KvDtype, KvGeometry};
+use hicache_core::hash::{PageKey, page_key};
+use hicache_core::layout::HostLayout;
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::{FailureKind, GetOutcome, SetOutcome, StorageBackend};
+use hicache_core::testing::conformance::{fetch, put, random_keys, random_pages};
+use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
+
+const DIR_ENV: &str = "HICACHE_SEGMENT_WRITER_DIR";
+const WRITER_ENV: &str = "HICACHE_SEGMENT_WRITER";
+const CAPACITY_TEST: &str = "processes_sharing_segments_hold_one_capacity";
+/// 4 KiB pages: 2 layers, 2 heads of 64, bf16, 4 tokens.
+const PAGE: usize = 4096;
+/// A record of one page: a header block and the page.
+const RECORD: u64 = 2 * 4096;
+
+fn namespace() -> StorageNamespace {
+    StorageNamespace::single_rank(
+        "segments/test",
+        KvGeometry::mha(2, 2, 64, KvDtype::Bf16).expect("geometry"),
+        HostLayout::PageFirst,
+        4,
+    )
+}
+
+fn open_with(dir: &Path, change: impl FnOnce(&mut FileConfig)) -> FileStorage {
+    let mut config = FileConfig::new(dir, FileFormat::Native);
+    change(&mut config);
+    let storage = FileStorage::open(config, &namespace()).expect("opens");
+    assert!(storage.uses_segments());
+    storage
+}
+
+fn open(dir: &Path) -> FileStorage {
+    open_with(dir, |_| {})
+}
+
+/// The segment files, oldest first.
+fn segment_files(dir: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|extension| extension == "seg") {
+                found.push(path);
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+fn segment_bytes(dir: &Path) -> u64 {
+    segment_files(dir).iter().map(|path| std::fs::metadata(path).unwrap().len()).sum()
+}
+
+#[test]
+fn torn_and_damaged_records_never_return_a_wrong_page() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = random_keys(12);
+    let pages = random_pages(12, PAGE);
+    {
+        let storage = open(dir.path());
+        for batch in 0..3 {
+            let range = batch * 4..batch * 4 + 4;
+            assert!(
+                put(&storage, &keys[range.clone()], &pages[range]).iter().all(|outcome| *outcome == SetOutcome::Stored)
+            );
+        }
+    }
+    // records of 4 pages: a header block, then 4 pages
+    let record = 5 * 4096u64;
+    let [segment] = segment_files(dir.path()).try_into().expect("one segment");
+    let file = OpenOptions::new().write(true).open(&segment).unwrap();
+    assert_eq!(file.metadata().unwrap().len(), 3 * record);
+    // a flipped byte in the second page of the first record, and the third record torn inside its pages
+    file.write_all_at(&[!pages[1][100]], 2 * 4096 + 100).unwrap();
+    file.set_len(2 * record + 3 * 4096).unwrap();
+    let storage = open(dir.path());
+    let (outcomes, buffers) = fetch(&storage, &keys, PAGE, 0);
+    for (index, (outcome, buffer)) in outcomes.iter().zip(&buffers).enumerate() {
+        match index {
+            1 => assert!(
+                matches!(outcome, GetOutcome::Failed(failure) if failure.kind == FailureKind::Corrupt),
+                "{outcome:?}"
+            ),
+            8.. => assert_eq!(*outcome, GetOutcome::Miss, "page {index} of the torn record"),
+            _ => {
+                assert_eq!(*outcome, GetOutcome::Hit, "page {index}");
+                assert!(*buffer == pages[index], "page {index} read wrong bytes");
+            }
+        }
+    }
+    // the damaged page is forgotten, so it is written again
+    assert_eq!(storage.batch_exists(&keys).unwrap(), 1);
+    assert_eq!(put(&storage, &keys[1..2], &pages[1..2]), [SetOutcome::Stored]);
+    assert_eq!(storage.batch_exists(&keys).unwrap(), 8);
+    // a damaged header ends what is taken from its segment: the records after it are not read
+    drop(storage);
+    file.write_all_at(&[0xff], record + 60).unwrap();
+    let storage = open(dir.path());
+    // page 1 was written again in another segment, later: that copy stands
+    assert_eq!(storage.batch_exists(&keys).unwrap(), 4, "the first record's pages");
+    let (outcomes, _) = fetch(&storage, &keys[4..8], PAGE, 0);
+    assert_eq!(outcomes, vec![GetOutcome::Miss; 4]);
+}
+
+#[test]
+fn one_backend_sees_what_another_wrote_removed_and_cleared() {
+    let dir = tempfile::tempdir().unwrap();
+    let (writer, reader) = (open(dir.path()), open(dir.path()));
+    let keys = random_keys(6);
+    let pages = random_pages(6, PAGE);
+    put(&writer, &keys[..4], &pages[..4]);
+    // a miss looks at the segments again
+    let (outcomes, buffers) = fetch(&reader, &keys[..4], PAGE, 0);
+    assert_eq!(outcomes, vec![GetOutcome::Hit; 4]);
+    assert_eq!(buffers, pages[..4]);
+    // a removal is seen at once, though the reader holds the page in its index
+    assert_eq!(writer.remove(&keys[1..2]).unwrap(), 1);
+    assert_eq!(reader.batch_exists(&keys).unwrap(), 1);
+    assert_eq!(fetch(&reader, &keys[1..2], PAGE, 0).0, [GetOutcome::Miss]);
+    // written again after its removal, it is there again
+    put(&reader, &keys[1..2], &pages[1..2]);
+    assert_eq!(writer.batch_exists(&keys).unwrap(), 4);
+    let mut listed: Vec<PageKey> = writer.list().unwrap().into_iter().map(|(key, _)| key).collect();
+    listed.sort_unstable();
+    let mut expected = keys[..4].to_vec();
+    expected.sort_unstable();
+    assert_eq!(listed, expected);
+    // a clear by one is a clear for both, and the writer goes on in a new segment
+    assert_eq!(reader.clear().unwrap(), 4);
+    assert_eq!(writer.batch_exists(&keys).unwrap(), 0);
+    assert_eq!(put(&writer, &keys[4..], &pages[4..]), vec![SetOutcome::Stored; 2]);
+    let (outcomes, buffers) = fetch(&reader, &keys[4..], PAGE, 0);
+    assert_eq!(outcomes, vec![GetOutcome::Hit; 2]);
+    assert_eq!(buffers, pages[4..]);
+    assert_eq!(segment_files(dir.path()).len(), 1);
+}
+
+#[test]
+fn a_read_only_open_reads_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = random_keys(3);
+    let pages = random_pages(3, PAGE);
+    put(&open(dir.path()), &keys, &pages);
+    let before = segment_bytes(dir.path());
+    let reader = open_with(dir.path(), |config| config.read_only = true);
+    let (outcomes, buffers) = fetch(&reader, &keys, PAGE, 0);
+    assert_eq!((outcomes, buffers), (vec![GetOutcome::Hit; 3], pages.clone()));
+    assert!(
+        matches!(&put(&reader, &keys[..1], &pages[..1])[0], SetOutcome::Failed(failure) if failure.kind == FailureKind::Rejected)
+    );
+    assert!(reader.remove(&keys).is_err() && reader.clear().is_err());
+    assert_eq!(segment_bytes(dir.path()), before);
+}
+
+#[test]
+fn a_namespace_keeps_the_layout_it_was_written_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = random_keys(2);
+    let pages = random_pages(2, PAGE);
+    let per_file = FileConfig { segment_threshold: 0, ..FileConfig::new(dir.path(), FileFormat::Native) };
+    let storage = FileStorage::open(per_file, &namespace()).unwrap();
+    assert!(!storage.uses_segments());
+    put(&storage, &keys, &pages);
+    // the default threshold would choose segments, but the page files are there: they are read, not hidden
+    let storage = FileStorage::open(FileConfig::new(dir.path(), FileFormat::Native), &namespace()).unwrap();
+    assert!(!storage.uses_segments());
+    assert_eq!(fetch(&storage, &keys, PAGE, 0), (vec![GetOutcome::Hit; 2], pages));
+    let error = FileStorage::open(
+        FileConfig { segment_bytes: 4096, ..FileConfig::new(dir.path(), FileFormat::Native) },
+        &namespace(),
+    )
+    .unwrap_err();
+    assert!(error.to_string().starts_with("segment_bytes: 4096 is below the smallest segment"), "{error}");
+}
+
+#[test]
+fn a_page_read_recently_is_compacted_out_of_an_evicted_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    // 64 one-page records; segments of an eighth of it, 8 records each
+    let storage = open_with(dir.path(), |config| config.capacity_bytes = Some(64 * RECORD));
+    let keys = random_keys(96);
+    let pages = random_pages(96, PAGE);
+    for index in 0..64 {
+        put(&storage, &keys[index..=index], &pages[index..=index]);
+    }
+    assert_eq!(segment_bytes(dir.path()), 64 * RECORD);
+    assert_eq!(storage.segment_evictions(), Some((0, 0)));
+    // the oldest page is read: it outlives its segment
+    assert_eq!(fetch(&storage, &keys[..1], PAGE, 0).0, [GetOutcome::Hit]);
+    put(&storage, &keys[64..65], &pages[64..65]);
+    let (evicted, compacted) = storage.segment_evictions().unwrap();
+    assert!(evicted >= 1 && compacted == 1, "{evicted} segments evicted, {compacted} pages compacted");
+    assert!(segment_bytes(dir.path()) <= 64 * RECORD);
+    assert_eq!(
+        fetch(&storage, &keys[..2], PAGE, 0),
+        (vec![GetOutcome::Hit, GetOutcome::Miss], vec![pages[0].clone(), vec![0; PAGE]])
+    );
+    // another process opening the directory finds the same pages
+    let other = open_with(dir.path(), |config| config.capacity_bytes = Some(64 * RECORD));
+    let held: Vec<bool> = keys[..65].iter().map(|key| other.exists(key).unwrap()).collect();
+    assert!(held[0] && !held[1] && held[64], "{held:?}");
+}
+
+/// The child: writes 200 pages of its own, one per call.
+fn write_pages(dir: &Path, writer: u32) {
+    let storage = open_with(dir, |config| config.capacity_bytes = Some(64 * RECORD));
+    for index in 0..200 {
+        let key = page_key(None, &[writer, index]);
+        assert_eq!(put(&storage, &[key], &[vec![writer as u8; PAGE]]), [SetOutcome::Stored], "writer {writer}");
+    }
+}
+
+#[test]
+fn processes_sharing_segments_hold_one_capacity() {
+    if let (Some(dir), Ok(writer)) = (std::env::var_os(DIR_ENV), std::env::var(WRITER_ENV)) {
+        write_pages(Path::new(&dir), writer.parse().expect("writer number"));
+        return;
+    }
+    const WRITERS: u64 = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let children: Vec<_> = (0..WRITERS)
+        .map(|writer| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", CAPACITY_TEST, "--test-threads=1"])
+                .env(DIR_ENV, dir.path())
+                .env(WRITER_ENV, writer.to_string())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut child in children {
+        assert!(child.wait().unwrap().success(), "a writer failed");
+    }
+    // each writer counts its record before writing it, and an eviction counts the files as they are: the writers'
+    // records in flight at that moment are the most the capacity can be passed by
+    let held = segment_bytes(dir.path());
+    assert!(held <= (64 + WRITERS) * RECORD, "{held} bytes of segments for a capacity of {}", 64 * RECORD);
+    assert!(held >= 64 * RECORD / 2, "only {held} bytes left");
+    let reader = open(dir.path());
+    let pages = reader.list().unwrap();
+    assert!(!pages.is_empty() && pages.len() as u64 <= 64, "{} pages", pages.len());
+    let keys: Vec<PageKey> = pages.iter().map(|(key, _)| *key).collect();
+    let (outcomes, buffers) = fetch(&reader, &keys, PAGE, 0);
+    assert!(outcomes.iter().all(|outcome| *outcome == GetOutcome::Hit));
+    // every page is all one writer's byte
+    assert!(buffers.iter().all(|page| page.iter().all(|byte| *byte == page[0] && u64::from(*byte) < WRITERS)));
+}
