@@ -2,7 +2,9 @@
 //! give them: `dir` (else SGLang's `SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`, else SGLang's `file_storage_path`, else
 //! `/tmp/hicache`), `format` (`native`: hicache's namespaced, checksummed pages, the default; `sglang`: the names and
 //! raw bytes of SGLang's own `HiCacheFile`, so both read one directory), `capacity` (bytes, or text such as
-//! `"200gb"`; least recently used pages are removed beyond it), `io_threads`, `direct_io` and `read_only`.
+//! `"200gb"`; least recently used pages are removed beyond it), `io_threads`, `direct_io`, `read_only`, and for small
+//! native pages `segment_threshold` (pages below it go to segment files; 0 never), `segment_bytes` (the size of one
+//! segment file) and `io_uring` (submit segment I/O through io_uring where the kernel allows).
 
 use std::path::PathBuf;
 
@@ -15,7 +17,7 @@ use hicache_core::storage::tiers::{self, TierEntry, TierFields};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::{FileConfig, FileFormat, FileStorage, MAX_IO_THREADS};
+use crate::{FileConfig, FileFormat, FileStorage, MAX_IO_THREADS, MIN_SEGMENT_BYTES};
 
 /// The environment variable SGLang reads for the directory.
 pub const DIR_ENV: &str = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR";
@@ -34,6 +36,26 @@ struct FileSettings {
     io_threads: Option<usize>,
     direct_io: Option<bool>,
     read_only: Option<bool>,
+    segment_threshold: Option<Value>,
+    segment_bytes: Option<Value>,
+    io_uring: Option<bool>,
+}
+
+/// A size in bytes, as a number or as text such as `"200gb"`, for the key `key`.
+fn size(key: &str, value: Option<Value>) -> Result<Option<u64>, ConfigError> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(number)) => number
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| ConfigError::value(key, format!("{number} is not a whole number of bytes"))),
+        Some(Value::String(text)) => parse_size(&text).map(Some).map_err(|reason| ConfigError::value(key, reason)),
+        Some(other) => Err(ConfigError {
+            key: key.into(),
+            reason: format!("bytes or a size such as \"200gb\" is needed, found {other}"),
+            wrong_type: true,
+        }),
+    }
 }
 
 impl FileConfig {
@@ -58,23 +80,21 @@ impl FileConfig {
             }
         };
         let mut config = Self::new(PathBuf::from(dir), format);
-        config.capacity_bytes =
-            match settings.capacity {
-                None | Some(Value::Null) => None,
-                Some(Value::Number(number)) => Some(number.as_u64().ok_or_else(|| {
-                    ConfigError::value("capacity", format!("{number} is not a whole number of bytes"))
-                })?),
-                Some(Value::String(text)) => {
-                    Some(parse_size(&text).map_err(|reason| ConfigError::value("capacity", reason))?)
-                }
-                Some(other) => {
-                    return Err(ConfigError {
-                        key: "capacity".into(),
-                        reason: format!("bytes or a size such as \"200gb\" is needed, found {other}"),
-                        wrong_type: true,
-                    });
-                }
-            };
+        config.capacity_bytes = size("capacity", settings.capacity)?;
+        if let Some(threshold) = size("segment_threshold", settings.segment_threshold)? {
+            config.segment_threshold = usize::try_from(threshold)
+                .map_err(|_| ConfigError::value("segment_threshold", format!("{threshold} is too large")))?;
+        }
+        if let Some(bytes) = size("segment_bytes", settings.segment_bytes)? {
+            if bytes < MIN_SEGMENT_BYTES {
+                return Err(ConfigError::value(
+                    "segment_bytes",
+                    format!("{bytes} is below the smallest segment, {MIN_SEGMENT_BYTES} bytes"),
+                ));
+            }
+            config.segment_bytes = bytes;
+        }
+        config.io_uring = settings.io_uring.unwrap_or(true);
         if let Some(threads) = settings.io_threads {
             if !(1..=MAX_IO_THREADS).contains(&threads) {
                 return Err(ConfigError::value("io_threads", format!("{threads} is not in 1..={MAX_IO_THREADS}")));
@@ -100,8 +120,19 @@ fn open(fields: &TierFields, namespace: &StorageNamespace) -> Result<Box<dyn Sto
 pub const FILE_TIER: TierEntry = TierEntry {
     name: "file",
     aliases: &[],
-    about: "local (or shared) files, one per page",
-    keys: &["dir", "file_storage_path", "format", "capacity", "io_threads", "direct_io", "read_only"],
+    about: "local (or shared) files: a file per page, or small pages appended to segment files",
+    keys: &[
+        "dir",
+        "file_storage_path",
+        "format",
+        "capacity",
+        "io_threads",
+        "direct_io",
+        "read_only",
+        "segment_threshold",
+        "segment_bytes",
+        "io_uring",
+    ],
     check,
     open,
     objects: None,
@@ -130,8 +161,10 @@ mod tests {
         let file = config(
             r#"{"backend_name": "hicache", "module_path": "hicache.sglang", "class_name": "HiCacheStorage",
                 "interface_v1": 1, "backend": "file", "dir": "/data/kv", "format": "sglang", "capacity": "2gb",
-                "io_threads": 3, "direct_io": true, "read_only": true, "pool": {"page_size": 64}}"#,
+                "io_threads": 3, "direct_io": true, "read_only": true, "segment_threshold": "64kb",
+                "segment_bytes": 8388608, "io_uring": false, "pool": {"page_size": 64}}"#,
         );
+        assert_eq!((file.segment_threshold, file.segment_bytes, file.io_uring), (64 << 10, 8 << 20, false));
         assert_eq!(file.dir, PathBuf::from("/data/kv"));
         assert_eq!(file.format, FileFormat::Sglang);
         assert!(file.direct_io && file.read_only);
@@ -139,6 +172,10 @@ mod tests {
         // the file tier is the default
         let file = config(r#"{"dir": "/d", "capacity": 4096}"#);
         assert_eq!((file.format, file.capacity_bytes, file.direct_io), (FileFormat::Native, Some(4096), false));
+        assert_eq!(
+            (file.segment_threshold, file.segment_bytes, file.io_uring),
+            (crate::DEFAULT_SEGMENT_THRESHOLD, crate::DEFAULT_SEGMENT_BYTES, true)
+        );
     }
 
     #[test]
@@ -151,6 +188,12 @@ mod tests {
         assert!(error(r#"{"capacity": [1]}"#).contains("key `capacity`"));
         assert!(error(r#"{"io_threads": 0}"#).contains("key `io_threads`: 0 is not in 1..=256"));
         assert!(error(r#"{"io_threads": 100000}"#).contains("key `io_threads`"));
+        assert!(
+            error(r#"{"segment_bytes": 4096}"#).contains("key `segment_bytes`: 4096 is below the smallest segment")
+        );
+        assert!(error(r#"{"segment_threshold": "lots"}"#).contains("key `segment_threshold`"));
+        assert!(error(r#"{"segment_threshold": -1}"#).contains("key `segment_threshold`"));
+        assert!(error(r#"{"io_uring": "yes"}"#).contains("key `io_uring`: invalid type"));
         let wrong_type = |json: &str| Settings::parse(json).unwrap_err().wrong_type;
         assert!(wrong_type(r#"{"io_threads": "4"}"#) && wrong_type(r#"{"capacity": [1]}"#));
         assert!(!wrong_type(r#"{"io_threads": 0}"#));

@@ -66,8 +66,21 @@ pub(crate) struct BenchStorageArgs {
     /// threads read them back (in place), next to the backend called directly on the same pool pages.
     #[arg(long, value_enum, default_value_t = Via::Direct)]
     via: Via,
+    /// Bytes per call of the raw reference (a page, when pages are larger): by default 8 MiB, the disk's sequential
+    /// rate whatever the page size; a batch's bytes (--batch × --page-bytes) compares with raw I/O in calls of the
+    /// size the backend gets.
+    #[arg(long, default_value_t = 8 << 20, value_name = "B")]
+    raw_chunk: usize,
+    /// Drop the page cache (as root: /proc/sys/vm/drop_caches) before each read, so that reads without --direct
+    /// come from the disk too.
+    #[arg(long)]
+    drop_caches: bool,
+    /// After the rounds, open the backend again on what they wrote and time it (what a restart after a crash
+    /// costs: nothing is written at close, so the open recovers the index from the files as after kill -9).
+    #[arg(long)]
+    reopen: bool,
     /// Print one JSON object: {backend, pages, page_bytes, set_gbps, get_gbps, raw_write_gbps, raw_read_gbps,
-    /// set_ratio, get_ratio}, or with `--via controller` {backend, via, pages, page_bytes, set_gbps, direct_set_gbps,
+    /// set_ratio, get_ratio, and with --reopen reopen_s, reopen_pages}, or with `--via controller` {backend, via, pages, page_bytes, set_gbps, direct_set_gbps,
     /// set_ratio, get_gbps, direct_get_gbps, get_ratio, staging_bytes, rounds} (rates of the best round, ratios the
     /// median of each round's paired ratio, every round's rates in `rounds`); both with the settings {dir, format,
     /// direct, io_threads, batch, round_count}.
@@ -98,6 +111,11 @@ struct StorageFigure {
     set_ratio: f64,
     /// get_gbps / raw_read_gbps.
     get_ratio: f64,
+    /// With `--reopen`: seconds to open the backend again on every page the rounds wrote, and how many that is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reopen_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reopen_pages: Option<usize>,
     /// The 3FS backend's page metadata: operations per second of the configured store and the in-process one.
     #[serde(skip_serializing_if = "Option::is_none")]
     metadata: Option<serde_json::Value>,
@@ -153,12 +171,16 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
     if args.pages == 0
         || args.batch == 0
         || args.rounds == 0
+        || args.raw_chunk == 0
         || args.page_bytes < 2
         || !args.page_bytes.is_multiple_of(2)
     {
         return Err(
-            Usage("--pages, --batch and --rounds must be at least 1, --page-bytes even and at least 2".into()).into()
+            Usage("--pages, --batch, --rounds and --raw-chunk must be at least 1, --page-bytes even and at least 2".into()).into()
         );
+    }
+    if args.direct && !args.raw_chunk.is_multiple_of(BLOCK) {
+        return Err(Usage(format!("--direct needs --raw-chunk in whole {BLOCK}-byte blocks")).into());
     }
     if args.direct && !args.page_bytes.is_multiple_of(BLOCK) {
         return Err(Usage(format!("--direct needs --page-bytes in whole {BLOCK}-byte blocks")).into());
@@ -215,6 +237,7 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
     let target = &mut bytemuck::cast_slice_mut::<Block, u8>(&mut target_blocks)[..total];
     let raw_path = |round: usize| private.path().join(format!("raw-{round}.bin"));
     let mut best = [0f64; 4];
+    let mut reopened = None;
     let progress = crate::progress::bar(4 * args.rounds as u64, "bench storage: phases", args.json)?;
     let result = (|| -> anyhow::Result<()> {
         for round in 0..args.rounds {
@@ -229,7 +252,7 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
             rustix::fs::sync();
             progress.set_message(format!("round {round}: raw write"));
             let started = Instant::now();
-            raw_write(&raw_path, source, args.page_bytes, args.direct)?;
+            raw_write(&raw_path, source, args.raw_chunk.max(args.page_bytes), args.direct)?;
             best[0] = best[0].max(gbps(total, started));
             rustix::fs::sync();
             progress.inc(1);
@@ -240,18 +263,37 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
             rustix::fs::sync();
             progress.inc(1);
             progress.set_message(format!("round {round}: raw read"));
+            if args.drop_caches {
+                drop_caches()?;
+            }
             let started = Instant::now();
-            raw_read(&raw_path, target, args.page_bytes, args.direct)?;
+            raw_read(&raw_path, target, args.raw_chunk.max(args.page_bytes), args.direct)?;
             best[2] = best[2].max(gbps(total, started));
             target.fill(0);
             progress.inc(1);
             progress.set_message(format!("round {round}: {} get", backend.name()));
+            if args.drop_caches {
+                drop_caches()?;
+            }
             let started = Instant::now();
             get_all(backend.as_ref(), &keys, target, args)?;
             best[3] = best[3].max(gbps(total, started));
             progress.inc(1);
             if *target != *source {
                 bail!("{} returned bytes that differ from those written", backend.name());
+            }
+            if args.reopen && round + 1 == args.rounds {
+                progress.set_message("reopening");
+                if args.drop_caches {
+                    drop_caches()?;
+                }
+                let started = Instant::now();
+                let again = backends::open(args.backend, &namespace, 0, &options)?;
+                let seconds = started.elapsed().as_secs_f64();
+                if again.batch_exists(&keys)? != keys.len() {
+                    bail!("{} opened again does not hold the pages of the last round", backend.name());
+                }
+                reopened = Some(seconds);
             }
         }
         Ok(())
@@ -274,6 +316,8 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
         raw_read_gbps,
         set_ratio: set_gbps / raw_write_gbps,
         get_ratio: get_gbps / raw_read_gbps,
+        reopen_s: reopened,
+        reopen_pages: reopened.map(|_| args.pages * args.rounds),
         metadata: None,
     };
     #[cfg(feature = "3fs")]
@@ -304,8 +348,18 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
             figure.raw_read_gbps,
             figure.get_ratio
         );
+        if let Some(seconds) = figure.reopen_s {
+            println!("opened again on {} pages in {seconds:.3} s", args.pages * args.rounds);
+        }
     }
     Ok(())
+}
+
+/// Empties the page cache (needs root).
+fn drop_caches() -> anyhow::Result<()> {
+    rustix::fs::sync();
+    std::fs::write("/proc/sys/vm/drop_caches", "3")
+        .context("--drop-caches: writing /proc/sys/vm/drop_caches (root is needed)")
 }
 
 fn via_controller(

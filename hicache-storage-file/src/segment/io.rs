@@ -100,24 +100,78 @@ impl Submitter {
 
     /// Runs every operation; each result says whether all of its bytes moved.
     pub(crate) fn run(&self, ops: &mut [Op<'_>], pool: &rayon::ThreadPool) -> Vec<io::Result<()>> {
+        self.run_with(ops, pool, || {}, |_, _| {})
+    }
+
+    /// [`Submitter::run`], doing `meanwhile` while the operations are in flight, and calling `done(index, op)` for
+    /// each operation that moved all its bytes as it completes (while the others may still be in flight).
+    pub(crate) fn run_with(
+        &self,
+        ops: &mut [Op<'_>],
+        pool: &rayon::ThreadPool,
+        meanwhile: impl FnOnce(),
+        mut done: impl FnMut(usize, &Op<'_>),
+    ) -> Vec<io::Result<()>> {
         if let Some(rings) = &self.rings {
             let ring = rings.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop();
             if let Some(mut ring) = ring.map_or_else(|| IoUring::new(DEPTH).ok(), Some) {
-                let results = through_ring(&mut ring, ops);
+                let results = through_ring(&mut ring, ops, meanwhile, &mut done);
                 rings.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(ring);
                 return results;
             }
         }
         use rayon::prelude::*;
-        if ops.len() <= 1 {
-            return ops.iter_mut().map(|op| op.finish(0)).collect();
+        let run = |ops: &mut [Op<'_>]| -> Vec<io::Result<()>> {
+            if ops.len() <= 1 {
+                return ops.iter_mut().map(|op| op.finish(0)).collect();
+            }
+            pool.install(|| ops.par_iter_mut().map(|op| op.finish(0)).collect())
+        };
+        meanwhile();
+        let results = run(ops);
+        for (index, result) in results.iter().enumerate() {
+            if result.is_ok() {
+                done(index, &ops[index]);
+            }
         }
-        pool.install(|| ops.par_iter_mut().map(|op| op.finish(0)).collect())
+        results
     }
 }
 
+/// The buffer list of `op` for the kernel, with buffers that follow each other in memory joined into one (the kernel
+/// pins and maps each buffer on its own: a batch of small pages that lie side by side in a host pool moves as one
+/// run, as a single large buffer would).
+fn joined(op: &Op<'_>) -> Vec<libc::iovec> {
+    let mut list: Vec<libc::iovec> = Vec::new();
+    let mut push = |base: *mut libc::c_void, len: usize| match list.last_mut() {
+        Some(last) if last.iov_base.wrapping_byte_add(last.iov_len) == base => last.iov_len += len,
+        _ => list.push(libc::iovec { iov_base: base, iov_len: len }),
+    };
+    match op {
+        Op::Read { buffers, .. } => {
+            for buffer in buffers {
+                push(buffer.as_ptr().cast_mut().cast(), buffer.len());
+            }
+        }
+        Op::Write { buffers, .. } => {
+            for buffer in buffers {
+                push(buffer.as_ptr().cast_mut().cast(), buffer.len());
+            }
+        }
+    }
+    list
+}
+
 /// Submits `ops` through `ring`, at most [`DEPTH`] in flight, and waits for all of them.
-fn through_ring(ring: &mut IoUring, ops: &mut [Op<'_>]) -> Vec<io::Result<()>> {
+fn through_ring(
+    ring: &mut IoUring,
+    ops: &mut [Op<'_>],
+    meanwhile: impl FnOnce(),
+    done: &mut dyn FnMut(usize, &Op<'_>),
+) -> Vec<io::Result<()>> {
+    let mut meanwhile = Some(meanwhile);
+    // the kernel reads each list when the operation is submitted (and again if it is retried): kept until the end
+    let lists: Vec<Vec<libc::iovec>> = ops.iter().map(joined).collect();
     let mut results: Vec<Option<io::Result<()>>> = (0..ops.len()).map(|_| None).collect();
     let mut moved = vec![0usize; ops.len()];
     let mut next = 0;
@@ -126,24 +180,22 @@ fn through_ring(ring: &mut IoUring, ops: &mut [Op<'_>]) -> Vec<io::Result<()>> {
         {
             let mut queue = ring.submission();
             while next < ops.len() && !queue.is_full() {
+                let list = &lists[next];
                 let entry = match &ops[next] {
-                    Op::Read { file, offset, buffers } => opcode::Readv::new(
-                        types::Fd(file.as_raw_fd()),
-                        buffers.as_ptr().cast::<libc::iovec>(),
-                        buffers.len() as u32,
-                    )
-                    .offset(*offset)
-                    .build(),
-                    Op::Write { file, offset, buffers } => opcode::Writev::new(
-                        types::Fd(file.as_raw_fd()),
-                        buffers.as_ptr().cast::<libc::iovec>(),
-                        buffers.len() as u32,
-                    )
-                    .offset(*offset)
-                    .build(),
+                    Op::Read { file, offset, .. } => {
+                        opcode::Readv::new(types::Fd(file.as_raw_fd()), list.as_ptr(), list.len() as u32)
+                            .offset(*offset)
+                            .build()
+                    }
+                    Op::Write { file, offset, .. } => {
+                        opcode::Writev::new(types::Fd(file.as_raw_fd()), list.as_ptr(), list.len() as u32)
+                            .offset(*offset)
+                            .build()
+                    }
                 };
-                // SAFETY: the entry points at the operation's buffer list and buffers, which `ops` borrows for this
-                // whole call, and the call returns only once every submitted entry has completed
+                // SAFETY: the entry points at the operation's joined buffer list (`lists`, kept for this whole call)
+                // and at its buffers, which `ops` borrows for this whole call; the call returns only once every
+                // submitted entry has completed
                 if unsafe { queue.push(&entry.user_data(next as u64)) }.is_err() {
                     break;
                 }
@@ -151,7 +203,15 @@ fn through_ring(ring: &mut IoUring, ops: &mut [Op<'_>]) -> Vec<io::Result<()>> {
                 in_flight += 1;
             }
         }
-        match ring.submit_and_wait(1) {
+        let submitted = match meanwhile.take() {
+            // submitted first, then the work overlaps the transfers
+            Some(work) => ring.submit().map(|submitted| {
+                work();
+                submitted
+            }),
+            None => ring.submit_and_wait(1),
+        };
+        match submitted {
             Ok(_) => {}
             Err(error) if matches!(error.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) => {}
             Err(error) => {
@@ -176,13 +236,24 @@ fn through_ring(ring: &mut IoUring, ops: &mut [Op<'_>]) -> Vec<io::Result<()>> {
                 moved[index] = result as usize;
                 Ok(())
             });
+            if moved[index] == ops[index].len() && result >= 0 {
+                // the kernel is done with this operation's buffers (the others are not touched here)
+                done(index, &ops[index]);
+            }
         }
     }
     results
         .into_iter()
         .zip(ops.iter_mut().zip(moved))
-        .map(|(result, (op, moved))| match result {
-            Some(Ok(())) if moved < op.len() => op.finish(moved),
+        .enumerate()
+        .map(|(index, (result, (op, moved)))| match result {
+            Some(Ok(())) if moved < op.len() => {
+                let finished = op.finish(moved);
+                if finished.is_ok() {
+                    done(index, op);
+                }
+                finished
+            }
             Some(result) => result,
             None => Err(io::Error::other("an io_uring operation never completed")),
         })

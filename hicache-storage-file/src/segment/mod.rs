@@ -40,6 +40,9 @@ use crate::account::SharedAccount;
 
 /// The folder of a namespace's segments, inside its namespace folder.
 pub(crate) const FOLDER: &str = "segments";
+/// The most bytes one read takes: a batch's pages, however contiguous, are read in several operations at once, and
+/// each operation's pages are checked while the next are read.
+const READ_SPLIT_BYTES: usize = 128 << 10;
 /// Segments are files with this extension.
 const EXTENSION: &str = ".seg";
 
@@ -540,6 +543,7 @@ impl SegmentStore {
             }
         }
         // the caller's buffers, taken out one page at a time in file order
+        let slice_counts: Vec<usize> = pages.iter().map(Vec::len).collect();
         let mut buffers: Vec<Option<Vec<IoSliceMut<'_>>>> = pages
             .iter_mut()
             .map(|page| Some(page.iter_mut().map(|segment| IoSliceMut::new(segment)).collect()))
@@ -552,6 +556,7 @@ impl SegmentStore {
             let Some(file) = handles.get(&(segment, direct)) else { continue };
             let Some(mut slices) = buffers[page].take() else { continue };
             let joins = last == Some((segment, direct, offset))
+                && members.last().is_some_and(|pages| pages.len() * page_bytes < READ_SPLIT_BYTES)
                 && matches!(ops.last(), Some(Op::Read { buffers, .. }) if buffers.len() + slices.len() <= MAX_BUFFERS);
             if joins {
                 if let Some(Op::Read { buffers, .. }) = ops.last_mut() {
@@ -567,7 +572,19 @@ impl SegmentStore {
                 self.direct_pages.fetch_add(1, Ordering::Relaxed);
             }
         }
-        let results = self.submitter.run(&mut ops, pool);
+        // each page read is checked against the checksum its record gave, as its operation completes (while the
+        // others are still being read)
+        let mut intact: Vec<Option<bool>> = vec![None; keys.len()];
+        let check = |op: usize, read: &Op<'_>| {
+            let Op::Read { buffers, .. } = read else { return };
+            let mut slices = buffers.iter().map(|slice| &**slice);
+            for &page in &members[op] {
+                let segments: Vec<&[u8]> = slices.by_ref().take(slice_counts[page]).collect();
+                let (_, _, checksum, _) = found[page].expect("a page read was found");
+                intact[page] = Some(record::page_checksum(&self.settings.digest, &keys[page], &segments) == checksum);
+            }
+        };
+        let results = self.submitter.run_with(&mut ops, pool, || {}, check);
         drop(ops);
         drop(buffers);
         for (result, pages_of) in results.into_iter().zip(&members) {
@@ -588,20 +605,8 @@ impl SegmentStore {
                 }
             }
         }
-        // each page read is checked against the checksum its record gave
-        let checked: Vec<(usize, bool)> = {
-            use rayon::prelude::*;
-            let todo: Vec<usize> = (0..keys.len()).filter(|&page| outcomes[page].is_none()).collect();
-            let check = |&page: &usize| {
-                let (_, _, checksum, _) = found[page].expect("a page read was found");
-                (page, record::page_checksum(&self.settings.digest, &keys[page], &pages[page]) == checksum)
-            };
-            if todo.len() * page_bytes >= 4 << 20 {
-                pool.install(|| todo.par_iter().map(check).collect())
-            } else {
-                todo.iter().map(check).collect()
-            }
-        };
+        let checked: Vec<(usize, bool)> =
+            intact.iter().enumerate().filter_map(|(page, intact)| intact.map(|intact| (page, intact))).collect();
         let mut index = None;
         for (page, intact) in checked {
             if intact {
@@ -692,38 +697,49 @@ impl SegmentStore {
     ) -> std::io::Result<()> {
         use rayon::prelude::*;
         let page_bytes = self.settings.page_bytes;
-        let checksum =
-            |&page: &usize| (keys[page], record::page_checksum(&self.settings.digest, &keys[page], &pages[page]));
-        let entries: Vec<(PageKey, u64)> = if chunk.len() * page_bytes >= 4 << 20 {
-            pool.install(|| chunk.par_iter().map(checksum).collect())
-        } else {
-            chunk.iter().map(checksum).collect()
-        };
         let direct = chunk.iter().all(|&page| self.direct_fits(&pages[page]));
-        let header = self.header(Kind::Pages, entries);
-        let (writer, offset) = self.reserve(header.record_bytes, pool)?;
+        let record_bytes = record::record_bytes(Kind::Pages, chunk.len(), page_bytes) as u64;
+        let data_offset = record::data_offset(Kind::Pages, chunk.len()) as u64;
+        let (writer, offset) = self.reserve(record_bytes, pool)?;
         let file = if direct { writer.direct.as_ref().unwrap_or(&writer.buffered) } else { &writer.buffered };
         let direct = direct && writer.direct.is_some();
         // the pages first, split where an operation would take too many buffers
         let mut ops = Vec::new();
-        let mut at = offset + header.data_offset;
+        let mut at = offset + data_offset;
         let mut buffers: Vec<IoSlice<'_>> = Vec::new();
         let mut start = at;
         for &page in chunk {
-            if buffers.len() + pages[page].len() > MAX_BUFFERS - 1 && !buffers.is_empty() {
+            let full = buffers.len() + pages[page].len() > MAX_BUFFERS - 1;
+            if full && !buffers.is_empty() {
                 ops.push(Op::Write { file, offset: start, buffers: std::mem::take(&mut buffers) });
                 start = at;
             }
             buffers.extend(pages[page].iter().map(|segment| IoSlice::new(segment)));
             at += page_bytes as u64;
         }
-        let padding = (offset + header.record_bytes - at) as usize;
+        let padding = (offset + record_bytes - at) as usize;
         if padding > 0 {
             buffers.push(IoSlice::new(&ZEROS.0[..padding]));
         }
         ops.push(Op::Write { file, offset: start, buffers });
-        let written = self.submitter.run(&mut ops, pool).into_iter().collect::<std::io::Result<Vec<()>>>();
+        // the checksums are computed while the pages are written
+        let mut entries = Vec::new();
+        let checksums = || {
+            let checksum =
+                |&page: &usize| (keys[page], record::page_checksum(&self.settings.digest, &keys[page], &pages[page]));
+            entries = if chunk.len() * page_bytes >= 4 << 20 {
+                pool.install(|| chunk.par_iter().map(checksum).collect())
+            } else {
+                chunk.iter().map(checksum).collect()
+            };
+        };
+        let written = self
+            .submitter
+            .run_with(&mut ops, pool, checksums, |_, _| {})
+            .into_iter()
+            .collect::<std::io::Result<Vec<()>>>();
         drop(ops);
+        let header = self.header(Kind::Pages, entries);
         let written = written.and_then(|_| self.write_header(&writer, file, offset, &header, pool));
         if let Err(error) = written {
             // a hole no reader passes: later records go to a new segment

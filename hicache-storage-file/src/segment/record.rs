@@ -13,7 +13,7 @@
 //! | 24..32 | where the pages start, from the record's start (the header rounded up to a block) |
 //! | 32..40 | the record's length, padding included (the next record starts there) |
 //! | 40..48 | stamp: nanoseconds since the epoch, increasing within a writer (orders a removal against a write) |
-//! | 48.. | per entry: the key (32 bytes) and the XXH3-64 of the namespace digest, the key and the page (8 bytes) |
+//! | 48.. | per entry: the key (32 bytes) and the page's checksum (8 bytes): the XXH3-64 of the page seeded with the XXH3-64 of the namespace digest and the key |
 //! | then | the XXH3-64 of the namespace digest and every header byte before it |
 //!
 //! Pages follow at `data_offset`, back to back in entry order. A record's pages are written before its header, so a
@@ -98,15 +98,24 @@ pub(crate) fn record_bytes(kind: Kind, entries: usize, page_bytes: usize) -> usi
     round_up(data_offset(kind, entries) + pages)
 }
 
-/// The checksum of a page: the namespace digest and the key, then the page's segments.
+/// The checksum of a page: the XXH3-64 of its bytes (its segments, one after another), seeded with the XXH3-64 of
+/// the namespace digest and the key, so that a page copied under another key or namespace fails it.
 pub(crate) fn page_checksum<S: AsRef<[u8]>>(digest: &[u8], key: &PageKey, page: &[S]) -> u64 {
-    let mut hasher = XxHash3_64::with_seed(0);
-    hasher.write(digest);
-    hasher.write(key.as_bytes());
-    for segment in page {
-        hasher.write(segment.as_ref());
+    let mut binding = XxHash3_64::with_seed(0);
+    binding.write(digest);
+    binding.write(key.as_bytes());
+    let seed = binding.finish();
+    match page {
+        // one pass over the page, without the streaming hasher's buffer
+        [only] => XxHash3_64::oneshot_with_seed(seed, only.as_ref()),
+        _ => {
+            let mut hasher = XxHash3_64::with_seed(seed);
+            for segment in page {
+                hasher.write(segment.as_ref());
+            }
+            hasher.finish()
+        }
     }
-    hasher.finish()
 }
 
 fn header_checksum(digest: &[u8], bytes: &[u8]) -> u64 {
@@ -244,6 +253,16 @@ mod tests {
             bytes[at] ^= 1 << bit;
             prop_assert!(decode(b"digest", &bytes[..length], page_bytes).is_none(), "byte {} changed", at);
         }
+    }
+
+    #[test]
+    fn a_page_checksum_is_the_same_in_one_segment_or_several_and_binds_the_key() {
+        let page: Vec<u8> = (0..10_000u32).map(|index| index as u8).collect();
+        let key = page_key(None, &[1]);
+        let whole = page_checksum(b"digest", &key, &[&page[..]]);
+        assert_eq!(page_checksum(b"digest", &key, &[&page[..3], &page[3..4096], &page[4096..]]), whole);
+        assert_ne!(page_checksum(b"digest", &page_key(None, &[2]), &[&page[..]]), whole);
+        assert_ne!(page_checksum(b"other", &key, &[&page[..]]), whole);
     }
 
     #[test]
