@@ -221,7 +221,8 @@ impl FileStorage {
                 .map_err(|error| io_failure(format!("reading {}: {error}", root.display()), error))?;
         // the smallest unit the capacity must hold: a page file, or a segment record of one page
         let unit_bytes = if segmented {
-            segment::record::record_bytes(segment::record::Kind::Pages, 1, page_bytes) as u64
+            (segment::record::data_bytes(segment::record::Kind::Pages, 1, page_bytes) + segment::record::header_len(1))
+                as u64
         } else {
             file_bytes
         };

@@ -22,8 +22,9 @@ const WRITER_ENV: &str = "HICACHE_SEGMENT_WRITER";
 const CAPACITY_TEST: &str = "processes_sharing_segments_hold_one_capacity";
 /// 4 KiB pages: 2 layers, 2 heads of 64, bf16, 4 tokens.
 const PAGE: usize = 4096;
-/// A record of one page: a header block and the page.
-const RECORD: u64 = 2 * 4096;
+/// What one page written alone takes: the page in the data file, and its record (48 bytes, 40 per page, and an
+/// 8-byte checksum) in the index file.
+const RECORD: u64 = 4096 + 96;
 
 fn namespace() -> StorageNamespace {
     StorageNamespace::single_rank(
@@ -46,7 +47,7 @@ fn open(dir: &Path) -> FileStorage {
     open_with(dir, |_| {})
 }
 
-/// The segment files, oldest first.
+/// The segments' data files, oldest first.
 fn segment_files(dir: &Path) -> Vec<PathBuf> {
     let mut found = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
@@ -64,8 +65,14 @@ fn segment_files(dir: &Path) -> Vec<PathBuf> {
     found
 }
 
+/// Bytes of the segments: data and index files.
 fn segment_bytes(dir: &Path) -> u64 {
-    segment_files(dir).iter().map(|path| std::fs::metadata(path).unwrap().len()).sum()
+    segment_files(dir)
+        .iter()
+        .map(|path| {
+            std::fs::metadata(path).unwrap().len() + std::fs::metadata(path.with_extension("idx")).unwrap().len()
+        })
+        .sum()
 }
 
 #[test]
@@ -82,14 +89,14 @@ fn torn_and_damaged_records_never_return_a_wrong_page() {
             );
         }
     }
-    // records of 4 pages: a header block, then 4 pages
-    let record = 5 * 4096u64;
+    // three batches of 4 pages: 12 pages in the data file, three records of 216 bytes in the index file
     let [segment] = segment_files(dir.path()).try_into().expect("one segment");
-    let file = OpenOptions::new().write(true).open(&segment).unwrap();
-    assert_eq!(file.metadata().unwrap().len(), 3 * record);
-    // a flipped byte in the second page of the first record, and the third record torn inside its pages
-    file.write_all_at(&[!pages[1][100]], 2 * 4096 + 100).unwrap();
-    file.set_len(2 * record + 3 * 4096).unwrap();
+    let data = OpenOptions::new().write(true).open(&segment).unwrap();
+    let records = OpenOptions::new().write(true).open(segment.with_extension("idx")).unwrap();
+    assert_eq!((data.metadata().unwrap().len(), records.metadata().unwrap().len()), (12 * 4096, 3 * 216));
+    // a flipped byte in the second page, and the third batch's pages cut short
+    data.write_all_at(&[!pages[1][100]], 4096 + 100).unwrap();
+    data.set_len(11 * 4096).unwrap();
     let storage = open(dir.path());
     let (outcomes, buffers) = fetch(&storage, &keys, PAGE, 0);
     for (index, (outcome, buffer)) in outcomes.iter().zip(&buffers).enumerate() {
@@ -109,9 +116,9 @@ fn torn_and_damaged_records_never_return_a_wrong_page() {
     assert_eq!(storage.batch_exists(&keys).unwrap(), 1);
     assert_eq!(put(&storage, &keys[1..2], &pages[1..2]), [SetOutcome::Stored]);
     assert_eq!(storage.batch_exists(&keys).unwrap(), 8);
-    // a damaged header ends what is taken from its segment: the records after it are not read
+    // a damaged record ends what is taken from its index file: the records after it are not read
     drop(storage);
-    file.write_all_at(&[0xff], record + 60).unwrap();
+    records.write_all_at(&[0xff], 216 + 60).unwrap();
     let storage = open(dir.path());
     // page 1 was written again in another segment, later: that copy stands
     assert_eq!(storage.batch_exists(&keys).unwrap(), 4, "the first record's pages");

@@ -175,9 +175,10 @@ pub(crate) fn run(args: &BenchStorageArgs) -> anyhow::Result<()> {
         || args.page_bytes < 2
         || !args.page_bytes.is_multiple_of(2)
     {
-        return Err(
-            Usage("--pages, --batch, --rounds and --raw-chunk must be at least 1, --page-bytes even and at least 2".into()).into()
-        );
+        return Err(Usage(
+            "--pages, --batch, --rounds and --raw-chunk must be at least 1, --page-bytes even and at least 2".into(),
+        )
+        .into());
     }
     if args.direct && !args.raw_chunk.is_multiple_of(BLOCK) {
         return Err(Usage(format!("--direct needs --raw-chunk in whole {BLOCK}-byte blocks")).into());

@@ -99,18 +99,20 @@ impl Submitter {
     }
 
     /// Runs every operation; each result says whether all of its bytes moved.
+    #[cfg(test)]
     pub(crate) fn run(&self, ops: &mut [Op<'_>], pool: &rayon::ThreadPool) -> Vec<io::Result<()>> {
         self.run_with(ops, pool, || {}, |_, _| {})
     }
 
-    /// [`Submitter::run`], doing `meanwhile` while the operations are in flight, and calling `done(index, op)` for
-    /// each operation that moved all its bytes as it completes (while the others may still be in flight).
+    /// [`Submitter::run`], doing `meanwhile` while the operations are in flight, and calling `done(indices, ops)` with
+    /// the operations that moved all their bytes as they complete, a group at a time (while the others may still be
+    /// in flight).
     pub(crate) fn run_with(
         &self,
         ops: &mut [Op<'_>],
         pool: &rayon::ThreadPool,
         meanwhile: impl FnOnce(),
-        mut done: impl FnMut(usize, &Op<'_>),
+        mut done: impl FnMut(&[usize], &[Op<'_>]),
     ) -> Vec<io::Result<()>> {
         if let Some(rings) = &self.rings {
             let ring = rings.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop();
@@ -129,10 +131,9 @@ impl Submitter {
         };
         meanwhile();
         let results = run(ops);
-        for (index, result) in results.iter().enumerate() {
-            if result.is_ok() {
-                done(index, &ops[index]);
-            }
+        let whole: Vec<usize> = (0..ops.len()).filter(|&index| results[index].is_ok()).collect();
+        if !whole.is_empty() {
+            done(&whole, ops);
         }
         results
     }
@@ -167,7 +168,7 @@ fn through_ring(
     ring: &mut IoUring,
     ops: &mut [Op<'_>],
     meanwhile: impl FnOnce(),
-    done: &mut dyn FnMut(usize, &Op<'_>),
+    done: &mut dyn FnMut(&[usize], &[Op<'_>]),
 ) -> Vec<io::Result<()>> {
     let mut meanwhile = Some(meanwhile);
     // the kernel reads each list when the operation is submitted (and again if it is retried): kept until the end
@@ -205,10 +206,7 @@ fn through_ring(
         }
         let submitted = match meanwhile.take() {
             // submitted first, then the work overlaps the transfers
-            Some(work) => ring.submit().map(|submitted| {
-                work();
-                submitted
-            }),
+            Some(work) => ring.submit().inspect(|_| work()),
             None => ring.submit_and_wait(1),
         };
         match submitted {
@@ -226,6 +224,7 @@ fn through_ring(
                 }
             }
         }
+        let mut whole = Vec::new();
         for completion in ring.completion() {
             let index = completion.user_data() as usize;
             in_flight -= 1;
@@ -237,12 +236,16 @@ fn through_ring(
                 Ok(())
             });
             if moved[index] == ops[index].len() && result >= 0 {
-                // the kernel is done with this operation's buffers (the others are not touched here)
-                done(index, &ops[index]);
+                whole.push(index);
             }
         }
+        if !whole.is_empty() {
+            // the kernel is done with these operations' buffers (the others are not touched there)
+            done(&whole, ops);
+        }
     }
-    results
+    let mut finished_late = Vec::new();
+    let results: Vec<io::Result<()>> = results
         .into_iter()
         .zip(ops.iter_mut().zip(moved))
         .enumerate()
@@ -250,14 +253,18 @@ fn through_ring(
             Some(Ok(())) if moved < op.len() => {
                 let finished = op.finish(moved);
                 if finished.is_ok() {
-                    done(index, op);
+                    finished_late.push(index);
                 }
                 finished
             }
             Some(result) => result,
             None => Err(io::Error::other("an io_uring operation never completed")),
         })
-        .collect()
+        .collect();
+    if !finished_late.is_empty() {
+        done(&finished_late, ops);
+    }
+    results
 }
 
 #[cfg(test)]

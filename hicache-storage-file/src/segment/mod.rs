@@ -43,8 +43,14 @@ pub(crate) const FOLDER: &str = "segments";
 /// The most bytes one read takes: a batch's pages, however contiguous, are read in several operations at once, and
 /// each operation's pages are checked while the next are read.
 const READ_SPLIT_BYTES: usize = 128 << 10;
-/// Segments are files with this extension.
-const EXTENSION: &str = ".seg";
+/// A segment's data file (its pages) and index file (its records) end with these.
+const DATA: &str = ".seg";
+const RECORDS: &str = ".idx";
+/// Bytes a direct-I/O writer allocates its data file ahead by (at most the segment's size). A killed writer leaves
+/// at most this much unused; a closed one gives it back.
+const PREALLOCATE_BYTES: u64 = 16 << 20;
+/// Bytes of index file read at a time when scanning.
+const SCAN_BYTES: usize = 1 << 20;
 
 /// Settings of a segment store.
 #[derive(Clone, Debug)]
@@ -86,15 +92,17 @@ impl Slot {
     }
 }
 
-/// One segment file as this process knows it.
+/// One segment as this process knows it.
 #[derive(Debug)]
 struct Segment {
+    /// Its name, without extension.
     name: String,
+    /// Its data file.
     path: PathBuf,
     /// Read handles, opened on first use (buffered, and `O_DIRECT`).
     buffered: OnceLock<Arc<File>>,
     direct: OnceLock<Arc<File>>,
-    /// Bytes of it whose records were taken into the index.
+    /// Bytes of its index file whose records were taken into the index.
     scanned: u64,
     /// This process writes it (its records go into the index as they are written, never by scanning).
     own: bool,
@@ -161,12 +169,12 @@ impl Index {
         self.keys.insert(key, slot);
     }
 
-    /// Takes a record of segment `id` at `offset` into the index.
-    fn apply(&mut self, id: u32, offset: u64, header: &Header) {
+    /// Takes a record of segment `id` into the index.
+    fn apply(&mut self, id: u32, header: &Header) {
         match header.kind {
             Kind::Pages => {
                 for (index, &(key, checksum)) in header.entries.iter().enumerate() {
-                    let offset = offset + header.data_offset + index as u64 * header.page_bytes;
+                    let offset = header.data_at + index as u64 * header.page_bytes;
                     self.put(key, Slot::Page { segment: id, offset, checksum, stamp: header.stamp, read: false });
                 }
             }
@@ -218,9 +226,17 @@ struct Writer {
     id: u32,
     buffered: Arc<File>,
     direct: Option<Arc<File>>,
-    /// The next record's offset.
+    /// Where the next batch's pages go in the data file.
     end: u64,
+    /// How far the data file is allocated (with `O_DIRECT`, ahead of `end`).
+    allocated: u64,
+    /// The index file, and where its next record goes (records are appended under its lock, so the file has no
+    /// gaps).
+    records: Arc<Mutex<(File, u64)>>,
 }
+
+/// The segments in the folder (name, data file length, index file length), and index files without a data file.
+type Listing = (Vec<(String, u64, u64)>, Vec<String>);
 
 /// A namespace's pages in segment files.
 #[derive(Debug)]
@@ -348,34 +364,58 @@ impl SegmentStore {
         }
     }
 
-    /// The segment files in the folder, oldest first, with their lengths.
-    fn list_segments(&self) -> std::io::Result<Vec<(String, u64)>> {
+    /// The segments in the folder, oldest first: name, data file length, index file length. Index files without
+    /// a data file (left by an eviction or clear that stopped between the two removals) are listed apart.
+    fn list_segments(&self) -> std::io::Result<Listing> {
         let entries = match std::fs::read_dir(&self.dir) {
             Ok(entries) => entries,
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), Vec::new())),
             Err(error) => return Err(error),
         };
-        let mut found = Vec::new();
+        let mut data = BTreeMap::new();
+        let mut records = BTreeMap::new();
         for entry in entries {
             let entry = entry?;
             let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
-            if !name.ends_with(EXTENSION) {
-                continue;
-            }
+            let (stem, into) = match (name.strip_suffix(DATA), name.strip_suffix(RECORDS)) {
+                (Some(stem), _) => (stem.to_owned(), &mut data),
+                (_, Some(stem)) => (stem.to_owned(), &mut records),
+                _ => continue,
+            };
             match entry.metadata() {
-                Ok(metadata) if metadata.is_file() => found.push((name, metadata.len())),
+                Ok(metadata) if metadata.is_file() => {
+                    into.insert(stem, metadata.len());
+                }
                 Ok(_) => {}
                 Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
                 Err(error) => return Err(error),
             }
         }
-        found.sort_unstable();
-        Ok(found)
+        let orphans = records.keys().filter(|stem| !data.contains_key(*stem)).cloned().collect();
+        let segments = data
+            .into_iter()
+            .map(|(stem, length)| {
+                let records = records.get(&stem).copied().unwrap_or(0);
+                (stem, length, records)
+            })
+            .collect();
+        Ok((segments, orphans))
     }
 
     /// Bytes the namespace's segments take.
     fn disk_bytes(&self) -> std::io::Result<u64> {
-        Ok(self.list_segments()?.iter().map(|(_, bytes)| bytes).sum())
+        Ok(self.list_segments()?.0.iter().map(|(_, data, records)| data + records).sum())
+    }
+
+    /// Removes segment `name`: its data file, then its index file.
+    fn remove_segment(&self, name: &str) -> std::io::Result<()> {
+        for extension in [DATA, RECORDS] {
+            match std::fs::remove_file(self.dir.join(format!("{name}{extension}"))) {
+                Err(error) if error.kind() != std::io::ErrorKind::NotFound => return Err(error),
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     /// Brings the index up to date when another backend removed, cleared or evicted pages since it last was (one
@@ -393,32 +433,34 @@ impl SegmentStore {
     /// removed (by another process's eviction or clear) are forgotten.
     pub(crate) fn refresh(&self) -> std::io::Result<()> {
         let _refreshing = self.refreshing.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let listed = self.list_segments()?;
+        let (listed, _) = self.list_segments()?;
         // what to read, outside the index's lock: (id if known, name, from, length)
         let mut work = Vec::new();
         let gone: Vec<u32> = {
             let index = self.read_index();
-            for (name, length) in &listed {
+            for (name, _, length) in &listed {
                 match index.by_name.get(name).map(|id| (*id, &index.segments[id])) {
                     Some((_, segment)) if segment.own || segment.scanned >= *length => {}
                     Some((id, segment)) => work.push((Some(id), name.clone(), segment.scanned, *length)),
                     None => work.push((None, name.clone(), 0, *length)),
                 }
             }
-            let listed: std::collections::HashSet<&str> = listed.iter().map(|(name, _)| name.as_str()).collect();
+            let listed: std::collections::HashSet<&str> = listed.iter().map(|(name, _, _)| name.as_str()).collect();
             index.by_name.iter().filter(|(name, _)| !listed.contains(name.as_str())).map(|(_, id)| *id).collect()
         };
         let mut read = Vec::new();
         for (id, name, from, length) in work {
-            let path = self.dir.join(&name);
-            let file = match File::open(&path) {
-                Ok(file) => file,
+            let path = self.dir.join(format!("{name}{DATA}"));
+            let opened =
+                File::open(&path).and_then(|data| Ok((data, File::open(self.dir.join(format!("{name}{RECORDS}")))?)));
+            let (data, records) = match opened {
+                Ok(files) => files,
                 // removed since it was listed
                 Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(error) => return Err(error),
             };
-            let (headers, scanned) = self.scan(&file, from, length)?;
-            read.push((id, name, path, file, headers, scanned));
+            let (headers, scanned) = self.scan(&records, from, length, data.metadata()?.len())?;
+            read.push((id, name, path, data, headers, scanned));
         }
         let mut index = self.write_index();
         for id in gone {
@@ -430,8 +472,8 @@ impl SegmentStore {
                 let _ = segment.buffered.set(Arc::new(file));
                 index.add_segment(segment)
             });
-            for (offset, header) in &headers {
-                index.apply(id, *offset, header);
+            for header in &headers {
+                index.apply(id, header);
             }
             if let Some(segment) = index.segments.get_mut(&id) {
                 segment.scanned = scanned;
@@ -440,28 +482,43 @@ impl SegmentStore {
         Ok(())
     }
 
-    /// Reads the record headers of `file` from `from` up to `length`: each with its offset, and where reading
-    /// stopped (the end, or a header that is torn, damaged or not yet written).
-    fn scan(&self, file: &File, from: u64, length: u64) -> std::io::Result<(Vec<(u64, Header)>, u64)> {
+    /// Reads the records of an index file from `from` up to `length`, dropping those whose pages lie past the end
+    /// of the data file (`data_length`); returns them and where reading stopped (the end, or a record that is torn,
+    /// damaged or being written).
+    fn scan(&self, records: &File, from: u64, length: u64, data_length: u64) -> std::io::Result<(Vec<Header>, u64)> {
         let page_bytes = self.settings.page_bytes;
         let mut headers = Vec::new();
         let mut offset = from;
-        let mut buffer = vec![0u8; record::header_len(record::MAX_ENTRIES)];
-        while offset + record::FIXED as u64 <= length {
+        let mut buffer = vec![0u8; SCAN_BYTES.max(record::header_len(record::MAX_ENTRIES))];
+        'chunks: while offset + record::FIXED as u64 <= length {
             let wanted = buffer.len().min((length - offset) as usize);
-            let got = read_at_most(file, &mut buffer[..wanted], offset)?;
-            let record::Peek::Header(header_len) = record::peek(&buffer[..got]) else { break };
-            if header_len > got {
-                break;
+            let got = read_at_most(records, &mut buffer[..wanted], offset)?;
+            let mut at = 0;
+            loop {
+                let rest = &buffer[at..got];
+                let record::Peek::Header(header_len) = record::peek(rest) else {
+                    // not a record, or the start of one cut by the chunk
+                    if rest.len() >= record::FIXED || at == 0 {
+                        break 'chunks;
+                    }
+                    break;
+                };
+                if header_len > rest.len() {
+                    if at == 0 {
+                        break 'chunks;
+                    }
+                    break;
+                }
+                let Some(header) = record::decode(&self.settings.digest, &rest[..header_len], page_bytes) else {
+                    break 'chunks;
+                };
+                // pages are written before their record: pages past the data file's end were damaged since
+                if header.data_at + header.data_bytes <= data_length {
+                    headers.push(header);
+                }
+                at += header_len;
             }
-            let Some(header) = record::decode(&self.settings.digest, &buffer[..header_len], page_bytes) else { break };
-            if offset + header.record_bytes > length {
-                // its pages are not all there: torn
-                break;
-            }
-            let next = offset + header.record_bytes;
-            headers.push((offset, header));
-            offset = next;
+            offset += at as u64;
         }
         Ok((headers, offset))
     }
@@ -575,13 +632,28 @@ impl SegmentStore {
         // each page read is checked against the checksum its record gave, as its operation completes (while the
         // others are still being read)
         let mut intact: Vec<Option<bool>> = vec![None; keys.len()];
-        let check = |op: usize, read: &Op<'_>| {
-            let Op::Read { buffers, .. } = read else { return };
-            let mut slices = buffers.iter().map(|slice| &**slice);
-            for &page in &members[op] {
-                let segments: Vec<&[u8]> = slices.by_ref().take(slice_counts[page]).collect();
-                let (_, _, checksum, _) = found[page].expect("a page read was found");
-                intact[page] = Some(record::page_checksum(&self.settings.digest, &keys[page], &segments) == checksum);
+        let check = |done: &[usize], ops: &[Op<'_>]| {
+            use rayon::prelude::*;
+            // each completed operation's pages: (page, its buffers)
+            let mut work: Vec<(usize, Vec<&[u8]>)> = Vec::new();
+            for &op in done {
+                let Op::Read { buffers, .. } = &ops[op] else { continue };
+                let mut slices = buffers.iter().map(|slice| &**slice);
+                for &page in &members[op] {
+                    work.push((page, slices.by_ref().take(slice_counts[page]).collect()));
+                }
+            }
+            let verdict = |(page, segments): &(usize, Vec<&[u8]>)| {
+                let (_, _, checksum, _) = found[*page].expect("a page read was found");
+                (*page, record::page_checksum(&self.settings.digest, &keys[*page], segments) == checksum)
+            };
+            let verdicts: Vec<(usize, bool)> = if work.len() * page_bytes >= 256 << 10 {
+                pool.install(|| work.par_iter().map(verdict).collect())
+            } else {
+                work.iter().map(verdict).collect()
+            };
+            for (page, whole) in verdicts {
+                intact[page] = Some(whole);
             }
         };
         let results = self.submitter.run_with(&mut ops, pool, || {}, check);
@@ -698,14 +770,13 @@ impl SegmentStore {
         use rayon::prelude::*;
         let page_bytes = self.settings.page_bytes;
         let direct = chunk.iter().all(|&page| self.direct_fits(&pages[page]));
-        let record_bytes = record::record_bytes(Kind::Pages, chunk.len(), page_bytes) as u64;
-        let data_offset = record::data_offset(Kind::Pages, chunk.len()) as u64;
-        let (writer, offset) = self.reserve(record_bytes, pool)?;
+        let data_bytes = record::data_bytes(Kind::Pages, chunk.len(), page_bytes) as u64;
+        let (writer, offset) = self.reserve(data_bytes, record::header_len(chunk.len()) as u64, pool)?;
         let file = if direct { writer.direct.as_ref().unwrap_or(&writer.buffered) } else { &writer.buffered };
         let direct = direct && writer.direct.is_some();
-        // the pages first, split where an operation would take too many buffers
+        // the pages, split where an operation would take too many buffers
         let mut ops = Vec::new();
-        let mut at = offset + data_offset;
+        let mut at = offset;
         let mut buffers: Vec<IoSlice<'_>> = Vec::new();
         let mut start = at;
         for &page in chunk {
@@ -717,7 +788,7 @@ impl SegmentStore {
             buffers.extend(pages[page].iter().map(|segment| IoSlice::new(segment)));
             at += page_bytes as u64;
         }
-        let padding = (offset + record_bytes - at) as usize;
+        let padding = (offset + data_bytes - at) as usize;
         if padding > 0 {
             buffers.push(IoSlice::new(&ZEROS.0[..padding]));
         }
@@ -739,61 +810,59 @@ impl SegmentStore {
             .into_iter()
             .collect::<std::io::Result<Vec<()>>>();
         drop(ops);
-        let header = self.header(Kind::Pages, entries);
-        let written = written.and_then(|_| self.write_header(&writer, file, offset, &header, pool));
+        // then the record that names them
+        let header = self.header(Kind::Pages, entries, offset, data_bytes);
+        let written = written.and_then(|_| self.append_record(&writer, &header));
         if let Err(error) = written {
-            // a hole no reader passes: later records go to a new segment
+            // later batches go to a new segment
             self.retire(writer.id);
             return Err(error);
         }
         if direct {
             self.direct_pages.fetch_add(chunk.len() as u64, Ordering::Relaxed);
         }
-        let mut index = self.write_index();
-        index.apply(writer.id, offset, &header);
+        self.write_index().apply(writer.id, &header);
         Ok(())
     }
 
     /// A header for `entries`, stamped now.
-    fn header(&self, kind: Kind, entries: Vec<(PageKey, u64)>) -> Header {
-        let count = entries.len();
-        let page_bytes = self.settings.page_bytes;
+    fn header(&self, kind: Kind, entries: Vec<(PageKey, u64)>, data_at: u64, data_bytes: u64) -> Header {
         Header {
             kind,
-            page_bytes: page_bytes as u64,
-            data_offset: record::data_offset(kind, count) as u64,
-            record_bytes: record::record_bytes(kind, count, page_bytes) as u64,
+            page_bytes: self.settings.page_bytes as u64,
+            data_at,
+            data_bytes,
             stamp: self.next_stamp(),
             entries,
         }
     }
 
-    /// Writes a record's header at `offset` of the writer's segment (through `file`).
-    fn write_header(
-        &self,
-        _writer: &WriterHandle,
-        file: &File,
-        offset: u64,
-        header: &Header,
-        pool: &rayon::ThreadPool,
-    ) -> std::io::Result<()> {
-        // pages records: the header's blocks; others: the whole record
-        let length = if header.kind == Kind::Pages { header.data_offset } else { header.record_bytes } as usize;
-        let mut blocks = aligned_buffer(length);
-        let bytes = bytemuck::cast_slice_mut::<Block, u8>(&mut blocks);
-        record::encode(&self.settings.digest, header, &mut bytes[..length]);
-        let mut ops = vec![Op::Write { file, offset, buffers: vec![IoSlice::new(&bytes[..length])] }];
-        self.submitter.run(&mut ops, pool).pop().expect("one result")
+    /// Appends a record to the index file of the writer's segment.
+    fn append_record(&self, writer: &WriterHandle, header: &Header) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt as _;
+        let mut bytes = vec![0u8; record::header_len(header.entries.len())];
+        record::encode(&self.settings.digest, header, &mut bytes);
+        let mut records = writer.records.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (file, end) = &mut *records;
+        file.write_all_at(&bytes, *end)?;
+        *end += bytes.len() as u64;
+        Ok(())
     }
 
-    /// Reserves `bytes` at the end of this process's segment (starting a new one when it is full, removed, or
-    /// there is none), after making room for them under the capacity.
-    fn reserve(&self, bytes: u64, pool: &rayon::ThreadPool) -> std::io::Result<(WriterHandle, u64)> {
-        self.make_room(bytes, pool)?;
+    /// Reserves `data_bytes` at the end of this process's segment's data file (starting a new segment when it is
+    /// full, removed, or there is none), after making room for them and a record of `record_bytes` under the
+    /// capacity.
+    fn reserve(
+        &self,
+        data_bytes: u64,
+        record_bytes: u64,
+        pool: &rayon::ThreadPool,
+    ) -> std::io::Result<(WriterHandle, u64)> {
+        self.make_room(data_bytes + record_bytes, pool)?;
         let mut writer = self.writer.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let usable = match writer.as_ref() {
             Some(current) => {
-                let full = current.end > 0 && current.end + bytes > self.settings.segment_bytes;
+                let full = current.end > 0 && current.end + data_bytes > self.settings.segment_bytes;
                 // removed by another process's eviction or clear: appends would go nowhere
                 let removed = current.buffered.metadata().map_or(true, |metadata| metadata.nlink() == 0);
                 !(full || removed)
@@ -805,9 +874,23 @@ impl SegmentStore {
         }
         let current = writer.as_mut().expect("a writer");
         let offset = current.end;
-        current.end += bytes;
+        current.end += data_bytes;
+        if current.direct.is_some() && current.end > current.allocated {
+            // a direct write that makes the file longer waits for the file system to allocate and to record the
+            // length: the data file is allocated ahead instead, a step at a time (measured 1.3-1.7x faster for
+            // 512 KiB batches on ext4); a file system that cannot allocate ahead just takes the slower writes
+            let target = current.end.max((current.allocated + PREALLOCATE_BYTES).min(self.settings.segment_bytes));
+            if rustix::fs::fallocate(&*current.buffered, rustix::fs::FallocateFlags::empty(), 0, target).is_ok() {
+                current.allocated = target;
+            }
+        }
         Ok((
-            WriterHandle { id: current.id, buffered: current.buffered.clone(), direct: current.direct.clone() },
+            WriterHandle {
+                id: current.id,
+                buffered: current.buffered.clone(),
+                direct: current.direct.clone(),
+                records: current.records.clone(),
+            },
             offset,
         ))
     }
@@ -820,11 +903,11 @@ impl SegmentStore {
         }
     }
 
-    /// Creates a segment for this process to append to.
+    /// Creates a segment for this process to append to: its data file, then its index file.
     fn new_segment(&self) -> std::io::Result<Writer> {
-        let name = format!("{:020}-{:016x}{EXTENSION}", self.next_stamp(), self.writer_tag);
-        let path = self.dir.join(&name);
-        let open = |direct: bool| {
+        let name = format!("{:020}-{:016x}", self.next_stamp(), self.writer_tag);
+        let path = self.dir.join(format!("{name}{DATA}"));
+        let open = |path: &PathBuf, direct: bool| {
             let mut options = OpenOptions::new();
             options.read(true).write(true);
             if direct {
@@ -832,17 +915,18 @@ impl SegmentStore {
             } else {
                 options.create_new(true);
             }
-            options.open(&path)
+            options.open(path)
         };
-        let buffered = match open(false) {
+        let buffered = match open(&path, false) {
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
                 crate::page_file::make_dirs_below(&self.settings.base, &self.dir)?;
-                open(false)?
+                open(&path, false)?
             }
             opened => opened?,
         };
+        let records = open(&self.dir.join(format!("{name}{RECORDS}")), false)?;
         let direct = if self.settings.direct_io && self.settings.page_bytes.is_multiple_of(ALIGN) {
-            Some(Arc::new(open(true)?))
+            Some(Arc::new(open(&path, true)?))
         } else {
             None
         };
@@ -853,7 +937,7 @@ impl SegmentStore {
             let _ = segment.direct.set(direct.clone());
         }
         let id = self.write_index().add_segment(segment);
-        Ok(Writer { id, buffered, direct, end: 0 })
+        Ok(Writer { id, buffered, direct, end: 0, allocated: 0, records: Arc::new(Mutex::new((records, 0))) })
     }
 
     /// Under the capacity, makes room for `bytes` more: when the segments would pass it, removes whole segments,
@@ -871,22 +955,21 @@ impl SegmentStore {
                 None => self.disk_bytes()?,
             };
             if total + bytes > capacity {
-                let listed = self.list_segments()?;
-                total = listed.iter().map(|(_, length)| length).sum();
+                let (listed, orphans) = self.list_segments()?;
+                for orphan in orphans {
+                    self.remove_segment(&orphan)?;
+                }
+                total = listed.iter().map(|(_, data, records)| data + records).sum();
                 let low = (capacity - capacity / 10).max(bytes);
                 let mut victims = Vec::new();
-                for (name, length) in listed {
+                for (name, data, records) in listed {
                     if total + bytes <= low {
                         break;
                     }
                     // under the account's lock, so no other process counts a segment removed here; a reader that
                     // has the file open keeps reading it
-                    match std::fs::remove_file(self.dir.join(&name)) {
-                        Ok(()) => {}
-                        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-                        Err(error) => return Err(error),
-                    }
-                    total -= length;
+                    self.remove_segment(&name)?;
+                    total -= data + records;
                     victims.push(name);
                 }
                 self.evicted.fetch_add(victims.len() as u64, Ordering::Relaxed);
@@ -960,13 +1043,13 @@ impl SegmentStore {
             keys.iter().filter(|key| index.page(key).is_some() && seen.insert(**key)).copied().collect()
         };
         for chunk in held.chunks(record::MAX_ENTRIES) {
-            let header = self.header(Kind::Removals, chunk.iter().map(|key| (*key, 0)).collect());
-            let (writer, offset) = self.reserve(header.record_bytes, pool)?;
-            if let Err(error) = self.write_header(&writer, &writer.buffered.clone(), offset, &header, pool) {
+            let (writer, _) = self.reserve(0, record::header_len(chunk.len()) as u64, pool)?;
+            let header = self.header(Kind::Removals, chunk.iter().map(|key| (*key, 0)).collect(), 0, 0);
+            if let Err(error) = self.append_record(&writer, &header) {
                 self.retire(writer.id);
                 return Err(error);
             }
-            self.write_index().apply(writer.id, offset, &header);
+            self.write_index().apply(writer.id, &header);
         }
         if !held.is_empty() {
             self.changes.raise()?;
@@ -979,11 +1062,9 @@ impl SegmentStore {
         self.refresh()?;
         let mut writer = self.writer.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let pages = self.read_index().live_pages() as u64;
-        for (name, _) in self.list_segments()? {
-            match std::fs::remove_file(self.dir.join(&name)) {
-                Err(error) if error.kind() != std::io::ErrorKind::NotFound => return Err(error),
-                _ => {}
-            }
+        let (listed, orphans) = self.list_segments()?;
+        for name in listed.into_iter().map(|(name, _, _)| name).chain(orphans) {
+            self.remove_segment(&name)?;
         }
         *writer = None;
         *self.write_index() = Index::default();
@@ -1010,12 +1091,25 @@ impl SegmentStore {
     }
 }
 
+impl Drop for SegmentStore {
+    fn drop(&mut self) {
+        // the data file's unused allocated tail goes back
+        let writer = self.writer.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(writer) = writer
+            && writer.allocated > writer.end
+        {
+            let _ = writer.buffered.set_len(writer.end);
+        }
+    }
+}
+
 /// The writer's segment as one append holds it.
 #[derive(Debug)]
 struct WriterHandle {
     id: u32,
     buffered: Arc<File>,
     direct: Option<Arc<File>>,
+    records: Arc<Mutex<(File, u64)>>,
 }
 
 /// A count in a small file, raised under a file lock by every removal, clear and eviction; read with one `pread`.

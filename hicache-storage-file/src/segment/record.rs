@@ -1,7 +1,7 @@
-//! One record of a segment file: a header naming its pages (or the keys it removes), then the pages.
+//! One record of a segment's index file: what a batch wrote to the segment's data file (or which keys it removed).
 //!
-//! A record starts at a multiple of [`ALIGN`] and takes a whole number of [`ALIGN`] blocks, so that pages of whole
-//! blocks can be written and read with `O_DIRECT`. Its header (little-endian) is:
+//! A segment is two files: `{name}.seg`, the pages, and `{name}.idx`, the records, back to back. A record (little-
+//! endian) is:
 //!
 //! | bytes | field |
 //! |---|---|
@@ -10,22 +10,23 @@
 //! | 8..12 | kind: 0 pages, 1 removals |
 //! | 12..16 | entries |
 //! | 16..24 | bytes per page |
-//! | 24..32 | where the pages start, from the record's start (the header rounded up to a block) |
-//! | 32..40 | the record's length, padding included (the next record starts there) |
+//! | 24..32 | where the pages start in the data file |
+//! | 32..40 | bytes the pages take there (rounded up to a 4 KiB block, so the next batch starts on one) |
 //! | 40..48 | stamp: nanoseconds since the epoch, increasing within a writer (orders a removal against a write) |
 //! | 48.. | per entry: the key (32 bytes) and the page's checksum (8 bytes): the XXH3-64 of the page seeded with the XXH3-64 of the namespace digest and the key |
-//! | then | the XXH3-64 of the namespace digest and every header byte before it |
+//! | then | the XXH3-64 of the namespace digest and every byte of the record before it |
 //!
-//! Pages follow at `data_offset`, back to back in entry order. A record's pages are written before its header, so a
-//! reader that finds a whole header finds whole pages behind it in the page cache; after a power loss a page may
-//! still be torn, and its checksum tells. A torn or missing header ends what a reader takes from the segment.
+//! A batch's pages are written to the data file first; only then is its record appended to the index file. So a
+//! reader (or a process opening the namespace after a writer was killed) that finds a whole record finds whole pages
+//! behind it; after a power loss a page may still be torn, and its checksum tells. A torn or damaged record ends
+//! what a reader takes from the index file.
 
 use std::hash::Hasher as _;
 
 use hicache_core::hash::PageKey;
 use twox_hash::XxHash3_64;
 
-/// Record alignment and the unit of `O_DIRECT` here.
+/// Alignment of each batch's pages in the data file, and the unit of `O_DIRECT` here.
 pub(crate) const ALIGN: usize = crate::page_file::DIRECT_ALIGN;
 const MAGIC: [u8; 4] = *b"HCSG";
 const VERSION: u32 = 1;
@@ -39,7 +40,7 @@ pub(crate) const MAX_ENTRIES: usize = 4096;
 /// What a record says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
-    /// Pages, whose bytes follow the header.
+    /// Pages, in the data file.
     Pages,
     /// Keys removed: copies written before the stamp are gone.
     Removals,
@@ -67,8 +68,10 @@ impl Kind {
 pub(crate) struct Header {
     pub(crate) kind: Kind,
     pub(crate) page_bytes: u64,
-    pub(crate) data_offset: u64,
-    pub(crate) record_bytes: u64,
+    /// Where the pages start in the data file.
+    pub(crate) data_at: u64,
+    /// Bytes they take there.
+    pub(crate) data_bytes: u64,
     pub(crate) stamp: u64,
     /// Keys with their page checksums (0 for removals).
     pub(crate) entries: Vec<(PageKey, u64)>,
@@ -84,18 +87,12 @@ pub(crate) fn round_up(bytes: usize) -> usize {
     bytes.div_ceil(ALIGN) * ALIGN
 }
 
-/// Where the pages of a record of `entries` start.
-pub(crate) fn data_offset(kind: Kind, entries: usize) -> usize {
+/// Bytes a batch of `entries` pages of `page_bytes` takes in the data file (none for removals).
+pub(crate) fn data_bytes(kind: Kind, entries: usize, page_bytes: usize) -> usize {
     match kind {
-        Kind::Pages => round_up(header_len(entries)),
-        Kind::Removals => header_len(entries),
+        Kind::Pages => round_up(entries * page_bytes),
+        Kind::Removals => 0,
     }
-}
-
-/// The length of a record of `entries` pages of `page_bytes` (or of removals, without pages).
-pub(crate) fn record_bytes(kind: Kind, entries: usize, page_bytes: usize) -> usize {
-    let pages = if kind == Kind::Pages { entries * page_bytes } else { 0 };
-    round_up(data_offset(kind, entries) + pages)
 }
 
 /// The checksum of a page: the XXH3-64 of its bytes (its segments, one after another), seeded with the XXH3-64 of
@@ -125,7 +122,7 @@ fn header_checksum(digest: &[u8], bytes: &[u8]) -> u64 {
     hasher.finish()
 }
 
-/// Encodes a header into `out` (which is [`data_offset`] long; the rest stays zero).
+/// Encodes a header into `out` ([`header_len`] bytes).
 pub(crate) fn encode(digest: &[u8], header: &Header, out: &mut [u8]) {
     let count = header.entries.len();
     let end = FIXED + count * ENTRY;
@@ -134,8 +131,8 @@ pub(crate) fn encode(digest: &[u8], header: &Header, out: &mut [u8]) {
     out[8..12].copy_from_slice(&header.kind.code().to_le_bytes());
     out[12..16].copy_from_slice(&(count as u32).to_le_bytes());
     out[16..24].copy_from_slice(&header.page_bytes.to_le_bytes());
-    out[24..32].copy_from_slice(&header.data_offset.to_le_bytes());
-    out[32..40].copy_from_slice(&header.record_bytes.to_le_bytes());
+    out[24..32].copy_from_slice(&header.data_at.to_le_bytes());
+    out[32..40].copy_from_slice(&header.data_bytes.to_le_bytes());
     out[40..48].copy_from_slice(&header.stamp.to_le_bytes());
     for (index, (key, checksum)) in header.entries.iter().enumerate() {
         let at = FIXED + index * ENTRY;
@@ -191,8 +188,8 @@ pub(crate) fn decode(digest: &[u8], bytes: &[u8], page_bytes: usize) -> Option<H
     let header = Header {
         kind,
         page_bytes: u64_at(bytes, 16),
-        data_offset: u64_at(bytes, 24),
-        record_bytes: u64_at(bytes, 32),
+        data_at: u64_at(bytes, 24),
+        data_bytes: u64_at(bytes, 32),
         stamp: u64_at(bytes, 40),
         entries: (0..count)
             .map(|index| {
@@ -203,8 +200,8 @@ pub(crate) fn decode(digest: &[u8], bytes: &[u8], page_bytes: usize) -> Option<H
             .collect(),
     };
     let agrees = header.page_bytes == page_bytes as u64
-        && header.data_offset == data_offset(kind, count) as u64
-        && header.record_bytes == record_bytes(kind, count, page_bytes) as u64;
+        && header.data_bytes == data_bytes(kind, count, page_bytes) as u64
+        && header.data_at.is_multiple_of(ALIGN as u64);
     agrees.then_some(header)
 }
 
@@ -215,14 +212,14 @@ mod tests {
 
     use super::*;
 
-    fn header(kind: Kind, keys: usize, page_bytes: usize, stamp: u64) -> Header {
+    fn header(kind: Kind, keys: usize, page_bytes: usize, stamp: u64, data_at: u64) -> Header {
         let entries: Vec<(PageKey, u64)> =
             (0..keys).map(|index| (page_key(None, &[index as u32]), index as u64 * 7)).collect();
         Header {
             kind,
             page_bytes: page_bytes as u64,
-            data_offset: data_offset(kind, keys) as u64,
-            record_bytes: record_bytes(kind, keys, page_bytes) as u64,
+            data_at,
+            data_bytes: data_bytes(kind, keys, page_bytes) as u64,
             stamp,
             entries,
         }
@@ -237,11 +234,12 @@ mod tests {
             keys in 0usize..200,
             page_bytes in 1usize..300_000,
             stamp: u64,
+            block: u32,
             flip in any::<prop::sample::Index>(),
             bit in 0u8..8,
         ) {
-            let header = header(kind, keys, page_bytes, stamp);
-            let mut bytes = vec![0u8; data_offset(kind, keys)];
+            let header = header(kind, keys, page_bytes, stamp, u64::from(block) * ALIGN as u64);
+            let mut bytes = vec![0u8; header_len(keys)];
             encode(b"digest", &header, &mut bytes);
             let length = header_len(keys);
             prop_assert_eq!(peek(&bytes[..FIXED]), Peek::Header(length));
@@ -266,11 +264,10 @@ mod tests {
     }
 
     #[test]
-    fn records_take_whole_blocks_and_pages_start_on_one() {
-        assert_eq!(data_offset(Kind::Pages, 1), ALIGN);
-        assert_eq!(record_bytes(Kind::Pages, 128, 4096), 2 * ALIGN + 128 * 4096);
-        assert_eq!(record_bytes(Kind::Pages, 3, 512), ALIGN * 2);
-        assert_eq!(record_bytes(Kind::Removals, 2, 4096), ALIGN);
+    fn batches_take_whole_blocks_of_the_data_file() {
+        assert_eq!(data_bytes(Kind::Pages, 128, 4096), 128 * 4096);
+        assert_eq!(data_bytes(Kind::Pages, 3, 512), ALIGN);
+        assert_eq!(data_bytes(Kind::Removals, 2, 4096), 0);
         assert_eq!(peek(&[0u8; FIXED]), Peek::Nothing);
     }
 }
