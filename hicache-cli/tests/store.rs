@@ -246,11 +246,18 @@ fn a_capacity_holds_across_store_processes_and_comes_from_the_flag_or_the_config
     let storage = work.path().join("storage");
     let (_, bytes) = fixture(work.path(), 3);
     let page = work.path().join("page.bin");
-    // three processes, one page each, a capacity of two native page files (128 bytes and a 16-byte footer)
+    // three processes, one page each, a capacity of two native page files (128 bytes and a 16-byte footer); a file
+    // per page, whose least recently used one goes (segment files evict whole segments, oldest first)
     let keys: Vec<String> = (1..=3).map(|index| format!("{index:02x}").repeat(32)).collect();
     for (index, key) in keys.iter().enumerate() {
         std::fs::write(&page, &bytes[index * PAGE_BYTES..(index + 1) * PAGE_BYTES]).unwrap();
-        ok(store("put", &storage, &["--key", key, "--in", page.to_str().unwrap(), "--capacity-bytes", "288"]));
+        let page = page.to_str().unwrap();
+        let per_file = r#"{"segment_threshold": 0}"#;
+        ok(store(
+            "put",
+            &storage,
+            &["--key", key, "--in", page, "--capacity-bytes", "288", "--extra-config", per_file],
+        ));
     }
     let listed = ok(store("ls", &storage, &[]));
     assert_eq!(listed.lines().count(), 2, "{listed}");
@@ -306,7 +313,9 @@ fn an_unreadable_shard_folder_is_skipped_and_named_not_fatal() {
     let (tokens, bytes) = fixture(work.path(), 24);
     let input = work.path().join("pages.bin");
     std::fs::write(&input, &bytes).unwrap();
-    ok(store("put", &storage, &["--tokens", &tokens, "--in", input.to_str().unwrap()]));
+    // a file per page (small pages would go to segment files); the namespace keeps that layout afterwards
+    let per_file = r#"{"segment_threshold": 0}"#;
+    ok(store("put", &storage, &["--tokens", &tokens, "--in", input.to_str().unwrap(), "--extra-config", per_file]));
     let all = ok(store("ls", &storage, &[])).lines().count();
     assert_eq!(all, 24);
     // one shard folder (the pages whose keys start with its two hex digits) becomes unreadable

@@ -179,7 +179,10 @@ class ModelOutputUnchanged(unittest.TestCase):
 
     def test_bad_pages_are_recomputed_and_the_output_still_agrees(self):
         with tempfile.TemporaryDirectory() as directory:
-            engine = Engine(self.model, config(directory), device_tokens=768)
+            settings = config(directory)
+            # pages in a file each, so that one page's file can be damaged
+            settings["storage_backend_extra_config"]["segment_threshold"] = 0
+            engine = Engine(self.model, settings, device_tokens=768)
             damaged = {}
 
             def between(turn, history):

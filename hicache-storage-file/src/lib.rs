@@ -1,4 +1,5 @@
-//! The local file storage tier: one file per page, in SGLang's layout or in hicache's checksummed native layout.
+//! The local file storage tier: one file per page, in SGLang's layout or in hicache's checksummed native layout, or
+//! small native pages appended to segment files.
 //!
 //! * **SGLang layout** ([`FileFormat::Sglang`]): `{dir}/{hash}_{model}_{tp_rank}_{tp_size}.bin` (MHA) or
 //!   `{dir}/{hash}_{model}.bin` (MLA), `/` in the model replaced by `-`, with `_{pp_size}_{pp_rank}` after either
@@ -8,8 +9,13 @@
 //!   the page bytes followed by a footer (magic, version, XXH3-64 of the namespace digest, the key and the page; 16
 //!   bytes, or a 4 KiB block for pages of whole 4 KiB blocks, so that `O_DIRECT` can read and write the file). The
 //!   namespace digest covers dtype, layout, page size and TP/PP geometry; the two-hex shard keeps directories small.
+//! * **Native segments**, for pages below [`FileConfig::segment_threshold`] (1 MiB by default), where creating a
+//!   file per page costs more than writing the page: `{dir}/hicache-v1/{namespace digest}/segments/`, each batch's
+//!   pages appended to a data file and then named by a checksummed record in an index file beside it; every process
+//!   rebuilds its index of pages from the records (see `segment/mod.rs`). A namespace that holds pages in one
+//!   native layout keeps it whatever the threshold says later.
 //!
-//! Both layouts write a temporary file in the same directory and rename it, so a reader never sees a partial page
+//! The file-per-page layouts write a temporary file in the same directory and rename it, so a reader never sees a partial page
 //! under its real name, and two writers of one key (in two processes, containers or hosts) each rename a whole file.
 //! Reads check the length (and, natively, the checksum): a short, torn or damaged native page, or another key's, is
 //! reported as [`FailureKind::Corrupt`] and removed; an SGLang-layout file of another length is a
@@ -221,8 +227,8 @@ impl FileStorage {
                 .map_err(|error| io_failure(format!("reading {}: {error}", root.display()), error))?;
         // the smallest unit the capacity must hold: a page file, or a segment record of one page
         let unit_bytes = if segmented {
-            (segment::record::data_bytes(segment::record::Kind::Pages, 1, page_bytes) + segment::record::header_len(1))
-                as u64
+            (segment::record::data_bytes(segment::record::Kind::Pages, 1, page_bytes, config.direct_io)
+                + segment::record::header_len(1)) as u64
         } else {
             file_bytes
         };

@@ -1,17 +1,20 @@
 //! Small pages appended to segment files, found through an index every process rebuilds from the segments.
 //!
-//! A namespace's segments live in `{namespace folder}/segments/`, named `{creation ns:020}-{writer:016x}.seg` so that
-//! names sort oldest first. Each process appends only to segments it created, one at a time: a batch is one record
-//! (a header naming the pages and their checksums, then the pages, see `record.rs`), written at an offset reserved
-//! under a lock, so threads of one process append side by side and processes never share a file. The pages of a
-//! record are written before its header.
+//! A namespace's segments live in `{namespace folder}/segments/`, named `{creation ns:020}-{writer:016x}` so that
+//! names sort oldest first; each is a data file (`.seg`, the pages) and an index file (`.idx`, the records, see
+//! `record.rs`). Each process appends only to segments it created, one at a time: a batch's pages go to the data
+//! file at an offset reserved under a lock (threads of one process write side by side; processes never share a
+//! file), and once they are written, a record naming them (keys and checksums) is appended to the index file. A
+//! writer with `O_DIRECT` allocates its data file ahead of its writes, since a direct write that lengthens a file
+//! waits for the file system.
 //!
-//! Every process keeps an index (key → segment, offset, checksum) in memory. It is built by reading the record
-//! headers of every segment when the backend opens (recovery: a torn header ends what is taken from its segment),
-//! and brought up to date (new segments, records appended since, segments gone) whenever a lookup misses. A read
-//! checks each page's checksum, which binds the namespace digest and the key, so a torn or foreign page is never
-//! returned. A removal is a record of removed keys, stamped, so every process applies it against the copies written
-//! before it.
+//! Every process keeps an index (key → segment, offset, checksum) in memory. It is built from the index files when
+//! the backend opens (recovery: a torn or damaged record ends what is taken from its index file, and a record whose
+//! pages lie past the end of its data file is skipped), and brought up to date (new segments, records appended
+//! since, segments gone) whenever a lookup misses, and whenever another process removed, cleared or evicted pages
+//! (a shared count, one `pread` per call, says so). A read checks each page's checksum, which binds the namespace
+//! digest and the key, so a torn or foreign page is never returned. A removal is a record of removed keys, stamped,
+//! so every process applies it against the copies written before it.
 //!
 //! With a capacity, the bytes of the namespace's segments are counted in the account every process shares
 //! (`account.rs`); a writer that would pass the capacity removes whole segments, oldest first, down to 90%, then
@@ -43,6 +46,8 @@ pub(crate) const FOLDER: &str = "segments";
 /// The most bytes one read takes: a batch's pages, however contiguous, are read in several operations at once, and
 /// each operation's pages are checked while the next are read.
 const READ_SPLIT_BYTES: usize = 128 << 10;
+/// Bytes of pages whose checksums are computed on several threads (below it, handing the work over costs more).
+const PARALLEL_CHECK_BYTES: usize = 2 << 20;
 /// A segment's data file (its pages) and index file (its records) end with these.
 const DATA: &str = ".seg";
 const RECORDS: &str = ".idx";
@@ -568,7 +573,8 @@ impl SegmentStore {
         let mut reads: Vec<(u32, u64, usize, bool)> = Vec::new();
         for (index, slot) in found.iter().enumerate() {
             if let (Some((segment, offset, _, _)), None) = (*slot, &outcomes[index]) {
-                let direct = self.direct_fits(&pages[index]);
+                // a page another writer packed off a block boundary goes through the page cache
+                let direct = self.direct_fits(&pages[index]) && offset.is_multiple_of(ALIGN as u64);
                 reads.push((segment, offset, index, direct));
             }
         }
@@ -647,7 +653,7 @@ impl SegmentStore {
                 let (_, _, checksum, _) = found[*page].expect("a page read was found");
                 (*page, record::page_checksum(&self.settings.digest, &keys[*page], segments) == checksum)
             };
-            let verdicts: Vec<(usize, bool)> = if work.len() * page_bytes >= 256 << 10 {
+            let verdicts: Vec<(usize, bool)> = if work.len() * page_bytes >= PARALLEL_CHECK_BYTES {
                 pool.install(|| work.par_iter().map(verdict).collect())
             } else {
                 work.iter().map(verdict).collect()
@@ -770,7 +776,9 @@ impl SegmentStore {
         use rayon::prelude::*;
         let page_bytes = self.settings.page_bytes;
         let direct = chunk.iter().all(|&page| self.direct_fits(&pages[page]));
-        let data_bytes = record::data_bytes(Kind::Pages, chunk.len(), page_bytes) as u64;
+        // a direct writer keeps every batch on a block boundary; others pack them
+        let aligned = self.settings.direct_io && page_bytes.is_multiple_of(ALIGN);
+        let data_bytes = record::data_bytes(Kind::Pages, chunk.len(), page_bytes, aligned) as u64;
         let (writer, offset) = self.reserve(data_bytes, record::header_len(chunk.len()) as u64, pool)?;
         let file = if direct { writer.direct.as_ref().unwrap_or(&writer.buffered) } else { &writer.buffered };
         let direct = direct && writer.direct.is_some();
@@ -798,7 +806,7 @@ impl SegmentStore {
         let checksums = || {
             let checksum =
                 |&page: &usize| (keys[page], record::page_checksum(&self.settings.digest, &keys[page], &pages[page]));
-            entries = if chunk.len() * page_bytes >= 4 << 20 {
+            entries = if chunk.len() * page_bytes >= PARALLEL_CHECK_BYTES {
                 pool.install(|| chunk.par_iter().map(checksum).collect())
             } else {
                 chunk.iter().map(checksum).collect()

@@ -11,7 +11,7 @@
 //! | 12..16 | entries |
 //! | 16..24 | bytes per page |
 //! | 24..32 | where the pages start in the data file |
-//! | 32..40 | bytes the pages take there (rounded up to a 4 KiB block, so the next batch starts on one) |
+//! | 32..40 | bytes the pages take there: theirs, or rounded up to a 4 KiB block by a writer with `O_DIRECT` (so its next batch starts on one) |
 //! | 40..48 | stamp: nanoseconds since the epoch, increasing within a writer (orders a removal against a write) |
 //! | 48.. | per entry: the key (32 bytes) and the page's checksum (8 bytes): the XXH3-64 of the page seeded with the XXH3-64 of the namespace digest and the key |
 //! | then | the XXH3-64 of the namespace digest and every byte of the record before it |
@@ -87,11 +87,13 @@ pub(crate) fn round_up(bytes: usize) -> usize {
     bytes.div_ceil(ALIGN) * ALIGN
 }
 
-/// Bytes a batch of `entries` pages of `page_bytes` takes in the data file (none for removals).
-pub(crate) fn data_bytes(kind: Kind, entries: usize, page_bytes: usize) -> usize {
-    match kind {
-        Kind::Pages => round_up(entries * page_bytes),
-        Kind::Removals => 0,
+/// Bytes a batch of `entries` pages of `page_bytes` takes in the data file (none for removals); `aligned`: rounded
+/// up to a whole block, so that the next batch starts on one (for `O_DIRECT`).
+pub(crate) fn data_bytes(kind: Kind, entries: usize, page_bytes: usize, aligned: bool) -> usize {
+    match (kind, aligned) {
+        (Kind::Pages, true) => round_up(entries * page_bytes),
+        (Kind::Pages, false) => entries * page_bytes,
+        (Kind::Removals, _) => 0,
     }
 }
 
@@ -200,8 +202,9 @@ pub(crate) fn decode(digest: &[u8], bytes: &[u8], page_bytes: usize) -> Option<H
             .collect(),
     };
     let agrees = header.page_bytes == page_bytes as u64
-        && header.data_bytes == data_bytes(kind, count, page_bytes) as u64
-        && header.data_at.is_multiple_of(ALIGN as u64);
+        && [true, false]
+            .iter()
+            .any(|&aligned| header.data_bytes == data_bytes(kind, count, page_bytes, aligned) as u64);
     agrees.then_some(header)
 }
 
@@ -219,7 +222,7 @@ mod tests {
             kind,
             page_bytes: page_bytes as u64,
             data_at,
-            data_bytes: data_bytes(kind, keys, page_bytes) as u64,
+            data_bytes: data_bytes(kind, keys, page_bytes, data_at % 2 == 0) as u64,
             stamp,
             entries,
         }
@@ -264,10 +267,11 @@ mod tests {
     }
 
     #[test]
-    fn batches_take_whole_blocks_of_the_data_file() {
-        assert_eq!(data_bytes(Kind::Pages, 128, 4096), 128 * 4096);
-        assert_eq!(data_bytes(Kind::Pages, 3, 512), ALIGN);
-        assert_eq!(data_bytes(Kind::Removals, 2, 4096), 0);
+    fn batches_of_direct_writers_take_whole_blocks_of_the_data_file() {
+        assert_eq!(data_bytes(Kind::Pages, 128, 4096, true), 128 * 4096);
+        assert_eq!(data_bytes(Kind::Pages, 3, 512, true), ALIGN);
+        assert_eq!(data_bytes(Kind::Pages, 3, 512, false), 3 * 512);
+        assert_eq!(data_bytes(Kind::Removals, 2, 4096, true), 0);
         assert_eq!(peek(&[0u8; FIXED]), Peek::Nothing);
     }
 }
