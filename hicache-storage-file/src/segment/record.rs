@@ -222,7 +222,7 @@ mod tests {
             kind,
             page_bytes: page_bytes as u64,
             data_at,
-            data_bytes: data_bytes(kind, keys, page_bytes, data_at % 2 == 0) as u64,
+            data_bytes: data_bytes(kind, keys, page_bytes, data_at.is_multiple_of(2)) as u64,
             stamp,
             entries,
         }
