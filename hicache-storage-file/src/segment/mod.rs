@@ -25,6 +25,8 @@ mod io;
 pub(crate) mod record;
 
 use std::collections::{BTreeMap, HashMap};
+
+use rustc_hash::FxHashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{IoSlice, IoSliceMut};
 use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
@@ -139,7 +141,8 @@ impl Segment {
 /// The index: every key this process knows of, and the segments.
 #[derive(Debug, Default)]
 struct Index {
-    keys: HashMap<PageKey, Slot>,
+    /// Keyed by page keys, which are hashes already: a fast hasher is enough.
+    keys: FxHashMap<PageKey, Slot>,
     segments: HashMap<u32, Segment>,
     by_name: BTreeMap<String, u32>,
     next_id: u32,
@@ -580,7 +583,7 @@ impl SegmentStore {
         }
         reads.sort_unstable();
         // handles of the segments read, held for the call (an evicted segment stays readable through them)
-        let mut handles: HashMap<(u32, bool), Arc<File>> = HashMap::new();
+        let mut handles: FxHashMap<(u32, bool), Arc<File>> = FxHashMap::default();
         {
             let index = self.read_index();
             for &(segment, _, page, direct) in &reads {
@@ -607,27 +610,25 @@ impl SegmentStore {
         }
         // the caller's buffers, taken out one page at a time in file order
         let slice_counts: Vec<usize> = pages.iter().map(Vec::len).collect();
-        let mut buffers: Vec<Option<Vec<IoSliceMut<'_>>>> = pages
-            .iter_mut()
-            .map(|page| Some(page.iter_mut().map(|segment| IoSliceMut::new(segment)).collect()))
-            .collect();
+        let mut buffers: Vec<Option<&mut PageSegmentsMut<'_>>> = pages.iter_mut().map(Some).collect();
         let mut ops: Vec<Op<'_>> = Vec::new();
         // the pages of each operation
         let mut members: Vec<Vec<usize>> = Vec::new();
         let mut last: Option<(u32, bool, u64)> = None;
         for &(segment, offset, page, direct) in &reads {
             let Some(file) = handles.get(&(segment, direct)) else { continue };
-            let Some(mut slices) = buffers[page].take() else { continue };
+            let Some(segments) = buffers[page].take() else { continue };
+            let slices = segments.iter_mut().map(|segment| IoSliceMut::new(segment));
             let joins = last == Some((segment, direct, offset))
                 && members.last().is_some_and(|pages| pages.len() * page_bytes < READ_SPLIT_BYTES)
                 && matches!(ops.last(), Some(Op::Read { buffers, .. }) if buffers.len() + slices.len() <= MAX_BUFFERS);
             if joins {
                 if let Some(Op::Read { buffers, .. }) = ops.last_mut() {
-                    buffers.append(&mut slices);
+                    buffers.extend(slices);
                 }
                 members.last_mut().expect("an operation per member list").push(page);
             } else {
-                ops.push(Op::Read { file, offset, buffers: slices });
+                ops.push(Op::Read { file, offset, buffers: slices.collect() });
                 members.push(vec![page]);
             }
             last = Some((segment, direct, offset + page_bytes as u64));
@@ -641,17 +642,22 @@ impl SegmentStore {
         let check = |done: &[usize], ops: &[Op<'_>]| {
             use rayon::prelude::*;
             // each completed operation's pages: (page, its buffers)
-            let mut work: Vec<(usize, Vec<&[u8]>)> = Vec::new();
+            // each completed page: (page, where its segments start in `slices`)
+            let mut slices: Vec<&[u8]> = Vec::new();
+            let mut work: Vec<(usize, usize)> = Vec::new();
             for &op in done {
                 let Op::Read { buffers, .. } = &ops[op] else { continue };
-                let mut slices = buffers.iter().map(|slice| &**slice);
+                let mut start = slices.len();
                 for &page in &members[op] {
-                    work.push((page, slices.by_ref().take(slice_counts[page]).collect()));
+                    work.push((page, start));
+                    start += slice_counts[page];
                 }
+                slices.extend(buffers.iter().map(|slice| &**slice));
             }
-            let verdict = |(page, segments): &(usize, Vec<&[u8]>)| {
-                let (_, _, checksum, _) = found[*page].expect("a page read was found");
-                (*page, record::page_checksum(&self.settings.digest, &keys[*page], segments) == checksum)
+            let verdict = |&(page, start): &(usize, usize)| {
+                let (_, _, checksum, _) = found[page].expect("a page read was found");
+                let segments = &slices[start..start + slice_counts[page]];
+                (page, record::page_checksum(&self.settings.digest, &keys[page], segments) == checksum)
             };
             let verdicts: Vec<(usize, bool)> = if work.len() * page_bytes >= PARALLEL_CHECK_BYTES {
                 pool.install(|| work.par_iter().map(verdict).collect())
@@ -737,7 +743,7 @@ impl SegmentStore {
         let mut outcomes: Vec<Option<SetOutcome>> = vec![None; keys.len()];
         {
             let index = self.read_index();
-            let mut seen = std::collections::HashSet::new();
+            let mut seen = rustc_hash::FxHashSet::default();
             for (page, key) in keys.iter().enumerate() {
                 let length = segments_len(&pages[page]);
                 if length != self.settings.page_bytes {
@@ -1047,7 +1053,7 @@ impl SegmentStore {
         self.catch_up(false)?;
         let held: Vec<PageKey> = {
             let index = self.read_index();
-            let mut seen = std::collections::HashSet::new();
+            let mut seen = rustc_hash::FxHashSet::default();
             keys.iter().filter(|key| index.page(key).is_some() && seen.insert(**key)).copied().collect()
         };
         for chunk in held.chunks(record::MAX_ENTRIES) {
