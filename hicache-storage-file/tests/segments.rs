@@ -269,3 +269,94 @@ fn processes_sharing_segments_hold_one_capacity() {
     // every page is all one writer's byte
     assert!(buffers.iter().all(|page| page.iter().all(|byte| *byte == page[0] && u64::from(*byte) < WRITERS)));
 }
+
+/// What one step of the property test does, through backend `0` or `1` (two processes sharing the directory).
+#[derive(Clone, Debug)]
+enum Step {
+    Set(usize, Vec<u8>),
+    Remove(usize, Vec<u8>),
+    Clear(usize),
+    /// The backend closes and opens again (a restart).
+    Reopen(usize),
+}
+
+fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    let keys = proptest::collection::vec(0u8..12, 0..6);
+    prop_oneof![
+        4 => (0..2usize, keys.clone()).prop_map(|(backend, keys)| Step::Set(backend, keys)),
+        2 => (0..2usize, keys).prop_map(|(backend, keys)| Step::Remove(backend, keys)),
+        1 => (0..2usize).prop_map(Step::Clear),
+        1 => (0..2usize).prop_map(Step::Reopen),
+    ]
+}
+
+/// The only correct content of key `index`.
+fn content(index: u8) -> Vec<u8> {
+    (0..PAGE).map(|byte| (byte as u8).wrapping_mul(index.wrapping_add(3))).collect()
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::test_runner::Config { cases: 128, ..Default::default() })]
+
+    /// Against a model (the set of keys held): after every step, through either backend, every held key reads back
+    /// its own bytes, every other key misses, `exists` counts the held run, `list` names the held keys, and
+    /// `remove` and `clear` count what was held.
+    #[test]
+    fn two_backends_agree_with_a_model_through_writes_removals_clears_and_restarts(
+        steps in proptest::collection::vec(step(), 1..24),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut backends = [Some(open(dir.path())), Some(open(dir.path()))];
+        let mut held = std::collections::BTreeSet::new();
+        let key = |index: u8| page_key(None, &[u32::from(index), 0x5e6]);
+        for step in steps {
+            match step {
+                Step::Set(backend, indices) => {
+                    let keys: Vec<PageKey> = indices.iter().map(|&index| key(index)).collect();
+                    let pages: Vec<Vec<u8>> = indices.iter().map(|&index| content(index)).collect();
+                    let outcomes = put(backends[backend].as_ref().unwrap(), &keys, &pages);
+                    proptest::prop_assert!(outcomes.iter().all(SetOutcome::is_stored), "{:?}", outcomes);
+                    held.extend(indices);
+                }
+                Step::Remove(backend, indices) => {
+                    let keys: Vec<PageKey> = indices.iter().map(|&index| key(index)).collect();
+                    let expected = indices.iter().collect::<std::collections::BTreeSet<_>>().iter()
+                        .filter(|index| held.contains(**index)).count();
+                    proptest::prop_assert_eq!(backends[backend].as_ref().unwrap().remove(&keys).unwrap(), expected);
+                    for index in indices {
+                        held.remove(&index);
+                    }
+                }
+                Step::Clear(backend) => {
+                    proptest::prop_assert_eq!(backends[backend].as_ref().unwrap().clear().unwrap(), held.len() as u64);
+                    held.clear();
+                }
+                Step::Reopen(backend) => {
+                    backends[backend] = None;
+                    backends[backend] = Some(open(dir.path()));
+                }
+            }
+            for backend in backends.iter().flatten() {
+                let all: Vec<u8> = (0..12).collect();
+                let keys: Vec<PageKey> = all.iter().map(|&index| key(index)).collect();
+                let (outcomes, buffers) = fetch(backend, &keys, PAGE, 0);
+                for ((index, outcome), buffer) in all.iter().zip(&outcomes).zip(&buffers) {
+                    if held.contains(index) {
+                        proptest::prop_assert_eq!(outcome, &GetOutcome::Hit, "key {}", index);
+                        proptest::prop_assert!(*buffer == content(*index), "key {} read other bytes", index);
+                    } else {
+                        proptest::prop_assert_eq!(outcome, &GetOutcome::Miss, "key {}", index);
+                    }
+                }
+                let run = all.iter().take_while(|index| held.contains(*index)).count();
+                proptest::prop_assert_eq!(backend.batch_exists(&keys).unwrap(), run);
+                let mut listed: Vec<PageKey> = backend.list().unwrap().into_iter().map(|(key, _)| key).collect();
+                listed.sort_unstable();
+                let mut expected: Vec<PageKey> = held.iter().map(|&index| key(index)).collect();
+                expected.sort_unstable();
+                proptest::prop_assert_eq!(listed, expected);
+            }
+        }
+    }
+}

@@ -25,8 +25,6 @@ mod io;
 pub(crate) mod record;
 
 use std::collections::{BTreeMap, HashMap};
-
-use rustc_hash::FxHashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{IoSlice, IoSliceMut};
 use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
@@ -38,6 +36,8 @@ use hicache_core::hash::PageKey;
 use hicache_core::storage::{
     FailureKind, GetOutcome, PageFailure, PageSegments, PageSegmentsMut, SetOutcome, segments_len, size_mismatch,
 };
+
+use rustc_hash::FxHashMap;
 
 use self::io::{MAX_BUFFERS, Op, Submitter};
 use self::record::{ALIGN, Header, Kind};
@@ -1051,11 +1051,16 @@ impl SegmentStore {
     /// Removes `keys` for every process: a record of them is appended. Returns how many were held.
     pub(crate) fn remove(&self, keys: &[PageKey], pool: &rayon::ThreadPool) -> std::io::Result<usize> {
         self.catch_up(false)?;
-        let held: Vec<PageKey> = {
-            let index = self.read_index();
+        let held_now = |index: &Index| {
             let mut seen = rustc_hash::FxHashSet::default();
-            keys.iter().filter(|key| index.page(key).is_some() && seen.insert(**key)).copied().collect()
+            keys.iter().filter(|key| index.page(key).is_some() && seen.insert(**key)).copied().collect::<Vec<_>>()
         };
+        let mut held = held_now(&self.read_index());
+        if held.len() < keys.len() {
+            // pages another process wrote since this one last looked are removed too
+            self.refresh()?;
+            held = held_now(&self.read_index());
+        }
         for chunk in held.chunks(record::MAX_ENTRIES) {
             let (writer, _) = self.reserve(0, record::header_len(chunk.len()) as u64, pool)?;
             let header = self.header(Kind::Removals, chunk.iter().map(|key| (*key, 0)).collect(), 0, 0);
