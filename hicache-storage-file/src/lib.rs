@@ -94,6 +94,10 @@ pub struct FileConfig {
     /// Submit segment reads and writes through io_uring when the kernel allows it (else `preadv`/`pwritev` on the
     /// I/O threads).
     pub io_uring: bool,
+    /// Bytes of a segment read ahead (into the page cache, without waiting) of a batch that continues a forward walk
+    /// through it, as a prefix read back a batch at a time does; 0 reads nothing ahead. At most
+    /// [`MAX_READ_AHEAD_BYTES`].
+    pub read_ahead_bytes: u64,
 }
 
 /// The default [`FileConfig::segment_threshold`]: pages below 1 MiB go to segments (creating a file per page costs
@@ -103,6 +107,10 @@ pub const DEFAULT_SEGMENT_THRESHOLD: usize = 1 << 20;
 pub const DEFAULT_SEGMENT_BYTES: u64 = 256 << 20;
 /// The smallest [`FileConfig::segment_bytes`].
 pub const MIN_SEGMENT_BYTES: u64 = 1 << 20;
+/// The default [`FileConfig::read_ahead_bytes`].
+pub const DEFAULT_READ_AHEAD_BYTES: u64 = 8 << 20;
+/// The largest [`FileConfig::read_ahead_bytes`].
+pub const MAX_READ_AHEAD_BYTES: u64 = 1 << 30;
 
 impl FileConfig {
     /// `dir` if given, else `$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`, else `/tmp/hicache`, as SGLang.
@@ -128,6 +136,7 @@ impl FileConfig {
             segment_threshold: DEFAULT_SEGMENT_THRESHOLD,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             io_uring: true,
+            read_ahead_bytes: DEFAULT_READ_AHEAD_BYTES,
         }
     }
 }
@@ -272,6 +281,7 @@ impl FileStorage {
                     .max(unit_bytes),
                 direct_io: storage.config.direct_io,
                 io_uring: storage.config.io_uring,
+                read_ahead: storage.config.read_ahead_bytes,
                 read_only: storage.config.read_only,
                 capacity_bytes: storage.config.capacity_bytes,
                 account: storage.config.capacity_bytes.map(|_| storage.account_path()),

@@ -126,6 +126,52 @@ fn torn_and_damaged_records_never_return_a_wrong_page() {
     assert_eq!(outcomes, vec![GetOutcome::Miss; 4]);
 }
 
+/// A prefix read back batch by batch, in the order it was written, is read ahead: every page comes back whole,
+/// also one damaged on the disk after the window holding it was asked for (the checksum still catches it), and
+/// one written again meanwhile by another backend (its new copy).
+#[test]
+fn pages_read_back_in_order_through_the_read_ahead_window_are_whole() {
+    const PAGES: usize = 256;
+    const BATCH: usize = 8;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = random_keys(PAGES);
+    let pages = random_pages(PAGES, PAGE);
+    let writer = open(dir.path());
+    for batch in 0..PAGES / BATCH {
+        let range = batch * BATCH..(batch + 1) * BATCH;
+        assert!(put(&writer, &keys[range.clone()], &pages[range]).iter().all(|outcome| *outcome == SetOutcome::Stored));
+    }
+    let [segment] = segment_files(dir.path()).try_into().expect("one segment");
+    let data = OpenOptions::new().write(true).open(&segment).unwrap();
+    // a window of 8 batches
+    let reader = open_with(dir.path(), |config| config.read_ahead_bytes = (8 * BATCH * PAGE) as u64);
+    let (damaged, rewritten) = (100, 150);
+    let mut rewritten_page = pages[rewritten].clone();
+    rewritten_page.reverse();
+    for batch in 0..PAGES / BATCH {
+        if batch == 10 {
+            // the window reaches past both pages by now
+            data.write_all_at(&[!pages[damaged][7]], (damaged * PAGE + 7) as u64).unwrap();
+            assert_eq!(writer.remove(&keys[rewritten..=rewritten]).unwrap(), 1);
+            assert_eq!(put(&writer, &keys[rewritten..=rewritten], &[rewritten_page.clone()]), [SetOutcome::Stored]);
+        }
+        let range = batch * BATCH..(batch + 1) * BATCH;
+        let (outcomes, buffers) = fetch(&reader, &keys[range.clone()], PAGE, 0);
+        for ((index, outcome), buffer) in range.zip(outcomes).zip(buffers) {
+            if index == damaged {
+                assert!(
+                    matches!(outcome, GetOutcome::Failed(ref failure) if failure.kind == FailureKind::Corrupt),
+                    "{outcome:?}"
+                );
+                continue;
+            }
+            assert_eq!(outcome, GetOutcome::Hit, "page {index}");
+            let expected = if index == rewritten { &rewritten_page } else { &pages[index] };
+            assert!(buffer == *expected, "page {index} read wrong bytes");
+        }
+    }
+}
+
 #[test]
 fn one_backend_sees_what_another_wrote_removed_and_cleared() {
     let dir = tempfile::tempdir().unwrap();

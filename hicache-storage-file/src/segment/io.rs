@@ -81,7 +81,7 @@ impl Submitter {
     /// otherwise system calls on the I/O threads.
     pub(crate) fn new(wanted: bool) -> Self {
         let rings = wanted
-            .then(|| match IoUring::new(DEPTH) {
+            .then(|| match new_ring() {
                 Ok(ring) => Some(Mutex::new(vec![ring])),
                 Err(error) => {
                     tracing::warn!(%error, "io_uring is not available: the file tier reads and writes segments with \
@@ -116,7 +116,7 @@ impl Submitter {
     ) -> Vec<io::Result<()>> {
         if let Some(rings) = &self.rings {
             let ring = rings.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop();
-            if let Some(mut ring) = ring.map_or_else(|| IoUring::new(DEPTH).ok(), Some) {
+            if let Some(mut ring) = ring.map_or_else(|| new_ring().ok(), Some) {
                 let results = through_ring(&mut ring, ops, meanwhile, &mut done);
                 rings.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(ring);
                 return results;
@@ -137,6 +137,12 @@ impl Submitter {
         }
         results
     }
+}
+
+/// A ring whose completions wait for the next call into the kernel (no interrupt of the thread that submitted:
+/// a batch's caller waits for its completions anyway).
+fn new_ring() -> io::Result<IoUring> {
+    IoUring::builder().setup_coop_taskrun().build(DEPTH).or_else(|_| IoUring::new(DEPTH))
 }
 
 /// The buffer list of `op` for the kernel, with buffers that follow each other in memory joined into one (the kernel

@@ -21,6 +21,7 @@
 //! compacts: pages of the removed segments that this process read since they were written are written again, so a
 //! page in use outlives its segment (and the pages nobody read go with it).
 
+mod ahead;
 mod io;
 pub(crate) mod record;
 
@@ -39,6 +40,7 @@ use hicache_core::storage::{
 
 use rustc_hash::FxHashMap;
 
+use self::ahead::ReadAhead;
 use self::io::{MAX_BUFFERS, Op, Submitter};
 use self::record::{ALIGN, Header, Kind};
 use crate::account::SharedAccount;
@@ -73,6 +75,8 @@ pub(crate) struct SegmentSettings {
     pub(crate) segment_bytes: u64,
     pub(crate) direct_io: bool,
     pub(crate) io_uring: bool,
+    /// Bytes read ahead of a batch that continues a forward walk through a segment (0: none).
+    pub(crate) read_ahead: u64,
     pub(crate) read_only: bool,
     pub(crate) capacity_bytes: Option<u64>,
     /// The capacity account's file (with a capacity and writes).
@@ -115,11 +119,13 @@ struct Segment {
     own: bool,
     /// Pages of it the index points at.
     pages: usize,
+    /// Where the pages its records name end in the data file.
+    data_end: u64,
 }
 
 impl Segment {
     fn new(name: String, path: PathBuf, own: bool) -> Self {
-        Self { name, path, buffered: OnceLock::new(), direct: OnceLock::new(), scanned: 0, own, pages: 0 }
+        Self { name, path, buffered: OnceLock::new(), direct: OnceLock::new(), scanned: 0, own, pages: 0, data_end: 0 }
     }
 
     /// A read handle, opened now if needed.
@@ -181,6 +187,9 @@ impl Index {
     fn apply(&mut self, id: u32, header: &Header) {
         match header.kind {
             Kind::Pages => {
+                if let Some(segment) = self.segments.get_mut(&id) {
+                    segment.data_end = segment.data_end.max(header.data_at + header.data_bytes);
+                }
                 for (index, &(key, checksum)) in header.entries.iter().enumerate() {
                     let offset = header.data_at + index as u64 * header.page_bytes;
                     self.put(key, Slot::Page { segment: id, offset, checksum, stamp: header.stamp, read: false });
@@ -252,6 +261,8 @@ pub(crate) struct SegmentStore {
     refreshing: Mutex<()>,
     writer: Mutex<Option<Writer>>,
     submitter: Submitter,
+    /// The walks through segments that batches of reads make, and the windows read ahead of them.
+    ahead: ReadAhead,
     account: Option<SharedAccount>,
     /// The last stamp given.
     stamp: AtomicU64,
@@ -300,6 +311,7 @@ impl SegmentStore {
         let settings_changes = (settings.changes.clone(), settings.base.clone(), !settings.read_only);
         let store = Self {
             submitter: Submitter::new(settings.io_uring),
+            ahead: ReadAhead::new(settings.read_ahead),
             settings,
             dir,
             index: RwLock::new(Index::default()),
@@ -580,6 +592,27 @@ impl SegmentStore {
             }
         }
         reads.sort_unstable();
+        // the read-ahead of each segment read: its pages in the window read ahead come from the page cache
+        let mut plans: Vec<(u32, ahead::Plan)> = Vec::new();
+        {
+            let index = self.read_index();
+            for run in reads.chunk_by(|first, second| first.0 == second.0) {
+                let segment = run[0].0;
+                let data_end = index.segments.get(&segment).map_or(0, |held| held.data_end);
+                let end = run[run.len() - 1].1 + page_bytes as u64;
+                plans.push((segment, self.ahead.plan(segment, run[0].1, end, data_end)));
+            }
+        }
+        for read in &mut reads {
+            let plan = plans.iter().find(|(segment, _)| *segment == read.0).map(|(_, plan)| plan.cached);
+            if let Some((from, to)) = plan
+                && from <= read.1
+                && read.1 + page_bytes as u64 <= to
+            {
+                read.3 = false;
+            }
+        }
+        reads.sort_unstable();
         // handles of the segments read, held for the call (an evicted segment stays readable through them)
         let mut handles: FxHashMap<(u32, bool), Arc<File>> = FxHashMap::default();
         {
@@ -660,7 +693,20 @@ impl SegmentStore {
                 intact[page] = Some(whole);
             }
         };
-        let results = self.submitter.run_with(&mut ops, pool, || {}, check);
+        let advise = |fetch: bool| {
+            for (segment, plan) in &plans {
+                let range = if fetch { plan.fetch } else { plan.release };
+                let file = handles.get(&(*segment, false)).or_else(|| handles.get(&(*segment, true)));
+                if let (Some((from, to)), Some(file)) = (range, file) {
+                    let advice = if fetch { rustix::fs::Advice::WillNeed } else { rustix::fs::Advice::DontNeed };
+                    // advice only: the kernel may take it or not
+                    let _ = rustix::fs::fadvise(&**file, from, std::num::NonZeroU64::new(to - from), advice);
+                }
+            }
+        };
+        // the window ahead is asked for once this batch's reads are queued before it
+        let results = self.submitter.run_with(&mut ops, pool, || advise(true), check);
+        advise(false);
         drop(ops);
         drop(buffers);
         for (result, pages_of) in results.into_iter().zip(&members) {
