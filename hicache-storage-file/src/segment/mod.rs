@@ -16,6 +16,9 @@
 //! digest and the key, so a torn or foreign page is never returned. A removal is a record of removed keys, stamped,
 //! so every process applies it against the copies written before it.
 //!
+//! Reads of a prefix in the order it was written are read ahead, a window of the segment at a time, and dropped from
+//! the page cache behind (`ahead.rs`); pages inside the window are read through the page cache, the rest directly.
+//!
 //! With a capacity, the bytes of the namespace's segments are counted in the account every process shares
 //! (`account.rs`); a writer that would pass the capacity removes whole segments, oldest first, down to 90%, then
 //! compacts: pages of the removed segments that this process read since they were written are written again, so a
