@@ -10,6 +10,7 @@
 //! (docs/sglang.md#storage-interface); here every backend answers the same way.
 
 mod fault;
+pub mod groups;
 pub mod l3_layout;
 mod memory;
 pub mod replaceable;
