@@ -47,13 +47,88 @@ pub struct StorageNamespace {
     pub pp_rank: usize,
     /// Pipeline stages.
     pub pp_size: usize,
+    /// For a sidecar pool of a hybrid model (its entries under the KV pages' keys), the pool; `None` for the KV.
+    pub sidecar: Option<Sidecar>,
+}
+
+/// A sidecar pool of a hybrid model: a Mamba state, a sliding window, an indexer, a draft model's KV. Its entries
+/// are kept under the same page keys as the KV pages, as objects of their own.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Sidecar {
+    /// The pool's name, as SGLang names it (`mamba`, `swa`, `indexer`, `draft`, ...).
+    pub pool: String,
+    /// Bytes of one entry (one page of the pool, flat).
+    pub entry_bytes: usize,
 }
 
 impl StorageNamespace {
     /// A single-rank namespace (TP 1, PP 1).
     pub fn single_rank(model: impl Into<String>, geometry: KvGeometry, layout: HostLayout, page_size: usize) -> Self {
         let model = model.into();
-        Self { model, geometry, layout, head_groups: 1, page_size, tp_rank: 0, tp_size: 1, pp_rank: 0, pp_size: 1 }
+        Self {
+            model,
+            geometry,
+            layout,
+            head_groups: 1,
+            page_size,
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            pp_size: 1,
+            sidecar: None,
+        }
+    }
+
+    /// The namespace of the sidecar pool `pool` of this rank's pages, whose entries are `entry_bytes` each.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming `pool` when it is empty, `kv`, or not lowercase letters, digits and `_`
+    /// (it goes into keys and file names), or `entry_bytes` when it is 0.
+    pub fn sidecar(&self, pool: &str, entry_bytes: usize) -> Result<Self, Error> {
+        let valid = |byte: u8| byte.is_ascii_lowercase() || byte.is_ascii_digit() || byte == b'_';
+        if pool.is_empty() || pool == "kv" || pool.len() > 64 || !pool.bytes().all(valid) {
+            return Err(Error::InvalidArgument {
+                field: "pool",
+                reason: format!("{pool:?} is not a sidecar pool name (lowercase letters, digits and `_`; not `kv`)"),
+            });
+        }
+        if entry_bytes == 0 {
+            return Err(Error::InvalidArgument { field: "entry_bytes", reason: "must be at least 1".into() });
+        }
+        Ok(Self { sidecar: Some(Sidecar { pool: pool.to_owned(), entry_bytes }), ..self.clone() })
+    }
+
+    /// Bytes of one object of the namespace: a KV page, or a sidecar pool's entry.
+    pub fn page_bytes(&self) -> usize {
+        match &self.sidecar {
+            Some(sidecar) => sidecar.entry_bytes,
+            None => self.geometry.bytes_per_page(self.page_size),
+        }
+    }
+
+    /// Refuses a sidecar pool's namespace for a tier that does not keep sidecar entries yet.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming `pool`, the pool and the tier.
+    pub fn refuse_sidecar(&self, backend: &str) -> Result<(), Error> {
+        match &self.sidecar {
+            Some(sidecar) => Err(Error::InvalidArgument {
+                field: "pool",
+                reason: format!(
+                    "the {backend} tier does not keep sidecar pools' entries yet (pool `{}`)",
+                    sidecar.pool
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether each tensor-parallel rank holds objects of its own: the KV of MHA, and a Mamba state whatever the
+    /// attention (SGLang keeps the state sharded by rank even where MLA's latent is the same on every rank).
+    fn per_rank(&self) -> bool {
+        !self.geometry.is_mla() || self.sidecar.as_ref().is_some_and(|sidecar| sidecar.pool == "mamba")
     }
 
     /// Checks ranks against sizes and the page size.
@@ -131,10 +206,14 @@ impl StorageNamespace {
         if self.head_groups > 1 {
             let _ = write!(text, ";head_groups={}", self.head_groups);
         }
-        if !self.geometry.is_mla() {
+        if self.per_rank() {
             let _ = write!(text, ";tp={}/{}", self.tp_rank, self.tp_size);
         }
         let _ = write!(text, ";pp={}/{}", self.pp_rank, self.pp_size);
+        // a sidecar pool's objects are its own (the KV's descriptor is as before pools existed)
+        if let Some(sidecar) = &self.sidecar {
+            let _ = write!(text, ";pool={};entry_bytes={}", sidecar.pool, sidecar.entry_bytes);
+        }
         text
     }
 
@@ -187,14 +266,23 @@ impl StorageNamespace {
     /// SGLang's file backend key (`HiCacheFile`; the file is `{dir}/{key}.bin`): `{hash}_{suffix}`, with the
     /// [suffix](Self::sglang_file_suffix) of this rank.
     pub fn sglang_file_key(&self, key: &PageKey) -> String {
-        format!("{key}_{}", self.sglang_file_suffix())
+        format!("{key}{}", self.sglang_file_tail())
+    }
+
+    /// What follows the hash in SGLang's file backend key: `_{suffix}` for a KV page, `.{pool}_{suffix}` for a
+    /// sidecar pool's entry (SGLang 0.5.23's `HiCacheFile` v2 names).
+    pub fn sglang_file_tail(&self) -> String {
+        match &self.sidecar {
+            Some(sidecar) => format!(".{}_{}", sidecar.pool, self.sglang_file_suffix()),
+            None => format!("_{}", self.sglang_file_suffix()),
+        }
     }
 
     /// What SGLang's file backend puts after the hash: `{model}_{tp_rank}_{tp_size}` for MHA, `{model}` for MLA, and
     /// with pipeline stages `_{pp_size}_{pp_rank}` after either (SGLang 0.5.23; 0.5.2 left the stage out, so stages
     /// overwrote each other's pages).
     pub fn sglang_file_suffix(&self) -> String {
-        let mut suffix = if self.geometry.is_mla() {
+        let mut suffix = if !self.per_rank() {
             self.sglang_model()
         } else {
             format!("{}_{}_{}", self.sglang_model(), self.tp_rank, self.tp_size)

@@ -11,6 +11,17 @@ use serde::Deserialize;
 struct Golden {
     sglang: String,
     cases: Vec<Case>,
+    names: Vec<Names>,
+}
+
+/// The file names SGLang's `HiCacheFile` gives one page's entries in every pool, on one rank.
+#[derive(Deserialize)]
+struct Names {
+    mla: bool,
+    tp: (usize, usize),
+    pp: (usize, usize),
+    key: String,
+    files: BTreeMap<String, String>,
 }
 
 #[derive(Deserialize)]
@@ -71,6 +82,53 @@ fn restorable_prefixes_match_sglang_batch_exists_v2() {
     assert!(with_gaps >= 10, "{with_gaps} cases with gaps");
 }
 
+/// A sidecar pool's namespace names its entries' files as `HiCacheFile` v2 does (`{key}.{pool}_{suffix}.bin`, with
+/// a Mamba state's files per rank even for an MLA model), and the KV's as before.
+#[test]
+fn sidecar_file_names_match_sglang_hicache_file() {
+    use hicache_core::geometry::{KvDtype, KvGeometry};
+    use hicache_core::layout::HostLayout;
+    use hicache_core::namespace::StorageNamespace;
+
+    let golden: Golden =
+        serde_json::from_str(include_str!("data/sglang_0_5_23_pool_groups.json")).expect("golden file parses");
+    assert!(golden.names.iter().any(|names| names.mla) && golden.names.iter().any(|names| names.pp.1 > 1));
+    for names in &golden.names {
+        let geometry = if names.mla {
+            KvGeometry::mla(2, 512, 64, KvDtype::Bf16).expect("geometry")
+        } else {
+            KvGeometry::mha(2, 2, 64, KvDtype::Bf16).expect("geometry")
+        };
+        let kv = StorageNamespace {
+            tp_rank: names.tp.0,
+            tp_size: names.tp.1,
+            pp_rank: names.pp.0,
+            pp_size: names.pp.1,
+            ..StorageNamespace::single_rank("golden/model", geometry, HostLayout::PageFirst, 16)
+        };
+        let key: hicache_core::hash::PageKey = names.key.parse().expect("key");
+        assert_eq!(names.files.len(), 5);
+        for (pool, file) in &names.files {
+            let namespace = if pool == "kv" { kv.clone() } else { kv.sidecar(pool, 4096).expect("sidecar") };
+            assert_eq!(&format!("{}.bin", namespace.sglang_file_key(&key)), file, "pool {pool}");
+        }
+        // the KV's native objects are where they were before pools; each pool's are apart from them
+        assert_ne!(kv.digest(), kv.sidecar("indexer", 4096).unwrap().digest());
+        assert_ne!(kv.sidecar("indexer", 4096).unwrap().digest(), kv.sidecar("indexer", 8192).unwrap().digest());
+    }
+    let kv = StorageNamespace::single_rank(
+        "m",
+        KvGeometry::mha(2, 2, 64, KvDtype::Bf16).unwrap(),
+        HostLayout::PageFirst,
+        16,
+    );
+    for bad in ["", "kv", "Mamba", "a.b", "a/b"] {
+        let error = kv.sidecar(bad, 1).unwrap_err().to_string();
+        assert!(error.starts_with("pool:"), "{bad:?}: {error}");
+    }
+    assert!(kv.sidecar("mamba", 0).unwrap_err().to_string().starts_with("entry_bytes:"));
+}
+
 mod group_storage {
     use std::sync::Arc;
 
@@ -84,8 +142,8 @@ mod group_storage {
     use proptest::prelude::*;
 
     /// The KV pool and three sidecars: an indexer (every page), a Mamba state (the last page of a prefix) and a
-    /// sliding window of 2 pages; each pool in its own namespace, with its own page size in bytes.
-    const POOLS: [(&str, usize); 4] = [("kv", 4), ("indexer", 2), ("mamba", 3), ("swa", 1)];
+    /// sliding window of 2 pages; each sidecar in its own namespace beside the KV's, with entries of its own size.
+    const POOLS: [(&str, usize); 4] = [("kv", 0), ("indexer", 128), ("mamba", 384), ("swa", 64)];
 
     fn policy(pool: usize) -> HitPolicy {
         match pool {
@@ -96,17 +154,20 @@ mod group_storage {
     }
 
     fn namespace(pool: usize) -> StorageNamespace {
-        let (name, heads) = POOLS[pool];
-        StorageNamespace::single_rank(
-            format!("groups/{name}"),
-            KvGeometry::mha(1, heads, 16, KvDtype::Bf16).expect("geometry"),
+        let kv = StorageNamespace::single_rank(
+            "groups/model",
+            KvGeometry::mha(1, 4, 16, KvDtype::Bf16).expect("geometry"),
             HostLayout::PageFirst,
             2,
-        )
+        );
+        match pool {
+            0 => kv,
+            _ => kv.sidecar(POOLS[pool].0, POOLS[pool].1).expect("sidecar"),
+        }
     }
 
     fn page_bytes(pool: usize) -> usize {
-        namespace(pool).geometry.bytes_per_page(2)
+        namespace(pool).page_bytes()
     }
 
     /// The bytes of `key`'s entry in `pool`, written `version` times: each write of a test has its own.

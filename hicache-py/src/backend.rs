@@ -95,6 +95,7 @@ impl PySettings {
                 tp_size: rank.tp_size,
                 pp_rank: rank.pp_rank,
                 pp_size: rank.pp_size,
+                sidecar: None,
             };
             // SGLang's stage: the pool's first layer, the last stage or not; the chunks' names hold absolute layers, so
             // a later stage that does not say where it starts would name its chunks as the first stage's

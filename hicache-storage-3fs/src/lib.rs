@@ -141,6 +141,7 @@ impl Hf3fsStorage {
         metadata: Arc<dyn PageMetadata>,
     ) -> Result<Self, Error> {
         let namespace = namespace.clone().validated()?;
+        namespace.refuse_sidecar("3fs")?;
         let library = Library::load(config.library_dir.as_deref())?;
         let page_bytes = namespace.geometry.bytes_per_page(namespace.page_size) as u64;
         let path = data_file(&config.file_path_prefix, &namespace);

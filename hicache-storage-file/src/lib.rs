@@ -154,7 +154,8 @@ pub struct FileStorage {
     /// Where this namespace's files live (the directory itself, or the native namespace folder).
     root: PathBuf,
     /// SGLang layout: what follows `{hash}_` in a file name, before `.bin`.
-    sglang_suffix: String,
+    /// What follows the page hash in the `sglang` format's file names (`_{suffix}`, `.{pool}_{suffix}`).
+    sglang_tail: String,
     /// Page and footer sizes, and whether to use direct I/O.
     shape: page_file::FileShape,
     /// The namespace digest, bound into every native page's checksum with the page's key.
@@ -192,7 +193,7 @@ impl FileStorage {
                 reason: format!("{} is not in [1, {MAX_IO_THREADS}]", config.io_threads),
             });
         }
-        let sglang_suffix = namespace.sglang_file_suffix();
+        let sglang_tail = namespace.sglang_file_tail();
         let digest = namespace.digest();
         let root = match config.format {
             FileFormat::Sglang => config.dir.clone(),
@@ -216,7 +217,7 @@ impl FileStorage {
                     .map_err(|error| io_failure(format!("creating {}: {error}", root.display()), error))?;
             }
         }
-        let page_bytes = namespace.geometry.bytes_per_page(namespace.page_size);
+        let page_bytes = namespace.page_bytes();
         let shape = page_file::FileShape::new(page_bytes, config.format == FileFormat::Native, config.direct_io);
         let file_bytes = shape.file_bytes() as u64;
         if config.direct_io && !config.read_only {
@@ -254,7 +255,7 @@ impl FileStorage {
             namespace: namespace.clone(),
             config,
             root,
-            sglang_suffix,
+            sglang_tail,
             shape,
             digest,
             index: None,
@@ -317,7 +318,9 @@ impl FileStorage {
     fn account_path(&self) -> PathBuf {
         match self.config.format {
             FileFormat::Native => self.config.dir.join("hicache-v1").join(format!(".capacity-{}", self.digest)),
-            FileFormat::Sglang => self.config.dir.join(format!(".hicache-capacity-{}", self.sglang_suffix)),
+            FileFormat::Sglang => {
+                self.config.dir.join(format!(".hicache-capacity-{}", self.sglang_tail.trim_start_matches('_')))
+            }
         }
     }
 
@@ -437,7 +440,7 @@ impl FileStorage {
     /// The file of a page.
     pub fn page_path(&self, key: &PageKey) -> PathBuf {
         match self.config.format {
-            FileFormat::Sglang => self.root.join(format!("{key}_{}.bin", self.sglang_suffix)),
+            FileFormat::Sglang => self.root.join(format!("{key}{}.bin", self.sglang_tail)),
             FileFormat::Native => {
                 let hex = key.to_string();
                 self.root.join(&hex[..2]).join(format!("{hex}.page"))
@@ -627,12 +630,13 @@ impl FileStorage {
         }
     }
 
-    /// Whether a file name in the SGLang directory belongs to this namespace: `{64 hex}_{suffix}.bin`, exactly.
+    /// Whether a file name in the SGLang directory belongs to this namespace: `{64 hex}{tail}.bin`, exactly (the
+    /// tail starts with `_` for the KV and `.` for a sidecar pool, so the two never claim each other's files).
     fn is_own_sglang_file(&self, name: &str) -> bool {
-        name.len() > 65
+        name.len() > 64
+            && name.is_char_boundary(64)
             && name.as_bytes()[..64].iter().all(u8::is_ascii_hexdigit)
-            && name.as_bytes()[64] == b'_'
-            && name[65..].strip_suffix(".bin") == Some(self.sglang_suffix.as_str())
+            && name[64..].strip_suffix(".bin") == Some(self.sglang_tail.as_str())
     }
 }
 

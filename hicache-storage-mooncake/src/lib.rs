@@ -181,6 +181,7 @@ impl MooncakeStorage {
     pub fn open(config: MooncakeConfig, namespace: &StorageNamespace) -> Result<Self, Error> {
         let config = config.validated()?;
         let namespace = namespace.clone().validated()?;
+        namespace.refuse_sidecar("mooncake")?;
         let keys = KeyRenderer::new(&config.scheme, &namespace)?;
         let page_bytes = namespace.geometry.bytes_per_page(namespace.page_size);
         let part_bytes = page_bytes / keys.parts();

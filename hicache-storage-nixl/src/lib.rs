@@ -162,6 +162,7 @@ impl NixlStorage {
     /// [`Error::Storage`] when the library cannot be loaded, no plugin starts, or the directory cannot be created.
     pub fn open(config: NixlConfig, namespace: &StorageNamespace) -> Result<Self, Error> {
         let namespace = namespace.clone().validated()?;
+        namespace.refuse_sidecar("nixl")?;
         namespace.file_name_model()?;
         for (field, value) in
             [("max_open_files", config.max_open_files), ("max_registered_regions", config.max_registered_regions)]

@@ -21,11 +21,13 @@
 //! boundary, the restorable lengths), checked against SGLang's own code in `tests/pool_groups.rs`.
 //!
 //! [`GroupStorage`] keeps page groups in storage: one backend per pool, every pool's entries under the same page
-//! keys (each backend serves its own namespace, so entries of different pools never share an object). It never hands
-//! back a KV page without what its group needs: a query counts only prefixes every pool can restore, and a read
-//! counts only prefixes whose every needed entry was read whole (an entry evicted since the query, damaged, or left
-//! out by a writer that died halfway is a miss there, and the restored prefix ends before it). A backend with
-//! checksums (the file tier's native format) turns a damaged entry into a miss; one without returns what it holds.
+//! keys (each backend serves its own namespace, [`StorageNamespace::sidecar`] for a sidecar pool, so entries of
+//! different pools never share an object). It never hands back a KV page without what its group needs: a query
+//! counts only prefixes every pool can restore, and a read counts only prefixes whose every needed entry was read
+//! whole (an entry evicted since the query, damaged, or left out by a writer that died halfway is a miss there, and
+//! the restored prefix ends before it). A backend with checksums (the file tier's native format, whose checksums
+//! bind the namespace, so the pool and the entry size) turns a damaged entry into a miss; one without returns what
+//! it holds.
 
 use std::collections::HashSet;
 use std::fmt;

@@ -68,7 +68,7 @@ impl MemoryStorage {
             store,
             namespace: namespace.clone(),
             digest: namespace.digest().into(),
-            page_bytes: namespace.geometry.bytes_per_page(namespace.page_size),
+            page_bytes: namespace.page_bytes(),
             stats: StatsRecorder::default(),
         }
     }

@@ -13,6 +13,9 @@ KV entry as `{key}_{model}_{rank}_{size}.bin`, a sidecar pool's entry as `{key}.
 named by `HiCacheFile`'s own `_get_component_key`), for a random subset of the pages per pool, then asks
 `batch_exists_v2` with one `PoolTransfer` per sidecar pool (its hit policy, and for `trailing_pages` a window of as
 many keys as the transfer carries) and records the `PoolTransferResult`.
+
+It also records the file names `HiCacheFile` gives a page's KV entry and its sidecar pools' entries, for MHA and MLA
+models, tensor-parallel ranks and pipeline stages (`names`).
 """
 import json
 import os
@@ -34,15 +37,15 @@ CASES = 400
 SIDECARS = [PoolName.MAMBA, PoolName.SWA, PoolName.INDEXER, PoolName.DRAFT]
 
 
-def storage(folder):
+def storage(folder, mla=False, tp=(0, 1), pp=(0, 1)):
     config = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
+        tp_rank=tp[0],
+        tp_size=tp[1],
+        pp_rank=pp[0],
+        pp_size=pp[1],
         attn_cp_rank=0,
         attn_cp_size=1,
-        is_mla_model=False,
+        is_mla_model=mla,
         enable_storage_metrics=False,
         is_page_first_layout=True,
         model_name="golden/model",
@@ -101,7 +104,25 @@ def main():
                     "restorable": result.restorable_prefix_pages,
                 }
             )
-    json.dump({"sglang": sglang.__version__, "seed": SEED, "cases": cases}, sys.stdout, separators=(",", ":"))
+        names = []
+        for mla, tp, pp in [(False, (0, 1), (0, 1)), (False, (1, 2), (0, 1)), (True, (1, 2), (0, 1)), (False, (0, 2), (1, 2)), (True, (3, 4), (1, 2))]:
+            backend = storage(os.path.join(root, "names"), mla=mla, tp=tp, pp=pp)
+            key = f"{rng.getrandbits(256):064x}"
+            names.append(
+                {
+                    "mla": mla,
+                    "tp": list(tp),
+                    "pp": list(pp),
+                    "key": key,
+                    "files": {
+                        str(pool): f"{backend._get_component_key(key, pool)}.bin"
+                        for pool in [PoolName.KV, *SIDECARS]
+                    },
+                }
+            )
+    json.dump(
+        {"sglang": sglang.__version__, "seed": SEED, "cases": cases, "names": names}, sys.stdout, separators=(",", ":")
+    )
     print()
 
 
