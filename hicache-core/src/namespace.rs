@@ -148,6 +148,9 @@ impl StorageNamespace {
             return bad("pp_rank", format!("{} is not below pp_size {}", self.pp_rank, self.pp_size));
         }
         self.geometry.validated()?;
+        if let Some(sidecar) = &self.sidecar {
+            self.sidecar(&sidecar.pool, sidecar.entry_bytes)?;
+        }
         if self.geometry.checked_bytes_per_page(self.page_size).is_none() {
             return bad(
                 "page_size",
@@ -263,8 +266,8 @@ impl StorageNamespace {
         native_key_with_digest(key, &self.digest(), part)
     }
 
-    /// SGLang's file backend key (`HiCacheFile`; the file is `{dir}/{key}.bin`): `{hash}_{suffix}`, with the
-    /// [suffix](Self::sglang_file_suffix) of this rank.
+    /// SGLang's file backend key (`HiCacheFile`; the file is `{dir}/{key}.bin`): `{hash}_{suffix}` (a sidecar
+    /// pool's entry: `{hash}.{pool}_{suffix}`), with the [suffix](Self::sglang_file_suffix) of this rank.
     pub fn sglang_file_key(&self, key: &PageKey) -> String {
         format!("{key}{}", self.sglang_file_tail())
     }
@@ -278,9 +281,9 @@ impl StorageNamespace {
         }
     }
 
-    /// What SGLang's file backend puts after the hash: `{model}_{tp_rank}_{tp_size}` for MHA, `{model}` for MLA, and
-    /// with pipeline stages `_{pp_size}_{pp_rank}` after either (SGLang 0.5.23; 0.5.2 left the stage out, so stages
-    /// overwrote each other's pages).
+    /// What SGLang's file backend puts after the hash: `{model}_{tp_rank}_{tp_size}` for MHA (and a Mamba state),
+    /// `{model}` for MLA, and with pipeline stages `_{pp_size}_{pp_rank}` after either (SGLang 0.5.23; 0.5.2 left the
+    /// stage out, so stages overwrote each other's pages).
     pub fn sglang_file_suffix(&self) -> String {
         let mut suffix = if !self.per_rank() {
             self.sglang_model()
