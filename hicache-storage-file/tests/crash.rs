@@ -16,6 +16,8 @@ use hicache_core::storage::{FailureKind, GetOutcome, SetOutcome, StorageBackend}
 use hicache_core::testing::conformance::{fetch, put};
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 
+mod support;
+
 const DIR_ENV: &str = "HICACHE_CRASH_WRITER_DIR";
 const FORMAT_ENV: &str = "HICACHE_CRASH_WRITER_FORMAT";
 const TEST_NAME: &str = "writers_killed_mid_write_leave_only_whole_pages";
@@ -125,19 +127,8 @@ fn stored_pages(dir: &Path, format: FileFormat) -> usize {
 }
 
 fn page_files(dir: &Path) -> usize {
-    let mut count = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-            let path = entry.path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if !entry.file_name().to_string_lossy().starts_with('.') {
-                count += 1;
-            }
-        }
-    }
-    count
+    support::files_under(dir, |path| !path.file_name().is_some_and(|name| name.to_string_lossy().starts_with('.')))
+        .len()
 }
 
 /// Writer processes, killed when dropped: a failing check must not leave writers filling the disk.

@@ -19,6 +19,8 @@ use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, SetOutcom
 use hicache_core::testing::conformance::random_keys;
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 
+mod support;
+
 const DIR_ENV: &str = "HICACHE_GROUP_WRITER_DIR";
 const KEYS_ENV: &str = "HICACHE_GROUP_WRITER_KEYS";
 const KILLED_TEST: &str = "a_writer_killed_between_sidecars_and_kv_leaves_no_group";
@@ -118,19 +120,9 @@ fn read(groups: &GroupStorage, keys: &[PageKey], length: usize) -> usize {
 
 /// Files under `dir` whose names start with `prefix`.
 fn files_named(dir: &Path, prefix: &str) -> Vec<PathBuf> {
-    let mut found = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-            let path = entry.path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if path.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with(prefix)) {
-                found.push(path);
-            }
-        }
-    }
-    found
+    support::files_under(dir, |path| {
+        path.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with(prefix))
+    })
 }
 
 /// Groups round trip in both formats; in the native one an indexer entry damaged on the disk fails its checksum,

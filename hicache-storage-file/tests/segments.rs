@@ -17,6 +17,8 @@ use hicache_core::storage::{FailureKind, GetOutcome, SetOutcome, StorageBackend}
 use hicache_core::testing::conformance::{fetch, put, random_keys, random_pages};
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 
+mod support;
+
 const DIR_ENV: &str = "HICACHE_SEGMENT_WRITER_DIR";
 const WRITER_ENV: &str = "HICACHE_SEGMENT_WRITER";
 const CAPACITY_TEST: &str = "processes_sharing_segments_hold_one_capacity";
@@ -49,18 +51,7 @@ fn open(dir: &Path) -> FileStorage {
 
 /// The segments' data files, oldest first.
 fn segment_files(dir: &Path) -> Vec<PathBuf> {
-    let mut found = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-            let path = entry.path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if path.extension().is_some_and(|extension| extension == "seg") {
-                found.push(path);
-            }
-        }
-    }
+    let mut found = support::files_under(dir, |path| path.extension().is_some_and(|extension| extension == "seg"));
     found.sort();
     found
 }

@@ -224,12 +224,12 @@ impl GroupStorage {
     ///
     /// A failure of a whole call to a backend.
     pub fn query(&self, keys: &[PageKey]) -> Result<Restorable, Error> {
-        let kv_pages = self.kv.batch_exists(keys)?;
-        let mut kv_held = vec![true; kv_pages];
-        kv_held.extend(std::iter::repeat_n(false, keys.len() - kv_pages.min(keys.len())));
+        let kv_pages = self.kv.batch_exists(keys)?.min(keys.len());
+        let kv_held: Vec<bool> = (0..keys.len()).map(|page| page < kv_pages).collect();
+        // only the pages the KV holds can be part of a restorable prefix
+        let keys = &keys[..kv_pages];
         let mut held = Vec::with_capacity(self.sidecars.len());
         for pool in &self.sidecars {
-            let keys = &keys[..kv_pages.min(keys.len())];
             held.push(match pool.policy {
                 HitPolicy::AllPages => {
                     let present = pool.backend.batch_exists(keys)?.min(keys.len());
@@ -241,9 +241,7 @@ impl GroupStorage {
                 }
             });
         }
-        let presence: Vec<PoolPresence<'_>> =
-            self.sidecars.iter().zip(&held).map(|(pool, held)| PoolPresence { policy: pool.policy, held }).collect();
-        Ok(restorable(&kv_held, &presence))
+        Ok(self.restorable(&kv_held, &held))
     }
 
     /// Reads the groups of the prefix of `length` pages of `keys`: the KV pages into `kv` (one destination per
@@ -273,9 +271,7 @@ impl GroupStorage {
             pool_held[range].copy_from_slice(&read);
             held.push(pool_held);
         }
-        let presence: Vec<PoolPresence<'_>> =
-            self.sidecars.iter().zip(&held).map(|(pool, held)| PoolPresence { policy: pool.policy, held }).collect();
-        Ok(restorable(&kv_held, &presence).longest())
+        Ok(self.restorable(&kv_held, &held).longest())
     }
 
     /// Writes the groups of the run `keys`: each sidecar pool's entries first (`sidecars[pool]`: the pages it has an
@@ -337,6 +333,13 @@ impl GroupStorage {
             pool.backend.remove(keys)?;
         }
         Ok(removed)
+    }
+
+    /// [`restorable`] for what the KV (`kv_held`) and each sidecar pool (`held`, in order) hold.
+    fn restorable(&self, kv_held: &[bool], held: &[Vec<bool>]) -> Restorable {
+        let presence: Vec<PoolPresence<'_>> =
+            self.sidecars.iter().zip(held).map(|(pool, held)| PoolPresence { policy: pool.policy, held }).collect();
+        restorable(kv_held, &presence)
     }
 
     fn backend_set(
