@@ -24,6 +24,7 @@ use serde::Deserialize;
 use crate::config::{ConfigError, Settings};
 use crate::guard;
 use crate::pool::{HostPool, PoolDescription};
+use crate::sidecar::Sidecar;
 
 /// The extra config, read and checked (`hicache._native.Settings(json)`), before any host pool is known.
 #[pyclass(frozen, module = "hicache._native", name = "Settings")]
@@ -110,7 +111,7 @@ impl PySettings {
             let stage = (description.start_layer.unwrap_or(0) as u64, rank.pp_rank + 1 == rank.pp_size);
             let layout = self.settings.l3_layout(&namespace, stage).map_err(guard::to_py)?;
             let l3_layout = serde_json::to_string(&layout).map_err(|error| PyValueError::new_err(error.to_string()))?;
-            let storage = py.detach(|| self.open_rank(&namespace, stage))?;
+            let storage: Arc<dyn StorageBackend> = Arc::from(py.detach(|| self.open_rank(&namespace, stage))?);
             // SAFETY: the buffer is `keepalive`'s, which `Open` holds until after it unregisters the region.
             let region =
                 unsafe { MemoryRegion::from_raw_parts(pool.address as *const u8, pool.map.total_bytes(), None) };
@@ -123,12 +124,39 @@ impl PySettings {
                 page_bytes,
                 writer: rank.writer,
                 l3_layout,
+                namespace,
             })
         })
+    }
+
+    /// Opens the sidecar pool `pool` of a hybrid model (entries of `entry_bytes`) for the rank `kv` serves, in the
+    /// same tier; `writer`: whether this rank writes the pool's entries.
+    fn open_sidecar(
+        &self,
+        py: Python<'_>,
+        kv: PyRef<'_, Backend>,
+        pool: &str,
+        entry_bytes: usize,
+        writer: bool,
+    ) -> PyResult<Sidecar> {
+        guard::run(|| crate::sidecar::open(self, py, &kv, pool, entry_bytes, writer))
     }
 }
 
 impl PySettings {
+    /// Opens the tier for a sidecar pool's namespace: its entries are whole objects, never cut into the unified key
+    /// scheme's chunks of layers and head groups, so that scheme refuses them (naming `key_scheme`).
+    pub(crate) fn open_sidecar_rank(&self, namespace: &StorageNamespace) -> PyResult<Box<dyn StorageBackend>> {
+        if self.settings.unified.is_some() {
+            return Err(guard::config_to_py(ConfigError::value(
+                "key_scheme",
+                "the unified key scheme names chunks of KV pages; hybrid models' sidecar pools are not kept under it"
+                    .to_owned(),
+            )));
+        }
+        self.settings.open(namespace).map_err(guard::to_py)
+    }
+
     /// Opens the tier for the rank of `namespace` (its stage's first layer, and whether it is the last stage): as
     /// unified-key chunks under `key_scheme: "unified"`.
     pub(crate) fn open_rank(
@@ -152,8 +180,8 @@ fn check_directory(dir: &Path) -> Result<(), ConfigError> {
 }
 
 /// A tier opened over one registered host pool.
-struct Open {
-    storage: Box<dyn StorageBackend>,
+pub(crate) struct Open {
+    pub(crate) storage: Arc<dyn StorageBackend>,
     pool: HostPool,
     region: MemoryRegion,
     /// The host pool's buffer tensor.
@@ -190,10 +218,12 @@ pub(crate) struct Backend {
     writer: bool,
     /// The L3 key layout of this rank's stage (every TP rank of it), JSON in SGLang's shape.
     l3_layout: String,
+    /// The rank's namespace of KV pages, which its sidecar pools' namespaces derive from.
+    pub(crate) namespace: StorageNamespace,
 }
 
 impl Backend {
-    fn current(&self) -> PyResult<Arc<Open>> {
+    pub(crate) fn current(&self) -> PyResult<Arc<Open>> {
         let open = self.open.read().unwrap_or_else(std::sync::PoisonError::into_inner);
         open.clone().ok_or_else(|| PyRuntimeError::new_err("hicache: the storage backend is closed"))
     }
@@ -365,6 +395,18 @@ impl Backend {
         })
     }
 
+    /// What SGLang's `batch_exists_v2` answers for the run `keys` with the sidecar pools `pools` ((pool, hit policy,
+    /// window in pages) each): (KV pages held from the first, each pool's own boundary or None, every restorable
+    /// length).
+    fn query_groups(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyList>,
+        pools: Vec<(PyRef<'_, Sidecar>, String, usize)>,
+    ) -> PyResult<(usize, Vec<Option<usize>>, Vec<usize>)> {
+        guard::run(|| crate::sidecar::query(py, self, keys, pools))
+    }
+
     /// Removes every page of this rank's namespace (and nothing else); returns how many were removed.
     fn clear(&self, py: Python<'_>) -> PyResult<u64> {
         guard::run(|| {
@@ -390,7 +432,7 @@ impl Backend {
 }
 
 /// The page keys of a list of hex strings, read in place (no copy of the strings).
-fn parse_keys(keys: &Bound<'_, PyList>) -> PyResult<Vec<PageKey>> {
+pub(crate) fn parse_keys(keys: &Bound<'_, PyList>) -> PyResult<Vec<PageKey>> {
     keys.iter()
         .enumerate()
         .map(|(at, key)| {
@@ -420,7 +462,7 @@ unsafe fn read_indices(address: usize, length: usize) -> Vec<i64> {
 }
 
 /// One buffer per key, none overlapping another.
-fn check_buffers(keys: usize, addresses: &[usize], lengths: &[usize]) -> PyResult<()> {
+pub(crate) fn check_buffers(keys: usize, addresses: &[usize], lengths: &[usize]) -> PyResult<()> {
     if addresses.len() != keys || lengths.len() != keys {
         return Err(PyValueError::new_err(format!(
             "hicache: {keys} keys but {} buffers of {} lengths",

@@ -31,6 +31,10 @@ mod guard;
 #[cfg(feature = "python")]
 mod keys;
 
+/// The sidecar pools of hybrid models (SGLang's `*_v2` calls).
+#[cfg(feature = "python")]
+mod sidecar;
+
 #[cfg(feature = "python")]
 use pyo3::prelude::*;
 
@@ -47,6 +51,7 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(panic_is_caught, module)?)?;
     module.add_class::<backend::PySettings>()?;
     module.add_class::<backend::Backend>()?;
+    module.add_class::<sidecar::Sidecar>()?;
     module.add_class::<cache::Cache>()?;
     module.add_class::<cache::Load>()?;
     module.add_class::<cache::Tokens>()?;

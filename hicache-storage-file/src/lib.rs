@@ -95,8 +95,8 @@ pub struct FileConfig {
     /// I/O threads).
     pub io_uring: bool,
     /// Bytes of a segment read ahead (into the page cache, without waiting) of a batch that continues a forward walk
-    /// through it, as a prefix read back a batch at a time does; 0 reads nothing ahead. At most
-    /// [`MAX_READ_AHEAD_BYTES`].
+    /// through it, as a prefix read back a batch at a time does, in batches under 2 MiB (a longer batch keeps the disk
+    /// busy on its own); 0 reads nothing ahead. At most [`MAX_READ_AHEAD_BYTES`].
     pub read_ahead_bytes: u64,
 }
 

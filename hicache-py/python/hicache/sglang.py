@@ -20,6 +20,11 @@ directory), ``capacity`` (bytes or e.g. ``"200gb"``), ``io_threads``, ``direct_i
 keys (``master_server_address``, ...); for 3FS SGLang's 3FS keys (``file_path_prefix``, ...); ``pool`` (what the host pool must be: ``page_size``, ``layout``, ``dtype``,
 ``layer_num``, ``head_num``, ``head_dim``, ``kv_lora_rank``, ``qk_rope_head_dim``).
 
+Hybrid models (SGLang's ``*_v2`` calls): each sidecar pool SGLang registers with ``register_mem_host_pool_v2`` (a
+Mamba state, a sliding window's KV, a DSA indexer, a draft model's KV) is kept in the same tier under the KV pages'
+keys, in a namespace of its own; ``batch_exists_v2`` counts a prefix only where every pool holds what its hit policy
+needs, and lists every restorable length for ranks to agree on.
+
 Storage calls never raise into SGLang's storage threads: a failed batch is logged and answered with ``False`` pages
 (a miss for a prefetch, a failed backup for a write).
 """
@@ -69,6 +74,8 @@ class HiCacheStorage(_SglangStorage):
             "writer": bool(writer),
         }
         self._backend = None
+        # sidecar pools of a hybrid model: name -> (the tier's pool, SGLang's host pool)
+        self._sidecars = {}
         self._metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         self._metrics_lock = threading.Lock()
         self._reset_metrics()
@@ -78,7 +85,7 @@ class HiCacheStorage(_SglangStorage):
     def register_mem_pool_host(self, mem_pool_host):
         """Opens the tier for this rank over the host pool and registers the pool's buffer with it."""
         super().register_mem_pool_host(mem_pool_host)
-        description, buffer = _describe_pool(mem_pool_host)
+        description, buffer = _describe_pool(_kv_pool_of(mem_pool_host))
         backend = self._settings.open(json.dumps(self._rank), json.dumps(description), buffer)
         if self._backend is not None:
             self._backend.close()
@@ -92,6 +99,103 @@ class HiCacheStorage(_SglangStorage):
             description["layout"],
             backend.page_bytes,
         )
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name):
+        """Opens a hybrid model's sidecar pool (a Mamba state, a sliding window, an indexer, a draft model's KV) in
+        the tier, in a namespace of its own under the KV pages' keys. Raises, naming the pool, where the tier does not
+        keep sidecar pools (so the attach fails instead of serving KV pages without their state)."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = _pool_name(host_pool_name)
+        if name == "kv":
+            return
+        if self._backend is None:
+            raise RuntimeError(f"hicache: sidecar pool {name!r} registered before the host pool of the KV")
+        entry_bytes = _flat_page_bytes(host_pool.get_dummy_flat_data_page())
+        # a Mamba state is held per TP rank even where the KV is replicated (MLA), so every rank writes its own
+        writer = self._backend.writer or name == "mamba"
+        sidecar = self._settings.open_sidecar(self._backend, name, entry_bytes, writer)
+        old = self._sidecars.pop(name, None)
+        if old is not None:
+            old[0].close()
+        self._sidecars[name] = (sidecar, host_pool)
+        logger.info("hicache: sidecar pool %s open (%d bytes per entry)", name, entry_bytes)
+
+    # --- hybrid models (the v2 interface) ----------------------------------------------------------------------------
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers=None, extra_info=None):
+        """The prefix of `keys` whose page groups are whole: the KV pages, and each sidecar pool's entries as its hit
+        policy needs them (``all_pages``: every page; ``trailing_pages``: the window of ``len(transfer.keys)`` pages
+        before the prefix's end). ``restorable_prefix_pages`` lists every restorable length, so that tensor-parallel
+        ranks holding different windows agree on one all of them can restore. A failed query is a miss."""
+        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransferResult
+
+        if not keys:
+            return PoolTransferResult.empty()
+        try:
+            pools = []
+            for transfer in pool_transfers or []:
+                name = _pool_name(transfer.name)
+                window = max(1, len(transfer.keys) if transfer.keys else 1)
+                pools.append((self._sidecar(name)[0], _pool_name(transfer.hit_policy), window))
+            kv_pages, pool_pages, lengths = self._open().query_groups(keys, pools)
+        except Exception:
+            logger.exception("hicache: querying %d page groups failed", len(keys))
+            return PoolTransferResult.empty()
+        hits = {PoolName.KV: kv_pages} if kv_pages else {}
+        for transfer, pages in zip(pool_transfers or [], pool_pages):
+            if pages:
+                hits[transfer.name] = pages
+        return PoolTransferResult(lengths[-1] if lengths else 0, hits, lengths)
+
+    def batch_get_v2(self, transfers, extra_info=None) -> dict:
+        """Reads each transfer's entries into its host pool: the KV pages as ``batch_get_v1`` does, a sidecar pool's
+        entries checked whole (against their checksums where the tier keeps them) before they reach the pool. True for
+        each entry read whole; an entry that is not stays out of the pool."""
+        return {transfer.name: self._transfer(transfer, read=True) for transfer in transfers}
+
+    def batch_set_v2(self, transfers, extra_info=None) -> dict:
+        """Writes each transfer's entries from its host pool. True for each entry stored (or already stored)."""
+        return {transfer.name: self._transfer(transfer, read=False) for transfer in transfers}
+
+    def _transfer(self, transfer, read: bool) -> List[bool]:
+        keys = list(transfer.keys or [])
+        name = _pool_name(transfer.name)
+        if not keys:
+            return []
+        if name == "kv":
+            return (self.batch_get_v1 if read else self.batch_set_v1)(keys, transfer.host_indices)
+        try:
+            sidecar, host_pool = self._sidecar(name)
+            page_size = getattr(host_pool, "page_size", 1) or 1
+            indices = transfer.host_indices
+            if indices is None or indices.numel() != len(keys) * page_size:
+                got = 0 if indices is None else indices.numel()
+                raise ValueError(
+                    f"hicache: pool {name}: {len(keys)} keys need {len(keys) * page_size} host indices, got {got}"
+                )
+            slots = [int(slot) for slot in indices.reshape(-1)[::page_size].tolist()]
+            if read:
+                like = host_pool.get_dummy_flat_data_page()
+                entries = torch.empty((len(keys), like.numel()), dtype=like.dtype)
+                results = sidecar.get_into(
+                    keys, [entry.data_ptr() for entry in entries], [sidecar.entry_bytes] * len(keys)
+                )
+                for slot, entry, whole in zip(slots, entries, results):
+                    if whole:
+                        host_pool.set_from_flat_data_page(slot, entry)
+                return results
+            pages = [host_pool.get_data_page(slot, flat=True).contiguous() for slot in slots]
+            return sidecar.set_from(keys, [page.data_ptr() for page in pages], [_flat_page_bytes(p) for p in pages])
+        except Exception:
+            doing = "reading" if read else "writing"
+            logger.exception("hicache: %s %d entries of pool %s failed", doing, len(keys), name)
+            return [False] * len(keys)
+
+    def _sidecar(self, name: str):
+        try:
+            return self._sidecars[name]
+        except KeyError:
+            raise ValueError(f"hicache: pool {name!r} was not registered (register_mem_host_pool_v2)") from None
 
     # --- zero-copy path (interface_v1) -----------------------------------------------------------------------------
 
@@ -197,7 +301,9 @@ class HiCacheStorage(_SglangStorage):
         """Removes this rank's pages (its namespace only: other models and ranks sharing the store keep theirs)."""
         try:
             removed = self._open().clear()
-            logger.info("hicache: cleared %d pages", removed)
+            for sidecar, _ in self._sidecars.values():
+                removed += sidecar.clear()
+            logger.info("hicache: cleared %d pages and sidecar entries", removed)
             return True
         except Exception:
             logger.exception("hicache: clearing the store failed")
@@ -222,14 +328,14 @@ class HiCacheStorage(_SglangStorage):
         stage's pages in the store, in the shape of SGLang's ``MooncakeStore.describe_l3_object_layout``: every TP
         rank's objects (a page is stored when all are), each stage its own (``hicache.merge_l3_layouts`` joins
         them). Disabled, with the reason, before a host pool is registered, on a tier whose objects are not found
-        by name outside hicache (only Mooncake's are), and for hybrid models' sidecar pools, which hicache does not
-        store."""
+        by name outside hicache (only Mooncake's are), and for hybrid models, whose sidecar pools live only in tiers
+        that publish no layout."""
         from sglang.srt.mem_cache.hicache_storage import disabled_l3_layout
 
         backend = self._settings.backend
         if sidecar_pool_specs or swa_trailing_pages is not None:
             return disabled_l3_layout(
-                "hicache stores no sidecar pools of hybrid models", backend=backend, page_size=page_size
+                "hicache publishes no layout of hybrid models' sidecar pools", backend=backend, page_size=page_size
             )
         if self._backend is None:
             return disabled_l3_layout("no host pool is registered yet", backend=backend, page_size=page_size)
@@ -247,6 +353,8 @@ class HiCacheStorage(_SglangStorage):
         return {} if self._backend is None else self._backend.stats()
 
     def close(self) -> None:
+        for sidecar, _ in self._sidecars.values():
+            sidecar.close()
         if self._backend is not None:
             self._backend.close()
 
@@ -308,6 +416,26 @@ def _describe_pool(pool):
     else:
         raise ValueError(f"hicache: host pool {type(pool).__name__} holds neither MHA nor MLA KV")
     return description, buffer
+
+
+def _kv_pool_of(pool):
+    """The KV host pool of a hybrid model's ``HostPoolGroup`` (its ``kv`` entry, else its anchor), or `pool`."""
+    entries = getattr(pool, "entry_map", None)
+    if entries is None or not hasattr(pool, "anchor_entry"):
+        return pool
+    for name, entry in entries.items():
+        if _pool_name(name) == "kv":
+            return entry.host_pool
+    return pool.anchor_entry.host_pool
+
+
+def _pool_name(name) -> str:
+    """The string value of SGLang's ``PoolName`` or ``PoolHitPolicy`` (string enums), or of a plain string."""
+    return str(getattr(name, "value", name))
+
+
+def _flat_page_bytes(page) -> int:
+    return page.numel() * page.element_size()
 
 
 def _int64_indices(host_indices: torch.Tensor) -> torch.Tensor:

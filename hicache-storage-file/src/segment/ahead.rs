@@ -10,6 +10,11 @@
 //!
 //! What was read from the window is dropped from the page cache behind the walk, so a tier that reads with
 //! `O_DIRECT` keeps no more of the page cache than a window per walk.
+//!
+//! A batch of at least [`STEP`] bytes reads nothing ahead (and ends the walk it continues, dropping its window): its
+//! own reads go out together and keep the disk busy, and reading it through the page cache would only add the
+//! kernel's copies (on a disk that reads 7 GB/s, 32 KiB pages read at 0.47 of the disk through the window and 0.81
+//! without it).
 
 use std::sync::Mutex;
 
@@ -74,6 +79,12 @@ impl ReadAhead {
         let continued = streams.iter().position(|stream| {
             stream.segment == segment && start + self.window >= stream.next && start <= stream.ahead.max(stream.next)
         });
+        if end - start >= STEP {
+            // a long batch reads on its own: the walk it continues ends, and its window is dropped
+            let ended = continued.map(|index| streams.swap_remove(index));
+            let release = ended.filter(|stream| stream.from < stream.ahead).map(|stream| (stream.from, stream.ahead));
+            return Plan { release, ..Plan::default() };
+        }
         let Some(index) = continued else {
             if streams.len() == STREAMS
                 && let Some(oldest) = (0..streams.len()).min_by_key(|&index| streams[index].used)
@@ -178,6 +189,31 @@ mod tests {
         assert!(released.len() > 10);
     }
 
+    /// A walk whose batches grow to a step or more stops reading ahead and drops its window; short batches start
+    /// a walk again.
+    #[test]
+    fn long_batches_read_on_their_own() {
+        let ahead = ReadAhead::new(8 * BATCH);
+        let data_end = 100 * BATCH;
+        for batch in 0..4 {
+            ahead.plan(2, batch * BATCH, (batch + 1) * BATCH, data_end);
+        }
+        let window = held(&ahead, 2);
+        assert_eq!(window.len(), 1);
+        assert!(window[0].0 < window[0].1, "the walk holds a window: {window:?}");
+        let long = STEP.div_ceil(BATCH);
+        let plan = ahead.plan(2, 4 * BATCH, (4 + long) * BATCH, data_end);
+        assert_eq!(plan, Plan { release: Some(window[0]), ..Plan::default() });
+        assert!(held(&ahead, 2).is_empty(), "the walk ended");
+        let plan = ahead.plan(2, (4 + long) * BATCH, (8 + long) * BATCH, data_end);
+        assert_eq!(plan, Plan::default(), "a long batch starts no walk");
+        assert!(held(&ahead, 2).is_empty());
+        for batch in 20..23 {
+            ahead.plan(2, batch * BATCH, (batch + 1) * BATCH, data_end);
+        }
+        assert_eq!(held(&ahead, 2).len(), 1, "short batches walk again");
+    }
+
     /// Random reads start no read-ahead.
     #[test]
     fn random_reads_fetch_nothing() {
@@ -233,7 +269,7 @@ mod tests {
         /// stay bounded.
         #[test]
         fn fetches_stay_in_the_data_and_releases_behind(
-            reads in prop::collection::vec((0u32..3, 0u64..64, 1u64..4), 1..200),
+            reads in prop::collection::vec((0u32..3, 0u64..64, 1u64..6), 1..200),
             window_batches in 0u64..6,
         ) {
             let ahead = ReadAhead::new(window_batches * BATCH);
@@ -243,7 +279,12 @@ mod tests {
                 let before = held(&ahead, segment);
                 let plan = ahead.plan(segment, start, end, data_end);
                 if let Some((from, to)) = plan.release {
-                    prop_assert!(to <= start && from < to, "released {from}..{to} for a batch from {start}");
+                    // a long batch drops the whole window of the walk it ends
+                    let long = end - start >= STEP;
+                    prop_assert!((to <= start || long) && from < to, "released {from}..{to} for a batch from {start}");
+                }
+                if end - start >= STEP {
+                    prop_assert_eq!((plan.cached, plan.fetch), ((0, 0), None), "a long batch reads on its own");
                 }
                 if let Some((from, to)) = plan.fetch {
                     prop_assert!(from < to && to <= data_end && from > start, "fetched {from}..{to} for {start}..{end}");

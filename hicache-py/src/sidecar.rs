@@ -1,0 +1,190 @@
+//! The sidecar pools of hybrid models behind SGLang's `*_v2` storage calls: a Mamba state, a sliding window's KV, a
+//! sparse-attention indexer, a draft model's KV, each kept under the KV pages' keys in a namespace of its own
+//! ([`StorageNamespace::sidecar`]), and queried with the KV as page groups ([`GroupStorage`]): a prefix counts only
+//! where every pool holds what restoring it needs.
+//!
+//! Entries move through caller buffers (`get_into`, `set_from`), as SGLang's own `HiCacheFile` moves them: SGLang's
+//! sidecar host pools hand out and take back one flat page at a time.
+
+use std::sync::{Arc, RwLock};
+
+use hicache_core::storage::groups::{GroupStorage, HitPolicy, SidecarPool};
+use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, StorageBackend};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::backend::{Backend, PySettings, check_buffers, parse_keys};
+use crate::guard;
+
+/// One sidecar pool of a rank, in the tier its KV is in (`Settings.open_sidecar`).
+#[pyclass(frozen, module = "hicache._native")]
+pub(crate) struct Sidecar {
+    /// `None` once closed.
+    storage: RwLock<Option<Arc<dyn StorageBackend>>>,
+    pool: String,
+    entry_bytes: usize,
+    writer: bool,
+}
+
+/// Opens the sidecar pool `pool` (entries of `entry_bytes`) of the rank `kv` serves, in the same tier.
+pub(crate) fn open(
+    settings: &PySettings,
+    py: Python<'_>,
+    kv: &Backend,
+    pool: &str,
+    entry_bytes: usize,
+    writer: bool,
+) -> PyResult<Sidecar> {
+    let namespace = kv.namespace.sidecar(pool, entry_bytes).map_err(guard::to_py)?;
+    let storage: Arc<dyn StorageBackend> = Arc::from(py.detach(|| settings.open_sidecar_rank(&namespace))?);
+    Ok(Sidecar { storage: RwLock::new(Some(storage)), pool: pool.to_owned(), entry_bytes, writer })
+}
+
+impl Sidecar {
+    fn current(&self) -> PyResult<Arc<dyn StorageBackend>> {
+        let storage = self.storage.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        storage
+            .clone()
+            .ok_or_else(|| PyRuntimeError::new_err(format!("hicache: sidecar pool `{}` is closed", self.pool)))
+    }
+
+    /// Checks that each buffer holds one whole entry.
+    fn check_entries(&self, lengths: &[usize]) -> PyResult<()> {
+        match lengths.iter().position(|&length| length != self.entry_bytes) {
+            Some(at) => Err(PyValueError::new_err(format!(
+                "hicache: sidecar pool `{}`: buffer {at} holds {} bytes, not one entry of {}",
+                self.pool, lengths[at], self.entry_bytes
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+#[pymethods]
+impl Sidecar {
+    /// The pool's name (`mamba`, `swa`, `indexer`, ...).
+    #[getter]
+    fn pool(&self) -> &str {
+        &self.pool
+    }
+
+    /// Bytes of one entry.
+    #[getter]
+    fn entry_bytes(&self) -> usize {
+        self.entry_bytes
+    }
+
+    /// Whether this rank writes the pool's entries.
+    #[getter]
+    fn writer(&self) -> bool {
+        self.writer
+    }
+
+    /// How many of `keys`, from the first, have an entry.
+    fn batch_exists(&self, py: Python<'_>, keys: &Bound<'_, PyList>) -> PyResult<usize> {
+        guard::run(|| {
+            let storage = self.current()?;
+            let keys = parse_keys(keys)?;
+            py.detach(|| storage.batch_exists(&keys)).map_err(guard::to_py)
+        })
+    }
+
+    /// Reads entries into caller buffers: `keys[i]` into `lengths[i]` bytes at `addresses[i]`, each one entry. True
+    /// for each entry read whole (checked against its checksum where the tier keeps one).
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyList>,
+        addresses: Vec<usize>,
+        lengths: Vec<usize>,
+    ) -> PyResult<Vec<bool>> {
+        guard::run(|| {
+            let storage = self.current()?;
+            let parsed = parse_keys(keys)?;
+            check_buffers(keys.len(), &addresses, &lengths)?;
+            self.check_entries(&lengths)?;
+            let mut destinations: Vec<PageSegmentsMut<'_>> = addresses
+                .iter()
+                .zip(&lengths)
+                // SAFETY: the caller's contract (module docs of `backend`): live CPU tensors that do not overlap
+                // (checked).
+                .map(|(&address, &len)| vec![unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) }])
+                .collect();
+            let outcomes = py.detach(|| storage.batch_get(&parsed, &mut destinations)).map_err(guard::to_py)?;
+            Ok(outcomes.iter().map(|outcome| matches!(outcome, GetOutcome::Hit)).collect())
+        })
+    }
+
+    /// Writes entries from caller buffers (as `get_into`). True for each entry stored (or already stored). A rank
+    /// that does not write the pool stores nothing and answers True.
+    fn set_from(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyList>,
+        addresses: Vec<usize>,
+        lengths: Vec<usize>,
+    ) -> PyResult<Vec<bool>> {
+        guard::run(|| {
+            let storage = self.current()?;
+            let parsed = parse_keys(keys)?;
+            check_buffers(keys.len(), &addresses, &lengths)?;
+            self.check_entries(&lengths)?;
+            if !self.writer {
+                return Ok(vec![true; keys.len()]);
+            }
+            let sources: Vec<PageSegments<'_>> = addresses
+                .iter()
+                .zip(&lengths)
+                // SAFETY: the caller's contract: live CPU tensors, only read here.
+                .map(|(&address, &len)| vec![unsafe { std::slice::from_raw_parts(address as *const u8, len) }])
+                .collect();
+            let outcomes = py.detach(|| storage.batch_set(&parsed, &sources)).map_err(guard::to_py)?;
+            Ok(outcomes.iter().map(|outcome| outcome.is_stored()).collect())
+        })
+    }
+
+    /// Removes every entry of the pool's namespace; returns how many were removed.
+    fn clear(&self, py: Python<'_>) -> PyResult<u64> {
+        guard::run(|| {
+            let storage = self.current()?;
+            py.detach(|| storage.clear()).map_err(guard::to_py)
+        })
+    }
+
+    /// Closes the pool: later calls raise.
+    fn close(&self) {
+        self.storage.write().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+    }
+}
+
+/// What `batch_exists_v2` answers for the run `keys` of the KV pages `kv` serves and the sidecar pools `pools`
+/// (each with its hit policy, `all_pages` or `trailing_pages`, and for `trailing_pages` its window in pages): the KV
+/// pages held from the first, each pool's own boundary (`None` where it holds none), and every restorable length.
+pub(crate) fn query(
+    py: Python<'_>,
+    kv: &Backend,
+    keys: &Bound<'_, PyList>,
+    pools: Vec<(PyRef<'_, Sidecar>, String, usize)>,
+) -> PyResult<(usize, Vec<Option<usize>>, Vec<usize>)> {
+    let open = kv.current()?;
+    let parsed = parse_keys(keys)?;
+    let mut sidecars = Vec::with_capacity(pools.len());
+    for (at, (pool, policy, window)) in pools.iter().enumerate() {
+        let policy = match policy.as_str() {
+            "all_pages" => HitPolicy::AllPages,
+            "trailing_pages" => HitPolicy::TrailingPages { window: (*window).max(1) },
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "hicache: pool_transfers[{at}] ({}): hit policy {other:?} is not served (all_pages, \
+                     trailing_pages)",
+                    pool.pool
+                )));
+            }
+        };
+        sidecars.push(SidecarPool { name: pool.pool.clone(), policy, backend: pool.current()? });
+    }
+    let groups = GroupStorage::new(open.storage.clone(), sidecars).map_err(guard::to_py)?;
+    let restorable = py.detach(|| groups.query(&parsed)).map_err(guard::to_py)?;
+    Ok((restorable.kv_pages, restorable.pool_pages, restorable.lengths))
+}
