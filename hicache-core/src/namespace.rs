@@ -127,7 +127,7 @@ impl StorageNamespace {
 
     /// Whether each tensor-parallel rank holds objects of its own: the KV of MHA, and a Mamba state whatever the
     /// attention (SGLang keeps the state sharded by rank even where MLA's latent is the same on every rank).
-    fn per_rank(&self) -> bool {
+    pub fn per_rank(&self) -> bool {
         !self.geometry.is_mla() || self.sidecar.as_ref().is_some_and(|sidecar| sidecar.pool == "mamba")
     }
 

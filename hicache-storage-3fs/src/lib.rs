@@ -5,6 +5,9 @@
 //!   pipeline stages `{file_path_prefix}.{rank}.pp{stage}.bin`; for a chunk namespace of the unified key scheme one
 //!   file per chunk size that every rank shares, `{file_path_prefix}.{digest}-chunk-L{layers}.bin`), `file_size`
 //!   bytes, made sparse on first use; a file already there and shorter is refused. Page `i` is at `i × page_bytes`; footers follow the pages ([`layout`]).
+//!   A hybrid model's sidecar pool (a namespace with [`StorageNamespace::sidecar`]) keeps its entries in a file of
+//!   its own, `{KV file}.{pool}` (SGLang's name), an entry per slot, with the same footers: the namespace digest in
+//!   each binds the entry to its pool and size.
 //! * **Metadata.** [`metadata`]: which key holds which page, LRU reuse of pages, one atomic operation per batch. Keys
 //!   are `{namespace digest}/{page hash}`, so models and ranks sharing a file never see each other's pages, and
 //!   `clear` removes exactly this namespace's.
@@ -141,9 +144,9 @@ impl Hf3fsStorage {
         metadata: Arc<dyn PageMetadata>,
     ) -> Result<Self, Error> {
         let namespace = namespace.clone().validated()?;
-        namespace.refuse_sidecar("3fs")?;
         let library = Library::load(config.library_dir.as_deref())?;
-        let page_bytes = namespace.geometry.bytes_per_page(namespace.page_size) as u64;
+        // a KV page, or a sidecar pool's entry
+        let page_bytes = namespace.page_bytes() as u64;
         let path = data_file(&config.file_path_prefix, &namespace);
         let layout = FileLayout::for_file(config.file_size, page_bytes).ok_or_else(|| Error::InvalidConfig {
             field: "file_size".into(),
@@ -266,9 +269,10 @@ impl Hf3fsStorage {
 
 /// `{prefix}.{rank}.bin`, rank 0 for MLA; `{prefix}.{rank}.pp{stage}.bin` with pipeline stages;
 /// `{prefix}.{chunk tag}.bin` for a chunk namespace of the unified key scheme (one file per chunk size, shared by
-/// every rank of every topology: a file's slots are one size).
+/// every rank of every topology: a file's slots are one size). A sidecar pool's entries are in a file of their own
+/// beside the KV's, `{KV file}.{pool}` as SGLang names them (a Mamba state's per rank even for MLA).
 fn data_file(prefix: &Path, namespace: &StorageNamespace) -> PathBuf {
-    let rank = if namespace.geometry.is_mla() { 0 } else { namespace.tp_rank };
+    let rank = if namespace.per_rank() { namespace.tp_rank } else { 0 };
     let mut name = prefix.as_os_str().to_owned();
     if let Some(tag) = hicache_core::storage::chunk_namespace_tag(namespace) {
         name.push(format!(".{tag}.bin"));
@@ -276,6 +280,9 @@ fn data_file(prefix: &Path, namespace: &StorageNamespace) -> PathBuf {
         name.push(format!(".{rank}.pp{}.bin", namespace.pp_rank));
     } else {
         name.push(format!(".{rank}.bin"));
+    }
+    if let Some(sidecar) = &namespace.sidecar {
+        name.push(format!(".{}", sidecar.pool));
     }
     PathBuf::from(name)
 }
