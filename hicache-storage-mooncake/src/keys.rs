@@ -89,10 +89,21 @@ impl KeyRenderer {
     /// (SGLang 0.5.2's keys have no pipeline stage).
     pub(crate) fn new(scheme: &KeyScheme, namespace: &StorageNamespace) -> Result<Self, Error> {
         let mla = namespace.geometry.is_mla();
+        if let (Some(sidecar), KeyScheme::Sglang { .. }) = (&namespace.sidecar, scheme) {
+            return Err(Error::InvalidArgument {
+                field: "key_scheme",
+                reason: format!(
+                    "SGLang's Mooncake keys split a sidecar pool's entry into objects after its host pool's buffers,                      which hicache does not name yet (pool `{}`); use the native key scheme",
+                    sidecar.pool
+                ),
+            });
+        }
         let (before, suffixes) = match scheme {
             KeyScheme::Native => {
                 let digest = namespace.digest();
-                let parts: &[ObjectPart] = if mla { &[ObjectPart::Page] } else { &[ObjectPart::K, ObjectPart::V] };
+                // a sidecar pool's entry is one object, as the latent of an MLA page is
+                let whole = mla || namespace.sidecar.is_some();
+                let parts: &[ObjectPart] = if whole { &[ObjectPart::Page] } else { &[ObjectPart::K, ObjectPart::V] };
                 // the suffix is what follows the hash in the native key
                 let hash_len = PageKey::from_bytes([0; 32]).to_string().len();
                 let suffixes = parts
@@ -278,6 +289,27 @@ mod tests {
         let old = KeyScheme::Sglang { release: SglangRelease::V0_5_2, tag: None };
         let error = KeyRenderer::new(&old, &namespace(false, 0, (1, 2))).unwrap_err();
         assert!(error.to_string().contains("sglang_release"), "{error}");
+    }
+
+    /// A sidecar pool's entry is one object of its own namespace under the native scheme (never one of the KV's
+    /// objects, whatever the attention); SGLang's schemes refuse it naming the key scheme.
+    #[test]
+    fn a_sidecar_entry_is_one_native_object_and_sglang_schemes_refuse_it() {
+        let key = page_key(None, &[1, 2, 3]);
+        for mla in [false, true] {
+            let kv = namespace(mla, 1, (0, 1));
+            let mamba = kv.sidecar("mamba", 4096).unwrap();
+            let renderer = KeyRenderer::new(&KeyScheme::Native, &mamba).unwrap();
+            assert_eq!(renderer.parts(), 1);
+            assert_eq!(renderer.object_key(&key, 0), format!("{key}_{}", mamba.digest()));
+            let kv_keys = KeyRenderer::new(&KeyScheme::Native, &kv).unwrap();
+            assert!((0..kv_keys.parts()).all(|part| kv_keys.object_key(&key, part) != renderer.object_key(&key, 0)));
+            for release in [SglangRelease::V0_5_2, SglangRelease::V0_5_23] {
+                let scheme = KeyScheme::Sglang { release, tag: None };
+                let error = KeyRenderer::new(&scheme, &mamba).unwrap_err().to_string();
+                assert!(error.contains("key_scheme") && error.contains("mamba"), "{error}");
+            }
+        }
     }
 
     #[test]

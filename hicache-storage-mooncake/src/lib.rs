@@ -2,7 +2,10 @@
 //! and into the host pool.
 //!
 //! * **Objects.** One object per page part (`keys`): K and V for MHA, the latent for MLA, each the contiguous half
-//!   (or the whole) of the flat page, so a page-first host pool is read and written in place. (A `page_unified`
+//!   (or the whole) of the flat page, so a page-first host pool is read and written in place. A hybrid model's
+//!   sidecar pool ([`StorageNamespace::sidecar`]) keeps one object per entry under the native key scheme, whose
+//!   namespace digest covers the pool and its entry size; SGLang's key schemes refuse sidecar pools (naming
+//!   `key_scheme`: SGLang splits each pool's entry into objects after its host pool's buffers). (A `page_unified`
 //!   page keeps K and V together inside each layer: its halves, still keyed `_k` and `_v`, are its first and
 //!   second halves of head groups or layers.) Where a part is not one
 //!   contiguous range of the caller's memory (a `layer_first` pool), it goes through a staging buffer, counted in
@@ -181,9 +184,9 @@ impl MooncakeStorage {
     pub fn open(config: MooncakeConfig, namespace: &StorageNamespace) -> Result<Self, Error> {
         let config = config.validated()?;
         let namespace = namespace.clone().validated()?;
-        namespace.refuse_sidecar("mooncake")?;
         let keys = KeyRenderer::new(&config.scheme, &namespace)?;
-        let page_bytes = namespace.geometry.bytes_per_page(namespace.page_size);
+        // a KV page, or a sidecar pool's entry
+        let page_bytes = namespace.page_bytes();
         let part_bytes = page_bytes / keys.parts();
         let api = sys::load(&sys::resolve_library(config.library.as_deref())).map_err(error)?;
         let client = Replaceable::new(Link::connect(api, &config).map_err(error)?);

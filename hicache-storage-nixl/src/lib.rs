@@ -5,6 +5,8 @@
 //! * **Names.** `{dir}/{hash}_{model}_{tp_rank}_{tp_size}` (MHA) or `{dir}/{hash}_{model}` (MLA), `/` in the model
 //!   replaced by `-`, raw flat pages: what SGLang's NIXL backend writes since it took the namespace into its names
 //!   (SGLang PR #10969; 0.5.2 wrote `{dir}/{hash}` for every rank and model, so TP ranks overwrote each other).
+//!   A hybrid model's sidecar pool ([`StorageNamespace::sidecar`]) keeps an entry per file, named as SGLang's NIXL
+//!   backend names a pool's whole page: the KV's name (a Mamba state's per rank even for MLA) and `_{pool}`.
 //!   `$SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR`, default `/tmp/hicache_storage`, as SGLang.
 //! * **One agent per backend**, named `hicache_nixl_{pid}_{n}`; the plugin is SGLang's `auto` choice (the first of
 //!   3FS, POSIX, GDS_MT, GDS that this NIXL has and that starts) or the one named in [`NixlConfig::plugin`], with
@@ -162,7 +164,6 @@ impl NixlStorage {
     /// [`Error::Storage`] when the library cannot be loaded, no plugin starts, or the directory cannot be created.
     pub fn open(config: NixlConfig, namespace: &StorageNamespace) -> Result<Self, Error> {
         let namespace = namespace.clone().validated()?;
-        namespace.refuse_sidecar("nixl")?;
         namespace.file_name_model()?;
         for (field, value) in
             [("max_open_files", config.max_open_files), ("max_registered_regions", config.max_registered_regions)]
@@ -177,14 +178,21 @@ impl NixlStorage {
         let agent = NixlAgent::new(&config.plugin, &config.plugin_params)?;
         // SGLang's file names; with pipeline stages they carry the stage, which SGLang's own NIXL backend leaves out
         // (its stages overwrite each other's pages), so only single-stage deployments share pages with it
-        let probe = PageKey::from_bytes([0; 32]);
-        let suffix = namespace.sglang_file_key(&probe)[probe.to_string().len()..].to_owned();
+        // a sidecar pool's entry: SGLang's NIXL name for a pool's whole page, the KV's name (a Mamba state's per rank)
+        // and `_{pool}`
+        let suffix = match &namespace.sidecar {
+            None => {
+                let probe = PageKey::from_bytes([0; 32]);
+                namespace.sglang_file_key(&probe)[probe.to_string().len()..].to_owned()
+            }
+            Some(sidecar) => format!("_{}_{}", namespace.sglang_file_suffix(), sidecar.pool),
+        };
         tracing::debug!(plugin = agent.plugin(), dir = %config.dir.display(), "nixl backend open");
         Ok(Self {
             namespace: namespace.clone(),
             dir: config.dir,
             suffix,
-            page_bytes: namespace.geometry.bytes_per_page(namespace.page_size),
+            page_bytes: namespace.page_bytes(),
             files: Mutex::new(FileCache::new(config.max_open_files)),
             regions: Mutex::new(RegionCache::new(config.max_registered_regions)),
             stats: StatsRecorder::default(),
