@@ -335,6 +335,15 @@ impl StorageBackend for Hf3fsStorage {
         Ok(hits)
     }
 
+    fn batch_contains(&self, keys: &[PageKey]) -> Result<Vec<bool>, Error> {
+        self.check_usable()?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let members: Vec<String> = keys.iter().map(|key| self.metadata_key(key)).collect();
+        self.metadata.exists(&self.space, &members)
+    }
+
     fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
         check_batch(keys.len(), pages.len())?;
         self.check_usable()?;

@@ -684,6 +684,18 @@ impl StorageBackend for FileStorage {
         Ok(hits)
     }
 
+    fn batch_contains(&self, keys: &[PageKey]) -> Result<Vec<bool>, Error> {
+        let Some(segments) = &self.segments else {
+            // a file per page: a stat each, as `batch_exists` does
+            return keys.iter().map(|key| self.exists(key)).collect();
+        };
+        let held = segments
+            .contains(keys)
+            .map_err(|error| io_failure(format!("reading the segments of {}: {error}", self.root.display()), error))?;
+        self.stats.record_exists(keys.len(), held.iter().filter(|&&held| held).count());
+        Ok(held)
+    }
+
     fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
         check_batch(keys.len(), pages.len())?;
         let outcomes = match &self.segments {

@@ -527,6 +527,22 @@ impl StorageBackend for MooncakeStorage {
         Ok(found)
     }
 
+    fn batch_contains(&self, keys: &[PageKey]) -> Result<Vec<bool>, Error> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (_, results) = self.call(|client| client.batch_is_exist(&self.c_keys(keys)))?;
+        if let Some(&status) = results.iter().find(|&&status| status < 0) {
+            return Err(error(format!(
+                "batch_is_exist at the master {} failed: {}",
+                self.master(),
+                sys::code_name(status)
+            )));
+        }
+        // a page is there when every object of it is
+        Ok(results.chunks(self.keys.parts()).map(|page| page.iter().all(|&status| status == 1)).collect())
+    }
+
     fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
         check_batch(keys.len(), pages.len())?;
         let parts = self.keys.parts();

@@ -235,9 +235,16 @@ impl GroupStorage {
                     let present = pool.backend.batch_exists(keys)?.min(keys.len());
                     (0..keys.len()).map(|page| page < present).collect()
                 }
-                // a window is held at some pages only: asked page by page
+                // a window is held at some pages only: every page is asked
                 HitPolicy::TrailingPages { .. } => {
-                    keys.iter().map(|key| pool.backend.exists(key)).collect::<Result<Vec<bool>, Error>>()?
+                    let held = pool.backend.batch_contains(keys)?;
+                    if held.len() != keys.len() {
+                        return Err(Error::storage(
+                            pool.backend.name(),
+                            format!("{} answers for {} keys (pool `{}`)", held.len(), keys.len(), pool.name),
+                        ));
+                    }
+                    held
                 }
             });
         }

@@ -99,6 +99,11 @@ impl StorageBackend for MemoryStorage {
         Ok(hits)
     }
 
+    fn batch_contains(&self, keys: &[PageKey]) -> Result<Vec<bool>, Error> {
+        let objects = self.store.read();
+        Ok(keys.iter().map(|key| objects.contains_key(&self.object_key(key))).collect())
+    }
+
     fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
         check_batch(keys.len(), pages.len())?;
         let found: Vec<Option<Arc<[u8]>>> = {

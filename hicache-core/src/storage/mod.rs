@@ -212,6 +212,17 @@ pub trait StorageBackend: Send + Sync {
         Ok(self.batch_exists(std::slice::from_ref(key))? == 1)
     }
 
+    /// Whether each of `keys` is present: every key answered, not only a leading run (a sliding window's or a
+    /// state's entries are held at some pages only). In one call where the backend can; the default asks
+    /// [`exists`](Self::exists) key by key.
+    ///
+    /// # Errors
+    ///
+    /// As [`batch_exists`](Self::batch_exists).
+    fn batch_contains(&self, keys: &[PageKey]) -> Result<Vec<bool>, Error> {
+        keys.iter().map(|key| self.exists(key)).collect()
+    }
+
     /// Reads one page.
     ///
     /// # Errors
@@ -246,6 +257,10 @@ macro_rules! forward_backend {
 
             fn batch_exists(&self, keys: &[PageKey]) -> Result<usize, Error> {
                 (**self).batch_exists(keys)
+            }
+
+            fn batch_contains(&self, keys: &[PageKey]) -> Result<Vec<bool>, Error> {
+                (**self).batch_contains(keys)
             }
 
             fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {

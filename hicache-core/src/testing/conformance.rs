@@ -182,7 +182,8 @@ pub fn set_then_get_round_trips(harness: &dyn Harness) {
     assert!(backend.exists(&extra[0]).expect("exists"));
 }
 
-/// `batch_exists` counts present keys from the start and stops at the first absent one.
+/// `batch_exists` counts present keys from the start and stops at the first absent one; `batch_contains` answers
+/// every key.
 pub fn exists_counts_the_leading_run(harness: &dyn Harness) {
     let namespace = mha_namespace(0, 1);
     let backend = harness.open(&namespace);
@@ -195,6 +196,16 @@ pub fn exists_counts_the_leading_run(harness: &dyn Harness) {
     assert_eq!(backend.batch_exists(&keys).expect("batch_exists"), 3);
     assert_eq!(backend.batch_exists(&keys[3..]).expect("batch_exists"), 0);
     assert_eq!(backend.batch_exists(&keys[4..]).expect("batch_exists"), 2);
+    // every key answered, past the gap too
+    let held = backend.batch_contains(&keys).expect("batch_contains");
+    assert_eq!(held, [true, true, true, false, true, true]);
+    assert_eq!(backend.batch_contains(&[]).expect("batch_contains"), Vec::<bool>::new());
+    // a random subset of fresh keys, in a random order
+    let fresh = random_keys(24);
+    let stored: Vec<bool> = (0..fresh.len()).map(|_| rand::random::<bool>()).collect();
+    let chosen: Vec<PageKey> = fresh.iter().zip(&stored).filter(|(_, stored)| **stored).map(|(key, _)| *key).collect();
+    assert_all_stored(&put(backend.as_ref(), &chosen, &random_pages(chosen.len(), page_bytes(&namespace))));
+    assert_eq!(backend.batch_contains(&fresh).expect("batch_contains"), stored);
 }
 
 /// Writing a key that is present reports it present and keeps the first bytes (keys name content).

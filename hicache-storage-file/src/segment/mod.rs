@@ -556,6 +556,18 @@ impl SegmentStore {
         Ok(leading(&self.read_index()))
     }
 
+    /// Whether each of `keys` is held (the index caught up with other writers first).
+    pub(crate) fn contains(&self, keys: &[PageKey]) -> std::io::Result<Vec<bool>> {
+        self.catch_up(false)?;
+        let look = |index: &Index| keys.iter().map(|key| index.page(key).is_some()).collect::<Vec<bool>>();
+        let held = look(&self.read_index());
+        if held.iter().all(|&held| held) {
+            return Ok(held);
+        }
+        self.refresh()?;
+        Ok(look(&self.read_index()))
+    }
+
     /// Reads `keys` into `pages` (each already checked to be a page long).
     pub(crate) fn get(
         &self,
