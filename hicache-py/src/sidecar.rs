@@ -3,8 +3,9 @@
 //! ([`StorageNamespace::sidecar`]), and queried with the KV as page groups ([`GroupStorage`]): a prefix counts only
 //! where every pool holds what restoring it needs.
 //!
-//! Entries move through caller buffers (`get_into`, `set_from`), as SGLang's own `HiCacheFile` moves them: SGLang's
-//! sidecar host pools hand out and take back one flat page at a time.
+//! Entries move straight between the host pool and the tier where the pool tells where a page's bytes are
+//! (`get_page_buffer_meta` of a page-first pool, whose segments follow the flat page's order), else through a flat
+//! page per entry, as SGLang's own `HiCacheFile` moves them (`get_into`, `set_from` take both).
 
 use std::sync::{Arc, RwLock};
 
@@ -14,7 +15,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::backend::{Backend, PySettings, check_buffers, parse_keys};
+use crate::backend::{Backend, PySettings, parse_keys};
 use crate::guard;
 
 /// One sidecar pool of a rank, in the tier its KV is in (`Settings.open_sidecar`).
@@ -49,15 +50,28 @@ impl Sidecar {
             .ok_or_else(|| PyRuntimeError::new_err(format!("hicache: sidecar pool `{}` is closed", self.pool)))
     }
 
-    /// Checks that each buffer holds one whole entry.
-    fn check_entries(&self, lengths: &[usize]) -> PyResult<()> {
-        match lengths.iter().position(|&length| length != self.entry_bytes) {
-            Some(at) => Err(PyValueError::new_err(format!(
-                "hicache: sidecar pool `{}`: buffer {at} holds {} bytes, not one entry of {}",
-                self.pool, lengths[at], self.entry_bytes
-            ))),
-            None => Ok(()),
+    /// Checks that the buffers are `per_entry` segments per key, none overlapping another, each key's adding up to
+    /// one whole entry.
+    fn check_entries(&self, keys: usize, addresses: &[usize], lengths: &[usize], per_entry: usize) -> PyResult<()> {
+        let bad =
+            |reason: String| Err(PyValueError::new_err(format!("hicache: sidecar pool `{}`: {reason}", self.pool)));
+        if per_entry == 0 || addresses.len() != keys * per_entry || lengths.len() != addresses.len() {
+            return bad(format!(
+                "{keys} keys of {per_entry} segments each, but {} addresses and {} lengths",
+                addresses.len(),
+                lengths.len()
+            ));
         }
+        if let Some(at) = lengths.chunks(per_entry).position(|entry| entry.iter().sum::<usize>() != self.entry_bytes) {
+            let given: usize = lengths[at * per_entry..][..per_entry].iter().sum();
+            return bad(format!("entry {at} is given {given} bytes, not one entry of {}", self.entry_bytes));
+        }
+        let mut ranges: Vec<(usize, usize)> = addresses.iter().copied().zip(lengths.iter().copied()).collect();
+        ranges.sort_unstable();
+        if ranges.windows(2).any(|pair| pair[0].0 + pair[0].1 > pair[1].0) {
+            return bad("two entry buffers overlap".to_owned());
+        }
+        Ok(())
     }
 }
 
@@ -90,27 +104,30 @@ impl Sidecar {
         })
     }
 
-    /// Reads entries into caller buffers: `keys[i]` into `lengths[i]` bytes at `addresses[i]`, each one entry. True
-    /// for each entry read whole (checked against its checksum where the tier keeps one).
+    /// Reads entries into caller buffers: `keys[i]` into the `per_entry` segments `i × per_entry ..` (`lengths[j]`
+    /// bytes at `addresses[j]`; one whole entry in all, in the order of the pool's flat page). True for each entry
+    /// read whole (checked against its checksum where the tier keeps one).
+    #[pyo3(signature = (keys, addresses, lengths, per_entry = 1))]
     fn get_into(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyList>,
         addresses: Vec<usize>,
         lengths: Vec<usize>,
+        per_entry: usize,
     ) -> PyResult<Vec<bool>> {
         guard::run(|| {
             let storage = self.current()?;
             let parsed = parse_keys(keys)?;
-            check_buffers(keys.len(), &addresses, &lengths)?;
-            self.check_entries(&lengths)?;
-            let mut destinations: Vec<PageSegmentsMut<'_>> = addresses
+            self.check_entries(keys.len(), &addresses, &lengths, per_entry)?;
+            let mut segments = addresses
                 .iter()
                 .zip(&lengths)
-                // SAFETY: the caller's contract (module docs of `backend`): live CPU tensors that do not overlap
-                // (checked).
-                .map(|(&address, &len)| vec![unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) }])
-                .collect();
+                // SAFETY: the caller's contract (module docs of `backend`): live CPU memory (tensors or a host pool's
+                // pages) that no one else touches during the call; no two segments overlap (checked).
+                .map(|(&address, &len)| unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) });
+            let mut destinations: Vec<PageSegmentsMut<'_>> =
+                (0..keys.len()).map(|_| segments.by_ref().take(per_entry).collect()).collect();
             let outcomes = py.detach(|| storage.batch_get(&parsed, &mut destinations)).map_err(guard::to_py)?;
             Ok(outcomes.iter().map(|outcome| matches!(outcome, GetOutcome::Hit)).collect())
         })
@@ -118,27 +135,29 @@ impl Sidecar {
 
     /// Writes entries from caller buffers (as `get_into`). True for each entry stored (or already stored). A rank
     /// that does not write the pool stores nothing and answers True.
+    #[pyo3(signature = (keys, addresses, lengths, per_entry = 1))]
     fn set_from(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyList>,
         addresses: Vec<usize>,
         lengths: Vec<usize>,
+        per_entry: usize,
     ) -> PyResult<Vec<bool>> {
         guard::run(|| {
             let storage = self.current()?;
             let parsed = parse_keys(keys)?;
-            check_buffers(keys.len(), &addresses, &lengths)?;
-            self.check_entries(&lengths)?;
+            self.check_entries(keys.len(), &addresses, &lengths, per_entry)?;
             if !self.writer {
                 return Ok(vec![true; keys.len()]);
             }
-            let sources: Vec<PageSegments<'_>> = addresses
+            let mut segments = addresses
                 .iter()
                 .zip(&lengths)
-                // SAFETY: the caller's contract: live CPU tensors, only read here.
-                .map(|(&address, &len)| vec![unsafe { std::slice::from_raw_parts(address as *const u8, len) }])
-                .collect();
+                // SAFETY: the caller's contract: live CPU memory, only read here.
+                .map(|(&address, &len)| unsafe { std::slice::from_raw_parts(address as *const u8, len) });
+            let sources: Vec<PageSegments<'_>> =
+                (0..keys.len()).map(|_| segments.by_ref().take(per_entry).collect()).collect();
             let outcomes = py.detach(|| storage.batch_set(&parsed, &sources)).map_err(guard::to_py)?;
             Ok(outcomes.iter().map(|outcome| outcome.is_stored()).collect())
         })

@@ -149,8 +149,9 @@ class HiCacheStorage(_SglangStorage):
 
     def batch_get_v2(self, transfers, extra_info=None) -> dict:
         """Reads each transfer's entries into its host pool: the KV pages as ``batch_get_v1`` does, a sidecar pool's
-        entries checked whole (against their checksums where the tier keeps them) before they reach the pool. True for
-        each entry read whole; an entry that is not stays out of the pool."""
+        entries straight into a page-first pool's pages, else through flat pages. True for each entry read whole
+        (checked against its checksum where the tier keeps one); the slot of an entry that is not holds nothing
+        usable."""
         return {transfer.name: self._transfer(transfer, read=True) for transfer in transfers}
 
     def batch_set_v2(self, transfers, extra_info=None) -> dict:
@@ -173,6 +174,12 @@ class HiCacheStorage(_SglangStorage):
                 raise ValueError(
                     f"hicache: pool {name}: {len(keys)} keys need {len(keys) * page_size} host indices, got {got}"
                 )
+            segments = _entry_segments(host_pool, indices, len(keys), sidecar.entry_bytes)
+            if segments is not None:
+                # straight between the pool's pages and the tier
+                addresses, lengths, per_entry = segments
+                move = sidecar.get_into if read else sidecar.set_from
+                return move(keys, addresses, lengths, per_entry)
             slots = [int(slot) for slot in indices.reshape(-1)[::page_size].tolist()]
             if read:
                 like = host_pool.get_dummy_flat_data_page()
@@ -427,6 +434,27 @@ def _kv_pool_of(pool):
         if _pool_name(name) == "kv":
             return entry.host_pool
     return pool.anchor_entry.host_pool
+
+
+def _entry_segments(host_pool, indices, entries: int, entry_bytes: int):
+    """Where the entries of `indices` lie in a page-first host pool (SGLang's ``get_page_buffer_meta``, whose segments
+    follow the flat page's byte order in these layouts): (addresses, lengths, segments per entry), or None where the
+    pool does not say or says otherwise (then entries go through flat pages)."""
+    if getattr(host_pool, "layout", None) not in ("page_first", "page_first_direct"):
+        return None
+    try:
+        addresses, lengths = host_pool.get_page_buffer_meta(_int64_indices(indices))
+    except (AttributeError, NotImplementedError, ValueError, AssertionError):
+        return None
+    if entries == 0 or len(addresses) % entries or len(lengths) != len(addresses):
+        return None
+    per_entry = len(addresses) // entries
+    if any(isinstance(value, (list, tuple)) for value in (*addresses, *lengths)):
+        return None
+    addresses, lengths = [int(value) for value in addresses], [int(value) for value in lengths]
+    if any(sum(lengths[at : at + per_entry]) != entry_bytes for at in range(0, len(lengths), per_entry)):
+        return None
+    return addresses, lengths, per_entry
 
 
 def _pool_name(name) -> str:
