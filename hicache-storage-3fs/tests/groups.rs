@@ -5,19 +5,14 @@
 use std::sync::Arc;
 
 use hicache_core::geometry::{KvDtype, KvGeometry};
-use hicache_core::hash::PageKey;
 use hicache_core::layout::HostLayout;
 use hicache_core::namespace::StorageNamespace;
-use hicache_core::storage::groups::{GroupStorage, HitPolicy, SidecarPool};
-use hicache_core::storage::{PageSegments, PageSegmentsMut};
-use hicache_core::testing::conformance::{random_keys, random_pages};
+use hicache_core::storage::groups::GroupStorage;
+use hicache_core::testing::groups::{HybridRun, INDEXER_BYTES, STATE_BYTES, pools, read};
 use hicache_storage_3fs::Hf3fsStorage;
 use hicache_storage_3fs::testing::Mount;
 
 const FILE_SIZE: u64 = 1 << 20;
-const PAGES: usize = 6;
-const MAMBA_BYTES: usize = 3000;
-const INDEXER_BYTES: usize = 528;
 
 fn namespace(mla: bool, tp_rank: usize) -> StorageNamespace {
     let geometry =
@@ -29,44 +24,16 @@ fn namespace(mla: bool, tp_rank: usize) -> StorageNamespace {
     }
 }
 
-/// The KV of rank `tp_rank` with a Mamba state pool (window 1) and an indexer (every page), all in 3FS.
-fn groups(mount: &Mount, mla: bool, tp_rank: usize) -> (GroupStorage, Vec<Arc<Hf3fsStorage>>) {
+/// The groups of rank `tp_rank`, all in 3FS, and the backends of the KV, the state and the indexer.
+fn groups(mount: &Mount, mla: bool, tp_rank: usize) -> (GroupStorage, [Arc<Hf3fsStorage>; 3]) {
     let kv_namespace = namespace(mla, tp_rank);
     let open =
         |namespace: &StorageNamespace| Arc::new(Hf3fsStorage::open(mount.config(FILE_SIZE, None), namespace).unwrap());
     let kv = open(&kv_namespace);
-    let mamba = open(&kv_namespace.sidecar("mamba", MAMBA_BYTES).unwrap());
+    let state = open(&kv_namespace.sidecar("mamba", STATE_BYTES).unwrap());
     let indexer = open(&kv_namespace.sidecar("indexer", INDEXER_BYTES).unwrap());
-    let pools = vec![
-        SidecarPool { name: "mamba".into(), policy: HitPolicy::TrailingPages { window: 1 }, backend: mamba.clone() },
-        SidecarPool { name: "indexer".into(), policy: HitPolicy::AllPages, backend: indexer.clone() },
-    ];
-    (GroupStorage::new(kv.clone(), pools).unwrap(), vec![kv, mamba, indexer])
-}
-
-/// Writes a run: its indexer entries, the Mamba state at pages 3 and 6 (node ends), then the KV.
-fn write(groups: &GroupStorage, keys: &[PageKey], kv: &[Vec<u8>], mamba: &[Vec<u8>], indexer: &[Vec<u8>]) {
-    let pages: Vec<PageSegments<'_>> = kv.iter().map(|page| vec![page.as_slice()]).collect();
-    let states = vec![(2, vec![mamba[0].as_slice()]), (5, vec![mamba[1].as_slice()])];
-    let entries = indexer.iter().enumerate().map(|(page, entry)| (page, vec![entry.as_slice()])).collect();
-    let written = groups.set(keys, &pages, &[states, entries]).unwrap();
-    assert_eq!(written.pages, keys.len());
-}
-
-/// Reads the prefix of `length` pages; the restored length, and what was read (KV, the state, the indexer entries).
-fn read(groups: &GroupStorage, keys: &[PageKey], length: usize, bytes: usize) -> (usize, Vec<Vec<u8>>) {
-    let mut kv = vec![vec![0u8; bytes]; length];
-    let mut state = vec![vec![0u8; MAMBA_BYTES]; 1];
-    let mut indexer = vec![vec![0u8; INDEXER_BYTES]; length];
-    let restored = {
-        let mut kv_pages: Vec<PageSegmentsMut<'_>> = kv.iter_mut().map(|page| vec![page.as_mut_slice()]).collect();
-        let mut sidecars = vec![
-            state.iter_mut().map(|entry| vec![entry.as_mut_slice()]).collect::<Vec<_>>(),
-            indexer.iter_mut().map(|entry| vec![entry.as_mut_slice()]).collect::<Vec<_>>(),
-        ];
-        groups.get(keys, length, &mut kv_pages, &mut sidecars).unwrap()
-    };
-    (restored, kv.into_iter().chain(state).chain(indexer).collect())
+    let groups = GroupStorage::new(kv.clone(), pools(state.clone(), indexer.clone())).unwrap();
+    (groups, [kv, state, indexer])
 }
 
 #[test]
@@ -80,30 +47,21 @@ fn groups_round_trip_in_files_of_their_own_and_a_damaged_entry_cuts_the_prefix()
     let prefix = mount.config(FILE_SIZE, None).file_path_prefix.file_name().unwrap().to_string_lossy().into_owned();
     assert_eq!(names, [format!("{prefix}.1.bin"), format!("{prefix}.1.bin.mamba"), format!("{prefix}.1.bin.indexer")]);
     let bytes = backends[0].space().page_bytes as usize;
-    let keys = random_keys(PAGES);
-    let (kv, mamba, indexer) =
-        (random_pages(PAGES, bytes), random_pages(2, MAMBA_BYTES), random_pages(PAGES, INDEXER_BYTES));
-    write(&groups, &keys, &kv, &mamba, &indexer);
+    let run = HybridRun::new(6, bytes, &[3, 6]);
+    assert_eq!(run.write(&groups), 6);
     // a state at pages 3 and 6: those prefixes restore, the others do not
-    assert_eq!(groups.query(&keys).unwrap().lengths, [3, 6]);
-    let (restored, got) = read(&groups, &keys, PAGES, bytes);
-    assert_eq!(restored, PAGES);
-    assert_eq!(&got[..PAGES], kv.as_slice());
-    assert_eq!(got[PAGES], mamba[1]);
-    assert_eq!(&got[PAGES + 1..], indexer.as_slice());
+    assert_eq!(groups.query(&run.keys).unwrap().lengths, [3, 6]);
+    assert_eq!(read(&groups, &run.keys, 6, bytes), run.expected(6));
     // another program changes a byte of the fifth page's indexer entry in its data file: the entry fails its
     // checksum, so no prefix that needs it restores; the one that ends at 3 (where a state is) still does
     let path = backends[2].data_file().to_path_buf();
     let mut file = std::fs::read(&path).unwrap();
-    let at = file.windows(INDEXER_BYTES).position(|window| window == indexer[4].as_slice()).expect("the entry");
+    let at = file.windows(INDEXER_BYTES).position(|window| window == run.entries[4].as_slice()).expect("the entry");
     file[at + 7] ^= 0x10;
     std::fs::write(&path, &file).unwrap();
-    let (restored, _) = read(&groups, &keys, PAGES, bytes);
     // the read of 6 pages took the state at 6 only, so no shorter prefix is whole among what it read
-    assert_eq!(restored, 0, "a KV page came back without its indexer entry");
-    let (restored, got) = read(&groups, &keys, 3, bytes);
-    assert_eq!(restored, 3);
-    assert_eq!((&got[..3], &got[3], &got[4..]), (&kv[..3], &mamba[0], &indexer[..3]));
+    assert_eq!(read(&groups, &run.keys, 6, bytes).restored, 0, "a KV page came back without its indexer entry");
+    assert_eq!(read(&groups, &run.keys, 3, bytes), run.expected(3));
 }
 
 #[test]
@@ -116,15 +74,12 @@ fn a_mamba_state_is_per_rank_where_the_kv_is_shared() {
     assert_eq!(first_files[2].data_file(), second_files[2].data_file());
     assert_ne!(first_files[1].data_file(), second_files[1].data_file());
     let bytes = first_files[0].space().page_bytes as usize;
-    let keys = random_keys(PAGES);
-    let (kv, indexer) = (random_pages(PAGES, bytes), random_pages(PAGES, INDEXER_BYTES));
-    let (states_of_first, states_of_second) = (random_pages(2, MAMBA_BYTES), random_pages(2, MAMBA_BYTES));
-    write(&first, &keys, &kv, &states_of_first, &indexer);
-    // the second rank finds the shared pages, but not a state of its own until it writes one
-    assert_eq!(second.query(&keys).unwrap().lengths, Vec::<usize>::new());
-    write(&second, &keys, &kv, &states_of_second, &indexer);
-    let (restored, got) = read(&second, &keys, PAGES, bytes);
-    assert_eq!((restored, &got[PAGES]), (PAGES, &states_of_second[1]));
-    let (restored, got) = read(&first, &keys, PAGES, bytes);
-    assert_eq!((restored, &got[PAGES]), (PAGES, &states_of_first[1]));
+    let run = HybridRun::new(6, bytes, &[3, 6]);
+    assert_eq!(run.write(&first), 6);
+    // the second rank finds the shared pages, but no state of its own until it writes one
+    assert_eq!(second.query(&run.keys).unwrap().lengths, Vec::<usize>::new());
+    let states = HybridRun { states: HybridRun::new(6, bytes, &[3, 6]).states, ..run.clone() };
+    assert_eq!(states.write(&second), 6);
+    assert_eq!(read(&second, &run.keys, 6, bytes), states.expected(6));
+    assert_eq!(read(&first, &run.keys, 6, bytes), run.expected(6));
 }
