@@ -279,6 +279,46 @@ fn a_capacity_holds_across_store_processes_and_comes_from_the_flag_or_the_config
     );
 }
 
+/// A sidecar pool's entries (`--pool`, `--entry-bytes`) round trip in a namespace of their own: the KV namespace of
+/// the same keys sees none of them, the `sglang` format names them as SGLang's `HiCacheFile` does, and bad pool
+/// flags are usage errors naming the flag.
+#[test]
+fn a_sidecar_pools_entries_round_trip_beside_the_kv_pages() {
+    let work = tempfile::tempdir().unwrap();
+    let (tokens, _) = fixture(work.path(), 3);
+    let entries_path = work.path().join("entries.bin");
+    let mut entries = vec![0u8; 3 * 96];
+    rand::rng().fill(&mut entries[..]);
+    std::fs::write(&entries_path, &entries).unwrap();
+    let output = work.path().join("back.bin");
+    let keys: Vec<String> =
+        ok(hicache(&["hash", "--page-size", "4", &tokens], &[])).lines().map(str::to_owned).collect();
+    for format in ["native", "sglang"] {
+        let storage = work.path().join(format);
+        let pool = ["--pool", "mamba", "--entry-bytes", "96", "--format", format];
+        let input = ["--tokens", &tokens, "--in", entries_path.to_str().unwrap()];
+        ok(store("put", &storage, &[&pool[..], &input[..]].concat()));
+        ok(store("get", &storage, &[&pool[..], &["--tokens", &tokens, "--out", output.to_str().unwrap()]].concat()));
+        assert_eq!(std::fs::read(&output).unwrap(), entries, "{format}");
+        let stat: Value =
+            serde_json::from_str(&ok(store("stat", &storage, &[&pool[..], &["--json"]].concat()))).unwrap();
+        assert_eq!((stat["pages"].as_u64(), stat["page_bytes"].as_u64()), (Some(3), Some(96)), "{format}");
+        // the KV pages of the same keys are another namespace: none stored
+        let kv: Value = serde_json::from_str(&ok(store("stat", &storage, &["--format", format, "--json"]))).unwrap();
+        assert_eq!(kv["pages"], 0, "{format}");
+        if format == "sglang" {
+            for key in &keys {
+                assert!(storage.join(format!("{key}.mamba_m_0_1.bin")).is_file(), "{key}");
+            }
+        }
+    }
+    let storage = work.path().join("native");
+    failure(&store("stat", &storage, &["--entry-bytes", "96"]), 2, "--pool");
+    failure(&store("stat", &storage, &["--pool", "kv", "--entry-bytes", "96"]), 2, "--pool");
+    let wrong = ["--pool", "mamba", "--entry-bytes", "96", "--page-bytes", "128"];
+    failure(&store("stat", &storage, &wrong), 2, "--entry-bytes 96");
+}
+
 #[test]
 fn help_describes_every_store_option() {
     let help = ok(hicache(&["store", "put", "--help"], &[]));
@@ -292,6 +332,8 @@ fn help_describes_every_store_option() {
         "--mla",
         "--page-size",
         "--page-bytes",
+        "--pool",
+        "--entry-bytes",
         "--key",
         "--tokens",
         "--in",

@@ -109,9 +109,17 @@ pub(crate) struct TargetArgs {
     /// used pages beyond it; default: the config's storage_capacity_bytes, else no limit).
     #[arg(long, value_name = "BYTES")]
     capacity_bytes: Option<u64>,
-    /// Bytes per page, checked against the geometry (a guard against the wrong geometry).
+    /// Bytes per page, checked against the geometry (a guard against the wrong geometry); with --pool, against
+    /// --entry-bytes.
     #[arg(long, value_name = "B")]
     page_bytes: Option<usize>,
+    /// A hybrid model's sidecar pool (`mamba`, `swa`, `indexer`, `draft`, ...): its entries under the pages' keys,
+    /// in a namespace of its own, instead of the KV pages (needs --entry-bytes).
+    #[arg(long, value_name = "NAME", requires = "entry_bytes")]
+    pool: Option<String>,
+    /// Bytes of one entry of the --pool (SGLang's `get_dummy_flat_data_page()` of the pool).
+    #[arg(long, value_name = "B", requires = "pool")]
+    entry_bytes: Option<usize>,
     /// Print JSON.
     #[arg(long)]
     pub(super) json: bool,
@@ -224,14 +232,21 @@ pub(super) fn target(args: &TargetArgs, mode: Mode) -> anyhow::Result<Target> {
     namespace.pp_rank = args.pp_rank;
     namespace.pp_size = args.pp_size;
     let mut namespace = namespace.validated()?;
-    let page_bytes = geometry.bytes_per_page(page_size);
+    let mut page_bytes = geometry.bytes_per_page(page_size);
+    if let (Some(pool), Some(entry_bytes)) = (&args.pool, args.entry_bytes) {
+        namespace = namespace.sidecar(pool, entry_bytes).map_err(|error| Usage(format!("--pool: {error}")))?;
+        page_bytes = entry_bytes;
+    }
     if let Some(given) = args.page_bytes
         && given != page_bytes
     {
-        bail!(Usage(format!(
-            "--page-bytes {given} does not match the geometry: {page_size} tokens × {} bytes = {page_bytes}",
-            geometry.bytes_per_token()
-        )));
+        bail!(Usage(match args.pool {
+            Some(_) => format!("--page-bytes {given} does not match --entry-bytes {page_bytes}"),
+            None => format!(
+                "--page-bytes {given} does not match the geometry: {page_size} tokens × {} bytes = {page_bytes}",
+                geometry.bytes_per_token()
+            ),
+        }));
     }
     let options = BackendOptions {
         dir: args.dir.clone(),
@@ -252,6 +267,9 @@ pub(super) fn target(args: &TargetArgs, mode: Mode) -> anyhow::Result<Target> {
         bail!(Usage(format!("--head-group cuts page-unified pages only, not {}", layout.name())));
     }
     let unified = backends::settings(backend, &options)?.unified;
+    if args.pool.is_some() && unified.is_some() {
+        bail!(Usage("--pool: the unified key scheme keeps no sidecar pools (its keys name chunks of KV pages)".into()));
+    }
     let head_group = args
         .head_group
         .or(config.as_ref().and_then(|config| config.head_group))
