@@ -198,10 +198,8 @@ fn exists(args: &KeyedArgs) -> anyhow::Result<()> {
     let opened = open(&args.target, Mode::Inspect)?;
     let keys = keys(&args.keys, opened.namespace.page_size)?;
     let leading = opened.backend.batch_exists(&keys)?;
-    let present = keys
-        .iter()
-        .map(|key| Ok((key.to_string(), opened.backend.exists(key)?)))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let held = opened.backend.batch_contains(&keys)?;
+    let present: Vec<(String, bool)> = keys.iter().map(ToString::to_string).zip(held).collect();
     if args.target.json {
         return print_json(&Exists { leading, present });
     }
