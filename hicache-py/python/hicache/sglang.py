@@ -335,8 +335,8 @@ class HiCacheStorage(_SglangStorage):
         stage's pages in the store, in the shape of SGLang's ``MooncakeStore.describe_l3_object_layout``: every TP
         rank's objects (a page is stored when all are), each stage its own (``hicache.merge_l3_layouts`` joins
         them). Disabled, with the reason, before a host pool is registered, on a tier whose objects are not found
-        by name outside hicache (only Mooncake's are), and for hybrid models, whose sidecar pools live only in tiers
-        that publish no layout."""
+        by name outside hicache (only Mooncake's are), and for hybrid models (the layout of their sidecar pools'
+        objects is not published)."""
         from sglang.srt.mem_cache.hicache_storage import disabled_l3_layout
 
         backend = self._settings.backend
