@@ -51,7 +51,8 @@ def measure(label, kv_pool, mla, name, side_pool, policy, count, directory, roun
     ours = HiCacheStorage(support.storage_config({**support.MODULE, "dir": directory}, mla=mla), {})
     ours.register_mem_pool_host(kv_pool)
     ours.register_mem_host_pool_v2(side_pool, name)
-    theirs = HiCacheFile(support.storage_config({"file_storage_path": directory, "enable_metadata_cache": False}, mla=mla))
+    config = {"file_storage_path": directory, "enable_metadata_cache": False}
+    theirs = HiCacheFile(support.storage_config(config, mla=mla))
     theirs.register_mem_pool_host(kv_pool)
     theirs.register_mem_host_pool_v2(side_pool, name)
     like = side_pool.get_dummy_flat_data_page()

@@ -210,6 +210,52 @@ class Groups(support.TempDirTest):
         self.assertEqual(result.kv_hit_pages, 8)
 
 
+class Ranks(support.TempDirTest):
+    def test_tp_ranks_holding_different_states_answer_lengths_that_intersect_to_one_all_restore(self):
+        """Two TP ranks of an MLA model share the latent but each keeps its own states: rank 0 at pages 4 and 8,
+        rank 1 at 4 and 6. Their longest are 8 and 6, and the least of those (6) is one rank 0 cannot restore; the
+        lengths they answer intersect to 4, which both restore byte for byte."""
+        generator = torch.Generator().manual_seed(torch.seed())
+        keys = support.random_keys(PAGES, generator)
+        sources = list(range(1, PAGES + 1))
+        kv_pool = support.mla_pool("page_first")
+        fill(kv_pool, sources, generator)
+        ranks = []
+        for rank, ends in ((0, (4, 8)), (1, (4, 6))):
+            states = mamba_pool()
+            fill(states, sources, generator)
+            config = support.storage_config({**support.MODULE, "dir": self.dir}, mla=True, tp_rank=rank, tp_size=2)
+            backend = HiCacheStorage(config, {})
+            backend.register_mem_pool_host(kv_pool)
+            backend.register_mem_host_pool_v2(states, PoolName.MAMBA)
+            self.addCleanup(backend.close)
+            # the latent once (rank 0 writes it for both), each rank's own states
+            kv = support.page_indices(sources, kv_pool.page_size)
+            self.assertEqual(backend.batch_set_v1(keys, kv), [True] * PAGES)
+            for end in ends:
+                stored = backend.batch_set_v2(
+                    [transfer(PoolName.MAMBA, states, [keys[end - 1]], [end], PoolHitPolicy.TRAILING_PAGES)]
+                )
+                self.assertEqual(stored[PoolName.MAMBA], [True])
+            ranks.append((backend, states, ends))
+        answers = []
+        for backend, _, ends in ranks:
+            query = [PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+            result = backend.batch_exists_v2(keys, query)
+            self.assertEqual(result.restorable_prefix_pages, list(ends))
+            answers.append(set(result.restorable_prefix_pages))
+        self.assertEqual(min(max(answer) for answer in answers), 6)
+        agreed = max(set.intersection(*answers))
+        self.assertEqual(agreed, 4)
+        for backend, states, _ in ranks:
+            want = page(states, agreed)
+            got = backend.batch_get_v2(
+                [transfer(PoolName.MAMBA, states, [keys[agreed - 1]], [30], PoolHitPolicy.TRAILING_PAGES)]
+            )
+            self.assertEqual(got[PoolName.MAMBA], [True])
+            self.assertTrue(support.same_bytes(page(states, 30), want))
+
+
 class Refused(support.TempDirTest):
     def test_a_scheme_without_sidecar_pools_refuses_the_pool_by_name(self):
         pool = support.mha_pool("page_unified", layers=4, heads=4, head_dim=64, page_size=16, head_group_num=4)
