@@ -107,24 +107,6 @@ impl StorageNamespace {
         }
     }
 
-    /// Refuses a sidecar pool's namespace for a tier that does not keep sidecar entries yet.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] naming `pool`, the pool and the tier.
-    pub fn refuse_sidecar(&self, backend: &str) -> Result<(), Error> {
-        match &self.sidecar {
-            Some(sidecar) => Err(Error::InvalidArgument {
-                field: "pool",
-                reason: format!(
-                    "the {backend} tier does not keep sidecar pools' entries yet (pool `{}`)",
-                    sidecar.pool
-                ),
-            }),
-            None => Ok(()),
-        }
-    }
-
     /// Whether each tensor-parallel rank holds objects of its own: the KV of MHA, and a Mamba state whatever the
     /// attention (SGLang keeps the state sharded by rank even where MLA's latent is the same on every rank).
     pub fn per_rank(&self) -> bool {
@@ -277,6 +259,15 @@ impl StorageNamespace {
     pub fn sglang_file_tail(&self) -> String {
         match &self.sidecar {
             Some(sidecar) => format!(".{}_{}", sidecar.pool, self.sglang_file_suffix()),
+            None => format!("_{}", self.sglang_file_suffix()),
+        }
+    }
+
+    /// What follows the hash in SGLang's NIXL backend names: the file backend's `_{suffix}` for a KV page,
+    /// `_{suffix}_{pool}` for a sidecar pool's whole page (SGLang 0.5.23's NIXL v2 names).
+    pub fn sglang_nixl_tail(&self) -> String {
+        match &self.sidecar {
+            Some(sidecar) => format!("_{}_{}", self.sglang_file_suffix(), sidecar.pool),
             None => format!("_{}", self.sglang_file_suffix()),
         }
     }

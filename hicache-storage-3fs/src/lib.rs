@@ -341,7 +341,9 @@ impl StorageBackend for Hf3fsStorage {
             return Ok(Vec::new());
         }
         let members: Vec<String> = keys.iter().map(|key| self.metadata_key(key)).collect();
-        self.metadata.exists(&self.space, &members)
+        let held = self.metadata.exists(&self.space, &members)?;
+        self.stats.record_exists(keys.len(), held.iter().filter(|&&held| held).count());
+        Ok(held)
     }
 
     fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {

@@ -257,6 +257,17 @@ impl MooncakeStorage {
         &self.link.config.master
     }
 
+    /// `batch_is_exist` of every object of `keys` (`parts` per key, in order): 1 present, 0 absent, negative a
+    /// failure code.
+    fn object_states(&self, keys: &[PageKey]) -> Result<Vec<i64>, Error> {
+        Ok(self.call(|client| client.batch_is_exist(&self.c_keys(keys)))?.1)
+    }
+
+    /// The error of a `batch_is_exist` that answered `status` for an object.
+    fn exist_failure(&self, status: i64) -> Error {
+        error(format!("batch_is_exist at the master {} failed: {}", self.master(), sys::code_name(status)))
+    }
+
     /// Why calls fail at once now (no client: a new one is connecting, or the backend must be reopened).
     pub fn down(&self) -> Option<String> {
         self.link.client.down()
@@ -505,18 +516,14 @@ impl StorageBackend for MooncakeStorage {
         if keys.is_empty() {
             return Ok(0);
         }
-        let (_, results) = self.call(|client| client.batch_is_exist(&self.c_keys(keys)))?;
+        let results = self.object_states(keys)?;
         let parts = self.keys.parts();
         let mut found = 0;
         for page in results.chunks(parts) {
             if let Some(&status) = page.iter().find(|&&status| status < 0)
                 && found == 0
             {
-                return Err(error(format!(
-                    "batch_is_exist at the master {} failed: {}",
-                    self.master(),
-                    sys::code_name(status)
-                )));
+                return Err(self.exist_failure(status));
             }
             if !page.iter().all(|&status| status == 1) {
                 break;
@@ -531,16 +538,15 @@ impl StorageBackend for MooncakeStorage {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let (_, results) = self.call(|client| client.batch_is_exist(&self.c_keys(keys)))?;
+        let results = self.object_states(keys)?;
         if let Some(&status) = results.iter().find(|&&status| status < 0) {
-            return Err(error(format!(
-                "batch_is_exist at the master {} failed: {}",
-                self.master(),
-                sys::code_name(status)
-            )));
+            return Err(self.exist_failure(status));
         }
         // a page is there when every object of it is
-        Ok(results.chunks(self.keys.parts()).map(|page| page.iter().all(|&status| status == 1)).collect())
+        let held: Vec<bool> =
+            results.chunks(self.keys.parts()).map(|page| page.iter().all(|&status| status == 1)).collect();
+        self.stats.record_exists(keys.len(), held.iter().filter(|&&held| held).count());
+        Ok(held)
     }
 
     fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {

@@ -178,15 +178,7 @@ impl NixlStorage {
         let agent = NixlAgent::new(&config.plugin, &config.plugin_params)?;
         // SGLang's file names; with pipeline stages they carry the stage, which SGLang's own NIXL backend leaves out
         // (its stages overwrite each other's pages), so only single-stage deployments share pages with it
-        // a sidecar pool's entry: SGLang's NIXL name for a pool's whole page, the KV's name (a Mamba state's per rank)
-        // and `_{pool}`
-        let suffix = match &namespace.sidecar {
-            None => {
-                let probe = PageKey::from_bytes([0; 32]);
-                namespace.sglang_file_key(&probe)[probe.to_string().len()..].to_owned()
-            }
-            Some(sidecar) => format!("_{}_{}", namespace.sglang_file_suffix(), sidecar.pool),
-        };
+        let suffix = namespace.sglang_nixl_tail();
         tracing::debug!(plugin = agent.plugin(), dir = %config.dir.display(), "nixl backend open");
         Ok(Self {
             namespace: namespace.clone(),
