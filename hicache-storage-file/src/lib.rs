@@ -94,9 +94,10 @@ pub struct FileConfig {
     /// Submit segment reads and writes through io_uring when the kernel allows it (else `preadv`/`pwritev` on the
     /// I/O threads).
     pub io_uring: bool,
-    /// Bytes of a segment read ahead (into the page cache, without waiting) of a batch that continues a forward walk
-    /// through it, as a prefix read back a batch at a time does, in batches under 2 MiB (a longer batch keeps the disk
-    /// busy on its own); 0 reads nothing ahead. At most [`MAX_READ_AHEAD_BYTES`].
+    /// Bytes of a segment read ahead (without waiting) of a batch that continues a forward walk through it, as a
+    /// prefix read back a batch at a time does, in batches under 2 MiB (a longer batch keeps the disk busy on its
+    /// own); 0 reads nothing ahead. With `direct_io`, windows are read with `O_DIRECT` into the backend's own memory
+    /// (at most 8 times this many bytes in all); without, into the page cache. At most [`MAX_READ_AHEAD_BYTES`].
     pub read_ahead_bytes: u64,
 }
 
@@ -410,6 +411,11 @@ impl FileStorage {
     pub fn direct_io_pages(&self) -> u64 {
         self.direct_pages.load(Ordering::Relaxed)
             + self.segments.as_ref().map_or(0, segment::SegmentStore::direct_pages)
+    }
+
+    /// Pages read from windows of segments read ahead into this backend's memory (with `direct_io`) so far.
+    pub fn pages_read_ahead(&self) -> u64 {
+        self.segments.as_ref().map_or(0, segment::SegmentStore::pages_read_ahead)
     }
 
     /// Pages and bytes this namespace holds, when it has a capacity (in segments: the pages this process knows of

@@ -117,11 +117,18 @@ fn torn_and_damaged_records_never_return_a_wrong_page() {
     assert_eq!(outcomes, vec![GetOutcome::Miss; 4]);
 }
 
-/// A prefix read back batch by batch, in the order it was written, is read ahead: every page comes back whole,
-/// also one damaged on the disk after the window holding it was asked for (the checksum still catches it), and
-/// one written again meanwhile by another backend (its new copy).
+/// A prefix read back batch by batch, in the order it was written, is read ahead (through the page cache, and with
+/// `O_DIRECT` into the backend's own windows): every page comes back whole, also one damaged on the disk after the
+/// window holding it was asked for (the checksum catches it, or the window read it before the damage), and one
+/// written again meanwhile by another backend (its new copy).
 #[test]
 fn pages_read_back_in_order_through_the_read_ahead_window_are_whole() {
+    for direct_io in [false, true] {
+        read_back_in_order(direct_io);
+    }
+}
+
+fn read_back_in_order(direct_io: bool) {
     const PAGES: usize = 256;
     const BATCH: usize = 8;
     let dir = tempfile::tempdir().unwrap();
@@ -135,7 +142,10 @@ fn pages_read_back_in_order_through_the_read_ahead_window_are_whole() {
     let [segment] = segment_files(dir.path()).try_into().expect("one segment");
     let data = OpenOptions::new().write(true).open(&segment).unwrap();
     // a window of 8 batches
-    let reader = open_with(dir.path(), |config| config.read_ahead_bytes = (8 * BATCH * PAGE) as u64);
+    let reader = open_with(dir.path(), |config| {
+        config.read_ahead_bytes = (8 * BATCH * PAGE) as u64;
+        config.direct_io = direct_io;
+    });
     let (damaged, rewritten) = (100, 150);
     let mut rewritten_page = pages[rewritten].clone();
     rewritten_page.reverse();
@@ -143,23 +153,29 @@ fn pages_read_back_in_order_through_the_read_ahead_window_are_whole() {
         if batch == 10 {
             // the window reaches past both pages by now
             data.write_all_at(&[!pages[damaged][7]], (damaged * PAGE + 7) as u64).unwrap();
+            data.sync_data().unwrap();
             assert_eq!(writer.remove(&keys[rewritten..=rewritten]).unwrap(), 1);
             assert_eq!(put(&writer, &keys[rewritten..=rewritten], &[rewritten_page.clone()]), [SetOutcome::Stored]);
         }
         let range = batch * BATCH..(batch + 1) * BATCH;
         let (outcomes, buffers) = fetch(&reader, &keys[range.clone()], PAGE, 0);
         for ((index, outcome), buffer) in range.zip(outcomes).zip(buffers) {
-            if index == damaged {
-                assert!(
-                    matches!(outcome, GetOutcome::Failed(ref failure) if failure.kind == FailureKind::Corrupt),
-                    "{outcome:?}"
-                );
+            let corrupt = matches!(outcome, GetOutcome::Failed(ref failure) if failure.kind == FailureKind::Corrupt);
+            if index == damaged && (corrupt || !direct_io) {
+                assert!(corrupt, "{outcome:?}");
                 continue;
             }
             assert_eq!(outcome, GetOutcome::Hit, "page {index}");
             let expected = if index == rewritten { &rewritten_page } else { &pages[index] };
-            assert!(buffer == *expected, "page {index} read wrong bytes");
+            assert!(buffer == *expected, "page {index} read wrong bytes (direct I/O: {direct_io})");
         }
+    }
+    // with O_DIRECT, the walk's pages after its first batches came from the windows
+    let read_ahead = reader.pages_read_ahead();
+    if direct_io {
+        assert!(read_ahead >= (PAGES - 4 * BATCH) as u64, "{read_ahead} pages from windows");
+    } else {
+        assert_eq!(read_ahead, 0);
     }
 }
 

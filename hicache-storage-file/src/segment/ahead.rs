@@ -1,20 +1,21 @@
-//! Read-ahead for sequential reads of a segment.
+//! Read-ahead for sequential reads of a segment: which ranges to read ahead, and when to drop them.
 //!
 //! A returning conversation's pages are read back in the order they were written, a batch at a time, and a
 //! segment holds a writer's batches side by side: the reads of one prefix walk forward through a segment. Each such
 //! batch, read on its own, waits for the disk once per batch and leaves it idle while the pages are checked and
 //! handed back. Like the kernel's read-ahead for a file read sequentially, a batch that continues a forward walk
-//! asks the kernel to read the next window of the segment into the page cache (in large requests, without waiting),
-//! and the batch that follows reads from the page cache what arrived meanwhile. A batch that continues no walk
-//! (random access) starts none, and nothing is read ahead past the pages the segment's records name.
+//! has the next window of the segment read (in large requests, without waiting for them), and the batches that
+//! follow take what arrived meanwhile. A batch that continues no walk (random access) starts none, and nothing is
+//! read ahead past the pages the segment's records name. What the walk has passed is dropped behind it.
 //!
-//! What was read from the window is dropped from the page cache behind the walk, so a tier that reads with
-//! `O_DIRECT` keeps no more of the page cache than a window per walk.
+//! The plans say where the window is; the store reads it into its own memory when it reads with `O_DIRECT`
+//! (`window.rs`), and otherwise asks the kernel to read it into the page cache, dropping it from there behind the
+//! walk (on a disk that reads 7 GB/s, the page cache's bookkeeping made 4 KiB pages read at 0.43 of the disk through
+//! the window, slower than with no read-ahead: 0.61).
 //!
 //! A batch of at least [`STEP`] bytes reads nothing ahead (and ends the walk it continues, dropping its window): its
-//! own reads go out together and keep the disk busy, and reading it through the page cache would only add the
-//! kernel's copies (on a disk that reads 7 GB/s, 32 KiB pages read at 0.47 of the disk through the window and 0.81
-//! without it).
+//! own reads go out together and keep the disk busy (on that disk, 32 KiB pages read at 0.47 of the disk through the
+//! page cache's window and 0.81 without it).
 
 use std::sync::Mutex;
 

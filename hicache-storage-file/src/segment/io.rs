@@ -250,6 +250,10 @@ fn through_ring(
             done(&whole, ops);
         }
     }
+    // with no operations, the work is still done
+    if let Some(work) = meanwhile.take() {
+        work();
+    }
     let mut finished_late = Vec::new();
     let results: Vec<io::Result<()>> = results
         .into_iter()

@@ -16,8 +16,9 @@
 //! digest and the key, so a torn or foreign page is never returned. A removal is a record of removed keys, stamped,
 //! so every process applies it against the copies written before it.
 //!
-//! Reads of a prefix in the order it was written are read ahead, a window of the segment at a time, and dropped from
-//! the page cache behind (`ahead.rs`); pages inside the window are read through the page cache, the rest directly.
+//! Reads of a prefix in the order it was written are read ahead, a window of the segment at a time (`ahead.rs`): with
+//! `O_DIRECT`, into this process's own memory by threads of the store's (`window.rs`), and pages in a window that
+//! arrived are copied from it; without, into the page cache, dropped from it behind the walk.
 //!
 //! With a capacity, the bytes of the namespace's segments are counted in the account every process shares
 //! (`account.rs`); a writer that would pass the capacity removes whole segments, oldest first, down to 90%, then
@@ -27,6 +28,7 @@
 mod ahead;
 mod io;
 pub(crate) mod record;
+mod window;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
@@ -46,6 +48,7 @@ use rustc_hash::FxHashMap;
 use self::ahead::ReadAhead;
 use self::io::{MAX_BUFFERS, Op, Submitter};
 use self::record::{ALIGN, Header, Kind};
+use self::window::{Served, Windows};
 use crate::account::SharedAccount;
 
 /// The folder of a namespace's segments, inside its namespace folder.
@@ -61,6 +64,8 @@ const RECORDS: &str = ".idx";
 /// Bytes a direct-I/O writer allocates its data file ahead by (at most the segment's size). A killed writer leaves
 /// at most this much unused; a closed one gives it back.
 const PREALLOCATE_BYTES: u64 = 16 << 20;
+/// The windows read ahead (with `O_DIRECT`) hold at most this many times the read-ahead in all.
+const WINDOW_BUDGET: u64 = 8;
 /// Bytes of index file read at a time when scanning.
 const SCAN_BYTES: usize = 1 << 20;
 
@@ -266,6 +271,9 @@ pub(crate) struct SegmentStore {
     submitter: Submitter,
     /// The walks through segments that batches of reads make, and the windows read ahead of them.
     ahead: ReadAhead,
+    /// With `O_DIRECT` and read-ahead: the windows read ahead into this process's memory (`window.rs`); without,
+    /// windows are asked of the page cache.
+    windows: Option<Windows>,
     account: Option<SharedAccount>,
     /// The last stamp given.
     stamp: AtomicU64,
@@ -273,6 +281,8 @@ pub(crate) struct SegmentStore {
     writer_tag: u64,
     /// Pages read or written with `O_DIRECT`.
     direct_pages: AtomicU64,
+    /// Pages served from windows read ahead.
+    read_ahead_pages: AtomicU64,
     /// Held with the account's file lock, which the threads of one process share.
     accounting: Mutex<()>,
     /// The count of removals, clears and evictions, and the one the index was last brought up to date at.
@@ -315,6 +325,10 @@ impl SegmentStore {
         let store = Self {
             submitter: Submitter::new(settings.io_uring),
             ahead: ReadAhead::new(settings.read_ahead),
+            windows: match (settings.direct_io, settings.read_ahead) {
+                (true, bytes) if bytes > 0 => Some(Windows::start(bytes.saturating_mul(WINDOW_BUDGET))?),
+                _ => None,
+            },
             settings,
             dir,
             index: RwLock::new(Index::default()),
@@ -324,6 +338,7 @@ impl SegmentStore {
             stamp: AtomicU64::new(0),
             writer_tag: rand::random(),
             direct_pages: AtomicU64::new(0),
+            read_ahead_pages: AtomicU64::new(0),
             accounting: Mutex::new(()),
             changes: Changes::new(settings_changes),
             seen_changes: AtomicU64::new(0),
@@ -345,6 +360,10 @@ impl SegmentStore {
     }
 
     /// Pages read or written with `O_DIRECT`.
+    pub(crate) fn pages_read_ahead(&self) -> u64 {
+        self.read_ahead_pages.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn direct_pages(&self) -> u64 {
         self.direct_pages.load(Ordering::Relaxed)
     }
@@ -618,21 +637,30 @@ impl SegmentStore {
                 plans.push((segment, self.ahead.plan(segment, run[0].1, end, data_end)));
             }
         }
-        for read in &mut reads {
-            let plan = plans.iter().find(|(segment, _)| *segment == read.0).map(|(_, plan)| plan.cached);
-            if let Some((from, to)) = plan
-                && from <= read.1
-                && read.1 + page_bytes as u64 <= to
-            {
-                read.3 = false;
+        if self.windows.is_none() {
+            for read in &mut reads {
+                let plan = plans.iter().find(|(segment, _)| *segment == read.0).map(|(_, plan)| plan.cached);
+                if let Some((from, to)) = plan
+                    && from <= read.1
+                    && read.1 + page_bytes as u64 <= to
+                {
+                    read.3 = false;
+                }
             }
+            reads.sort_unstable();
         }
-        reads.sort_unstable();
         // handles of the segments read, held for the call (an evicted segment stays readable through them)
         let mut handles: FxHashMap<(u32, bool), Arc<File>> = FxHashMap::default();
         {
             let index = self.read_index();
             for &(segment, _, page, direct) in &reads {
+                // windows read ahead are read, and found, through the segment's direct handle
+                if self.windows.is_some()
+                    && !handles.contains_key(&(segment, true))
+                    && let Some(Ok(file)) = index.segments.get(&segment).map(|held| held.handle(true))
+                {
+                    handles.insert((segment, true), file);
+                }
                 if handles.contains_key(&(segment, direct)) {
                     continue;
                 }
@@ -654,6 +682,8 @@ impl SegmentStore {
                 }
             }
         }
+        // pages in a window read ahead are copied from it; the others are read now
+        let served = self.serve_from_windows(&mut reads, &handles, page_bytes);
         // the caller's buffers, taken out one page at a time in file order
         let slice_counts: Vec<usize> = pages.iter().map(Vec::len).collect();
         let mut buffers: Vec<Option<&mut PageSegmentsMut<'_>>> = pages.iter_mut().map(Some).collect();
@@ -709,6 +739,15 @@ impl SegmentStore {
             }
         };
         let advise = |fetch: bool| {
+            if let Some(windows) = &self.windows {
+                // (what the walk passed is dropped once its pages are copied out, so its buffers are kept for reuse)
+                for (segment, plan) in &plans {
+                    if let (true, Some((from, to)), Some(file)) = (fetch, plan.fetch, handles.get(&(*segment, true))) {
+                        windows.fetch(*segment, file.clone(), from, to);
+                    }
+                }
+                return;
+            }
             for (segment, plan) in &plans {
                 let range = if fetch { plan.fetch } else { plan.release };
                 let file = handles.get(&(*segment, false)).or_else(|| handles.get(&(*segment, true)));
@@ -723,6 +762,32 @@ impl SegmentStore {
         let results = self.submitter.run_with(&mut ops, pool, || advise(true), check);
         advise(false);
         drop(ops);
+        // pages served from windows are copied out and checked
+        let mut copies: Vec<(usize, &mut PageSegmentsMut<'_>, Served)> = served
+            .into_iter()
+            .filter_map(|(page, bytes)| buffers[page].take().map(|segments| (page, segments, bytes)))
+            .collect();
+        let copy = |(page, segments, bytes): &mut (usize, &mut PageSegmentsMut<'_>, Served)| {
+            let mut at = 0;
+            for segment in segments.iter_mut() {
+                segment.copy_from_slice(&bytes.page(page_bytes)[at..at + segment.len()]);
+                at += segment.len();
+            }
+            let (_, _, checksum, _) = found[*page].expect("a page served was found");
+            (*page, record::page_checksum(&self.settings.digest, &keys[*page], segments) == checksum)
+        };
+        // (on the caller's thread: handing a 512 KiB batch's copies to the pool gained nothing on two cores)
+        for (page, whole) in copies.iter_mut().map(copy) {
+            intact[page] = Some(whole);
+        }
+        drop(copies);
+        if let Some(windows) = &self.windows {
+            for (segment, plan) in &plans {
+                if let Some((from, to)) = plan.release {
+                    windows.release(*segment, from, to);
+                }
+            }
+        }
         drop(buffers);
         for (result, pages_of) in results.into_iter().zip(&members) {
             if let Err(error) = result {
@@ -774,6 +839,43 @@ impl SegmentStore {
             }
         }
         outcomes.into_iter().map(|outcome| outcome.expect("every page has an outcome")).collect()
+    }
+
+    /// Takes out of `reads` the pages that a window read ahead holds (waiting up to [`window::WAIT`] for one still
+    /// being read), with their bytes.
+    fn serve_from_windows(
+        &self,
+        reads: &mut Vec<(u32, u64, usize, bool)>,
+        handles: &FxHashMap<(u32, bool), Arc<File>>,
+        page_bytes: usize,
+    ) -> Vec<(usize, Served)> {
+        let Some(windows) = &self.windows else { return Vec::new() };
+        let deadline = std::time::Instant::now() + window::WAIT;
+        let mut served = Vec::new();
+        // the window of the page before: a batch's pages mostly share one
+        let mut last: Option<Arc<window::Window>> = None;
+        reads.retain(|&(segment, offset, page, _)| {
+            let Some(file) = handles.get(&(segment, true)) else { return true };
+            let window = match last.as_ref().filter(|window| window.holds(segment, file, offset, page_bytes as u64)) {
+                Some(window) => window.clone(),
+                None => match windows.find(segment, file, offset, page_bytes as u64) {
+                    Some(window) => window,
+                    None => return true,
+                },
+            };
+            let bytes = Windows::serve(&window, offset, page_bytes, deadline);
+            last = Some(window);
+            match bytes {
+                Some(bytes) => {
+                    served.push((page, bytes));
+                    false
+                }
+                None => true,
+            }
+        });
+        self.direct_pages.fetch_add(served.len() as u64, Ordering::Relaxed);
+        self.read_ahead_pages.fetch_add(served.len() as u64, Ordering::Relaxed);
+        served
     }
 
     /// Whether a page's segments can go to the disk with `O_DIRECT`.
