@@ -48,6 +48,9 @@ pub struct MooncakeConfig {
     /// this host writes and reads back stays on the host (Mooncake copies within its own segment), and crosses the
     /// network only to other hosts.
     pub prefer_local_segment: bool,
+    /// Whether a read hashes each page against its checksum object (native keys). Off, a page is still taken only
+    /// when all its objects, the checksum's too, are there; its bytes are trusted as they arrive.
+    pub verify_checksum: bool,
 }
 
 impl MooncakeConfig {
@@ -68,6 +71,7 @@ impl MooncakeConfig {
             connect_timeout: Duration::from_secs(10),
             lease_wait: Duration::from_secs(11),
             prefer_local_segment: true,
+            verify_checksum: true,
         }
     }
 
@@ -155,7 +159,7 @@ impl MooncakeConfig {
     /// `metadata_server`, `global_segment_size`, `local_buffer_size`, `protocol`, `device_name`; sizes as bytes or
     /// text such as `"4gb"`) and hicache's (`replica_num`, `key_scheme`: `native` or `sglang`, `sglang_release`:
     /// `0.5.2` or `0.5.23` (default), `extra_backend_tag`, `library`, `connect_timeout_ms`, `lease_wait_ms`,
-    /// `prefer_local_segment`: `true` (default) or `false`).
+    /// `prefer_local_segment` and `verify_checksum`: `true` (default) or `false`).
     ///
     /// # Errors
     ///
@@ -187,6 +191,7 @@ impl MooncakeConfig {
             config.lease_wait = Duration::from_millis(ms);
         }
         config.prefer_local_segment = fields.prefer_local_segment.unwrap_or(config.prefer_local_segment);
+        config.verify_checksum = fields.verify_checksum.unwrap_or(config.verify_checksum);
         config.scheme = key_scheme(fields.key_scheme, fields.sglang_release, fields.extra_backend_tag)?;
         config.validated()
     }
@@ -364,6 +369,7 @@ struct JsonConfig {
     connect_timeout_ms: Option<u64>,
     lease_wait_ms: Option<u64>,
     prefer_local_segment: Option<bool>,
+    verify_checksum: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -433,11 +439,15 @@ mod tests {
         assert_eq!(MooncakeConfig::from_json(&zero).unwrap().global_segment_size, 0, "lending nothing is allowed");
         let value = serde_json::json!({"master_server_address": "h:1", "prefer_local_segment": false});
         assert!(!MooncakeConfig::from_json(&value).unwrap().prefer_local_segment);
+        assert!(config.verify_checksum, "the default");
+        let value = serde_json::json!({"master_server_address": "h:1", "verify_checksum": false});
+        assert!(!MooncakeConfig::from_json(&value).unwrap().verify_checksum);
         for (bad, field) in [
             (
                 serde_json::json!({"master_server_address": "h:1", "prefer_local_segment": "yes"}),
                 "prefer_local_segment",
             ),
+            (serde_json::json!({"master_server_address": "h:1", "verify_checksum": 1}), "verify_checksum"),
             (serde_json::json!({"master_server_address": "h:1", "replicas": 2}), "replicas"),
             (serde_json::json!({"global_segment_size": 1}), "master_server_address"),
             (serde_json::json!({"master_server_address": "nohost"}), "master_server_address"),

@@ -74,8 +74,10 @@ pub enum KeyScheme {
 pub(crate) struct KeyRenderer {
     /// Text before the hash (with its separator), e.g. `model_`.
     before: String,
-    /// One suffix per object of a page, e.g. `_{digest}_k`.
+    /// One suffix per object of a page's bytes, e.g. `_{digest}_k`.
     suffixes: Vec<String>,
+    /// Native keys: the suffix of a page's checksum object (`_{digest}_sum`), put beside its bytes' objects.
+    checksum: Option<String>,
     /// The regular expression that matches exactly this namespace's keys (for `clear`).
     pattern: String,
 }
@@ -98,7 +100,7 @@ impl KeyRenderer {
                 ),
             });
         }
-        let (before, suffixes) = match scheme {
+        let (before, suffixes, checksum) = match scheme {
             KeyScheme::Native => {
                 let digest = namespace.digest();
                 // a sidecar pool's entry is one object, as the latent of an MLA page is
@@ -106,13 +108,10 @@ impl KeyRenderer {
                 let parts: &[ObjectPart] = if whole { &[ObjectPart::Page] } else { &[ObjectPart::K, ObjectPart::V] };
                 // the suffix is what follows the hash in the native key
                 let hash_len = PageKey::from_bytes([0; 32]).to_string().len();
-                let suffixes = parts
-                    .iter()
-                    .map(|&part| {
-                        native_key_with_digest(&PageKey::from_bytes([0; 32]), &digest, part)[hash_len..].into()
-                    })
-                    .collect();
-                (String::new(), suffixes)
+                let suffix =
+                    |part| native_key_with_digest(&PageKey::from_bytes([0; 32]), &digest, part)[hash_len..].to_owned();
+                let suffixes = parts.iter().map(|&part| suffix(part)).collect();
+                (String::new(), suffixes, Some(format!("{}_sum", suffix(ObjectPart::Page))))
             }
             KeyScheme::Sglang { release: SglangRelease::V0_5_2, .. } => {
                 if namespace.pp_size > 1 {
@@ -130,7 +129,7 @@ impl KeyRenderer {
                 } else {
                     vec![format!("_{}_k", namespace.tp_rank), format!("_{}_v", namespace.tp_rank)]
                 };
-                (String::new(), suffixes)
+                (String::new(), suffixes, None)
             }
             KeyScheme::Sglang { release: SglangRelease::V0_5_23, tag } => {
                 let model = namespace.sglang_model();
@@ -149,27 +148,41 @@ impl KeyRenderer {
                     };
                     vec![format!("_{rank}_k"), format!("_{rank}_v")]
                 };
-                (before, suffixes)
+                (before, suffixes, None)
             }
         };
-        let alternatives: Vec<String> = suffixes.iter().map(|suffix| escape_regex(suffix)).collect();
+        let alternatives: Vec<String> = suffixes.iter().chain(&checksum).map(|suffix| escape_regex(suffix)).collect();
         let pattern = format!("^{}[0-9a-f]{{64}}({})$", escape_regex(&before), alternatives.join("|"));
-        Ok(Self { before, suffixes, pattern })
+        Ok(Self { before, suffixes, checksum, pattern })
     }
 
     /// How a page's objects are named, for a router: the prefix before `_` and the hash, and the suffixes.
     pub(crate) fn page_objects(&self) -> PageObjects {
-        PageObjects { key_prefix: self.before.strip_suffix('_').map(str::to_owned), suffixes: self.suffixes.clone() }
+        PageObjects {
+            key_prefix: self.before.strip_suffix('_').map(str::to_owned),
+            suffixes: self.suffixes.iter().chain(&self.checksum).cloned().collect(),
+        }
     }
 
-    /// Objects per page.
+    /// Objects of a page's bytes.
     pub(crate) fn parts(&self) -> usize {
         self.suffixes.len()
     }
 
-    /// The key of object `part` of page `key`.
-    pub(crate) fn object_key(&self, key: &PageKey, part: usize) -> String {
-        format!("{}{key}{}", self.before, self.suffixes[part])
+    /// Whether each page has a checksum object (after its parts).
+    pub(crate) fn checksummed(&self) -> bool {
+        self.checksum.is_some()
+    }
+
+    /// Objects per page: its parts, then its checksum's.
+    pub(crate) fn objects(&self) -> usize {
+        self.parts() + usize::from(self.checksummed())
+    }
+
+    /// The key of object `object` of page `key`: a part, or (at [`parts`](Self::parts)) the checksum.
+    pub(crate) fn object_key(&self, key: &PageKey, object: usize) -> String {
+        let suffix = self.suffixes.get(object).or(self.checksum.as_ref()).expect("an object of the page");
+        format!("{}{key}{suffix}", self.before)
     }
 
     /// A regular expression (ECMAScript, as Mooncake's `remove_by_regex` takes) matching exactly this namespace's
@@ -216,7 +229,7 @@ mod tests {
 
     fn keys(scheme: &KeyScheme, namespace: &StorageNamespace, key: &PageKey) -> Vec<String> {
         let renderer = KeyRenderer::new(scheme, namespace).unwrap();
-        (0..renderer.parts()).map(|part| renderer.object_key(key, part)).collect()
+        (0..renderer.objects()).map(|object| renderer.object_key(key, object)).collect()
     }
 
     #[test]
@@ -249,11 +262,13 @@ mod tests {
         let key = page_key(None, &[9]);
         for mla in [false, true] {
             let ns = namespace(mla, 1, (0, 1));
-            let expected: Vec<String> = if mla {
+            let mut expected: Vec<String> = if mla {
                 vec![ns.native_key(&key, ObjectPart::Page)]
             } else {
                 vec![ns.native_key(&key, ObjectPart::K), ns.native_key(&key, ObjectPart::V)]
             };
+            // and the page's checksum, beside its bytes
+            expected.push(format!("{}_sum", ns.native_key(&key, ObjectPart::Page)));
             assert_eq!(keys(&KeyScheme::Native, &ns, &key), expected);
         }
     }

@@ -2,7 +2,10 @@
 //! and into the host pool.
 //!
 //! * **Objects.** One object per page part (`keys`): K and V for MHA, the latent for MLA, each the contiguous half
-//!   (or the whole) of the flat page, so a page-first host pool is read and written in place. A hybrid model's
+//!   (or the whole) of the flat page, so a page-first host pool is read and written in place. Under native keys a
+//!   page also has a checksum object (8 bytes: XXH3-64 of the namespace digest, the key and the page), put after its
+//!   parts in the same batch; a page is present only with it, and read only when its bytes match it
+//!   ([`MooncakeConfig::verify_checksum`]). A hybrid model's
 //!   sidecar pool ([`StorageNamespace::sidecar`]) keeps one object per entry under the native key scheme, whose
 //!   namespace digest covers the pool and its entry size; SGLang's key schemes refuse sidecar pools (naming
 //!   `key_scheme`: SGLang splits each pool's entry into objects after its host pool's buffers). (A `page_unified`
@@ -18,7 +21,8 @@
 //!   stored is never put again (keys name content). A page whose every object was present is `AlreadyPresent`.
 //! * **Placement.** Puts ask for this client's own segment first ([`MooncakeConfig::prefer_local_segment`]), so a
 //!   page this host wrote stays on the host both ways; the master places elsewhere when that segment is full.
-//! * **Reads.** `batch_get_into`; per object the bytes read. A page is a hit when every part arrived whole; a miss
+//! * **Reads.** `batch_get_into`; per object the bytes read. A page is a hit when every object arrived whole (and
+//!   its bytes match its checksum); a miss
 //!   when none was found (an object evicted after `batch_is_exist` is a miss, never wrong bytes); a part found and
 //!   another not is a failed page (`Corrupt`: incomplete); fewer bytes than the part is `Corrupt` (short read); an
 //!   object larger than the part is `SizeMismatch`.
@@ -76,6 +80,9 @@ pub use crate::keys::{KeyScheme, SglangRelease};
 use crate::sys::code;
 pub use crate::tier::MOONCAKE_TIER;
 
+/// Bytes of a page's checksum object (native keys).
+const CHECKSUM_BYTES: usize = 8;
+
 /// How long a read waits for an object whose replica another writer is still putting.
 const NOT_READY_WAIT: Duration = Duration::from_secs(2);
 
@@ -89,6 +96,8 @@ pub struct MooncakeStorage {
     namespace: StorageNamespace,
     link: Arc<Link>,
     keys: KeyRenderer,
+    /// The namespace digest, bound into every page's checksum.
+    digest: String,
     page_bytes: usize,
     part_bytes: usize,
     stats: StatsRecorder,
@@ -197,7 +206,15 @@ impl MooncakeStorage {
             regions: RwLock::new(Vec::new()),
             closing: std::sync::atomic::AtomicBool::new(false),
         });
-        Ok(Self { namespace: namespace.clone(), link, keys, page_bytes, part_bytes, stats: StatsRecorder::default() })
+        Ok(Self {
+            digest: namespace.digest(),
+            namespace: namespace.clone(),
+            link,
+            keys,
+            page_bytes,
+            part_bytes,
+            stats: StatsRecorder::default(),
+        })
     }
 
     /// Runs `f` on the client in place (failing at once while there is none); its generation with the answer.
@@ -257,8 +274,8 @@ impl MooncakeStorage {
         &self.link.config.master
     }
 
-    /// `batch_is_exist` of every object of `keys` (`parts` per key, in order): 1 present, 0 absent, negative a
-    /// failure code.
+    /// `batch_is_exist` of every object of `keys` (its parts, then its checksum's, per key, in order): 1 present,
+    /// 0 absent, negative a failure code.
     fn object_states(&self, keys: &[PageKey]) -> Result<Vec<i64>, Error> {
         Ok(self.call(|client| client.batch_is_exist(&self.c_keys(keys)))?.1)
     }
@@ -299,14 +316,32 @@ impl MooncakeStorage {
         self.call(Client::health_check).map(|_| ())
     }
 
-    /// The object keys of a page, as stored in Mooncake.
+    /// The object keys of a page, as stored in Mooncake: its parts, then (native keys) its checksum's.
     pub fn object_keys(&self, key: &PageKey) -> Vec<String> {
-        (0..self.keys.parts()).map(|part| self.keys.object_key(key, part)).collect()
+        (0..self.keys.objects()).map(|object| self.keys.object_key(key, object)).collect()
+    }
+
+    /// A page's checksum (native keys): its bytes, bound to the namespace and the key, so bytes of another page or
+    /// namespace, or bytes damaged or replaced in the store, never pass as this page.
+    fn checksum<S: AsRef<[u8]>>(&self, key: &PageKey, segments: &[S]) -> u64 {
+        use std::hash::Hasher as _;
+        let mut hasher = twox_hash::XxHash3_64::with_seed(0);
+        hasher.write(self.digest.as_bytes());
+        hasher.write(key.as_bytes());
+        for segment in segments {
+            hasher.write(segment.as_ref());
+        }
+        hasher.finish()
+    }
+
+    /// The bytes of object `object` of a page: a part's, or the checksum's.
+    fn object_bytes(&self, object: usize) -> usize {
+        if object < self.keys.parts() { self.part_bytes } else { CHECKSUM_BYTES }
     }
 
     fn c_keys(&self, keys: &[PageKey]) -> Vec<CString> {
         keys.iter()
-            .flat_map(|key| (0..self.keys.parts()).map(move |part| (key, part)))
+            .flat_map(|key| (0..self.keys.objects()).map(move |part| (key, part)))
             .map(|(key, part)| {
                 CString::new(self.keys.object_key(key, part)).expect("keys are hex digits and the prefix")
             })
@@ -337,14 +372,14 @@ impl MooncakeStorage {
                 .any(|region| region.contains(address, self.part_bytes))
     }
 
-    /// Reads object `i` into `part_bytes` at `addresses[i]`; per object the bytes read or an error code. A key
+    /// Reads object `i` into `sizes[i]` bytes at `addresses[i]`; per object the bytes read or an error code. A key
     /// named twice is read once per call (Mooncake serves one destination per key in a batch), so repeats go in
     /// later rounds; an object whose replica is still being written (another writer's put in flight) is read again
     /// for up to [`NOT_READY_WAIT`].
     ///
     /// # Safety
     ///
-    /// Each `[addresses[i], addresses[i] + part_bytes)` is writable, and neither read nor written by anyone else
+    /// Each `[addresses[i], addresses[i] + sizes[i])` is writable, and neither read nor written by anyone else
     /// until the call returns. After a failure that may leave a transfer in flight, `Err` says whether the client
     /// was closed: if not, the memory must be given up. `on`: the client the call must run on (the one that
     /// registered its staging buffer), if any.
@@ -352,6 +387,7 @@ impl MooncakeStorage {
         &self,
         keys: &[CString],
         addresses: &[usize],
+        sizes: &[usize],
         on: Option<Generation>,
     ) -> Result<Vec<i64>, (Error, bool)> {
         let mut results = vec![code::OBJECT_NOT_FOUND; keys.len()];
@@ -363,11 +399,11 @@ impl MooncakeStorage {
                 pending.iter().partition(|&&object| seen.insert(&keys[object]));
             let round_keys: Vec<CString> = round.iter().map(|&object| keys[object].clone()).collect();
             let round_addresses: Vec<usize> = round.iter().map(|&object| addresses[object]).collect();
-            let sizes = vec![self.part_bytes; round.len()];
+            let round_sizes: Vec<usize> = round.iter().map(|&object| sizes[object]).collect();
             let started = Instant::now();
             // SAFETY: the caller vouches for every address and length.
             let (generation, answers) = self
-                .call_for(on, |client| unsafe { client.batch_get_into(&round_keys, &round_addresses, &sizes) })
+                .call_for(on, |client| unsafe { client.batch_get_into(&round_keys, &round_addresses, &round_sizes) })
                 .map_err(|failure| (failure, true))?;
             let took = started.elapsed();
             if let Some(&status) = answers.iter().find(|&&status| status < 0 && !sys::is_settled_failure(status, took))
@@ -388,6 +424,36 @@ impl MooncakeStorage {
             }
         }
         Ok(results)
+    }
+}
+
+#[cfg(feature = "testing")]
+impl MooncakeStorage {
+    /// Puts `bytes` under the object key `object` in place of what is stored there, or (`None`) only removes it:
+    /// how a test damages or drops one object of a page as a faulty writer, store or network would.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Storage`] when the store refuses the removal or the put.
+    pub fn replace_object(&self, object: &str, bytes: Option<&[u8]>) -> Result<(), Error> {
+        let key = CString::new(object).map_err(|why| error(format!("object key {object:?}: {why}")))?;
+        let (_, removed) = self.call(|client| client.remove(&key))?;
+        if removed != 0 && removed != code::OBJECT_NOT_FOUND {
+            return Err(error(format!("removing {object}: {}", sys::code_name(removed))));
+        }
+        let Some(bytes) = bytes else { return Ok(()) };
+        let mut staging = Staging::new(bytes.len(), self)?;
+        staging.bytes.copy_from_slice(bytes);
+        let address = staging.address(0);
+        // SAFETY: the staging buffer (registered for the call where the transport needs it) outlives the call.
+        let (_, results) = self.call_for(staging.generation(), |client| unsafe {
+            client.batch_put_from(std::slice::from_ref(&key), &[address], &[bytes.len()], 1)
+        })?;
+        match results.as_slice() {
+            [0] => Ok(()),
+            [status] => Err(error(format!("putting {object}: {}", sys::code_name(*status)))),
+            _ => Err(error(format!("putting {object}: no answer"))),
+        }
     }
 }
 
@@ -517,9 +583,8 @@ impl StorageBackend for MooncakeStorage {
             return Ok(0);
         }
         let results = self.object_states(keys)?;
-        let parts = self.keys.parts();
         let mut found = 0;
-        for page in results.chunks(parts) {
+        for page in results.chunks(self.keys.objects()) {
             if let Some(&status) = page.iter().find(|&&status| status < 0)
                 && found == 0
             {
@@ -544,14 +609,14 @@ impl StorageBackend for MooncakeStorage {
         }
         // a page is there when every object of it is
         let held: Vec<bool> =
-            results.chunks(self.keys.parts()).map(|page| page.iter().all(|&status| status == 1)).collect();
+            results.chunks(self.keys.objects()).map(|page| page.iter().all(|&status| status == 1)).collect();
         self.stats.record_exists(keys.len(), held.iter().filter(|&&held| held).count());
         Ok(held)
     }
 
     fn batch_get(&self, keys: &[PageKey], pages: &mut [PageSegmentsMut<'_>]) -> Result<Vec<GetOutcome>, Error> {
         check_batch(keys.len(), pages.len())?;
-        let parts = self.keys.parts();
+        let (parts, objects) = (self.keys.parts(), self.keys.objects());
         let mut outcomes: Vec<Option<GetOutcome>> = vec![None; keys.len()];
         let (mut object_keys, mut places, mut owners) = (Vec::new(), Vec::new(), Vec::new());
         let mut staged = 0;
@@ -564,10 +629,16 @@ impl StorageBackend for MooncakeStorage {
             }
             let starts: Vec<usize> = segments.iter().map(|segment| segment.as_ptr() as usize).collect();
             let lens: Vec<usize> = segments.iter().map(|segment| segment.len()).collect();
-            for part in 0..parts {
-                object_keys.push(all_keys[index * parts + part].clone());
-                places.push(self.place(&starts, &lens, part, &mut staged));
-                owners.push((index, part));
+            for object in 0..objects {
+                object_keys.push(all_keys[index * objects + object].clone());
+                places.push(if object < parts {
+                    self.place(&starts, &lens, object, &mut staged)
+                } else {
+                    // the checksum lands in the staging buffer
+                    staged += CHECKSUM_BYTES;
+                    Place::Staged(staged - CHECKSUM_BYTES)
+                });
+                owners.push((index, object));
             }
         }
         let staging = Staging::new(staged, self)?;
@@ -578,10 +649,11 @@ impl StorageBackend for MooncakeStorage {
                 Place::Staged(offset) => staging.address(offset),
             })
             .collect();
+        let sizes: Vec<usize> = owners.iter().map(|&(_, object)| self.object_bytes(object)).collect();
         // SAFETY: every address is either inside one segment of `pages` (`place` found the whole part in it), which
-        // this call borrows mutably, or inside `staging`, which outlives the call; each range is `part_bytes` long
+        // this call borrows mutably, or inside `staging`, which outlives the call; each range is its object's size
         // and no two overlap (distinct parts of distinct pages, each page's segments distinct by the borrow).
-        let results = match unsafe { self.read_objects(&object_keys, &addresses, staging.generation()) } {
+        let results = match unsafe { self.read_objects(&object_keys, &addresses, &sizes, staging.generation()) } {
             Ok(results) => results,
             Err((failure, closed)) => {
                 if !closed {
@@ -596,42 +668,64 @@ impl StorageBackend for MooncakeStorage {
             by_page[index].push((part, status, place));
         }
         let master = self.master();
-        for (index, objects) in by_page.into_iter().enumerate() {
+        for (index, page) in by_page.into_iter().enumerate() {
             if outcomes[index].is_some() {
                 continue;
             }
-            let whole = self.part_bytes as i64;
-            let outcome = if objects.iter().all(|&(_, status, _)| status == whole) {
-                for &(part, _, place) in &objects {
-                    if let Place::Staged(offset) = place {
-                        let bytes = &staging.bytes[offset..offset + self.part_bytes];
-                        scatter_range(bytes, &mut pages[index], part * self.part_bytes);
-                        self.stats.record_staging(self.part_bytes);
+            let whole = |object: usize| self.object_bytes(object) as i64;
+            let outcome = if page.iter().all(|&(object, status, _)| status == whole(object)) {
+                let mut stored = None;
+                for &(object, _, place) in &page {
+                    let Place::Staged(offset) = place else { continue };
+                    let bytes = &staging.bytes[offset..offset + self.object_bytes(object)];
+                    if object == parts {
+                        stored = Some(u64::from_le_bytes(bytes.try_into().expect("a checksum's bytes")));
+                        continue;
                     }
+                    scatter_range(bytes, &mut pages[index], object * self.part_bytes);
+                    self.stats.record_staging(self.part_bytes);
                 }
-                GetOutcome::Hit
-            } else if objects.iter().all(|&(_, status, _)| status == code::OBJECT_NOT_FOUND) {
+                match stored {
+                    Some(stored)
+                        if self.link.config.verify_checksum && stored != self.checksum(&keys[index], &pages[index]) =>
+                    {
+                        GetOutcome::Failed(PageFailure::new(
+                            FailureKind::Corrupt,
+                            format!(
+                                "page {}: its bytes do not match its checksum (damaged, or replaced under its key)",
+                                keys[index]
+                            ),
+                        ))
+                    }
+                    _ => GetOutcome::Hit,
+                }
+            } else if page.iter().all(|&(_, status, _)| status == code::OBJECT_NOT_FOUND) {
                 GetOutcome::Miss
             } else if let Some(&(_, status, _)) =
-                objects.iter().find(|&&(_, status, _)| status < 0 && status != code::OBJECT_NOT_FOUND)
+                page.iter().find(|&&(_, status, _)| status < 0 && status != code::OBJECT_NOT_FOUND)
             {
                 GetOutcome::Failed(object_failure(status, master, self.part_bytes))
-            } else if let Some(&(part, status, _)) =
-                objects.iter().find(|&&(_, status, _)| (0..whole).contains(&status))
+            } else if let Some(&(object, status, _)) =
+                page.iter().find(|&&(object, status, _)| (0..whole(object)).contains(&status))
             {
+                let what = if object == parts { "the checksum".to_owned() } else { format!("part {object}") };
                 GetOutcome::Failed(PageFailure::new(
                     FailureKind::Corrupt,
-                    format!("short read of part {part}: {status} of {} bytes", self.part_bytes),
+                    format!("short read of {what}: {status} of {} bytes", whole(object)),
                 ))
             } else {
-                let missing: Vec<usize> = objects
+                let missing: Vec<String> = page
                     .iter()
                     .filter(|&&(_, status, _)| status == code::OBJECT_NOT_FOUND)
-                    .map(|&(part, _, _)| part)
+                    .map(|&(object, _, _)| if object == parts { "checksum".to_owned() } else { object.to_string() })
                     .collect();
                 GetOutcome::Failed(PageFailure::new(
                     FailureKind::Corrupt,
-                    format!("incomplete page: part(s) {missing:?} of {parts} are gone (evicted or removed)"),
+                    format!(
+                        "incomplete page: object(s) {} of its {parts} part(s){} are gone (evicted or removed)",
+                        missing.join(", "),
+                        if page.len() > parts { " and checksum" } else { "" }
+                    ),
                 ))
             };
             outcomes[index] = Some(outcome);
@@ -647,7 +741,7 @@ impl StorageBackend for MooncakeStorage {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let parts = self.keys.parts();
+        let (parts, objects) = (self.keys.parts(), self.keys.objects());
         let all_keys = self.c_keys(keys);
         let (generation, present) = self.call(|client| client.batch_is_exist(&all_keys))?;
         let mut outcomes: Vec<Option<SetOutcome>> = vec![None; keys.len()];
@@ -665,8 +759,9 @@ impl StorageBackend for MooncakeStorage {
             }
             let starts: Vec<usize> = segments.iter().map(|segment| segment.as_ptr() as usize).collect();
             let lens: Vec<usize> = segments.iter().map(|segment| segment.len()).collect();
-            for part in 0..parts {
-                let object = index * parts + part;
+            // the checksum object goes last: a reader that finds it finds the parts put before it in the batch
+            for part in 0..objects {
+                let object = index * objects + part;
                 if present[object] == 1 {
                     continue;
                 }
@@ -677,7 +772,13 @@ impl StorageBackend for MooncakeStorage {
                 }
                 first_put.insert(&all_keys[object], object);
                 put_keys.push(all_keys[object].clone());
-                put_places.push((self.place(&starts, &lens, part, &mut staged), index, part));
+                let place = if part < parts {
+                    self.place(&starts, &lens, part, &mut staged)
+                } else {
+                    staged += CHECKSUM_BYTES;
+                    Place::Staged(staged - CHECKSUM_BYTES)
+                };
+                put_places.push((place, index, part));
                 put_objects.push(object);
             }
         }
@@ -686,6 +787,11 @@ impl StorageBackend for MooncakeStorage {
         for &(place, index, part) in &put_places {
             addresses.push(match place {
                 Place::Direct(address) => address,
+                Place::Staged(offset) if part == parts => {
+                    let checksum = self.checksum(&keys[index], &pages[index]).to_le_bytes();
+                    staging.bytes[offset..offset + CHECKSUM_BYTES].copy_from_slice(&checksum);
+                    staging.address(offset)
+                }
                 Place::Staged(offset) => {
                     let out = &mut staging.bytes[offset..offset + self.part_bytes];
                     gather_range(&pages[index], part * self.part_bytes, out);
@@ -694,14 +800,14 @@ impl StorageBackend for MooncakeStorage {
                 }
             });
         }
-        let sizes = vec![self.part_bytes; addresses.len()];
+        let sizes: Vec<usize> = put_places.iter().map(|&(_, _, part)| self.object_bytes(part)).collect();
         let replicas = self.link.config.replicas;
         let started = Instant::now();
         let (generation, results) = if put_keys.is_empty() {
             (generation, Vec::new())
         } else {
             // SAFETY: every address is inside one segment of `pages` (borrowed for this call, so nobody writes
-            // them) or inside `staging`, which outlives the call; each range is `part_bytes` long. After an
+            // them) or inside `staging`, which outlives the call; each range is its object's size. After an
             // unsettled failure the client is closed before the call returns, or the staging buffer leaked.
             self.call_for(staging.generation(), |client| unsafe {
                 client.batch_put_from(&put_keys, &addresses, &sizes, replicas)
@@ -730,10 +836,10 @@ impl StorageBackend for MooncakeStorage {
             if outcome.is_some() {
                 continue;
             }
-            let objects = &object_results[index * parts..(index + 1) * parts];
-            *outcome = Some(if let Some(&Err(status)) = objects.iter().find(|result| result.is_err()) {
+            let page = &object_results[index * objects..(index + 1) * objects];
+            *outcome = Some(if let Some(&Err(status)) = page.iter().find(|result| result.is_err()) {
                 SetOutcome::Failed(object_failure(status, master, self.part_bytes))
-            } else if objects.contains(&Ok(true)) {
+            } else if page.contains(&Ok(true)) {
                 SetOutcome::Stored
             } else {
                 SetOutcome::AlreadyPresent
@@ -746,10 +852,9 @@ impl StorageBackend for MooncakeStorage {
     }
 
     fn remove(&self, keys: &[PageKey]) -> Result<usize, Error> {
-        let parts = self.keys.parts();
         let object_keys = self.c_keys(keys);
         let mut removed_pages = 0;
-        for page in object_keys.chunks(parts) {
+        for page in object_keys.chunks(self.keys.objects()) {
             let mut any = false;
             for key in page {
                 let deadline = Instant::now() + self.link.config.lease_wait;
@@ -789,7 +894,7 @@ impl StorageBackend for MooncakeStorage {
 
     fn clear(&self) -> Result<u64, Error> {
         let (_, objects) = self.call(|client| client.remove_by_regex(self.keys.pattern(), true))?;
-        let pages = objects.div_ceil(self.keys.parts() as u64);
+        let pages = objects.div_ceil(self.keys.objects() as u64);
         self.stats.record_removed(pages);
         Ok(pages)
     }

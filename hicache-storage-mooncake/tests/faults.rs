@@ -1,5 +1,5 @@
 //! Faults of the real thing: a master that does not answer at open, one stopped (SIGSTOP) before open, a master killed
-//! mid-run and restarted, objects evicted between `batch_exists` and `batch_get_into`.
+//! mid-run and restarted, objects evicted between `batch_exists` and `batch_get_into`, objects damaged in the store.
 
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
@@ -239,4 +239,59 @@ fn objects_of_another_size_are_corrupt_or_a_size_mismatch_never_a_hit() {
         assert_eq!(failure.kind, hicache_core::storage::FailureKind::SizeMismatch, "{failure}");
     }
     assert_eq!(reader.stats().get_failures, 2);
+}
+
+/// A page one of whose objects was replaced in the store by other bytes of its size (a faulty writer, store or
+/// network), or whose checksum object is gone or belongs to other bytes, is never a hit: the page's checksum, bound
+/// to its key and namespace, names the damage. Removed and written again, it reads whole.
+#[test]
+fn a_damaged_page_or_one_without_its_checksum_is_never_a_hit() {
+    let cluster = Cluster::start();
+    let namespace = namespace(4);
+    let bytes = namespace.geometry.bytes_per_page(namespace.page_size);
+    let backend = MooncakeStorage::open(cluster.config(), &namespace).unwrap();
+    let (keys, pages) = (random_keys(6), random_pages(6, bytes));
+    assert_eq!(put(&backend, &keys, &pages), vec![SetOutcome::Stored; 6]);
+    let objects = |page: usize| backend.object_keys(&keys[page]);
+    assert_eq!(objects(0).len(), 3, "K, V and the checksum: {:?}", objects(0));
+    assert!(objects(0)[2].ends_with("_sum"));
+    // page 1: its V replaced by other bytes of its size; page 3: its checksum gone; page 4: a checksum of other
+    // bytes
+    let other: Vec<u8> = random_pages(1, bytes / 2).remove(0);
+    backend.replace_object(&objects(1)[1], Some(&other)).unwrap();
+    backend.replace_object(&objects(3)[2], None).unwrap();
+    let mut stranger = 0u64.to_le_bytes();
+    stranger[0] = 1;
+    backend.replace_object(&objects(4)[2], Some(&stranger)).unwrap();
+    // the query stops where a page lacks its checksum
+    assert_eq!(backend.batch_exists(&keys).unwrap(), 3);
+    assert_eq!(backend.batch_contains(&keys).unwrap(), [true, true, true, false, true, true]);
+    let (outcomes, buffers) = fetch(&backend, &keys, bytes, 0);
+    for (page, (outcome, buffer)) in outcomes.iter().zip(&buffers).enumerate() {
+        match page {
+            1 | 3 | 4 => {
+                let GetOutcome::Failed(failure) = outcome else { panic!("page {page}: {outcome:?}") };
+                assert_eq!(failure.kind, hicache_core::storage::FailureKind::Corrupt, "{failure}");
+                let why = if page == 3 { "incomplete" } else { "checksum" };
+                assert!(failure.message.contains(why), "page {page}: {failure}");
+            }
+            _ => {
+                assert_eq!(*outcome, GetOutcome::Hit, "page {page}");
+                assert_eq!(*buffer, pages[page], "page {page}");
+            }
+        }
+    }
+    // a reader told not to verify trusts the bytes as they arrive: the damaged page passes, the one without its
+    // checksum object still does not
+    let trusting =
+        MooncakeStorage::open(MooncakeConfig { verify_checksum: false, ..cluster.config() }, &namespace).unwrap();
+    let (outcomes, buffers) = fetch(&trusting, &keys[1..4], bytes, 0);
+    assert_eq!(outcomes[0], GetOutcome::Hit);
+    assert_eq!(buffers[0][bytes / 2..], other[..], "page 1's replaced V, unchecked");
+    assert!(matches!(&outcomes[2], GetOutcome::Failed(failure) if failure.message.contains("incomplete")));
+    // a damaged page stays damaged until it is removed; written again, it reads whole
+    assert_eq!(backend.remove(&keys[1..2]).unwrap(), 1);
+    assert_eq!(put(&backend, &keys[1..2], &pages[1..2]), [SetOutcome::Stored]);
+    let (outcomes, buffers) = fetch(&backend, &keys[1..2], bytes, 0);
+    assert_eq!((outcomes[0].clone(), &buffers[0]), (GetOutcome::Hit, &pages[1]));
 }
