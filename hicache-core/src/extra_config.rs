@@ -244,6 +244,25 @@ impl Settings {
     pub fn l3_layout(&self, namespace: &StorageNamespace, stage: (u64, bool)) -> Result<L3Layout, crate::Error> {
         L3Layout::describe(self.tier, &self.fields, namespace, self.unified.map(|agreements| (agreements, stage)))
     }
+
+    /// [`l3_layout`](Self::l3_layout) with a hybrid model's sidecar pools (name, entry size, hit policy) after the
+    /// KV ([`L3Layout::add_sidecar`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`L3Layout::describe`] and [`L3Layout::add_sidecar`].
+    pub fn l3_layout_with_sidecars(
+        &self,
+        namespace: &StorageNamespace,
+        stage: (u64, bool),
+        sidecars: &[(String, usize, crate::storage::groups::HitPolicy)],
+    ) -> Result<L3Layout, crate::Error> {
+        let mut layout = self.l3_layout(namespace, stage)?;
+        for (pool, entry_bytes, policy) in sidecars {
+            layout.add_sidecar(self.tier, &self.fields, namespace, pool, *entry_bytes, *policy)?;
+        }
+        Ok(layout)
+    }
 }
 
 /// Removes `key` from `fields` and reads it as `T`; `None` when absent or null.

@@ -125,6 +125,7 @@ impl PySettings {
                 writer: rank.writer,
                 l3_layout,
                 namespace,
+                stage,
             })
         })
     }
@@ -140,6 +141,26 @@ impl PySettings {
         writer: bool,
     ) -> PyResult<Sidecar> {
         guard::run(|| crate::sidecar::open(self, py, &kv, pool, entry_bytes, writer))
+    }
+
+    /// The key layout of `kv`'s stage ([`Backend::l3_layout`]) with a hybrid model's sidecar pools after the KV: per
+    /// pool its name, entry size, hit policy (`all_pages` or `trailing_pages`) and, for `trailing_pages`, its window
+    /// in pages. JSON in the shape of SGLang's `describe_l3_object_layout`.
+    fn l3_layout_with_sidecars(
+        &self,
+        kv: PyRef<'_, Backend>,
+        pools: Vec<(String, usize, String, usize)>,
+    ) -> PyResult<String> {
+        guard::run(|| {
+            let mut sidecars = Vec::with_capacity(pools.len());
+            for (pool, entry_bytes, policy, window) in pools {
+                let policy = crate::sidecar::hit_policy(&policy, window, || format!("sidecar pool {pool}"))?;
+                sidecars.push((pool, entry_bytes, policy));
+            }
+            let layout =
+                self.settings.l3_layout_with_sidecars(&kv.namespace, kv.stage, &sidecars).map_err(guard::to_py)?;
+            serde_json::to_string(&layout).map_err(|error| PyValueError::new_err(error.to_string()))
+        })
     }
 }
 
@@ -220,6 +241,8 @@ pub(crate) struct Backend {
     l3_layout: String,
     /// The rank's namespace of KV pages, which its sidecar pools' namespaces derive from.
     pub(crate) namespace: StorageNamespace,
+    /// The rank's stage: its first layer, and whether it is the last.
+    stage: (u64, bool),
 }
 
 impl Backend {

@@ -177,6 +177,19 @@ impl Sidecar {
     }
 }
 
+/// SGLang's hit policy `policy` (`all_pages`, or `trailing_pages` over `window` pages); a ValueError naming `what`
+/// for another.
+pub(crate) fn hit_policy(policy: &str, window: usize, what: impl FnOnce() -> String) -> PyResult<HitPolicy> {
+    match policy {
+        "all_pages" => Ok(HitPolicy::AllPages),
+        "trailing_pages" => Ok(HitPolicy::TrailingPages { window: window.max(1) }),
+        other => Err(PyValueError::new_err(format!(
+            "hicache: {}: hit policy {other:?} is not served (all_pages, trailing_pages)",
+            what()
+        ))),
+    }
+}
+
 /// What `batch_exists_v2` answers for the run `keys` of the KV pages `kv` serves and the sidecar pools `pools`
 /// (each with its hit policy, `all_pages` or `trailing_pages`, and for `trailing_pages` its window in pages): the KV
 /// pages held from the first, each pool's own boundary (`None` where it holds none), and every restorable length.
@@ -190,17 +203,7 @@ pub(crate) fn query(
     let parsed = parse_keys(keys)?;
     let mut sidecars = Vec::with_capacity(pools.len());
     for (at, (pool, policy, window)) in pools.iter().enumerate() {
-        let policy = match policy.as_str() {
-            "all_pages" => HitPolicy::AllPages,
-            "trailing_pages" => HitPolicy::TrailingPages { window: (*window).max(1) },
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "hicache: pool_transfers[{at}] ({}): hit policy {other:?} is not served (all_pages, \
-                     trailing_pages)",
-                    pool.pool
-                )));
-            }
-        };
+        let policy = hit_policy(policy, *window, || format!("pool_transfers[{at}] ({})", pool.pool))?;
         sidecars.push(SidecarPool { name: pool.pool.clone(), policy, backend: pool.current()? });
     }
     let groups = GroupStorage::new(open.storage.clone(), sidecars).map_err(guard::to_py)?;

@@ -20,6 +20,7 @@ import torch
 
 import hicache
 from hicache.sglang import HiCacheStorage
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 UNPACKED = os.path.join(ROOT, "target", "mooncake")
@@ -181,6 +182,59 @@ class MooncakeTier(unittest.TestCase):
             self.assertEqual(
                 layout["hicache_object_layout"]["pools"][0]["suffixes"], theirs["mha"][0]["keys"] + theirs["mha"][1]["keys"]
             )
+
+    def test_a_router_finds_a_hybrid_models_restorable_prefixes_from_the_layout_alone(self):
+        """An MLA model whose two TP ranks share the latent but keep their own Mamba states (rank 0 at pages 4 and
+        8, rank 1 at 4 and 6): the layout lists the latent's objects and both ranks' state objects, a trailing page
+        each, and a router that reads it, asking the master with Mooncake's official client, finds the one length
+        every rank restores (4), the intersection of what each rank's ``batch_exists_v2`` answers."""
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+        from test_hybrid import PAGES, fill, mamba_pool, transfer
+
+        generator = torch.Generator().manual_seed(torch.seed())
+        keys = support.random_keys(PAGES, generator)
+        sources = list(range(1, PAGES + 1))
+        kv_pool = support.mla_pool("page_first")
+        fill(kv_pool, sources, generator)
+        answers, layouts = [], []
+        for rank, ends in ((0, (4, 8)), (1, (4, 6))):
+            states = mamba_pool()
+            fill(states, sources, generator)
+            backend = HiCacheStorage(support.storage_config(self.extra(), mla=True, tp_rank=rank, tp_size=2), {})
+            self.addCleanup(backend.close)
+            backend.register_mem_pool_host(kv_pool)
+            backend.register_mem_host_pool_v2(states, PoolName.MAMBA)
+            self.assertEqual(backend.batch_set_v1(keys, support.page_indices(sources, kv_pool.page_size)), [True] * PAGES)
+            for end in ends:
+                stored = backend.batch_set_v2([transfer(PoolName.MAMBA, states, [keys[end - 1]], [end], PoolHitPolicy.TRAILING_PAGES)])
+                self.assertEqual(stored[PoolName.MAMBA], [True])
+            query = [PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+            answers.append(set(backend.batch_exists_v2(keys, query).restorable_prefix_pages))
+            layouts.append(
+                backend.describe_l3_object_layout(sidecar_pool_specs=(), swa_trailing_pages=None, page_size=kv_pool.page_size)
+            )
+        self.assertEqual(answers, [{4, 8}, {4, 6}])
+        self.assertEqual(layouts[0], layouts[1], "one stage, one layout, whichever rank serves it")
+        pools = layouts[0]["hicache_object_layout"]["pools"]
+        self.assertEqual([(pool["pool"], pool["hit_policy"], pool.get("trailing_pages")) for pool in pools],
+                         [("kv", "all_pages", None), ("mamba", "trailing_pages", 1)])
+        self.assertEqual(len(pools[1]["suffixes"]), 4, "each rank's state and its checksum")
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = dict(os.environ)
+        if NEEDS_SHIM:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join([os.path.dirname(SHIM), os.environ.get("LD_LIBRARY_PATH", "")])
+        spec = {"master": f"127.0.0.1:{self.master.port}", "official": OFFICIAL, "layout": layouts[0], "hashes": keys}
+        done = subprocess.run(
+            [sys.executable, os.path.join(here, "route_hybrid_layout.py"), json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        self.assertEqual(done.returncode, 0, done.stderr[-4000:])
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        self.assertEqual(found, sorted(set.intersection(*answers)))
+        self.assertEqual(found, [4])
 
     def test_a_master_that_is_not_there_is_an_error_at_registration(self):
         backend = HiCacheStorage(

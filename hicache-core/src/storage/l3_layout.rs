@@ -10,7 +10,8 @@
 //!
 //! A page whose hash (64 hex digits) is `h` is in the store when, for every pool and every suffix, the object
 //! `{key_prefix}_{h}{suffix}` is (`{h}{suffix}` when `key_prefix` is null): `all_pages` means every page of a prefix
-//! needs all of them. A disabled layout says why in `reason`, with no pools. Each pipeline stage describes its own
+//! needs all of them, `trailing_pages` (a hybrid model's Mamba state or sliding window) that only the prefix's last
+//! `trailing_pages` pages do. A disabled layout says why in `reason`, with no pools. Each pipeline stage describes its own
 //! layers (`pp_rank`); [`merge`] joins the stages as SGLang's `merge_l3_layouts` does, with `pp_rank` null.
 //!
 //! Where SGLang describes only MLA pools (an MHA key carries the TP rank, which one SGLang scheduler cannot list),
@@ -23,6 +24,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::groups::HitPolicy;
 use super::tiers::{PageObjects, TierEntry, TierFields};
 use super::unified::chunk_namespace;
 use crate::error::Error;
@@ -48,8 +50,7 @@ pub struct L3Layout {
 /// The objects of a page, and the stage they belong to.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ObjectLayout {
-    /// The pools a page's objects belong to (the KV; the sidecar pools of hybrid models, which hicache does not
-    /// serve, would follow).
+    /// The pools a page's objects belong to: the KV, then a hybrid model's sidecar pools.
     pub pools: Vec<PoolLayout>,
     /// The stage's key facts; absent in a layout disabled before any was known.
     #[serde(flatten)]
@@ -59,15 +60,19 @@ pub struct ObjectLayout {
 /// One pool's objects of a page.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PoolLayout {
-    /// The pool (`kv`).
+    /// The pool (`kv`, or a hybrid model's sidecar pool: `mamba`, `swa`, `indexer`, ...).
     pub pool: String,
     /// What follows the page hash in its object keys.
     pub suffixes: Vec<String>,
-    /// `all_pages`: every page of a prefix needs every suffix.
+    /// `all_pages`: every page of a prefix needs every suffix; `trailing_pages`: only the last
+    /// [`trailing_pages`](Self::trailing_pages) pages of the prefix do.
     pub hit_policy: String,
     /// Under the unified key scheme, per suffix, how the tier names that chunk's objects.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub objects: Option<Vec<PageObjects>>,
+    /// With `trailing_pages`: how many of the prefix's last pages need the pool's objects.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trailing_pages: Option<usize>,
 }
 
 /// What every key of a stage shares.
@@ -159,7 +164,13 @@ impl L3Layout {
                         }
                     }
                 }
-                PoolLayout { pool: "kv".into(), suffixes, hit_policy: "all_pages".into(), objects: None }
+                PoolLayout {
+                    pool: "kv".into(),
+                    suffixes,
+                    hit_policy: "all_pages".into(),
+                    objects: None,
+                    trailing_pages: None,
+                }
             }
             Some((agreements, start)) => {
                 let plans = ranks
@@ -191,7 +202,13 @@ impl L3Layout {
                     layer_partition: first.namespace.layer_partition,
                     object_key: "sha256".into(),
                 });
-                PoolLayout { pool: "kv".into(), suffixes, hit_policy: "all_pages".into(), objects: Some(chunk_objects) }
+                PoolLayout {
+                    pool: "kv".into(),
+                    suffixes,
+                    hit_policy: "all_pages".into(),
+                    objects: Some(chunk_objects),
+                    trailing_pages: None,
+                }
             }
         };
         Ok(Self {
@@ -201,6 +218,51 @@ impl L3Layout {
             hicache_object_layout: ObjectLayout { pools: vec![pool], stage: Some(stage) },
             reason: None,
         })
+    }
+
+    /// Adds a hybrid model's sidecar pool `pool` (entries of `entry_bytes`, restored as `policy` says) beside the KV
+    /// of `kv`'s stage: every TP rank's objects of the pool's namespace ([`StorageNamespace::sidecar`]; a Mamba
+    /// state's are per rank even for MLA, an indexer's are not). A disabled layout stays as it is; under the unified
+    /// key scheme, which keeps no sidecar pools, the layout is disabled saying so.
+    ///
+    /// # Errors
+    ///
+    /// The namespace's refusal of the pool (naming `pool` or `entry_bytes`); the tier's refusal of its settings.
+    pub fn add_sidecar(
+        &mut self,
+        tier: &TierEntry,
+        fields: &TierFields,
+        kv: &StorageNamespace,
+        pool: &str,
+        entry_bytes: usize,
+        policy: HitPolicy,
+    ) -> Result<(), Error> {
+        let Some(objects) = tier.objects.filter(|_| self.enabled) else { return Ok(()) };
+        if self.hicache_object_layout.stage.as_ref().is_some_and(|stage| stage.unified.is_some()) {
+            *self = self.unavailable("the unified key scheme keeps no sidecar pools of hybrid models");
+            return Ok(());
+        }
+        let mut suffixes: Vec<String> = Vec::new();
+        for tp_rank in 0..kv.tp_size {
+            let rank = StorageNamespace { tp_rank, ..kv.clone() }.sidecar(pool, entry_bytes)?;
+            for suffix in objects(fields, &rank)?.suffixes {
+                if !suffixes.contains(&suffix) {
+                    suffixes.push(suffix);
+                }
+            }
+        }
+        let trailing_pages = match policy {
+            HitPolicy::AllPages => None,
+            HitPolicy::TrailingPages { window } => Some(window.max(1)),
+        };
+        self.hicache_object_layout.pools.push(PoolLayout {
+            pool: pool.to_owned(),
+            suffixes,
+            hit_policy: policy.name().to_owned(),
+            objects: None,
+            trailing_pages,
+        });
+        Ok(())
     }
 
     fn pp_rank(&self) -> Option<usize> {
@@ -285,6 +347,7 @@ mod tests {
                     suffixes: vec![suffix.into()],
                     hit_policy: "all_pages".into(),
                     objects: None,
+                    trailing_pages: None,
                 }],
                 stage: Some(StageKeys {
                     key_prefix: Some("org-Model".into()),
@@ -344,6 +407,60 @@ mod tests {
             let text = serde_json::to_string(&layout).unwrap();
             assert_eq!(serde_json::from_str::<L3Layout>(&text).unwrap(), layout, "{text}");
         }
+    }
+
+    /// A tier naming each page object after its namespace's digest, as Mooncake's native keys do.
+    static BY_DIGEST: TierEntry = TierEntry {
+        name: "by-digest",
+        aliases: &[],
+        about: "",
+        keys: &[],
+        check: |_| Ok(()),
+        open: |_, _| Err(Error::Internal("not opened".into())),
+        objects: Some(|_, namespace| {
+            Ok(PageObjects { key_prefix: None, suffixes: vec![format!("_{}", namespace.digest())] })
+        }),
+    };
+
+    /// A sidecar pool follows the KV with every TP rank's objects of its namespace: one set for an indexer of an
+    /// MLA model (the same on every rank), one per rank for a Mamba state, with its policy and window.
+    #[test]
+    fn sidecar_pools_follow_the_kv_with_every_ranks_objects() {
+        use crate::geometry::{KvDtype, KvGeometry};
+        use crate::layout::HostLayout;
+        let kv = StorageNamespace {
+            tp_size: 2,
+            ..StorageNamespace::single_rank(
+                "org/Model",
+                KvGeometry::mla(2, 512, 64, KvDtype::Bf16).unwrap(),
+                HostLayout::PageFirst,
+                16,
+            )
+        };
+        let fields = TierFields::new();
+        let mut layout = L3Layout::describe(&BY_DIGEST, &fields, &kv, None).unwrap();
+        layout.add_sidecar(&BY_DIGEST, &fields, &kv, "indexer", 528, HitPolicy::AllPages).unwrap();
+        layout.add_sidecar(&BY_DIGEST, &fields, &kv, "mamba", 3000, HitPolicy::TrailingPages { window: 0 }).unwrap();
+        let pools = &layout.hicache_object_layout.pools;
+        let digest = |pool: &str, bytes: usize, rank: usize| {
+            format!("_{}", StorageNamespace { tp_rank: rank, ..kv.clone() }.sidecar(pool, bytes).unwrap().digest())
+        };
+        assert_eq!(pools.len(), 3);
+        assert_eq!(pools[0].suffixes, [format!("_{}", kv.digest())], "the latent is the same on both ranks");
+        assert_eq!((pools[1].hit_policy.as_str(), pools[1].trailing_pages), ("all_pages", None));
+        assert_eq!(pools[1].suffixes, [digest("indexer", 528, 0)]);
+        assert_eq!((pools[2].hit_policy.as_str(), pools[2].trailing_pages), ("trailing_pages", Some(1)));
+        assert_eq!(pools[2].suffixes, [digest("mamba", 3000, 0), digest("mamba", 3000, 1)]);
+        assert_ne!(pools[2].suffixes[0], pools[2].suffixes[1], "a state is per rank");
+        let json = serde_json::to_value(&layout).unwrap();
+        assert_eq!(json["hicache_object_layout"]["pools"][2]["trailing_pages"], 1);
+        assert!(json["hicache_object_layout"]["pools"][1].get("trailing_pages").is_none());
+        // a bad pool is named; a disabled layout stays disabled
+        let error = layout.add_sidecar(&BY_DIGEST, &fields, &kv, "Bad", 1, HitPolicy::AllPages).unwrap_err();
+        assert!(error.to_string().starts_with("pool:"), "{error}");
+        let mut disabled = L3Layout::disabled("why", None, None);
+        disabled.add_sidecar(&BY_DIGEST, &fields, &kv, "mamba", 1, HitPolicy::AllPages).unwrap();
+        assert_eq!(disabled, L3Layout::disabled("why", None, None));
     }
 
     #[test]

@@ -334,19 +334,40 @@ class HiCacheStorage(_SglangStorage):
         """The key layout a router outside the engine (SGLang's ``/get_hicache_l3_cache_layout``) needs to find this
         stage's pages in the store, in the shape of SGLang's ``MooncakeStore.describe_l3_object_layout``: every TP
         rank's objects (a page is stored when all are), each stage its own (``hicache.merge_l3_layouts`` joins
-        them). Disabled, with the reason, before a host pool is registered, on a tier whose objects are not found
-        by name outside hicache (only Mooncake's are), and for hybrid models (the layout of their sidecar pools'
-        objects is not published)."""
+        them), then each registered sidecar pool of a hybrid model with its hit policy as SGLang decides it (from
+        ``sidecar_pool_specs``, else a trailing page for a Mamba state and ``swa_trailing_pages`` for a sliding
+        window, else every page). Disabled, with the reason, before a host pool is registered, on a tier whose
+        objects are not found by name outside hicache (only Mooncake's are), and for a trailing pool whose window is
+        unknown."""
         from sglang.srt.mem_cache.hicache_storage import disabled_l3_layout
 
         backend = self._settings.backend
-        if sidecar_pool_specs or swa_trailing_pages is not None:
-            return disabled_l3_layout(
-                "hicache publishes no layout of hybrid models' sidecar pools", backend=backend, page_size=page_size
-            )
         if self._backend is None:
             return disabled_l3_layout("no host pool is registered yet", backend=backend, page_size=page_size)
-        layout = json.loads(self._backend.l3_layout)
+        if self._sidecars:
+            specs = {_pool_name(spec.pool_name): spec for spec in sidecar_pool_specs}
+            trailing = {"mamba": 1, "swa": swa_trailing_pages}
+            pools = []
+            for name, (sidecar, _) in self._sidecars.items():
+                spec = specs.get(name)
+                if spec is not None:
+                    policy = _pool_name(spec.hit_policy)
+                else:
+                    policy = "trailing_pages" if name in trailing else "all_pages"
+                window = 0
+                if policy == "trailing_pages":
+                    source = _pool_name(spec.indices_from_pool) if spec is not None else name
+                    window = trailing.get(source)
+                    if window is None or window <= 0:
+                        return disabled_l3_layout(
+                            f"Unknown or non-positive trailing-page window for pool {name}",
+                            backend=backend,
+                            page_size=page_size,
+                        )
+                pools.append((name, sidecar.entry_bytes, policy, window))
+            layout = json.loads(self._settings.l3_layout_with_sidecars(self._backend, pools))
+        else:
+            layout = json.loads(self._backend.l3_layout)
         if page_size is not None and page_size != layout.get("page_size"):
             return disabled_l3_layout(
                 f"the engine's page size {page_size} is not the host pool's {layout.get('page_size')}",
