@@ -137,24 +137,30 @@ class MooncakeTier(unittest.TestCase):
                     self.assertEqual(backend.batch_exists(keys), 0)
                     backend.close()
 
-    def test_the_layout_for_routers_is_the_one_sglangs_own_mooncake_store_gives(self):
-        # SGLang's own MooncakeStore, on the same master through Mooncake's official client (in a process of its
-        # own: that client and the store library hicache loads cannot share one), describes its MLA stages for
-        # routers; hicache storing under SGLang's keys describes the same objects and joins the stages as SGLang does
-        spec = {"master": f"127.0.0.1:{self.master.port}", "extra_backend_tag": "blue", "official": OFFICIAL}
+    def official(self, script, spec):
+        """Runs `script` (beside this file) with JSON `spec` in a process of its own, where Mooncake's official client
+        can load (it and the store library hicache loads register the same flags and cannot share one process); what
+        it printed last, as JSON."""
         here = os.path.dirname(os.path.abspath(__file__))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
         if NEEDS_SHIM:
             env["LD_LIBRARY_PATH"] = os.pathsep.join([os.path.dirname(SHIM), os.environ.get("LD_LIBRARY_PATH", "")])
         done = subprocess.run(
-            [sys.executable, os.path.join(here, "sglang_mooncake_layout.py"), json.dumps(spec)],
+            [sys.executable, os.path.join(here, script), json.dumps(spec)],
             capture_output=True,
             text=True,
             timeout=300,
             env=env,
         )
         self.assertEqual(done.returncode, 0, done.stderr[-4000:])
-        theirs = json.loads(done.stdout.strip().splitlines()[-1])
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def test_the_layout_for_routers_is_the_one_sglangs_own_mooncake_store_gives(self):
+        # SGLang's own MooncakeStore, on the same master through Mooncake's official client (in a process of its
+        # own: that client and the store library hicache loads cannot share one), describes its MLA stages for
+        # routers; hicache storing under SGLang's keys describes the same objects and joins the stages as SGLang does
+        spec = {"master": f"127.0.0.1:{self.master.port}", "extra_backend_tag": "blue", "official": OFFICIAL}
+        theirs = self.official("sglang_mooncake_layout.py", spec)
         extra = self.extra(key_scheme="sglang", extra_backend_tag="blue")
         ours = []
         for stage in range(2):
@@ -219,20 +225,8 @@ class MooncakeTier(unittest.TestCase):
         self.assertEqual([(pool["pool"], pool["hit_policy"], pool.get("trailing_pages")) for pool in pools],
                          [("kv", "all_pages", None), ("mamba", "trailing_pages", 1)])
         self.assertEqual(len(pools[1]["suffixes"]), 4, "each rank's state and its checksum")
-        here = os.path.dirname(os.path.abspath(__file__))
-        env = dict(os.environ)
-        if NEEDS_SHIM:
-            env["LD_LIBRARY_PATH"] = os.pathsep.join([os.path.dirname(SHIM), os.environ.get("LD_LIBRARY_PATH", "")])
         spec = {"master": f"127.0.0.1:{self.master.port}", "official": OFFICIAL, "layout": layouts[0], "hashes": keys}
-        done = subprocess.run(
-            [sys.executable, os.path.join(here, "route_hybrid_layout.py"), json.dumps(spec)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        self.assertEqual(done.returncode, 0, done.stderr[-4000:])
-        found = json.loads(done.stdout.strip().splitlines()[-1])
+        found = self.official("route_hybrid_layout.py", spec)
         self.assertEqual(found, sorted(set.intersection(*answers)))
         self.assertEqual(found, [4])
 
