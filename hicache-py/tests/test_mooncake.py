@@ -210,15 +210,17 @@ class MooncakeTier(unittest.TestCase):
             self.addCleanup(backend.close)
             backend.register_mem_pool_host(kv_pool)
             backend.register_mem_host_pool_v2(states, PoolName.MAMBA)
-            self.assertEqual(backend.batch_set_v1(keys, support.page_indices(sources, kv_pool.page_size)), [True] * PAGES)
+            kv = support.page_indices(sources, kv_pool.page_size)
+            self.assertEqual(backend.batch_set_v1(keys, kv), [True] * PAGES)
             for end in ends:
-                stored = backend.batch_set_v2([transfer(PoolName.MAMBA, states, [keys[end - 1]], [end], PoolHitPolicy.TRAILING_PAGES)])
-                self.assertEqual(stored[PoolName.MAMBA], [True])
+                state = transfer(PoolName.MAMBA, states, [keys[end - 1]], [end], PoolHitPolicy.TRAILING_PAGES)
+                self.assertEqual(backend.batch_set_v2([state])[PoolName.MAMBA], [True])
             query = [PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
             answers.append(set(backend.batch_exists_v2(keys, query).restorable_prefix_pages))
-            layouts.append(
-                backend.describe_l3_object_layout(sidecar_pool_specs=(), swa_trailing_pages=None, page_size=kv_pool.page_size)
+            layout = backend.describe_l3_object_layout(
+                sidecar_pool_specs=(), swa_trailing_pages=None, page_size=kv_pool.page_size
             )
+            layouts.append(layout)
         self.assertEqual(answers, [{4, 8}, {4, 6}])
         self.assertEqual(layouts[0], layouts[1], "one stage, one layout, whichever rank serves it")
         pools = layouts[0]["hicache_object_layout"]["pools"]

@@ -11,8 +11,8 @@
 //! A page whose hash (64 hex digits) is `h` is in the store when, for every pool and every suffix, the object
 //! `{key_prefix}_{h}{suffix}` is (`{h}{suffix}` when `key_prefix` is null): `all_pages` means every page of a prefix
 //! needs all of them, `trailing_pages` (a hybrid model's Mamba state or sliding window) that only the prefix's last
-//! `trailing_pages` pages do. A disabled layout says why in `reason`, with no pools. Each pipeline stage describes its own
-//! layers (`pp_rank`); [`merge`] joins the stages as SGLang's `merge_l3_layouts` does, with `pp_rank` null.
+//! `trailing_pages` pages do. A disabled layout says why in `reason`, with no pools. Each pipeline stage describes
+//! its own layers (`pp_rank`); [`merge`] joins the stages as SGLang's `merge_l3_layouts` does, with `pp_rank` null.
 //!
 //! Where SGLang describes only MLA pools (an MHA key carries the TP rank, which one SGLang scheduler cannot list),
 //! hicache lists every TP rank's suffixes: a page is in the store when every rank's objects are. Under the unified

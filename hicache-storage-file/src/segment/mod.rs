@@ -359,11 +359,12 @@ impl SegmentStore {
         self.submitter.uses_io_uring()
     }
 
-    /// Pages read or written with `O_DIRECT`.
+    /// Pages served from windows read ahead.
     pub(crate) fn pages_read_ahead(&self) -> u64 {
         self.read_ahead_pages.load(Ordering::Relaxed)
     }
 
+    /// Pages read or written with `O_DIRECT`.
     pub(crate) fn direct_pages(&self) -> u64 {
         self.direct_pages.load(Ordering::Relaxed)
     }

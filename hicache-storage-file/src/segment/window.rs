@@ -10,8 +10,8 @@
 //!
 //! A window is read once and dropped when the walk has passed it, or, oldest first, to make room for another: the
 //! windows held never pass a budget of bytes. Its segment's file handle is part of its identity, so a window never
-//! serves another file's bytes, and every page it serves is checked against the checksum its record gave. A batch waits for a window still being read for at most [`WAIT`], then reads
-//! its pages directly.
+//! serves another file's bytes, and every page it serves is checked against the checksum its record gave. A batch
+//! waits for a window still being read for at most [`WAIT`], then reads its pages directly.
 
 use std::fs::File;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -252,7 +252,8 @@ fn read_windows(queue: &Mutex<Receiver<Arc<Window>>>, spare: &Spare) {
         let state = match read_at_most(&window.file, &mut bytes[..asked], window.from) {
             Ok(read) => State::Ready(Arc::new(buffer), read.min(len)),
             Err(error) => {
-                tracing::debug!(%error, segment = window.segment, "reading a segment ahead failed; its pages are read when asked");
+                let segment = window.segment;
+                tracing::debug!(%error, segment, "reading a segment ahead failed; its pages are read when asked");
                 State::Failed
             }
         };
