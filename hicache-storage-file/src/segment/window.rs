@@ -338,4 +338,73 @@ mod tests {
         let window = windows.find(0, &writer, 0, 16).expect("asked for");
         assert!(Windows::serve(&window, 0, 16, deadline()).is_none());
     }
+
+    /// What a test does to the windows of two segments (files of 12 blocks, each block's bytes its number and the
+    /// file's).
+    #[derive(Clone, Debug)]
+    enum Step {
+        Fetch { segment: u32, from: u64, to: u64 },
+        Serve { segment: u32, offset: u64, len: u64 },
+        Release { segment: u32, from: u64, to: u64 },
+    }
+
+    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        let range = (0u64..14 * BLOCK, 1u64..6 * BLOCK).prop_map(|(from, len)| (from, from + len));
+        prop_oneof![
+            (0u32..2, range.clone()).prop_map(|(segment, (from, to))| Step::Fetch { segment, from, to }),
+            (0u32..2, 0u64..13 * BLOCK, 1u64..2 * BLOCK).prop_map(|(segment, offset, len)| Step::Serve {
+                segment,
+                offset,
+                len
+            }),
+            (0u32..2, range).prop_map(|(segment, (from, to))| Step::Release { segment, from, to }),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 48, ..Default::default() })]
+
+        /// Whatever is fetched, served and released: the windows held never pass the budget, and whatever a window
+        /// serves is the file's own bytes at that offset (never past its end, never another file's).
+        #[test]
+        fn windows_hold_the_budget_and_serve_only_the_files_bytes(steps in proptest::collection::vec(step(), 1..40)) {
+            let files: Vec<(tempfile::NamedTempFile, Arc<File>)> = (0..2)
+                .map(|segment| {
+                    let mut file = tempfile::NamedTempFile::new().unwrap();
+                    for block in 0..12u8 {
+                        file.write_all(&[block ^ (segment * 0x80); ALIGN]).unwrap();
+                    }
+                    let reader = Arc::new(File::open(file.path()).unwrap());
+                    (file, reader)
+                })
+                .collect();
+            let budget = 6 * BLOCK;
+            let windows = Windows::start(budget).unwrap();
+            for step in steps {
+                match step {
+                    Step::Fetch { segment, from, to } => windows.fetch(segment, files[segment as usize].1.clone(), from, to),
+                    Step::Serve { segment, offset, len } => {
+                        let file = &files[segment as usize].1;
+                        if let Some(window) = windows.find(segment, file, offset, len) {
+                            proptest::prop_assert!(window.holds(segment, file, offset, len));
+                            let other = &files[1 - segment as usize].1;
+                            proptest::prop_assert!(!window.holds(segment, other, offset, len));
+                            if let Some(served) = Windows::serve(&window, offset, len as usize, deadline()) {
+                                proptest::prop_assert!(offset + len <= 12 * BLOCK, "served past the file's end");
+                                for (at, &byte) in served.page(len as usize).iter().enumerate() {
+                                    let block = ((offset + at as u64) / BLOCK) as u8;
+                                    proptest::prop_assert_eq!(byte, block ^ (segment as u8 * 0x80));
+                                }
+                            } else {
+                                proptest::prop_assert!(offset + len > 12 * BLOCK, "a read inside the file failed");
+                            }
+                        }
+                    }
+                    Step::Release { segment, from, to } => windows.release(segment, from, to),
+                }
+                proptest::prop_assert!(windows.held_bytes() <= budget);
+            }
+        }
+    }
 }
