@@ -82,6 +82,10 @@ pub use crate::tier::MOONCAKE_TIER;
 
 /// Bytes of a page's checksum object (native keys).
 const CHECKSUM_BYTES: usize = 8;
+/// Bytes of pages in one call from which their checksums are computed on several threads.
+const PARALLEL_HASH_BYTES: usize = 2 << 20;
+/// The most threads computing checksums for one call.
+const MAX_HASH_THREADS: usize = 8;
 
 /// How long a read waits for an object whose replica another writer is still putting.
 const NOT_READY_WAIT: Duration = Duration::from_secs(2);
@@ -321,17 +325,9 @@ impl MooncakeStorage {
         (0..self.keys.objects()).map(|object| self.keys.object_key(key, object)).collect()
     }
 
-    /// A page's checksum (native keys): its bytes, bound to the namespace and the key, so bytes of another page or
-    /// namespace, or bytes damaged or replaced in the store, never pass as this page.
-    fn checksum<S: AsRef<[u8]>>(&self, key: &PageKey, segments: &[S]) -> u64 {
-        use std::hash::Hasher as _;
-        let mut hasher = twox_hash::XxHash3_64::with_seed(0);
-        hasher.write(self.digest.as_bytes());
-        hasher.write(key.as_bytes());
-        for segment in segments {
-            hasher.write(segment.as_ref());
-        }
-        hasher.finish()
+    /// The checksums of `pages` (each a key and its segments): [`checksums`] in this namespace.
+    fn checksums<S: AsRef<[u8]> + Sync>(&self, pages: &[(&PageKey, &[S])]) -> Vec<u64> {
+        checksums(&self.digest, pages, pages.len() * self.page_bytes)
     }
 
     /// The bytes of object `object` of a page: a part's, or the checksum's.
@@ -551,6 +547,38 @@ fn error(message: String) -> Error {
     Error::storage("mooncake", message)
 }
 
+/// A page's checksum (native keys): XXH3-64 of the namespace digest, the key and the page's bytes, so bytes of
+/// another page or namespace, or bytes damaged or replaced in the store, never pass as this page.
+fn checksum<S: AsRef<[u8]>>(digest: &str, key: &PageKey, segments: &[S]) -> u64 {
+    use std::hash::Hasher as _;
+    let mut hasher = twox_hash::XxHash3_64::with_seed(0);
+    hasher.write(digest.as_bytes());
+    hasher.write(key.as_bytes());
+    for segment in segments {
+        hasher.write(segment.as_ref());
+    }
+    hasher.finish()
+}
+
+/// The checksums of `pages` (each a key and its segments, `bytes` in all), on several threads when they are long
+/// enough to gain from it.
+fn checksums<S: AsRef<[u8]> + Sync>(digest: &str, pages: &[(&PageKey, &[S])], bytes: usize) -> Vec<u64> {
+    let threads = std::thread::available_parallelism().map_or(1, usize::from).min(MAX_HASH_THREADS);
+    let one = |(key, segments): &(&PageKey, &[S])| checksum(digest, key, segments);
+    if bytes < PARALLEL_HASH_BYTES || threads < 2 || pages.len() < 2 {
+        return pages.iter().map(one).collect();
+    }
+    let chunk = pages.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> =
+            pages.chunks(chunk).map(|part| scope.spawn(move || part.iter().map(one).collect::<Vec<u64>>())).collect();
+        handles
+            .into_iter()
+            .flat_map(|handle| handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+            .collect()
+    })
+}
+
 /// The failure of one object with a settled error code.
 fn object_failure(status: i64, master: &str, part_bytes: usize) -> PageFailure {
     match status {
@@ -668,6 +696,7 @@ impl StorageBackend for MooncakeStorage {
             by_page[index].push((part, status, place));
         }
         let master = self.master();
+        let mut to_verify: Vec<(usize, u64)> = Vec::new();
         for (index, page) in by_page.into_iter().enumerate() {
             if outcomes[index].is_some() {
                 continue;
@@ -685,20 +714,11 @@ impl StorageBackend for MooncakeStorage {
                     scatter_range(bytes, &mut pages[index], object * self.part_bytes);
                     self.stats.record_staging(self.part_bytes);
                 }
-                match stored {
-                    Some(stored)
-                        if self.link.config.verify_checksum && stored != self.checksum(&keys[index], &pages[index]) =>
-                    {
-                        GetOutcome::Failed(PageFailure::new(
-                            FailureKind::Corrupt,
-                            format!(
-                                "page {}: its bytes do not match its checksum (damaged, or replaced under its key)",
-                                keys[index]
-                            ),
-                        ))
-                    }
-                    _ => GetOutcome::Hit,
+                if let Some(stored) = stored.filter(|_| self.link.config.verify_checksum) {
+                    // checked below, all pages at once
+                    to_verify.push((index, stored));
                 }
+                GetOutcome::Hit
             } else if page.iter().all(|&(_, status, _)| status == code::OBJECT_NOT_FOUND) {
                 GetOutcome::Miss
             } else if let Some(&(_, status, _)) =
@@ -729,6 +749,19 @@ impl StorageBackend for MooncakeStorage {
                 ))
             };
             outcomes[index] = Some(outcome);
+        }
+        let work: Vec<(&PageKey, &[&mut [u8]])> =
+            to_verify.iter().map(|&(index, _)| (&keys[index], pages[index].as_slice())).collect();
+        for (&(index, stored), computed) in to_verify.iter().zip(self.checksums(&work)) {
+            if stored != computed {
+                outcomes[index] = Some(GetOutcome::Failed(PageFailure::new(
+                    FailureKind::Corrupt,
+                    format!(
+                        "page {}: its bytes do not match its checksum (damaged, or replaced under its key)",
+                        keys[index]
+                    ),
+                )));
+            }
         }
         let outcomes: Vec<GetOutcome> =
             outcomes.into_iter().map(|outcome| outcome.unwrap_or(GetOutcome::Miss)).collect();
@@ -783,12 +816,18 @@ impl StorageBackend for MooncakeStorage {
             }
         }
         let mut staging = Staging::new(staged, self)?;
+        // the checksums to put, all pages at once
+        let summed: Vec<usize> =
+            put_places.iter().filter(|&&(_, _, part)| part == parts).map(|&(_, index, _)| index).collect();
+        let work: Vec<(&PageKey, &[&[u8]])> =
+            summed.iter().map(|&index| (&keys[index], pages[index].as_slice())).collect();
+        let mut sums = self.checksums(&work).into_iter();
         let mut addresses = Vec::with_capacity(put_places.len());
         for &(place, index, part) in &put_places {
             addresses.push(match place {
                 Place::Direct(address) => address,
                 Place::Staged(offset) if part == parts => {
-                    let checksum = self.checksum(&keys[index], &pages[index]).to_le_bytes();
+                    let checksum = sums.next().expect("a checksum per checksum object").to_le_bytes();
                     staging.bytes[offset..offset + CHECKSUM_BYTES].copy_from_slice(&checksum);
                     staging.address(offset)
                 }
@@ -927,6 +966,24 @@ impl StorageBackend for MooncakeStorage {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// On several threads or one, each page's checksum is its own, in order, and binds the digest and the key.
+    #[test]
+    fn checksums_on_threads_are_each_pages_own() {
+        let keys: Vec<PageKey> = (0..37u8).map(|seed| PageKey::from_bytes([seed; 32])).collect();
+        let data: Vec<Vec<u8>> = (0..37).map(|_| (0..128 << 10).map(|_| rand::random::<u8>()).collect()).collect();
+        // each page in two segments
+        let pages: Vec<(&PageKey, Vec<&[u8]>)> =
+            keys.iter().zip(&data).map(|(key, bytes)| (key, vec![&bytes[..1000], &bytes[1000..]])).collect();
+        let work: Vec<(&PageKey, &[&[u8]])> = pages.iter().map(|(key, segments)| (*key, segments.as_slice())).collect();
+        let bytes = 37 * (128 << 10);
+        assert!(bytes >= PARALLEL_HASH_BYTES);
+        let expected: Vec<u64> = keys.iter().zip(&data).map(|(key, page)| checksum("d", key, &[page])).collect();
+        assert_eq!(checksums("d", &work, bytes), expected);
+        assert_eq!(checksums("d", &work, 0), expected, "on one thread");
+        assert_ne!(checksum("e", &keys[0], &[&data[0]]), expected[0], "another namespace");
+        assert_ne!(checksum("d", &keys[1], &[&data[0]]), expected[0], "another key");
+    }
 
     #[test]
     fn gather_and_scatter_agree_with_the_flat_page_for_any_cuts() {
