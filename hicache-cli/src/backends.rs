@@ -379,6 +379,26 @@ pub(crate) fn l3_layout(
         .map_err(|error| Usage(format!("the L3 layout: {error}")).into())
 }
 
+/// Adds a hybrid model's sidecar pool to `layout` ([`L3Layout::add_sidecar`]), with `name`'s settings.
+///
+/// # Errors
+///
+/// A usage error for the settings or the pool.
+pub(crate) fn add_sidecar_layout(
+    layout: &mut L3Layout,
+    name: BackendName,
+    kv: &StorageNamespace,
+    pool: &str,
+    entry_bytes: usize,
+    policy: hicache_core::storage::groups::HitPolicy,
+    options: &BackendOptions,
+) -> anyhow::Result<()> {
+    let settings = settings(name, options)?;
+    layout
+        .add_sidecar(name.0, &settings.fields, kv, pool, entry_bytes, policy)
+        .map_err(|error| Usage(format!("the L3 layout of --pool {pool}: {error}")).into())
+}
+
 /// Opens `name` for `namespace` with `settings` as it is, held to its throttle (a chunk namespace's tier, under the
 /// unified key scheme).
 ///

@@ -359,8 +359,16 @@ fn a_router_finds_the_stored_pages_from_the_layout_alone() {
     // three layers, two KV heads of 64 per rank, 16-token pages of bf16: 24 KiB (MLA 64 + 32: 9 KiB)
     let mha = ["--layers", "3", "--kv-heads", "2", "--head-dim", "64", "--page-size", "16", "--tp-size", "2"];
     let mla = ["--layers", "3", "--mla", "--kv-lora-rank", "64", "--rope-dim", "32", "--page-size", "16"];
-    let cases: [(&str, String, Vec<&str>, usize); 3] = [
+    // a hybrid model's indexer entries beside the KV (every page needs them): 4000 bytes per page and rank
+    let indexer = ["--pool", "indexer", "--entry-bytes", "4000"];
+    let cases: [(&str, String, Vec<&str>, usize); 4] = [
         ("native keys, TP2", extra(serde_json::json!({})), [&mha[..], &["--layout", "page-first"]].concat(), 24576),
+        (
+            "native keys, TP2, an indexer pool beside the KV",
+            extra(serde_json::json!({})),
+            [&mha[..], &["--layout", "page-first"]].concat(),
+            24576,
+        ),
         (
             "SGLang 0.5.23 keys, MLA, the second of two stages",
             extra(serde_json::json!({"key_scheme": "sglang", "extra_backend_tag": "blue"})),
@@ -380,21 +388,37 @@ fn a_router_finds_the_stored_pages_from_the_layout_alone() {
         let hashes: Vec<String> =
             (0..4).map(|_| (0..4).map(|_| format!("{:016x}", rand::random::<u64>())).collect()).collect();
         // pages 0 and 1 stored by both ranks, page 2 by rank 0 only, page 3 never
+        let pools: &[(&[&str], usize)] =
+            if case.contains("indexer") { &[(&[], page_bytes), (&indexer, 4000)] } else { &[(&[], page_bytes)] };
         for (rank, pages) in [("0", &hashes[..3]), ("1", &hashes[..2])] {
-            let input = work.path().join(format!("pages-{rank}.bin"));
-            let bytes: Vec<u8> = (0..pages.len() * page_bytes).map(|_| rand::random::<u8>()).collect();
-            std::fs::write(&input, bytes).unwrap();
-            let mut put =
-                [&["store", "put"][..], &target, &["--tp-rank", rank, "--in", input.to_str().unwrap()]].concat();
-            for hash in pages {
-                put.extend(["--key", hash.as_str()]);
+            for &(pool, entry_bytes) in pools {
+                let input = work.path().join(format!("pages-{rank}.bin"));
+                let bytes: Vec<u8> = (0..pages.len() * entry_bytes).map(|_| rand::random::<u8>()).collect();
+                std::fs::write(&input, bytes).unwrap();
+                let mut put =
+                    [&["store", "put"][..], &target, pool, &["--tp-rank", rank, "--in", input.to_str().unwrap()]]
+                        .concat();
+                for hash in pages {
+                    put.extend(["--key", hash.as_str()]);
+                }
+                let output = hicache(&put);
+                assert!(output.status.success(), "{case}: {}", String::from_utf8_lossy(&output.stderr));
             }
-            let output = hicache(&put);
-            assert!(output.status.success(), "{case}: {}", String::from_utf8_lossy(&output.stderr));
         }
-        let output = hicache(&[&["store", "layout", "--json"][..], &target].concat());
+        let pool: &[&str] = if case.contains("indexer") { &indexer } else { &[] };
+        let output = hicache(&[&["store", "layout", "--json"][..], &target, pool].concat());
         assert!(output.status.success(), "{case}: {}", String::from_utf8_lossy(&output.stderr));
         let layout = String::from_utf8(output.stdout).unwrap();
+        if case.contains("indexer") {
+            let parsed: serde_json::Value = serde_json::from_str(&layout).unwrap();
+            let pools = &parsed["hicache_object_layout"]["pools"];
+            assert_eq!(
+                (pools[1]["pool"].as_str(), pools[1]["hit_policy"].as_str()),
+                (Some("indexer"), Some("all_pages"))
+            );
+            // each rank's entry and its checksum
+            assert_eq!(pools[1]["suffixes"].as_array().unwrap().len(), 4, "{layout}");
+        }
         let found = route(&master, &layout, &hashes);
         let objects = found[0].1;
         assert!(objects > 0 && found.iter().all(|&(_, all)| all == objects), "{case}: {found:?}\n{layout}");

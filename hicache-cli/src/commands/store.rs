@@ -10,6 +10,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, bail};
 use clap::{Args, Subcommand};
+use hicache_core::namespace::StorageNamespace;
+use hicache_core::storage::groups::HitPolicy;
 use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, SetOutcome, StorageBackend};
 use serde::Serialize;
 
@@ -36,14 +38,26 @@ pub(crate) enum StoreCommand {
     /// The backend, the namespace, and how many pages and bytes it holds.
     Stat(TargetArgs),
     /// The key layout a router outside the engine needs to find this stage's pages in the store (every TP rank's
-    /// objects), as SGLang serves it at /get_hicache_l3_cache_layout; nothing is opened.
-    Layout(TargetArgs),
+    /// objects; with --pool, a hybrid model's sidecar pool after the KV), as SGLang serves it at
+    /// /get_hicache_l3_cache_layout; nothing is opened.
+    Layout(LayoutArgs),
     /// Read the same pages again and again through one open backend, a line per round (whole, missing, failed,
     /// and how long it took; with --expect or --put, whether the bytes are right), until --rounds, SIGINT or SIGTERM,
     /// or the end of standard input when that is a pipe. With --put it writes them first, and again when a round finds
     /// one missing: a canary page for watching a store from a host, and (Mooncake) a process that lends its segment
     /// while it runs.
     Watch(super::watch::WatchArgs),
+}
+
+/// Arguments of `store layout`.
+#[derive(Debug, Args)]
+pub(crate) struct LayoutArgs {
+    #[command(flatten)]
+    target: TargetArgs,
+    /// With --pool: how many of a prefix's last pages need the pool's entries (`trailing_pages`: a sliding window's
+    /// pages; a Mamba state's 1, the default for `mamba`); without it, every page does (`all_pages`).
+    #[arg(long, value_name = "N", requires = "pool", value_parser = clap::value_parser!(u64).range(1..))]
+    trailing_pages: Option<u64>,
 }
 
 /// Arguments of `store exists` and `store rm`.
@@ -292,9 +306,20 @@ fn stat(args: &TargetArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn layout(args: &TargetArgs) -> anyhow::Result<()> {
+fn layout(args: &LayoutArgs) -> anyhow::Result<()> {
+    let LayoutArgs { target: args, trailing_pages } = args;
     let Target { backend, namespace, options, .. } = target(args, Mode::Inspect)?;
-    let layout = backends::l3_layout(backend, &namespace, args.start_layer, &options)?;
+    // a sidecar pool is described after the KV of its pages
+    let kv = StorageNamespace { sidecar: None, ..namespace.clone() };
+    let mut layout = backends::l3_layout(backend, &kv, args.start_layer, &options)?;
+    if let Some(sidecar) = &namespace.sidecar {
+        let policy = match (trailing_pages, sidecar.pool.as_str()) {
+            (Some(window), _) => HitPolicy::TrailingPages { window: *window as usize },
+            (None, "mamba") => HitPolicy::TrailingPages { window: 1 },
+            (None, _) => HitPolicy::AllPages,
+        };
+        backends::add_sidecar_layout(&mut layout, backend, &kv, &sidecar.pool, sidecar.entry_bytes, policy, &options)?;
+    }
     if args.json {
         return print_json(&layout);
     }
@@ -320,6 +345,10 @@ fn layout(args: &TargetArgs) -> anyhow::Result<()> {
         }
     }
     for pool in &objects.pools {
+        match pool.trailing_pages {
+            Some(window) => println!("pool {}: the prefix's last {window} page(s) need", pool.pool),
+            None => println!("pool {}: every page of the prefix needs", pool.pool),
+        }
         for suffix in &pool.suffixes {
             println!("  {suffix}");
         }
