@@ -5,14 +5,13 @@
 //!   (or the whole) of the flat page, so a page-first host pool is read and written in place. Under native keys a
 //!   page also has a checksum object (8 bytes: XXH3-64 of the namespace digest, the key and the page), put after its
 //!   parts in the same batch; a page is present only with it, and read only when its bytes match it
-//!   ([`MooncakeConfig::verify_checksum`]). A hybrid model's
-//!   sidecar pool ([`StorageNamespace::sidecar`]) keeps one object per entry under the native key scheme, whose
-//!   namespace digest covers the pool and its entry size; SGLang's key schemes refuse sidecar pools (naming
-//!   `key_scheme`: SGLang splits each pool's entry into objects after its host pool's buffers). (A `page_unified`
-//!   page keeps K and V together inside each layer: its halves, still keyed `_k` and `_v`, are its first and
-//!   second halves of head groups or layers.) Where a part is not one
-//!   contiguous range of the caller's memory (a `layer_first` pool), it goes through a staging buffer, counted in
-//!   `staging_bytes`.
+//!   ([`MooncakeConfig::verify_checksum`]). A hybrid model's sidecar pool ([`StorageNamespace::sidecar`]) keeps one
+//!   object per entry (and its checksum) under the native key scheme, whose namespace digest covers the pool and its
+//!   entry size; SGLang's key schemes refuse sidecar pools (naming `key_scheme`: SGLang splits each pool's entry
+//!   into objects after its host pool's buffers). (A `page_unified` page keeps K and V together inside each layer:
+//!   its halves, still keyed `_k` and `_v`, are its first and second halves of head groups or layers.) Where a part
+//!   is not one contiguous range of the caller's memory (a `layer_first` pool), it goes through a staging buffer,
+//!   counted in `staging_bytes`.
 //! * **Host memory.** The host pool is registered with Mooncake once
 //!   ([`register_host_memory`](StorageBackend::register_host_memory)). Over TCP, memory that was not registered is
 //!   moved in place too (the TCP transport reads and writes local memory by address); over RDMA it is staged through
@@ -22,10 +21,10 @@
 //! * **Placement.** Puts ask for this client's own segment first ([`MooncakeConfig::prefer_local_segment`]), so a
 //!   page this host wrote stays on the host both ways; the master places elsewhere when that segment is full.
 //! * **Reads.** `batch_get_into`; per object the bytes read. A page is a hit when every object arrived whole (and
-//!   its bytes match its checksum); a miss
-//!   when none was found (an object evicted after `batch_is_exist` is a miss, never wrong bytes); a part found and
-//!   another not is a failed page (`Corrupt`: incomplete); fewer bytes than the part is `Corrupt` (short read); an
-//!   object larger than the part is `SizeMismatch`.
+//!   its bytes match its checksum, else `Corrupt`); a miss when none was found (an object evicted after
+//!   `batch_is_exist` is a miss, never wrong bytes); an object found and another not is a failed page (`Corrupt`:
+//!   incomplete); fewer bytes than the object is `Corrupt` (short read); an object larger than the part is
+//!   `SizeMismatch`.
 //! * **Failures the store cannot vouch for.** Mooncake settles most failures before or after the transfer (no space,
 //!   not found, the master did not answer, and a `TRANSFER_FAIL` that came back before Mooncake's 60 s transfer
 //!   deadline: its transfers all ended, as when a peer died; `sys::TRANSFER_DEADLINE_SETTLES_BEFORE`). Any other
