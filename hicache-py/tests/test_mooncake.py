@@ -232,6 +232,47 @@ class MooncakeTier(unittest.TestCase):
         self.assertEqual(found, sorted(set.intersection(*answers)))
         self.assertEqual(found, [4])
 
+    def test_sidecar_pools_get_sglangs_hit_policies_in_the_layout(self):
+        """As SGLang's MooncakeStore decides them: a Mamba state trails by one page, a sliding window by
+        ``swa_trailing_pages`` (unknown: the layout is disabled with SGLang's reason), a spec overrides either, and
+        other pools need every page."""
+        from sglang.srt.mem_cache.hicache_storage import PoolName, SidecarPoolSpec
+        from test_hybrid import mamba_pool
+
+        kv_pool = support.mha_pool("page_first")
+        backend = HiCacheStorage(support.storage_config(self.extra(), tp_size=2), {})
+        self.addCleanup(backend.close)
+        backend.register_mem_pool_host(kv_pool)
+        backend.register_mem_host_pool_v2(mamba_pool(), PoolName.MAMBA)
+        backend.register_mem_host_pool_v2(support.mha_pool("page_first", layers=1, heads=1, head_dim=32), PoolName.SWA)
+        backend.register_mem_host_pool_v2(support.mha_pool("page_first", layers=1, heads=1, head_dim=16), PoolName.DRAFT)
+
+        def policies(**arguments):
+            layout = backend.describe_l3_object_layout(page_size=kv_pool.page_size, **arguments)
+            if not layout["enabled"]:
+                return layout["reason"]
+            pools = layout["hicache_object_layout"]["pools"]
+            # every pool lists both ranks' objects, each with its checksum
+            self.assertTrue(all(len(pool["suffixes"]) in (4, 6) for pool in pools), pools)
+            return {pool["pool"]: (pool["hit_policy"], pool.get("trailing_pages")) for pool in pools}
+
+        self.assertEqual(policies(), "Unknown or non-positive trailing-page window for pool swa")
+        self.assertEqual(
+            policies(swa_trailing_pages=3),
+            {
+                "kv": ("all_pages", None),
+                "mamba": ("trailing_pages", 1),
+                "swa": ("trailing_pages", 3),
+                "draft": ("all_pages", None),
+            },
+        )
+        spec = SidecarPoolSpec(pool_name=PoolName.SWA, indices_from_pool=PoolName.SWA, hit_policy=PoolHitPolicy.ALL_PAGES)
+        self.assertEqual(policies(sidecar_pool_specs=[spec])["swa"], ("all_pages", None))
+        spec = SidecarPoolSpec(
+            pool_name=PoolName.DRAFT, indices_from_pool=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES
+        )
+        self.assertEqual(policies(sidecar_pool_specs=[spec], swa_trailing_pages=2)["draft"], ("trailing_pages", 1))
+
     def test_a_master_that_is_not_there_is_an_error_at_registration(self):
         backend = HiCacheStorage(
             support.storage_config(self.extra(master_server_address=f"127.0.0.1:{free_port()}")), {}
