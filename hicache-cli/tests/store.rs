@@ -317,6 +317,10 @@ fn a_sidecar_pools_entries_round_trip_beside_the_kv_pages() {
     failure(&store("stat", &storage, &["--pool", "kv", "--entry-bytes", "96"]), 2, "--pool");
     let wrong = ["--pool", "mamba", "--entry-bytes", "96", "--page-bytes", "128"];
     failure(&store("stat", &storage, &wrong), 2, "--entry-bytes 96");
+    // a sliding window's layout needs its width; --trailing-pages needs a pool
+    failure(&store("layout", &storage, &["--pool", "swa", "--entry-bytes", "96"]), 2, "--trailing-pages");
+    failure(&store("layout", &storage, &["--trailing-pages", "2"]), 2, "--pool");
+    ok(store("layout", &storage, &["--pool", "swa", "--entry-bytes", "96", "--trailing-pages", "2"]));
 }
 
 #[test]

@@ -316,6 +316,10 @@ fn layout(args: &LayoutArgs) -> anyhow::Result<()> {
         let policy = match (trailing_pages, sidecar.pool.as_str()) {
             (Some(window), _) => HitPolicy::TrailingPages { window: *window as usize },
             (None, "mamba") => HitPolicy::TrailingPages { window: 1 },
+            // as SGLang, which serves no layout for a sliding window of unknown width
+            (None, "swa") => {
+                bail!(Usage("--pool swa: a sliding window needs --trailing-pages (its window in pages)".into()))
+            }
             (None, _) => HitPolicy::AllPages,
         };
         backends::add_sidecar_layout(&mut layout, backend, &kv, &sidecar.pool, sidecar.entry_bytes, policy, &options)?;
