@@ -99,6 +99,14 @@ pub struct FileConfig {
     /// own); 0 reads nothing ahead. With `direct_io`, windows are read with `O_DIRECT` into the backend's own memory
     /// (at most 8 times this many bytes in all); without, into the page cache. At most [`MAX_READ_AHEAD_BYTES`].
     pub read_ahead_bytes: u64,
+    /// Bytes of batches of segment pages written behind at most: a batch's pages are copied into the backend's
+    /// memory and written by threads of its own while the caller goes on, so several batches are in flight at once
+    /// (small pages: one batch in place leaves the disk idle between batches). This process reads them at once;
+    /// other processes once they are written; a removal, clear or listing, [`StorageBackend::flush`] and dropping
+    /// the backend wait for them. A page reported stored can be lost if the process dies (or the write fails)
+    /// before it is written, never read torn. 0 (the default): every batch is written in place before the call
+    /// returns. At most [`MAX_WRITE_BEHIND_BYTES`].
+    pub write_behind_bytes: u64,
 }
 
 /// The default [`FileConfig::segment_threshold`]: pages below 1 MiB go to segments (creating a file per page costs
@@ -112,6 +120,8 @@ pub const MIN_SEGMENT_BYTES: u64 = 1 << 20;
 pub const DEFAULT_READ_AHEAD_BYTES: u64 = 8 << 20;
 /// The largest [`FileConfig::read_ahead_bytes`].
 pub const MAX_READ_AHEAD_BYTES: u64 = 1 << 30;
+/// The largest [`FileConfig::write_behind_bytes`].
+pub const MAX_WRITE_BEHIND_BYTES: u64 = 1 << 30;
 
 impl FileConfig {
     /// `dir` if given, else `$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`, else `/tmp/hicache`, as SGLang.
@@ -138,6 +148,7 @@ impl FileConfig {
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             io_uring: true,
             read_ahead_bytes: DEFAULT_READ_AHEAD_BYTES,
+            write_behind_bytes: 0,
         }
     }
 }
@@ -168,7 +179,7 @@ pub struct FileStorage {
     /// Pages read or written with `O_DIRECT`.
     direct_pages: AtomicU64,
     /// Small native pages: the segment files that hold them (instead of a file per page).
-    segments: Option<segment::SegmentStore>,
+    segments: Option<std::sync::Arc<segment::SegmentStore>>,
     stats: StatsRecorder,
     /// `io_threads` threads, started once, that every batch's pages are spread over (the controller's query, fetch
     /// and backup threads share them).
@@ -284,6 +295,7 @@ impl FileStorage {
                 direct_io: storage.config.direct_io,
                 io_uring: storage.config.io_uring,
                 read_ahead: storage.config.read_ahead_bytes,
+                write_behind: storage.config.write_behind_bytes,
                 read_only: storage.config.read_only,
                 capacity_bytes: storage.config.capacity_bytes,
                 account: storage.config.capacity_bytes.map(|_| storage.account_path()),
@@ -409,13 +421,17 @@ impl FileStorage {
 
     /// Pages read or written with `O_DIRECT` so far (the others went through the page cache).
     pub fn direct_io_pages(&self) -> u64 {
-        self.direct_pages.load(Ordering::Relaxed)
-            + self.segments.as_ref().map_or(0, segment::SegmentStore::direct_pages)
+        self.direct_pages.load(Ordering::Relaxed) + self.segments.as_ref().map_or(0, |segments| segments.direct_pages())
+    }
+
+    /// Pages of segments written behind ([`FileConfig::write_behind_bytes`]) so far.
+    pub fn pages_written_behind(&self) -> u64 {
+        self.segments.as_ref().map_or(0, |segments| segments.pages_written_behind())
     }
 
     /// Pages read from windows of segments read ahead into this backend's memory (with `direct_io`) so far.
     pub fn pages_read_ahead(&self) -> u64 {
-        self.segments.as_ref().map_or(0, segment::SegmentStore::pages_read_ahead)
+        self.segments.as_ref().map_or(0, |segments| segments.pages_read_ahead())
     }
 
     /// Pages and bytes this namespace holds, when it has a capacity (in segments: the pages this process knows of
@@ -434,13 +450,13 @@ impl FileStorage {
 
     /// Whether segment reads and writes go through io_uring.
     pub fn uses_io_uring(&self) -> bool {
-        self.segments.as_ref().is_some_and(segment::SegmentStore::uses_io_uring)
+        self.segments.as_ref().is_some_and(|segments| segments.uses_io_uring())
     }
 
     /// In segments under a capacity: the segments this process removed, and the pages it wrote again from them
     /// because it had read them (compaction).
     pub fn segment_evictions(&self) -> Option<(u64, u64)> {
-        self.segments.as_ref().map(segment::SegmentStore::evictions)
+        self.segments.as_ref().map(|segments| segments.evictions())
     }
 
     /// The file of a page.
@@ -646,6 +662,17 @@ impl FileStorage {
     }
 }
 
+impl Drop for FileStorage {
+    fn drop(&mut self) {
+        // the pages written behind are written before the backend goes (each wait has its deadline)
+        if let Some(segments) = &self.segments
+            && let Err(error) = segments.flush()
+        {
+            tracing::warn!(%error, dir = %self.root.display(), "pages written behind were not all written");
+        }
+    }
+}
+
 fn storage_error(message: String) -> Error {
     Error::storage("file", message)
 }
@@ -835,6 +862,14 @@ impl StorageBackend for FileStorage {
 
     fn stats(&self) -> StorageStats {
         self.stats.snapshot()
+    }
+
+    fn flush(&self) -> Result<(), Error> {
+        self.segments.as_ref().map_or(Ok(()), |segments| {
+            segments.flush().map_err(|error| {
+                io_failure(format!("writing the pages of {} written behind: {error}", self.root.display()), error)
+            })
+        })
     }
 
     fn list(&self) -> Result<Vec<(PageKey, u64)>, Error> {

@@ -4,8 +4,9 @@
 //! raw bytes of SGLang's own `HiCacheFile`, so both read one directory), `capacity` (bytes, or text such as
 //! `"200gb"`; least recently used pages are removed beyond it), `io_threads`, `direct_io`, `read_only`, and for small
 //! native pages `segment_threshold` (pages below it go to segment files; 0 never), `segment_bytes` (the size of one
-//! segment file), `io_uring` (submit segment I/O through io_uring where the kernel allows) and `read_ahead` (bytes
-//! of a segment read ahead of a batch that continues a forward walk through it; 0 none).
+//! segment file), `io_uring` (submit segment I/O through io_uring where the kernel allows), `read_ahead` (bytes of
+//! a segment read ahead of a batch that continues a forward walk through it; 0 none) and `write_behind` (bytes of
+//! batches copied and written by the tier's own threads while the caller goes on; 0, the default, none).
 
 use std::path::PathBuf;
 
@@ -18,7 +19,10 @@ use hicache_core::storage::tiers::{self, TierEntry, TierFields};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::{FileConfig, FileFormat, FileStorage, MAX_IO_THREADS, MAX_READ_AHEAD_BYTES, MIN_SEGMENT_BYTES};
+use crate::{
+    FileConfig, FileFormat, FileStorage, MAX_IO_THREADS, MAX_READ_AHEAD_BYTES, MAX_WRITE_BEHIND_BYTES,
+    MIN_SEGMENT_BYTES,
+};
 
 /// The environment variable SGLang reads for the directory.
 pub const DIR_ENV: &str = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR";
@@ -41,6 +45,7 @@ struct FileSettings {
     segment_bytes: Option<Value>,
     io_uring: Option<bool>,
     read_ahead: Option<Value>,
+    write_behind: Option<Value>,
 }
 
 /// A size in bytes, as a number or as text such as `"200gb"`, for the key `key`.
@@ -106,6 +111,15 @@ impl FileConfig {
             }
             config.read_ahead_bytes = bytes;
         }
+        if let Some(bytes) = size("write_behind", settings.write_behind)? {
+            if bytes > MAX_WRITE_BEHIND_BYTES {
+                return Err(ConfigError::value(
+                    "write_behind",
+                    format!("{bytes} is above the largest write-behind, {MAX_WRITE_BEHIND_BYTES} bytes"),
+                ));
+            }
+            config.write_behind_bytes = bytes;
+        }
         if let Some(threads) = settings.io_threads {
             if !(1..=MAX_IO_THREADS).contains(&threads) {
                 return Err(ConfigError::value("io_threads", format!("{threads} is not in 1..={MAX_IO_THREADS}")));
@@ -144,6 +158,7 @@ pub const FILE_TIER: TierEntry = TierEntry {
         "segment_bytes",
         "io_uring",
         "read_ahead",
+        "write_behind",
     ],
     check,
     open,
@@ -174,10 +189,11 @@ mod tests {
             r#"{"backend_name": "hicache", "module_path": "hicache.sglang", "class_name": "HiCacheStorage",
                 "interface_v1": 1, "backend": "file", "dir": "/data/kv", "format": "sglang", "capacity": "2gb",
                 "io_threads": 3, "direct_io": true, "read_only": true, "segment_threshold": "64kb",
-                "segment_bytes": 8388608, "io_uring": false, "read_ahead": "1mb", "pool": {"page_size": 64}}"#,
+                "segment_bytes": 8388608, "io_uring": false, "read_ahead": "1mb", "write_behind": "8mb",
+                "pool": {"page_size": 64}}"#,
         );
         assert_eq!((file.segment_threshold, file.segment_bytes, file.io_uring), (64 << 10, 8 << 20, false));
-        assert_eq!(file.read_ahead_bytes, 1 << 20);
+        assert_eq!((file.read_ahead_bytes, file.write_behind_bytes), (1 << 20, 8 << 20));
         assert_eq!(file.dir, PathBuf::from("/data/kv"));
         assert_eq!(file.format, FileFormat::Sglang);
         assert!(file.direct_io && file.read_only);
@@ -191,6 +207,8 @@ mod tests {
         );
         assert_eq!(file.read_ahead_bytes, crate::DEFAULT_READ_AHEAD_BYTES);
         assert_eq!(config(r#"{"read_ahead": 0}"#).read_ahead_bytes, 0);
+        assert_eq!(config(r#"{"write_behind": "4mb"}"#).write_behind_bytes, 4 << 20);
+        assert_eq!(config("{}").write_behind_bytes, 0);
     }
 
     #[test]
@@ -211,6 +229,8 @@ mod tests {
         assert!(error(r#"{"io_uring": "yes"}"#).contains("key `io_uring`: invalid type"));
         assert!(error(r#"{"read_ahead": "2tb"}"#).contains("key `read_ahead`: 2199023255552 is above the largest"));
         assert!(error(r#"{"read_ahead": true}"#).contains("key `read_ahead`"));
+        assert!(error(r#"{"write_behind": "2gb"}"#).contains("key `write_behind`: 2147483648 is above the largest"));
+        assert!(error(r#"{"write_behind": -1}"#).contains("key `write_behind`"));
         let wrong_type = |json: &str| Settings::parse(json).unwrap_err().wrong_type;
         assert!(wrong_type(r#"{"io_threads": "4"}"#) && wrong_type(r#"{"capacity": [1]}"#));
         assert!(!wrong_type(r#"{"io_threads": 0}"#));

@@ -12,15 +12,25 @@ struct Files {
     dir: tempfile::TempDir,
     format: FileFormat,
     capacity_bytes: Option<u64>,
+    write_behind_bytes: u64,
 }
 
 impl Files {
     fn new(format: FileFormat) -> Self {
-        Self { dir: tempfile::tempdir().expect("temporary directory"), format, capacity_bytes: None }
+        Self {
+            dir: tempfile::tempdir().expect("temporary directory"),
+            format,
+            capacity_bytes: None,
+            write_behind_bytes: 0,
+        }
     }
 
     fn with_capacity(format: FileFormat, capacity_bytes: u64) -> Self {
         Self { capacity_bytes: Some(capacity_bytes), ..Self::new(format) }
+    }
+
+    fn writing_behind(format: FileFormat, write_behind_bytes: u64) -> Self {
+        Self { write_behind_bytes, ..Self::new(format) }
     }
 
     fn path(&self) -> PathBuf {
@@ -30,7 +40,11 @@ impl Files {
 
 impl Harness for Files {
     fn open(&self, namespace: &StorageNamespace) -> Box<dyn StorageBackend> {
-        let config = FileConfig { capacity_bytes: self.capacity_bytes, ..FileConfig::new(self.path(), self.format) };
+        let config = FileConfig {
+            capacity_bytes: self.capacity_bytes,
+            write_behind_bytes: self.write_behind_bytes,
+            ..FileConfig::new(self.path(), self.format)
+        };
         Box::new(FileStorage::open(config, namespace).expect("opens"))
     }
 }
@@ -54,4 +68,11 @@ mod native_with_capacity {
 mod sglang_layout_with_capacity {
     use super::*;
     hicache_core::storage_conformance_tests!(Files::with_capacity(FileFormat::Sglang, 1 << 30));
+}
+
+/// Segment pages written behind (a budget of a few pages, so batches also wait for room): every promise holds for
+/// the process that wrote them.
+mod native_writing_behind {
+    use super::*;
+    hicache_core::storage_conformance_tests!(Files::writing_behind(FileFormat::Native, 64 << 10));
 }

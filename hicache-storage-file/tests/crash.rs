@@ -20,6 +20,8 @@ mod support;
 
 const DIR_ENV: &str = "HICACHE_CRASH_WRITER_DIR";
 const FORMAT_ENV: &str = "HICACHE_CRASH_WRITER_FORMAT";
+/// Set for a writer that writes behind (its batches copied and written by the backend's threads).
+const BEHIND_ENV: &str = "HICACHE_CRASH_WRITER_BEHIND";
 const TEST_NAME: &str = "writers_killed_mid_write_leave_only_whole_pages";
 /// 256 KiB pages: long enough writes that a kill often lands inside one.
 const PAGE_SIZE: usize = 8;
@@ -70,7 +72,9 @@ fn format_name(format: FileFormat) -> &'static str {
 
 /// The child: writes pages 0, 1, 2, ... in batches until killed.
 fn write_forever(dir: &Path, format: FileFormat) -> ! {
-    let storage = open(dir, format);
+    let behind = if std::env::var_os(BEHIND_ENV).is_some() { 1 << 20 } else { 0 };
+    let config = FileConfig { write_behind_bytes: behind, ..FileConfig::new(dir, format) };
+    let storage = FileStorage::open(config, &namespace()).expect("opens");
     let mut next = 0u32;
     loop {
         let keys: Vec<PageKey> = (next..next + BATCH).map(key).collect();
@@ -96,7 +100,7 @@ enum Isolation {
     PidNamespace,
 }
 
-fn spawn_writer(dir: &Path, format: FileFormat, isolation: Isolation) -> Child {
+fn spawn_writer(dir: &Path, format: FileFormat, isolation: Isolation, behind: bool) -> Child {
     let test_binary = std::env::current_exe().expect("test binary");
     let mut command = match isolation {
         Isolation::Process => Command::new(test_binary),
@@ -110,9 +114,11 @@ fn spawn_writer(dir: &Path, format: FileFormat, isolation: Isolation) -> Child {
     command
         .args(["--exact", TEST_NAME, "--nocapture", "--test-threads=1"])
         .env(DIR_ENV, dir)
-        .env(FORMAT_ENV, format_name(format))
-        .spawn()
-        .expect("child writer starts")
+        .env(FORMAT_ENV, format_name(format));
+    if behind {
+        command.env(BEHIND_ENV, "1");
+    }
+    command.spawn().expect("child writer starts")
 }
 
 /// Pages the writers have stored so far: page files (one per page), or the pages a reader finds in the segments.
@@ -146,8 +152,13 @@ impl Drop for Writers {
 /// Runs `writers` child processes on one directory, kills them with SIGKILL once `pages` pages exist plus a
 /// little, and checks every page that could have been written.
 fn kill_and_verify(format: FileFormat, writers: usize, pages: usize, isolation: Isolation) {
+    kill_and_verify_writers(format, writers, pages, isolation, false);
+}
+
+/// [`kill_and_verify`], the writers writing behind when `behind`.
+fn kill_and_verify_writers(format: FileFormat, writers: usize, pages: usize, isolation: Isolation, behind: bool) {
     let dir = tempfile::tempdir().expect("temporary directory");
-    let mut guard = Writers((0..writers).map(|_| spawn_writer(dir.path(), format, isolation)).collect());
+    let mut guard = Writers((0..writers).map(|_| spawn_writer(dir.path(), format, isolation, behind)).collect());
     let children = &mut guard.0;
     let started = Instant::now();
     while stored_pages(dir.path(), format) < pages && started.elapsed() < Duration::from_secs(60) {
@@ -197,7 +208,8 @@ fn kill_and_verify(format: FileFormat, writers: usize, pages: usize, isolation: 
             }
         }
     }
-    eprintln!("{format:?}, {writers} writer(s) killed: {checked} pages checked, {hits} whole, {corrupt} damaged");
+    let how = if behind { " writing behind" } else { "" };
+    eprintln!("{format:?}, {writers} writer(s){how} killed: {checked} pages checked, {hits} whole, {corrupt} damaged");
     assert!(hits >= pages, "{format:?}: only {hits} pages read back");
     // writes go through a temporary file and a rename, or a segment record whose header follows its pages: a killed
     // writer leaves no damaged page under a real name
@@ -221,6 +233,15 @@ fn writers_killed_mid_write_leave_only_whole_pages() {
             kill_and_verify(format, 1, 48 + 40 * round, Isolation::Process);
         }
     }
+}
+
+/// Writers whose batches are written behind lose the batches not yet written when killed, never a page's bytes.
+#[test]
+fn writers_writing_behind_killed_mid_write_leave_only_whole_pages() {
+    for round in 0..3 {
+        kill_and_verify_writers(FileFormat::Native, 1, 48 + 40 * round, Isolation::Process, true);
+    }
+    kill_and_verify_writers(FileFormat::Native, 3, 96, Isolation::Process, true);
 }
 
 #[test]

@@ -349,6 +349,49 @@ fn content(index: u8) -> Vec<u8> {
     (0..PAGE).map(|byte| (byte as u8).wrapping_mul(index.wrapping_add(3))).collect()
 }
 
+/// Pages written behind: the writer finds them at once (whether they are written yet or not), another process once
+/// they are flushed, and a backend opened after the writer was dropped finds every one (dropping flushes).
+#[test]
+fn pages_written_behind_are_found_by_the_writer_at_once_and_by_others_once_flushed() {
+    let dir = tempfile::tempdir().unwrap();
+    // a budget of three batches: later batches wait for room
+    let writer = open_with(dir.path(), |config| config.write_behind_bytes = 3 * 8 * PAGE as u64);
+    let other = open(dir.path());
+    let keys = random_keys(64);
+    let pages = random_pages(64, PAGE);
+    for (keys, pages) in keys.chunks(8).zip(pages.chunks(8)) {
+        assert!(put(&writer, keys, pages).iter().all(SetOutcome::is_stored));
+        // at once, written yet or not
+        let (outcomes, buffers) = fetch(&writer, keys, PAGE, 0);
+        assert!(outcomes.iter().all(|outcome| *outcome == GetOutcome::Hit), "{outcomes:?}");
+        assert!(buffers == pages, "the writer read other bytes");
+        assert_eq!(writer.batch_exists(keys).unwrap(), keys.len());
+        assert!(writer.batch_contains(keys).unwrap().iter().all(|&held| held));
+        // a repeated page is not written again
+        assert!(put(&writer, &keys[..1], &pages[..1])[0] == SetOutcome::AlreadyPresent);
+    }
+    assert_eq!(writer.pages_written_behind(), 64);
+    writer.flush().unwrap();
+    let (outcomes, buffers) = fetch(&other, &keys, PAGE, 0);
+    assert!(outcomes.iter().all(|outcome| *outcome == GetOutcome::Hit), "{outcomes:?}");
+    assert!(buffers == pages, "another backend read other bytes");
+    // more, then the writer goes: what it accepted is written
+    let more_keys = random_keys(40);
+    let more_pages = random_pages(40, PAGE);
+    assert!(put(&writer, &more_keys, &more_pages).iter().all(SetOutcome::is_stored));
+    drop(writer);
+    let (outcomes, buffers) = fetch(&open(dir.path()), &more_keys, PAGE, 0);
+    assert!(outcomes.iter().all(|outcome| *outcome == GetOutcome::Hit), "{outcomes:?}");
+    assert!(buffers == more_pages);
+    // a removal through the writer orders after its writes
+    let writer = open_with(dir.path(), |config| config.write_behind_bytes = 1 << 20);
+    let last_keys = random_keys(8);
+    assert!(put(&writer, &last_keys, &random_pages(8, PAGE)).iter().all(SetOutcome::is_stored));
+    assert_eq!(writer.remove(&last_keys).unwrap(), 8);
+    assert_eq!(other.batch_exists(&last_keys).unwrap(), 0);
+    assert_eq!(writer.batch_exists(&last_keys).unwrap(), 0);
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::test_runner::Config { cases: 128, ..Default::default() })]
 
@@ -359,8 +402,27 @@ proptest::proptest! {
     fn two_backends_agree_with_a_model_through_writes_removals_clears_and_restarts(
         steps in proptest::collection::vec(step(), 1..24),
     ) {
+        agree_with_model(steps, 0)?;
+    }
+
+    /// The same with backend 0 writing behind: it agrees with the model at once after each of its steps, and both
+    /// agree once it has flushed.
+    #[test]
+    fn a_backend_writing_behind_agrees_with_the_model_and_with_another_once_flushed(
+        steps in proptest::collection::vec(step(), 1..24),
+    ) {
+        agree_with_model(steps, 3 * PAGE as u64)?;
+    }
+}
+
+/// The model test of two backends sharing a directory, backend 0 writing behind with a budget of `write_behind`
+/// bytes (0: in place).
+fn agree_with_model(steps: Vec<Step>, write_behind: u64) -> Result<(), proptest::test_runner::TestCaseError> {
+    {
         let dir = tempfile::tempdir().unwrap();
-        let mut backends = [Some(open(dir.path())), Some(open(dir.path()))];
+        let open_backend =
+            |backend: usize| open_with(dir.path(), |config| config.write_behind_bytes = [write_behind, 0][backend]);
+        let mut backends = [Some(open_backend(0)), Some(open_backend(1))];
         let mut held = std::collections::BTreeSet::new();
         let key = |index: u8| page_key(None, &[u32::from(index), 0x5e6]);
         for step in steps {
@@ -374,8 +436,12 @@ proptest::proptest! {
                 }
                 Step::Remove(backend, indices) => {
                     let keys: Vec<PageKey> = indices.iter().map(|&index| key(index)).collect();
-                    let expected = indices.iter().collect::<std::collections::BTreeSet<_>>().iter()
-                        .filter(|index| held.contains(**index)).count();
+                    let expected = indices
+                        .iter()
+                        .collect::<std::collections::BTreeSet<_>>()
+                        .iter()
+                        .filter(|index| held.contains(**index))
+                        .count();
                     proptest::prop_assert_eq!(backends[backend].as_ref().unwrap().remove(&keys).unwrap(), expected);
                     for index in indices {
                         held.remove(&index);
@@ -387,29 +453,46 @@ proptest::proptest! {
                 }
                 Step::Reopen(backend) => {
                     backends[backend] = None;
-                    backends[backend] = Some(open(dir.path()));
+                    backends[backend] = Some(open_backend(backend));
                 }
             }
+            // the backend writing behind agrees at once; then both, once it flushed
+            if let Some(writing) = &backends[0] {
+                agrees(writing, &held)?;
+                writing.flush().unwrap();
+            }
             for backend in backends.iter().flatten() {
-                let all: Vec<u8> = (0..12).collect();
-                let keys: Vec<PageKey> = all.iter().map(|&index| key(index)).collect();
-                let (outcomes, buffers) = fetch(backend, &keys, PAGE, 0);
-                for ((index, outcome), buffer) in all.iter().zip(&outcomes).zip(&buffers) {
-                    if held.contains(index) {
-                        proptest::prop_assert_eq!(outcome, &GetOutcome::Hit, "key {}", index);
-                        proptest::prop_assert!(*buffer == content(*index), "key {} read other bytes", index);
-                    } else {
-                        proptest::prop_assert_eq!(outcome, &GetOutcome::Miss, "key {}", index);
-                    }
-                }
-                let run = all.iter().take_while(|index| held.contains(*index)).count();
-                proptest::prop_assert_eq!(backend.batch_exists(&keys).unwrap(), run);
-                let mut listed: Vec<PageKey> = backend.list().unwrap().into_iter().map(|(key, _)| key).collect();
-                listed.sort_unstable();
-                let mut expected: Vec<PageKey> = held.iter().map(|&index| key(index)).collect();
-                expected.sort_unstable();
-                proptest::prop_assert_eq!(listed, expected);
+                agrees(backend, &held)?;
             }
         }
     }
+    Ok(())
+}
+
+/// Every key held (in the model) reads back its own bytes, every other key misses, `exists` counts the held run,
+/// `list` names the held keys.
+fn agrees(
+    backend: &FileStorage,
+    held: &std::collections::BTreeSet<u8>,
+) -> Result<(), proptest::test_runner::TestCaseError> {
+    let key = |index: u8| page_key(None, &[u32::from(index), 0x5e6]);
+    let all: Vec<u8> = (0..12).collect();
+    let keys: Vec<PageKey> = all.iter().map(|&index| key(index)).collect();
+    let (outcomes, buffers) = fetch(backend, &keys, PAGE, 0);
+    for ((index, outcome), buffer) in all.iter().zip(&outcomes).zip(&buffers) {
+        if held.contains(index) {
+            proptest::prop_assert_eq!(outcome, &GetOutcome::Hit, "key {}", index);
+            proptest::prop_assert!(*buffer == content(*index), "key {} read other bytes", index);
+        } else {
+            proptest::prop_assert_eq!(outcome, &GetOutcome::Miss, "key {}", index);
+        }
+    }
+    let run = all.iter().take_while(|index| held.contains(*index)).count();
+    proptest::prop_assert_eq!(backend.batch_exists(&keys).unwrap(), run);
+    let mut listed: Vec<PageKey> = backend.list().unwrap().into_iter().map(|(key, _)| key).collect();
+    listed.sort_unstable();
+    let mut expected: Vec<PageKey> = held.iter().map(|&index| key(index)).collect();
+    expected.sort_unstable();
+    proptest::prop_assert_eq!(listed, expected);
+    Ok(())
 }

@@ -463,6 +463,8 @@ pub(super) fn set_all(
             bail!("{}: a page was not stored: {failed:?}", backend.name());
         }
     }
+    // a backend writing behind has written every page only now
+    backend.flush()?;
     Ok(())
 }
 

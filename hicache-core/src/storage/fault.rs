@@ -307,6 +307,10 @@ impl<S: StorageBackend> StorageBackend for FaultyStorage<S> {
         self.enter("list")?;
         self.inner.list()
     }
+
+    fn flush(&self) -> Result<(), Error> {
+        self.inner.flush()
+    }
 }
 
 #[cfg(test)]

@@ -203,6 +203,17 @@ pub trait StorageBackend: Send + Sync {
         Err(Error::Unsupported { backend: self.name().to_owned(), operation: "list its pages" })
     }
 
+    /// Waits until every page a [`batch_set`](Self::batch_set) reported stored is written where other processes
+    /// find it: a backend that writes behind (its calls return before the bytes are written) drains its writes;
+    /// the others (the default) return at once.
+    ///
+    /// # Errors
+    ///
+    /// A failure of the call (such as its deadline passing).
+    fn flush(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
     /// Whether one page is present.
     ///
     /// # Errors
@@ -293,6 +304,10 @@ macro_rules! forward_backend {
 
             fn list(&self) -> Result<Vec<(PageKey, u64)>, Error> {
                 (**self).list()
+            }
+
+            fn flush(&self) -> Result<(), Error> {
+                (**self).flush()
             }
         }
     )*};

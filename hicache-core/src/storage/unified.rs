@@ -407,6 +407,10 @@ impl StorageBackend for UnifiedStorage {
         Ok(removed / self.chunks.len() as u64)
     }
 
+    fn flush(&self) -> Result<(), Error> {
+        self.tiers.iter().try_for_each(|tier| tier.flush())
+    }
+
     fn stats(&self) -> StorageStats {
         let mut stats = self.stats.snapshot();
         stats.staging_bytes = self.tiers.iter().map(|tier| tier.stats().staging_bytes).sum();

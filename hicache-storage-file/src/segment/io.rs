@@ -98,6 +98,19 @@ impl Submitter {
         self.rings.is_some()
     }
 
+    /// Runs one operation (on the caller's thread: the I/O threads take no part).
+    pub(crate) fn run_one(&self, op: &mut Op<'_>) -> io::Result<()> {
+        if let Some(rings) = &self.rings {
+            let ring = rings.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop();
+            if let Some(mut ring) = ring.map_or_else(|| new_ring().ok(), Some) {
+                let mut results = through_ring(&mut ring, std::slice::from_mut(op), || {}, &mut |_, _| {});
+                rings.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(ring);
+                return results.pop().unwrap_or(Ok(()));
+            }
+        }
+        op.finish(0)
+    }
+
     /// Runs every operation; each result says whether all of its bytes moved.
     #[cfg(test)]
     pub(crate) fn run(&self, ops: &mut [Op<'_>], pool: &rayon::ThreadPool) -> Vec<io::Result<()>> {

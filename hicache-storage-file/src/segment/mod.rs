@@ -26,6 +26,7 @@
 //! page in use outlives its segment (and the pages nobody read go with it).
 
 mod ahead;
+mod behind;
 mod io;
 pub(crate) mod record;
 mod window;
@@ -46,6 +47,7 @@ use hicache_core::storage::{
 use rustc_hash::FxHashMap;
 
 use self::ahead::ReadAhead;
+use self::behind::{Behind, Flight};
 use self::io::{MAX_BUFFERS, Op, Submitter};
 use self::record::{ALIGN, Header, Kind};
 use self::window::{Served, Windows};
@@ -85,6 +87,8 @@ pub(crate) struct SegmentSettings {
     pub(crate) io_uring: bool,
     /// Bytes read ahead of a batch that continues a forward walk through a segment (0: none).
     pub(crate) read_ahead: u64,
+    /// Bytes of batches written behind (`behind.rs`) at most; 0 writes every batch in place.
+    pub(crate) write_behind: u64,
     pub(crate) read_only: bool,
     pub(crate) capacity_bytes: Option<u64>,
     /// The capacity account's file (with a capacity and writes).
@@ -274,6 +278,8 @@ pub(crate) struct SegmentStore {
     /// With `O_DIRECT` and read-ahead: the windows read ahead into this process's memory (`window.rs`); without,
     /// windows are asked of the page cache.
     windows: Option<Windows>,
+    /// With a write-behind budget: the batches written behind (`behind.rs`).
+    behind: OnceLock<Arc<Behind>>,
     account: Option<SharedAccount>,
     /// The last stamp given.
     stamp: AtomicU64,
@@ -299,9 +305,10 @@ pub(crate) struct SegmentStore {
 struct Block([u8; ALIGN]);
 static ZEROS: Block = Block([0; ALIGN]);
 
-/// `len` bytes (rounded up to a block) of zeroed memory starting at a block boundary, as `O_DIRECT` needs.
+/// `len` bytes (rounded up to a block) of zeroed memory starting at a block boundary, as `O_DIRECT` needs (asked of
+/// the allocator zeroed: a large buffer comes as fresh pages, not written over by this thread).
 fn aligned_buffer(len: usize) -> Vec<Block> {
-    vec![Block([0; ALIGN]); len.div_ceil(ALIGN)]
+    bytemuck::allocation::zeroed_vec(len.div_ceil(ALIGN))
 }
 
 fn failure(kind: FailureKind, message: String) -> PageFailure {
@@ -310,7 +317,7 @@ fn failure(kind: FailureKind, message: String) -> PageFailure {
 
 impl SegmentStore {
     /// Opens the segments of a namespace, reading every record header into the index.
-    pub(crate) fn open(settings: SegmentSettings) -> std::io::Result<Self> {
+    pub(crate) fn open(settings: SegmentSettings) -> std::io::Result<Arc<Self>> {
         let dir = settings.root.join(FOLDER);
         let account = match (&settings.account, settings.read_only) {
             (Some(path), false) => {
@@ -329,6 +336,7 @@ impl SegmentStore {
                 (true, bytes) if bytes > 0 => Some(Windows::start(bytes.saturating_mul(WINDOW_BUDGET))?),
                 _ => None,
             },
+            behind: OnceLock::new(),
             settings,
             dir,
             index: RwLock::new(Index::default()),
@@ -351,7 +359,17 @@ impl SegmentStore {
             let locked = account.lock()?;
             locked.set(store.disk_bytes()?)?;
         }
+        let store = Arc::new(store);
+        if store.settings.write_behind > 0 && !store.settings.read_only {
+            let behind = Behind::start(Arc::downgrade(&store), store.settings.write_behind)?;
+            let _ = store.behind.set(behind);
+        }
         Ok(store)
+    }
+
+    /// Waits until every batch written behind is written (at once when none is pending).
+    pub(crate) fn flush(&self) -> std::io::Result<()> {
+        self.behind.get().map_or(Ok(()), |behind| behind.flush())
     }
 
     /// Whether batches go through io_uring.
@@ -362,6 +380,11 @@ impl SegmentStore {
     /// Pages served from windows read ahead.
     pub(crate) fn pages_read_ahead(&self) -> u64 {
         self.read_ahead_pages.load(Ordering::Relaxed)
+    }
+
+    /// Pages written behind (`behind.rs`).
+    pub(crate) fn pages_written_behind(&self) -> u64 {
+        self.behind.get().map_or(0, |behind| behind.pages_sent())
     }
 
     /// Pages read or written with `O_DIRECT`.
@@ -376,6 +399,7 @@ impl SegmentStore {
 
     /// Pages held (as this process knows them) and the bytes of the segments.
     pub(crate) fn usage(&self) -> std::io::Result<(usize, u64)> {
+        self.flush()?;
         Ok((self.read_index().live_pages(), self.disk_bytes()?))
     }
 
@@ -567,7 +591,8 @@ impl SegmentStore {
     /// How many of `keys`, from the first, are held.
     pub(crate) fn exists(&self, keys: &[PageKey]) -> std::io::Result<usize> {
         self.catch_up(false)?;
-        let leading = |index: &Index| keys.iter().take_while(|key| index.page(key).is_some()).count();
+        let leading =
+            |index: &Index| keys.iter().take_while(|key| self.pending(key) || index.page(key).is_some()).count();
         let hits = leading(&self.read_index());
         if hits == keys.len() {
             return Ok(hits);
@@ -579,7 +604,9 @@ impl SegmentStore {
     /// Whether each of `keys` is held (the index caught up with other writers first).
     pub(crate) fn contains(&self, keys: &[PageKey]) -> std::io::Result<Vec<bool>> {
         self.catch_up(false)?;
-        let look = |index: &Index| keys.iter().map(|key| index.page(key).is_some()).collect::<Vec<bool>>();
+        let look = |index: &Index| {
+            keys.iter().map(|key| self.pending(key) || index.page(key).is_some()).collect::<Vec<bool>>()
+        };
         let held = look(&self.read_index());
         if held.iter().all(|&held| held) {
             return Ok(held);
@@ -588,8 +615,68 @@ impl SegmentStore {
         Ok(look(&self.read_index()))
     }
 
-    /// Reads `keys` into `pages` (each already checked to be a page long).
+    /// Whether `key` is in a batch written behind and not yet written.
+    fn pending(&self, key: &PageKey) -> bool {
+        self.behind.get().is_some_and(|behind| behind.holds(key))
+    }
+
+    /// Reads `keys` into `pages`: pages written behind and not yet written from their batch's buffer, the others
+    /// from the segments (a page is looked for among those pending first: once it is no longer pending, the index
+    /// holds it).
     pub(crate) fn get(
+        &self,
+        keys: &[PageKey],
+        pages: &mut [PageSegmentsMut<'_>],
+        pool: &rayon::ThreadPool,
+    ) -> Vec<GetOutcome> {
+        let flights = self.behind.get().map(|behind| behind.find(keys)).unwrap_or_default();
+        if flights.iter().all(Option::is_none) {
+            return self.get_stored(keys, pages, pool);
+        }
+        let page_bytes = self.settings.page_bytes;
+        let mut outcomes: Vec<Option<GetOutcome>> = vec![None; keys.len()];
+        let (mut rest_keys, mut rest_pages, mut rest_at) = (Vec::new(), Vec::new(), Vec::new());
+        for (page, flight) in flights.into_iter().enumerate() {
+            let Some((flight, index)) = flight else {
+                rest_keys.push(keys[page]);
+                rest_pages.push(std::mem::take(&mut pages[page]));
+                rest_at.push(page);
+                continue;
+            };
+            let length = segments_len(&pages[page]);
+            if length != page_bytes {
+                outcomes[page] = Some(GetOutcome::Failed(size_mismatch(length, page_bytes)));
+                continue;
+            }
+            let source = flight.page(index);
+            let (_, checksum) = flight.header.entries[index];
+            // (the store's own memory: checked as every page read is)
+            if record::page_checksum(&self.settings.digest, &keys[page], &[source]) != checksum {
+                outcomes[page] = Some(GetOutcome::Failed(failure(
+                    FailureKind::Corrupt,
+                    format!("{}: page {} written behind failed its checksum", self.dir.display(), keys[page]),
+                )));
+                continue;
+            }
+            let mut at = 0;
+            for segment in pages[page].iter_mut() {
+                segment.copy_from_slice(&source[at..at + segment.len()]);
+                at += segment.len();
+            }
+            outcomes[page] = Some(GetOutcome::Hit);
+        }
+        if !rest_keys.is_empty() {
+            let read = self.get_stored(&rest_keys, &mut rest_pages, pool);
+            for ((page, segments), outcome) in rest_at.into_iter().zip(rest_pages).zip(read) {
+                pages[page] = segments;
+                outcomes[page] = Some(outcome);
+            }
+        }
+        outcomes.into_iter().map(|outcome| outcome.expect("every page has an outcome")).collect()
+    }
+
+    /// Reads `keys` into `pages` (each already checked to be a page long) from the segments.
+    fn get_stored(
         &self,
         keys: &[PageKey],
         pages: &mut [PageSegmentsMut<'_>],
@@ -768,17 +855,23 @@ impl SegmentStore {
             .into_iter()
             .filter_map(|(page, bytes)| buffers[page].take().map(|segments| (page, segments, bytes)))
             .collect();
-        let copy = |(page, segments, bytes): &mut (usize, &mut PageSegmentsMut<'_>, Served)| {
-            let mut at = 0;
-            for segment in segments.iter_mut() {
-                segment.copy_from_slice(&bytes.page(page_bytes)[at..at + segment.len()]);
-                at += segment.len();
-            }
+        // each page is checked in the window, then copied out of it (from the cache the check brought it into); a
+        // page failing its checksum is not copied
+        let copy_out = |(page, segments, bytes): &mut (usize, &mut PageSegmentsMut<'_>, Served)| {
+            let source = bytes.page(page_bytes);
             let (_, _, checksum, _) = found[*page].expect("a page served was found");
-            (*page, record::page_checksum(&self.settings.digest, &keys[*page], segments) == checksum)
+            let whole = record::page_checksum(&self.settings.digest, &keys[*page], &[source]) == checksum;
+            if whole {
+                let mut at = 0;
+                for segment in segments.iter_mut() {
+                    segment.copy_from_slice(&source[at..at + segment.len()]);
+                    at += segment.len();
+                }
+            }
+            (*page, whole)
         };
         // (on the caller's thread: handing a 512 KiB batch's copies to the pool gained nothing on two cores)
-        for (page, whole) in copies.iter_mut().map(copy) {
+        for (page, whole) in copies.iter_mut().map(copy_out) {
             intact[page] = Some(whole);
         }
         drop(copies);
@@ -904,7 +997,7 @@ impl SegmentStore {
                 let length = segments_len(&pages[page]);
                 if length != self.settings.page_bytes {
                     outcomes[page] = Some(SetOutcome::Failed(size_mismatch(length, self.settings.page_bytes)));
-                } else if index.page(key).is_some() || !seen.insert(*key) {
+                } else if self.pending(key) || index.page(key).is_some() || !seen.insert(*key) {
                     outcomes[page] = Some(SetOutcome::AlreadyPresent);
                 }
             }
@@ -935,6 +1028,9 @@ impl SegmentStore {
         chunk: &[usize],
         pool: &rayon::ThreadPool,
     ) -> std::io::Result<()> {
+        if let Some(behind) = self.behind.get() {
+            return self.append_behind(behind, keys, pages, chunk, pool);
+        }
         let page_bytes = self.settings.page_bytes;
         let direct = chunk.iter().all(|&page| self.direct_fits(&pages[page]));
         // a direct writer keeps every batch on a block boundary; others pack them
@@ -968,6 +1064,8 @@ impl SegmentStore {
             let checksum =
                 |&page: &usize| (keys[page], record::page_checksum(&self.settings.digest, &keys[page], &pages[page]));
             entries = checksums_on(pool, chunk, page_bytes, checksum);
+            // the index grows (rehashing every key, now and then) while the pages are written, not after
+            self.write_index().keys.reserve(chunk.len());
         };
         let written = self
             .submitter
@@ -987,6 +1085,70 @@ impl SegmentStore {
             self.direct_pages.fetch_add(chunk.len() as u64, Ordering::Relaxed);
         }
         self.write_index().apply(writer.id, &header);
+        Ok(())
+    }
+
+    /// [`Self::append_pages`] written behind: the pages are copied into a batch of the store's and handed to its
+    /// writing threads (`behind.rs`).
+    fn append_behind(
+        &self,
+        behind: &Behind,
+        keys: &[PageKey],
+        pages: &[PageSegments<'_>],
+        chunk: &[usize],
+        pool: &rayon::ThreadPool,
+    ) -> std::io::Result<()> {
+        let page_bytes = self.settings.page_bytes;
+        // the batch's own buffer is block-aligned: with `O_DIRECT`, every batch is written directly
+        let aligned = self.settings.direct_io && page_bytes.is_multiple_of(ALIGN);
+        let data_bytes = record::data_bytes(Kind::Pages, chunk.len(), page_bytes, aligned);
+        behind.admit(data_bytes as u64)?;
+        let mut buffer = behind.buffer(data_bytes.div_ceil(ALIGN));
+        {
+            let bytes = bytemuck::cast_slice_mut::<Block, u8>(&mut buffer);
+            let mut at = 0;
+            for &page in chunk {
+                for segment in &pages[page] {
+                    bytes[at..at + segment.len()].copy_from_slice(segment);
+                    at += segment.len();
+                }
+            }
+            // a batch's padding is zeros, as in place
+            bytes[at..data_bytes].fill(0);
+        }
+        let copied = bytemuck::cast_slice::<Block, u8>(&buffer);
+        let checksum = |&(index, page): &(usize, usize)| {
+            let bytes = &copied[index * page_bytes..(index + 1) * page_bytes];
+            (keys[page], record::page_checksum(&self.settings.digest, &keys[page], &[bytes]))
+        };
+        let numbered: Vec<(usize, usize)> = chunk.iter().copied().enumerate().collect();
+        let entries = checksums_on(pool, &numbered, page_bytes, checksum);
+        let (writer, offset) = self.reserve(data_bytes as u64, record::header_len(chunk.len()) as u64, pool)?;
+        let header = self.header(Kind::Pages, entries, offset, data_bytes as u64);
+        behind.send(Flight { buffer, header, writer })
+    }
+
+    /// Writes a batch written behind: its pages, then its record, then takes it into the index (before its pages
+    /// stop being pending, so a reader that looks among the pending pages first always finds them somewhere).
+    fn write_flight(&self, flight: &Flight) -> std::io::Result<()> {
+        let writer = &flight.writer;
+        // (a batch packed off block boundaries, of pages that are not whole blocks, goes through the page cache)
+        let aligned = |bytes: u64| bytes.is_multiple_of(ALIGN as u64);
+        let direct = writer.direct.is_some()
+            && self.settings.direct_io
+            && aligned(flight.header.data_at)
+            && aligned(flight.header.data_bytes);
+        let file = if direct { writer.direct.as_ref().unwrap_or(&writer.buffered) } else { &writer.buffered };
+        let mut op = Op::Write { file, offset: flight.header.data_at, buffers: vec![IoSlice::new(flight.data())] };
+        let written = self.submitter.run_one(&mut op).and_then(|()| self.append_record(writer, &flight.header));
+        if let Err(error) = written {
+            self.retire(writer.id);
+            return Err(error);
+        }
+        if direct {
+            self.direct_pages.fetch_add(flight.header.entries.len() as u64, Ordering::Relaxed);
+        }
+        self.write_index().apply(writer.id, &flight.header);
         Ok(())
     }
 
@@ -1194,6 +1356,8 @@ impl SegmentStore {
 
     /// Removes `keys` for every process: a record of them is appended. Returns how many were held.
     pub(crate) fn remove(&self, keys: &[PageKey], pool: &rayon::ThreadPool) -> std::io::Result<usize> {
+        // (after the pages written behind, which it may name)
+        self.flush()?;
         self.catch_up(false)?;
         let held_now = |index: &Index| {
             let mut seen = rustc_hash::FxHashSet::default();
@@ -1222,6 +1386,7 @@ impl SegmentStore {
 
     /// Removes every segment of the namespace; returns how many pages they held.
     pub(crate) fn clear(&self) -> std::io::Result<u64> {
+        self.flush()?;
         self.refresh()?;
         let mut writer = self.writer.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let pages = self.read_index().live_pages() as u64;
@@ -1242,6 +1407,7 @@ impl SegmentStore {
 
     /// The pages held.
     pub(crate) fn list(&self) -> std::io::Result<Vec<(PageKey, u64)>> {
+        self.flush()?;
         self.refresh()?;
         let index = self.read_index();
         Ok(index
@@ -1256,6 +1422,10 @@ impl SegmentStore {
 
 impl Drop for SegmentStore {
     fn drop(&mut self) {
+        // (the backend flushed before it let go of the store; a batch still queued is dropped by its thread)
+        if let Some(behind) = self.behind.get() {
+            behind.close();
+        }
         // the data file's unused allocated tail goes back
         let writer = self.writer.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(writer) = writer

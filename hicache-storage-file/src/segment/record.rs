@@ -100,10 +100,7 @@ pub(crate) fn data_bytes(kind: Kind, entries: usize, page_bytes: usize, aligned:
 /// The checksum of a page: the XXH3-64 of its bytes (its segments, one after another), seeded with the XXH3-64 of
 /// the namespace digest and the key, so that a page copied under another key or namespace fails it.
 pub(crate) fn page_checksum<S: AsRef<[u8]>>(digest: &[u8], key: &PageKey, page: &[S]) -> u64 {
-    let mut binding = XxHash3_64::with_seed(0);
-    binding.write(digest);
-    binding.write(key.as_bytes());
-    let seed = binding.finish();
+    let seed = key_seed(digest, key);
     match page {
         // one pass over the page, without the streaming hasher's buffer
         [only] => XxHash3_64::oneshot_with_seed(seed, only.as_ref()),
@@ -115,6 +112,23 @@ pub(crate) fn page_checksum<S: AsRef<[u8]>>(digest: &[u8], key: &PageKey, page: 
             hasher.finish()
         }
     }
+}
+
+/// The XXH3-64 of the namespace digest and the key, one after the other: in one pass over a copy on the stack
+/// where they fit (the streaming hasher allocates its buffer, once per page read or written).
+fn key_seed(digest: &[u8], key: &PageKey) -> u64 {
+    const STACK: usize = 128;
+    let length = digest.len() + key.as_bytes().len();
+    if length > STACK {
+        let mut binding = XxHash3_64::with_seed(0);
+        binding.write(digest);
+        binding.write(key.as_bytes());
+        return binding.finish();
+    }
+    let mut bytes = [0u8; STACK];
+    bytes[..digest.len()].copy_from_slice(digest);
+    bytes[digest.len()..length].copy_from_slice(key.as_bytes());
+    XxHash3_64::oneshot_with_seed(0, &bytes[..length])
 }
 
 fn header_checksum(digest: &[u8], bytes: &[u8]) -> u64 {
@@ -264,6 +278,17 @@ mod tests {
         assert_eq!(page_checksum(b"digest", &key, &[&page[..3], &page[3..4096], &page[4096..]]), whole);
         assert_ne!(page_checksum(b"digest", &page_key(None, &[2]), &[&page[..]]), whole);
         assert_ne!(page_checksum(b"other", &key, &[&page[..]]), whole);
+    }
+
+    /// Checksums already on disk stay valid: values the format gave for a short and a long namespace digest.
+    #[test]
+    fn page_checksums_keep_their_values() {
+        let page: Vec<u8> = (0..4096u32).map(|index| (index * 7) as u8).collect();
+        let key = page_key(None, &[1]);
+        let long = [0x5au8; 100];
+        assert_eq!(page_checksum(b"digest", &key, &[&page[..]]), 5810354236767671065);
+        assert_eq!(page_checksum(&long, &key, &[&page[..]]), 3397458321241486804);
+        assert_eq!(page_checksum(&long, &key, &[&page[..100], &page[100..]]), 3397458321241486804);
     }
 
     #[test]
