@@ -14,7 +14,9 @@
 //! process killed before its batches were written loses them: never a torn page, since a record is still written only
 //! after its pages.
 //!
-//! The pending bytes never pass the budget: a batch that would pass it waits (up to [`WAIT`]) for earlier batches.
+//! The pending bytes never pass the budget (but for a batch larger than the budget, which goes alone): a batch that
+//! would pass it waits (up to [`WAIT`]) for earlier batches, and the room it is admitted to is held for it until it
+//! is sent, so callers on several threads do not pass the budget together.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -145,8 +147,9 @@ impl Behind {
         }
     }
 
-    /// Waits (up to [`WAIT`]) until a batch of `bytes` fits under the budget: at once when nothing is pending.
-    pub(crate) fn admit(&self, bytes: u64) -> std::io::Result<()> {
+    /// Waits (up to [`WAIT`]) until a batch of `bytes` fits under the budget (at once when nothing is pending),
+    /// and holds its room, and its place among the batches a flush waits for, until it is sent or given up.
+    pub(crate) fn admit(&self, bytes: u64) -> std::io::Result<Admitted<'_>> {
         let deadline = Instant::now() + WAIT;
         let mut pending = self.lock();
         while pending.flights > 0 && pending.bytes + bytes > self.budget {
@@ -155,19 +158,22 @@ impl Behind {
             };
             pending = self.done.wait_timeout(pending, left).unwrap_or_else(|poisoned| poisoned.into_inner()).0;
         }
-        Ok(())
+        pending.bytes += bytes;
+        pending.flights += 1;
+        Ok(Admitted { behind: self, bytes, sent: false })
     }
 
-    /// Makes the batch's pages pending and hands it to a writing thread.
-    pub(crate) fn send(&self, flight: Flight) -> std::io::Result<()> {
+    /// Makes the batch's pages pending and hands it to a writing thread (its room was held by `admitted`, of the
+    /// batch's bytes).
+    pub(crate) fn send(&self, mut admitted: Admitted<'_>, flight: Flight) -> std::io::Result<()> {
+        assert_eq!(admitted.bytes, flight.bytes(), "a batch sent in the room of another size");
+        admitted.sent = true;
         let flight = Arc::new(flight);
         {
             let mut pending = self.lock();
             for (index, (key, _)) in flight.header.entries.iter().enumerate() {
                 pending.pages.insert(*key, (flight.clone(), index));
             }
-            pending.bytes += flight.bytes();
-            pending.flights += 1;
             self.count.store(pending.pages.len(), Ordering::Release);
         }
         self.sent.fetch_add(flight.header.entries.len() as u64, Ordering::Relaxed);
@@ -243,6 +249,26 @@ impl Behind {
     }
 }
 
+/// A batch's room under the budget, held from [`Behind::admit`] until the batch is sent; given back if it is not.
+pub(crate) struct Admitted<'a> {
+    behind: &'a Behind,
+    bytes: u64,
+    sent: bool,
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        if self.sent {
+            return;
+        }
+        let mut pending = self.behind.lock();
+        pending.bytes -= self.bytes;
+        pending.flights -= 1;
+        drop(pending);
+        self.behind.done.notify_all();
+    }
+}
+
 fn timed_out(what: &str) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::TimedOut, format!("{what} for {} s", WAIT.as_secs()))
 }
@@ -313,6 +339,26 @@ mod tests {
         let outcomes = store.get(keys, &mut segments, pool);
         drop(segments);
         (outcomes, buffers)
+    }
+
+    /// Room under the budget is held from admission until the batch is sent, and given back when it is not; a batch
+    /// larger than the budget is admitted when nothing else is pending.
+    #[test]
+    fn room_is_held_from_admission_and_given_back() {
+        let behind = super::Behind::start(std::sync::Weak::new(), 100).unwrap();
+        let held = |behind: &super::Behind| {
+            let pending = behind.lock();
+            (pending.bytes, pending.flights)
+        };
+        let first = behind.admit(60).unwrap();
+        assert_eq!(held(&behind), (60, 1));
+        drop(first);
+        assert_eq!(held(&behind), (0, 0));
+        behind.flush().unwrap();
+        let large = behind.admit(500).unwrap();
+        assert_eq!(held(&behind), (500, 1));
+        drop(large);
+        assert_eq!(held(&behind), (0, 0));
     }
 
     /// While a batch cannot be written (its index file held here), its pages are pending: the writer reads them from

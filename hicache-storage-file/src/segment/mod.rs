@@ -1102,7 +1102,7 @@ impl SegmentStore {
         // the batch's own buffer is block-aligned: with `O_DIRECT`, every batch is written directly
         let aligned = self.settings.direct_io && page_bytes.is_multiple_of(ALIGN);
         let data_bytes = record::data_bytes(Kind::Pages, chunk.len(), page_bytes, aligned);
-        behind.admit(data_bytes as u64)?;
+        let admitted = behind.admit(data_bytes as u64)?;
         let mut buffer = behind.buffer(data_bytes.div_ceil(ALIGN));
         {
             let bytes = bytemuck::cast_slice_mut::<Block, u8>(&mut buffer);
@@ -1125,7 +1125,7 @@ impl SegmentStore {
         let entries = checksums_on(pool, &numbered, page_bytes, checksum);
         let (writer, offset) = self.reserve(data_bytes as u64, record::header_len(chunk.len()) as u64, pool)?;
         let header = self.header(Kind::Pages, entries, offset, data_bytes as u64);
-        behind.send(Flight { buffer, header, writer })
+        behind.send(admitted, Flight { buffer, header, writer })
     }
 
     /// Writes a batch written behind: its pages, then its record, then takes it into the index (before its pages
