@@ -65,6 +65,16 @@ fn size(key: &str, value: Option<Value>) -> Result<Option<u64>, ConfigError> {
     }
 }
 
+/// [`size`], refused above `largest` bytes (`what` names the setting in the error).
+fn size_at_most(key: &str, value: Option<Value>, largest: u64, what: &str) -> Result<Option<u64>, ConfigError> {
+    match size(key, value)? {
+        Some(bytes) if bytes > largest => {
+            Err(ConfigError::value(key, format!("{bytes} is above the largest {what}, {largest} bytes")))
+        }
+        bytes => Ok(bytes),
+    }
+}
+
 impl FileConfig {
     /// The config the tier's settings give ([`FILE_TIER`]), with SGLang's order for the directory: `dir`, then
     /// `$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`, then `file_storage_path`, then `/tmp/hicache`.
@@ -102,22 +112,12 @@ impl FileConfig {
             config.segment_bytes = bytes;
         }
         config.io_uring = settings.io_uring.unwrap_or(true);
-        if let Some(bytes) = size("read_ahead", settings.read_ahead)? {
-            if bytes > MAX_READ_AHEAD_BYTES {
-                return Err(ConfigError::value(
-                    "read_ahead",
-                    format!("{bytes} is above the largest read-ahead, {MAX_READ_AHEAD_BYTES} bytes"),
-                ));
-            }
+        if let Some(bytes) = size_at_most("read_ahead", settings.read_ahead, MAX_READ_AHEAD_BYTES, "read-ahead")? {
             config.read_ahead_bytes = bytes;
         }
-        if let Some(bytes) = size("write_behind", settings.write_behind)? {
-            if bytes > MAX_WRITE_BEHIND_BYTES {
-                return Err(ConfigError::value(
-                    "write_behind",
-                    format!("{bytes} is above the largest write-behind, {MAX_WRITE_BEHIND_BYTES} bytes"),
-                ));
-            }
+        if let Some(bytes) =
+            size_at_most("write_behind", settings.write_behind, MAX_WRITE_BEHIND_BYTES, "write-behind")?
+        {
             config.write_behind_bytes = bytes;
         }
         if let Some(threads) = settings.io_threads {

@@ -27,7 +27,7 @@ use hicache_core::hash::PageKey;
 use rustc_hash::FxHashMap;
 
 use super::record::Header;
-use super::{Block, SegmentStore, WriterHandle};
+use super::{Block, SegmentStore, Spare, WriterHandle};
 
 /// Threads writing batches: two batches in flight keep the disk busy while one's record is written.
 const WRITERS: usize = 2;
@@ -75,8 +75,6 @@ struct Pending {
     pages: FxHashMap<PageKey, (Arc<Flight>, usize)>,
     bytes: u64,
     flights: usize,
-    /// Buffers of batches written, kept for the next (within the budget).
-    spare: Vec<Vec<Block>>,
 }
 
 impl std::fmt::Debug for Pending {
@@ -86,7 +84,6 @@ impl std::fmt::Debug for Pending {
             .field("pages", &self.pages.len())
             .field("bytes", &self.bytes)
             .field("flights", &self.flights)
-            .field("spare", &self.spare.len())
             .finish()
     }
 }
@@ -103,6 +100,8 @@ pub(crate) struct Behind {
     jobs: Mutex<Option<Sender<Arc<Flight>>>>,
     /// Pages handed to the writing threads so far.
     sent: AtomicU64,
+    /// Buffers of batches written, kept for the next (within the budget).
+    spare: Spare,
 }
 
 impl Behind {
@@ -116,6 +115,7 @@ impl Behind {
             count: AtomicUsize::new(0),
             jobs: Mutex::new(Some(jobs)),
             sent: AtomicU64::new(0),
+            spare: Spare::default(),
         });
         let queue = Arc::new(Mutex::new(queue));
         for _ in 0..WRITERS {
@@ -131,20 +131,9 @@ impl Behind {
         self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// A buffer of `blocks` blocks, reused where one is spare (its bytes are a former batch's).
+    /// A buffer of at least `blocks` blocks, reused where one is spare (its bytes are a former batch's).
     pub(crate) fn buffer(&self, blocks: usize) -> Vec<Block> {
-        let mut pending = self.lock();
-        match pending.spare.iter().position(|buffer| buffer.len() >= blocks) {
-            Some(index) => {
-                let mut buffer = pending.spare.swap_remove(index);
-                buffer.truncate(blocks);
-                buffer
-            }
-            None => {
-                drop(pending);
-                super::aligned_buffer(blocks * super::record::ALIGN)
-            }
-        }
+        self.spare.take(blocks)
     }
 
     /// Waits (up to [`WAIT`]) until a batch of `bytes` fits under the budget (at once when nothing is pending),
@@ -238,13 +227,8 @@ impl Behind {
         pending.bytes -= flight.bytes();
         pending.flights -= 1;
         self.count.store(pending.pages.len(), Ordering::Release);
-        if let Some(flight) = Arc::into_inner(flight) {
-            let kept: usize = pending.spare.iter().map(Vec::len).sum();
-            if ((kept + flight.buffer.len()) * super::record::ALIGN) as u64 <= self.budget {
-                pending.spare.push(flight.buffer);
-            }
-        }
         drop(pending);
+        self.spare.keep(Arc::into_inner(flight).map(|flight| flight.buffer), self.budget);
         self.done.notify_all();
     }
 }

@@ -311,6 +311,54 @@ fn aligned_buffer(len: usize) -> Vec<Block> {
     bytemuck::allocation::zeroed_vec(len.div_ceil(ALIGN))
 }
 
+/// Buffers of block-aligned memory given back (windows read ahead and dropped, batches written behind), kept for the
+/// next: zeroing a new one takes about as long as the disk takes to fill or drain it.
+#[derive(Default)]
+struct Spare {
+    buffers: Mutex<Vec<Vec<Block>>>,
+}
+
+impl std::fmt::Debug for Spare {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let buffers = self.buffers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        f.debug_struct("Spare").field("buffers", &buffers.len()).finish()
+    }
+}
+
+impl Spare {
+    /// A buffer of at least `blocks` blocks (a former one's bytes, or zeros).
+    fn take(&self, blocks: usize) -> Vec<Block> {
+        let mut buffers = self.buffers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match buffers.iter().position(|buffer| buffer.len() >= blocks) {
+            Some(index) => buffers.swap_remove(index),
+            None => {
+                drop(buffers);
+                aligned_buffer(blocks * ALIGN)
+            }
+        }
+    }
+
+    /// Keeps `given`, up to `budget` bytes of buffers kept.
+    fn keep(&self, given: impl IntoIterator<Item = Vec<Block>>, budget: u64) {
+        let mut buffers = self.buffers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for buffer in given {
+            let kept: usize = buffers.iter().map(Vec::len).sum();
+            if ((kept + buffer.len()) * ALIGN) as u64 <= budget {
+                buffers.push(buffer);
+            }
+        }
+    }
+}
+
+/// Copies a page's bytes (`source`) into its segments, one after another.
+fn scatter(segments: &mut PageSegmentsMut<'_>, source: &[u8]) {
+    let mut at = 0;
+    for segment in segments.iter_mut() {
+        segment.copy_from_slice(&source[at..at + segment.len()]);
+        at += segment.len();
+    }
+}
+
 fn failure(kind: FailureKind, message: String) -> PageFailure {
     PageFailure::new(kind, message)
 }
@@ -658,11 +706,7 @@ impl SegmentStore {
                 )));
                 continue;
             }
-            let mut at = 0;
-            for segment in pages[page].iter_mut() {
-                segment.copy_from_slice(&source[at..at + segment.len()]);
-                at += segment.len();
-            }
+            scatter(&mut pages[page], source);
             outcomes[page] = Some(GetOutcome::Hit);
         }
         if !rest_keys.is_empty() {
@@ -862,11 +906,7 @@ impl SegmentStore {
             let (_, _, checksum, _) = found[*page].expect("a page served was found");
             let whole = record::page_checksum(&self.settings.digest, &keys[*page], &[source]) == checksum;
             if whole {
-                let mut at = 0;
-                for segment in segments.iter_mut() {
-                    segment.copy_from_slice(&source[at..at + segment.len()]);
-                    at += segment.len();
-                }
+                scatter(segments, source);
             }
             (*page, whole)
         };

@@ -19,7 +19,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::record::ALIGN;
-use super::{Block, aligned_buffer, read_at_most};
+use super::{Block, Spare, read_at_most};
 
 /// Threads reading windows: a walk asks for its next window while the one before may still be read, and two reads
 /// in flight keep the disk busy between them.
@@ -93,45 +93,6 @@ impl Window {
     }
 }
 
-/// Buffers of windows dropped, kept for the next (zeroing a new one would take the reader about as long as the
-/// disk takes to fill it).
-#[derive(Default)]
-struct Spare {
-    buffers: Mutex<Vec<Vec<Block>>>,
-}
-
-impl std::fmt::Debug for Spare {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let buffers = self.buffers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        f.debug_struct("Spare").field("buffers", &buffers.len()).finish()
-    }
-}
-
-impl Spare {
-    /// A buffer of at least `blocks` blocks.
-    fn take(&self, blocks: usize) -> Vec<Block> {
-        let mut buffers = self.buffers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        match buffers.iter().position(|buffer| buffer.len() >= blocks) {
-            Some(index) => buffers.swap_remove(index),
-            None => {
-                drop(buffers);
-                aligned_buffer(blocks * ALIGN)
-            }
-        }
-    }
-
-    /// Keeps the buffers of `windows`, up to `budget` bytes of buffers kept.
-    fn keep(&self, windows: impl IntoIterator<Item = Arc<Window>>, budget: u64) {
-        let mut buffers = self.buffers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        for buffer in windows.into_iter().filter_map(Window::into_buffer) {
-            let kept: usize = buffers.iter().map(Vec::len).sum();
-            if ((kept + buffer.len()) * ALIGN) as u64 <= budget {
-                buffers.push(buffer);
-            }
-        }
-    }
-}
-
 /// The bytes of one page, served from a window: the buffer and where the page starts in it.
 pub(crate) struct Served {
     pub(crate) buffer: Arc<Vec<Block>>,
@@ -188,7 +149,7 @@ impl Windows {
             in_use -= held[dropped].bytes_asked();
             dropped += 1;
         }
-        self.spare.keep(held.drain(..dropped), self.budget);
+        self.spare.keep(held.drain(..dropped).filter_map(Window::into_buffer), self.budget);
         let window =
             Arc::new(Window { segment, file, from, to, state: Mutex::new(State::Reading), arrived: Condvar::new() });
         let sent = self
@@ -224,7 +185,7 @@ impl Windows {
             .partition(|window| window.segment == segment && from <= window.from && window.to <= to);
         *held = kept;
         drop(held);
-        self.spare.keep(gone, self.budget);
+        self.spare.keep(gone.into_iter().filter_map(Window::into_buffer), self.budget);
     }
 
     /// Bytes of the windows held.
