@@ -388,15 +388,14 @@ pub(crate) fn add_sidecar_layout(
     layout: &mut L3Layout,
     name: BackendName,
     kv: &StorageNamespace,
-    pool: &str,
-    entry_bytes: usize,
+    sidecar: &hicache_core::namespace::Sidecar,
     policy: hicache_core::storage::groups::HitPolicy,
     options: &BackendOptions,
 ) -> anyhow::Result<()> {
     let settings = settings(name, options)?;
     layout
-        .add_sidecar(name.0, &settings.fields, kv, pool, entry_bytes, policy)
-        .map_err(|error| Usage(format!("the L3 layout of --pool {pool}: {error}")).into())
+        .add_sidecar(name.0, &settings.fields, kv, sidecar, policy)
+        .map_err(|error| Usage(format!("the L3 layout of --pool {}: {error}", sidecar.pool)).into())
 }
 
 /// Opens `name` for `namespace` with `settings` as it is, held to its throttle (a chunk namespace's tier, under the

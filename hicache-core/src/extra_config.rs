@@ -255,11 +255,11 @@ impl Settings {
         &self,
         namespace: &StorageNamespace,
         stage: (u64, bool),
-        sidecars: &[(String, usize, crate::storage::groups::HitPolicy)],
+        sidecars: &[(crate::namespace::Sidecar, crate::storage::groups::HitPolicy)],
     ) -> Result<L3Layout, crate::Error> {
         let mut layout = self.l3_layout(namespace, stage)?;
-        for (pool, entry_bytes, policy) in sidecars {
-            layout.add_sidecar(self.tier, &self.fields, namespace, pool, *entry_bytes, *policy)?;
+        for (sidecar, policy) in sidecars {
+            layout.add_sidecar(self.tier, &self.fields, namespace, sidecar, *policy)?;
         }
         Ok(layout)
     }

@@ -59,6 +59,24 @@ pub struct Sidecar {
     pub pool: String,
     /// Bytes of one entry (one page of the pool, flat).
     pub entry_bytes: usize,
+    /// How SGLang's Mooncake store cuts an entry into objects, in the flat entry's byte order (each object's bytes
+    /// follow the one before it); empty where it was not said. Only key schemes that name SGLang's objects use it:
+    /// the bytes stored are the same either way, so it is not part of the [digest](StorageNamespace::digest).
+    pub objects: Vec<EntryObject>,
+}
+
+/// One object of a sidecar pool's entry as SGLang's Mooncake store names it: the key is
+/// `{hash}_{rank}_{name}`, where the rank is the tensor-parallel rank (with the stage, when there are stages) for a
+/// pool each rank holds its own shard of, else only the stage (SGLang's `mha_suffix` and `mla_suffix`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct EntryObject {
+    /// The name after the rank: `temporal` and `conv_0` (a Mamba state), `swa_k` and `swa_v` (a sliding window of
+    /// MHA), `indexer`, `draft_k`, ...
+    pub name: String,
+    /// Bytes of the object.
+    pub bytes: usize,
+    /// Whether the key carries the tensor-parallel rank (SGLang's `mha_suffix`) rather than only the stage.
+    pub per_rank: bool,
 }
 
 impl StorageNamespace {
@@ -96,7 +114,41 @@ impl StorageNamespace {
         if entry_bytes == 0 {
             return Err(Error::InvalidArgument { field: "entry_bytes", reason: "must be at least 1".into() });
         }
-        Ok(Self { sidecar: Some(Sidecar { pool: pool.to_owned(), entry_bytes }), ..self.clone() })
+        Ok(Self { sidecar: Some(Sidecar { pool: pool.to_owned(), entry_bytes, objects: Vec::new() }), ..self.clone() })
+    }
+
+    /// This sidecar pool's namespace with its entries cut into `objects` as SGLang's Mooncake store cuts them.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming `objects` when this is not a sidecar pool's namespace, when the objects'
+    /// bytes do not add up to one entry, or when a name is empty or not lowercase letters, digits and `_`.
+    pub fn with_entry_objects(&self, objects: Vec<EntryObject>) -> Result<Self, Error> {
+        let bad = |reason: String| Err(Error::InvalidArgument { field: "objects", reason });
+        let Some(sidecar) = &self.sidecar else {
+            return bad("only a sidecar pool's entries are cut into objects".into());
+        };
+        let valid = |byte: u8| byte.is_ascii_lowercase() || byte.is_ascii_digit() || byte == b'_';
+        if let Some(object) = objects
+            .iter()
+            .find(|object| object.name.is_empty() || object.name.len() > 64 || !object.name.bytes().all(valid))
+        {
+            return bad(format!("{:?} is not an object name (lowercase letters, digits and `_`)", object.name));
+        }
+        if let Some(object) = objects.iter().find(|object| object.bytes == 0) {
+            return bad(format!("object `{}` has no bytes", object.name));
+        }
+        let total = objects.iter().try_fold(0usize, |sum, object| sum.checked_add(object.bytes));
+        if !objects.is_empty() && total != Some(sidecar.entry_bytes) {
+            return bad(format!(
+                "the objects of pool `{}` add up to {} bytes, not one entry of {}",
+                sidecar.pool,
+                total.map_or_else(|| "more than usize::MAX".to_owned(), |total| total.to_string()),
+                sidecar.entry_bytes
+            ));
+        }
+        let sidecar = Sidecar { objects, ..sidecar.clone() };
+        Ok(Self { sidecar: Some(sidecar), ..self.clone() })
     }
 
     /// Bytes of one object of the namespace: a KV page, or a sidecar pool's entry.
@@ -131,7 +183,7 @@ impl StorageNamespace {
         }
         self.geometry.validated()?;
         if let Some(sidecar) = &self.sidecar {
-            self.sidecar(&sidecar.pool, sidecar.entry_bytes)?;
+            self.sidecar(&sidecar.pool, sidecar.entry_bytes)?.with_entry_objects(sidecar.objects.clone())?;
         }
         if self.geometry.checked_bytes_per_page(self.page_size).is_none() {
             return bad(
@@ -383,5 +435,26 @@ mod tests {
         assert_eq!(rank(0).digest(), rank(5).digest());
         assert!(rank(8).validated().unwrap_err().to_string().starts_with("tp_rank: 8 is not below tp_size 8"));
         assert!(StorageNamespace { pp_size: 1, pp_rank: 1, ..rank(0) }.validated().is_err());
+    }
+
+    /// An entry's objects must add up to it, with names fit for keys, and never change the digest (the bytes stored
+    /// are the same however SGLang names them).
+    #[test]
+    fn entry_objects_add_up_to_the_entry_and_keep_the_digest() {
+        let mamba = llama(HostLayout::PageFirst).sidecar("mamba", 3000).unwrap();
+        let object = |name: &str, bytes| EntryObject { name: name.into(), bytes, per_rank: true };
+        let cut = mamba.with_entry_objects(vec![object("temporal", 2000), object("conv_0", 1000)]).unwrap();
+        assert_eq!(cut.digest(), mamba.digest());
+        assert_eq!(cut.validated().unwrap().sidecar.unwrap().objects.len(), 2);
+        let error = |objects| mamba.with_entry_objects(objects).unwrap_err().to_string();
+        assert_eq!(
+            error(vec![object("temporal", 2000), object("conv_0", 999)]),
+            "objects: the objects of pool `mamba` add up to 2999 bytes, not one entry of 3000"
+        );
+        assert!(error(vec![object("Conv", 3000)]).starts_with("objects: \"Conv\" is not an object name"));
+        assert!(error(vec![object("temporal", 3000), object("conv_0", 0)]).contains("`conv_0` has no bytes"));
+        assert!(error(vec![object("a", usize::MAX), object("b", 2)]).contains("more than usize::MAX"));
+        let kv = llama(HostLayout::PageFirst).with_entry_objects(vec![object("k", 1)]).unwrap_err();
+        assert!(kv.to_string().starts_with("objects: only a sidecar pool's entries"));
     }
 }

@@ -131,7 +131,10 @@ impl PySettings {
     }
 
     /// Opens the sidecar pool `pool` of a hybrid model (entries of `entry_bytes`) for the rank `kv` serves, in the
-    /// same tier; `writer`: whether this rank writes the pool's entries.
+    /// same tier; `writer`: whether this rank writes the pool's entries; `objects`: how SGLang's Mooncake store cuts
+    /// an entry into objects, per object its name, bytes and whether its key carries the TP rank (`None`: not known;
+    /// the Mooncake tier under SGLang's keys then refuses the pool).
+    #[pyo3(signature = (kv, pool, entry_bytes, writer, objects=None))]
     fn open_sidecar(
         &self,
         py: Python<'_>,
@@ -139,23 +142,25 @@ impl PySettings {
         pool: &str,
         entry_bytes: usize,
         writer: bool,
+        objects: Option<Vec<(String, usize, bool)>>,
     ) -> PyResult<Sidecar> {
-        guard::run(|| crate::sidecar::open(self, py, &kv, pool, entry_bytes, writer))
+        guard::run(|| crate::sidecar::open(self, py, &kv, pool, entry_bytes, writer, objects))
     }
 
     /// The key layout of `kv`'s stage ([`Backend::l3_layout`]) with a hybrid model's sidecar pools after the KV: per
-    /// pool its name, entry size, hit policy (`all_pages` or `trailing_pages`) and, for `trailing_pages`, its window
-    /// in pages. JSON in the shape of SGLang's `describe_l3_object_layout`.
+    /// pool the pool opened by `open_sidecar`, its hit policy (`all_pages` or `trailing_pages`) and, for
+    /// `trailing_pages`, its window in pages. JSON in the shape of SGLang's `describe_l3_object_layout`.
     fn l3_layout_with_sidecars(
         &self,
         kv: PyRef<'_, Backend>,
-        pools: Vec<(String, usize, String, usize)>,
+        pools: Vec<(PyRef<'_, Sidecar>, String, usize)>,
     ) -> PyResult<String> {
         guard::run(|| {
             let mut sidecars = Vec::with_capacity(pools.len());
-            for (pool, entry_bytes, policy, window) in pools {
-                let policy = crate::sidecar::hit_policy(&policy, window, || format!("sidecar pool {pool}"))?;
-                sidecars.push((pool, entry_bytes, policy));
+            for (sidecar, policy, window) in pools {
+                let entry = sidecar.entry().clone();
+                let policy = crate::sidecar::hit_policy(&policy, window, || format!("sidecar pool {}", entry.pool))?;
+                sidecars.push((entry, policy));
             }
             let layout =
                 self.settings.l3_layout_with_sidecars(&kv.namespace, kv.stage, &sidecars).map_err(guard::to_py)?;

@@ -9,6 +9,7 @@
 
 use std::sync::{Arc, RwLock};
 
+use hicache_core::namespace::EntryObject;
 use hicache_core::storage::groups::{GroupStorage, HitPolicy, SidecarPool};
 use hicache_core::storage::{GetOutcome, PageSegments, PageSegmentsMut, StorageBackend};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -23,12 +24,14 @@ use crate::guard;
 pub(crate) struct Sidecar {
     /// `None` once closed.
     storage: RwLock<Option<Arc<dyn StorageBackend>>>,
-    pool: String,
-    entry_bytes: usize,
+    /// The pool as its namespace names it: its name, entry size and objects.
+    entry: hicache_core::namespace::Sidecar,
     writer: bool,
 }
 
-/// Opens the sidecar pool `pool` (entries of `entry_bytes`) of the rank `kv` serves, in the same tier.
+/// Opens the sidecar pool `pool` (entries of `entry_bytes`) of the rank `kv` serves, in the same tier. `objects`:
+/// how SGLang's Mooncake store cuts an entry into objects (name, bytes, whether the key carries the TP rank), where
+/// the host pool says.
 pub(crate) fn open(
     settings: &PySettings,
     py: Python<'_>,
@@ -36,25 +39,38 @@ pub(crate) fn open(
     pool: &str,
     entry_bytes: usize,
     writer: bool,
+    objects: Option<Vec<(String, usize, bool)>>,
 ) -> PyResult<Sidecar> {
-    let namespace = kv.namespace.sidecar(pool, entry_bytes).map_err(guard::to_py)?;
+    let mut namespace = kv.namespace.sidecar(pool, entry_bytes).map_err(guard::to_py)?;
+    if let Some(objects) = objects {
+        let objects =
+            objects.into_iter().map(|(name, bytes, per_rank)| EntryObject { name, bytes, per_rank }).collect();
+        namespace = namespace.with_entry_objects(objects).map_err(guard::to_py)?;
+    }
     let storage: Arc<dyn StorageBackend> = Arc::from(py.detach(|| settings.open_sidecar_rank(&namespace))?);
-    Ok(Sidecar { storage: RwLock::new(Some(storage)), pool: pool.to_owned(), entry_bytes, writer })
+    let entry = namespace.sidecar.expect("a sidecar pool's namespace");
+    Ok(Sidecar { storage: RwLock::new(Some(storage)), entry, writer })
 }
 
 impl Sidecar {
+    /// The pool as its namespace names it.
+    pub(crate) fn entry(&self) -> &hicache_core::namespace::Sidecar {
+        &self.entry
+    }
+
     fn current(&self) -> PyResult<Arc<dyn StorageBackend>> {
         let storage = self.storage.read().unwrap_or_else(std::sync::PoisonError::into_inner);
         storage
             .clone()
-            .ok_or_else(|| PyRuntimeError::new_err(format!("hicache: sidecar pool `{}` is closed", self.pool)))
+            .ok_or_else(|| PyRuntimeError::new_err(format!("hicache: sidecar pool `{}` is closed", self.entry.pool)))
     }
 
     /// Checks that the buffers are `per_entry` segments per key, none overlapping another, each key's adding up to
     /// one whole entry.
     fn check_entries(&self, keys: usize, addresses: &[usize], lengths: &[usize], per_entry: usize) -> PyResult<()> {
-        let bad =
-            |reason: String| Err(PyValueError::new_err(format!("hicache: sidecar pool `{}`: {reason}", self.pool)));
+        let bad = |reason: String| {
+            Err(PyValueError::new_err(format!("hicache: sidecar pool `{}`: {reason}", self.entry.pool)))
+        };
         if per_entry == 0 || addresses.len() != keys * per_entry || lengths.len() != addresses.len() {
             return bad(format!(
                 "{keys} keys of {per_entry} segments each, but {} addresses and {} lengths",
@@ -62,9 +78,11 @@ impl Sidecar {
                 lengths.len()
             ));
         }
-        if let Some(at) = lengths.chunks(per_entry).position(|entry| entry.iter().sum::<usize>() != self.entry_bytes) {
+        if let Some(at) =
+            lengths.chunks(per_entry).position(|entry| entry.iter().sum::<usize>() != self.entry.entry_bytes)
+        {
             let given: usize = lengths[at * per_entry..][..per_entry].iter().sum();
-            return bad(format!("entry {at} is given {given} bytes, not one entry of {}", self.entry_bytes));
+            return bad(format!("entry {at} is given {given} bytes, not one entry of {}", self.entry.entry_bytes));
         }
         let mut ranges: Vec<(usize, usize)> = addresses.iter().copied().zip(lengths.iter().copied()).collect();
         ranges.sort_unstable();
@@ -80,13 +98,13 @@ impl Sidecar {
     /// The pool's name (`mamba`, `swa`, `indexer`, ...).
     #[getter]
     fn pool(&self) -> &str {
-        &self.pool
+        &self.entry.pool
     }
 
     /// Bytes of one entry.
     #[getter]
     fn entry_bytes(&self) -> usize {
-        self.entry_bytes
+        self.entry.entry_bytes
     }
 
     /// Whether this rank writes the pool's entries.
@@ -203,8 +221,8 @@ pub(crate) fn query(
     let parsed = parse_keys(keys)?;
     let mut sidecars = Vec::with_capacity(pools.len());
     for (at, (pool, policy, window)) in pools.iter().enumerate() {
-        let policy = hit_policy(policy, *window, || format!("pool_transfers[{at}] ({})", pool.pool))?;
-        sidecars.push(SidecarPool { name: pool.pool.clone(), policy, backend: pool.current()? });
+        let policy = hit_policy(policy, *window, || format!("pool_transfers[{at}] ({})", pool.entry.pool))?;
+        sidecars.push(SidecarPool { name: pool.entry.pool.clone(), policy, backend: pool.current()? });
     }
     let groups = GroupStorage::new(open.storage.clone(), sidecars).map_err(guard::to_py)?;
     let restorable = py.detach(|| groups.query(&parsed)).map_err(guard::to_py)?;

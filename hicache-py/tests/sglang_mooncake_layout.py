@@ -20,15 +20,7 @@ from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeS
 def main():
     spec = json.loads(sys.argv[1])
     sys.path.insert(0, spec["official"])
-    extra = {
-        "master_server_address": spec["master"],
-        "local_hostname": "127.0.0.1",
-        "metadata_server": "P2PHANDSHAKE",
-        "protocol": "tcp",
-        "global_segment_size": 64 << 20,
-        "local_buffer_size": 16 << 20,
-        "extra_backend_tag": spec["extra_backend_tag"],
-    }
+    extra = support.official_mooncake_extra(spec)
     out = {"mla": [], "mha": []}
     for stage in range(2):
         for tp_rank in range(2):

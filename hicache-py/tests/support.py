@@ -138,3 +138,18 @@ class TempDirTest(unittest.TestCase):
 def same_bytes(left, right):
     """Byte equality of two tensors (random bytes make NaNs, which `torch.equal` calls unequal to themselves)."""
     return torch.equal(left.contiguous().view(torch.uint8), right.contiguous().view(torch.uint8))
+
+
+def official_mooncake_extra(spec):
+    """SGLang's extra config for its own MooncakeStore on the test master (the scripts run with Mooncake's official
+    client): `master`, `extra_backend_tag` and, optionally, `global_segment_size` (64 MiB when not given) of the
+    JSON spec a test passes them."""
+    return {
+        "master_server_address": spec["master"],
+        "local_hostname": "127.0.0.1",
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp",
+        "global_segment_size": spec.get("global_segment_size", 64 << 20),
+        "local_buffer_size": 16 << 20,
+        "extra_backend_tag": spec["extra_backend_tag"],
+    }

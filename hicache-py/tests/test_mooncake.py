@@ -6,6 +6,7 @@ Needs what `cargo xtask mooncake` unpacks under `target/mooncake/` (`cargo xtask
 """
 
 import ctypes
+import hashlib
 import json
 import os
 import signal
@@ -47,6 +48,11 @@ def setUpModule():
         # no CUDA driver here: the store library's need for libcuda.so.1 is met by the no-device stand-in
         ctypes.CDLL(SHIM, mode=ctypes.RTLD_GLOBAL)
         NEEDS_SHIM = True
+
+
+def digest(tensor):
+    """The SHA-256 of a tensor's bytes, as `sglang_mooncake_groups.py` prints it."""
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def free_port():
@@ -231,6 +237,86 @@ class MooncakeTier(unittest.TestCase):
         found = self.official("route_hybrid_layout.py", spec)
         self.assertEqual(found, sorted(set.intersection(*answers)))
         self.assertEqual(found, [4])
+
+    def test_sglangs_own_mooncake_store_and_hicache_read_each_others_groups(self):
+        """A hybrid model's page groups under SGLang's Mooncake keys, one case per kind (a Mamba state of two
+        buffers, a sliding window of MHA with its K and V, a DSA indexer beside MLA), on TP rank 1 of 2 (0 for
+        MLA, whose rank 0 writes): SGLang's own MooncakeStore, through Mooncake's official client, writes groups
+        that hicache finds restorable and reads byte for byte per pool, and reads those hicache writes."""
+        from test_hybrid import PAGES, cases, fill, page, transfer
+
+        generator = torch.Generator().manual_seed(torch.seed())
+        tag = "groups"
+        extra = self.extra(key_scheme="sglang", extra_backend_tag=tag)
+        for label, kv_pool, mla, name, side_pool, policy, window in cases():
+            if "layer_first" in label:
+                continue  # SGLang's Mooncake store moves MHA pages of page-first pools only
+            with self.subTest(pool=label):
+                rank = 0 if mla else 1
+                spec = {
+                    "master": f"127.0.0.1:{self.master.port}",
+                    "official": OFFICIAL,
+                    "extra_backend_tag": tag,
+                    "case": label,
+                    "tp_rank": rank,
+                    "tp_size": 2,
+                }
+                sources = list(range(1, PAGES + 1))
+                held = PAGES if policy == PoolHitPolicy.ALL_PAGES else window
+                backend = HiCacheStorage(support.storage_config(extra, mla=mla, tp_rank=rank, tp_size=2), {})
+                self.addCleanup(backend.close)
+                backend.register_mem_pool_host(kv_pool)
+                backend.register_mem_host_pool_v2(side_pool, name)
+
+                # SGLang writes, hicache reads; SGLang's client mounts no memory, so its objects stay in hicache's
+                # segment after its process ends (a client's objects go with the segment it mounted)
+                keys = support.random_keys(PAGES, generator)
+                seed = int(torch.randint(0, 2**31, (1,), generator=generator))
+                write = {**spec, "mode": "write", "seed": seed, "keys": keys, "global_segment_size": 0}
+                written = self.official("sglang_mooncake_groups.py", write)
+                self.assertEqual((written["side"], written["kv"]), ([True] * held, [True] * PAGES))
+                # the layout for routers: SGLang's own where it serves one (MLA), else every rank's objects
+                layout = backend.describe_l3_object_layout(
+                    sidecar_pool_specs=(), swa_trailing_pages=window or None, page_size=kv_pool.page_size
+                )
+                listed = layout["hicache_object_layout"]["pools"][1]["suffixes"]
+                if mla:
+                    self.assertEqual(layout, written["layout"])
+                else:
+                    self.assertFalse(written["layout"]["enabled"])
+                    self.assertEqual(listed[rank * len(listed) // 2 :][: len(listed) // 2], written["suffixes"])
+                bytes_of = torch.Generator().manual_seed(seed)
+                fill(kv_pool, sources, bytes_of)
+                fill(side_pool, sources, bytes_of)
+                want_kv = [page(kv_pool, index) for index in sources]
+                want_side = [page(side_pool, index) for index in sources[-held:]]
+                fill(kv_pool, sources, generator)
+                fill(side_pool, sources, generator)
+                query = [PoolTransfer(name=name, keys=keys[-held:], hit_policy=policy)]
+                result = backend.batch_exists_v2(keys, query)
+                self.assertEqual((result.kv_hit_pages, result.restorable_prefix_pages[-1]), (PAGES, PAGES))
+                kv = support.page_indices(sources, kv_pool.page_size)
+                side = transfer(name, side_pool, keys[-held:], sources[-held:], policy)
+                self.assertEqual(backend.batch_get_v2([side])[name], [True] * held)
+                self.assertEqual(backend.batch_get_v1(keys, kv), [True] * PAGES)
+                for index, want in zip(sources, want_kv):
+                    self.assertTrue(support.same_bytes(page(kv_pool, index), want), f"KV page {index}")
+                for index, want in zip(sources[-held:], want_side):
+                    self.assertTrue(support.same_bytes(page(side_pool, index), want), f"{name} page {index}")
+
+                # hicache writes, SGLang reads
+                keys = support.random_keys(PAGES, generator)
+                fill(kv_pool, sources, generator)
+                fill(side_pool, sources, generator)
+                side = transfer(name, side_pool, keys[-held:], sources[-held:], policy)
+                self.assertEqual(backend.batch_set_v2([side])[name], [True] * held)
+                self.assertEqual(backend.batch_set_v1(keys, kv), [True] * PAGES)
+                read = self.official("sglang_mooncake_groups.py", {**spec, "mode": "read", "seed": seed, "keys": keys})
+                self.assertEqual(read["restorable"][-1], PAGES)
+                self.assertEqual((read["side"], read["kv"]), ([True] * held, [True] * PAGES))
+                self.assertEqual(read["kv_pages"], [digest(page(kv_pool, index)) for index in sources])
+                self.assertEqual(read["side_pages"], [digest(page(side_pool, index)) for index in sources[-held:]])
+                backend.clear()
 
     def test_sidecar_pools_get_sglangs_hit_policies_in_the_layout(self):
         """As SGLang's MooncakeStore decides them: a Mamba state trails by one page, a sliding window by

@@ -76,6 +76,8 @@ pub(crate) struct KeyRenderer {
     before: String,
     /// One suffix per object of a page's bytes, e.g. `_{digest}_k`.
     suffixes: Vec<String>,
+    /// Per object of a page's bytes, where its bytes lie in the flat page.
+    parts: Vec<std::ops::Range<usize>>,
     /// Native keys: the suffix of a page's checksum object (`_{digest}_sum`), put beside its bytes' objects.
     checksum: Option<String>,
     /// The regular expression that matches exactly this namespace's keys (for `clear`).
@@ -91,15 +93,32 @@ impl KeyRenderer {
     /// (SGLang 0.5.2's keys have no pipeline stage).
     pub(crate) fn new(scheme: &KeyScheme, namespace: &StorageNamespace) -> Result<Self, Error> {
         let mla = namespace.geometry.is_mla();
-        if let (Some(sidecar), KeyScheme::Sglang { .. }) = (&namespace.sidecar, scheme) {
-            return Err(Error::InvalidArgument {
-                field: "key_scheme",
-                reason: format!(
-                    "SGLang's Mooncake keys split a sidecar pool's entry into objects after its host pool's buffers,                      which hicache does not name yet (pool `{}`); use the native key scheme",
-                    sidecar.pool
-                ),
-            });
-        }
+        let page_bytes = namespace.page_bytes();
+        let sglang_objects = match (&namespace.sidecar, scheme) {
+            (Some(sidecar), KeyScheme::Sglang { release: SglangRelease::V0_5_2, .. }) => {
+                return Err(Error::InvalidArgument {
+                    field: "sglang_release",
+                    reason: format!(
+                        "SGLang 0.5.2 keeps no sidecar pools of hybrid models (pool `{}`); use the 0.5.23 scheme or \
+                         the native one",
+                        sidecar.pool
+                    ),
+                });
+            }
+            (Some(sidecar), KeyScheme::Sglang { .. }) if sidecar.objects.is_empty() => {
+                return Err(Error::InvalidArgument {
+                    field: "key_scheme",
+                    reason: format!(
+                        "SGLang's Mooncake keys cut a sidecar pool's entry into objects after its host pool's \
+                         buffers, and pool `{}` was opened without them (the Python package gives them); use the \
+                         native key scheme",
+                        sidecar.pool
+                    ),
+                });
+            }
+            (Some(sidecar), KeyScheme::Sglang { .. }) => Some(&sidecar.objects),
+            _ => None,
+        };
         let (before, suffixes, checksum) = match scheme {
             KeyScheme::Native => {
                 let digest = namespace.digest();
@@ -137,23 +156,44 @@ impl KeyRenderer {
                     tag.iter().map(String::as_str).chain((!model.is_empty()).then_some(model.as_str())).collect();
                 let before = if prefix.is_empty() { String::new() } else { format!("{}_", prefix.join("_")) };
                 let staged = namespace.pp_size > 1;
-                let suffixes = if mla {
-                    let rank = if staged { namespace.pp_rank.to_string() } else { String::new() };
-                    vec![format!("_{rank}_k")]
+                // SGLang's `mha_suffix` (the TP rank, and the stage with stages) and `mla_suffix` (the stage only)
+                let per_rank = if staged {
+                    format!("{}_{}", namespace.tp_rank, namespace.pp_rank)
                 } else {
-                    let rank = if staged {
-                        format!("{}_{}", namespace.tp_rank, namespace.pp_rank)
-                    } else {
-                        namespace.tp_rank.to_string()
-                    };
-                    vec![format!("_{rank}_k"), format!("_{rank}_v")]
+                    namespace.tp_rank.to_string()
+                };
+                let shared = if staged { namespace.pp_rank.to_string() } else { String::new() };
+                let suffixes = if let Some(objects) = sglang_objects {
+                    objects
+                        .iter()
+                        .map(|object| {
+                            let rank = if object.per_rank { &per_rank } else { &shared };
+                            format!("_{rank}_{}", object.name)
+                        })
+                        .collect()
+                } else if mla {
+                    vec![format!("_{shared}_k")]
+                } else {
+                    vec![format!("_{per_rank}_k"), format!("_{per_rank}_v")]
                 };
                 (before, suffixes, None)
             }
         };
         let alternatives: Vec<String> = suffixes.iter().chain(&checksum).map(|suffix| escape_regex(suffix)).collect();
         let pattern = format!("^{}[0-9a-f]{{64}}({})$", escape_regex(&before), alternatives.join("|"));
-        Ok(Self { before, suffixes, checksum, pattern })
+        // a part's place in the page: SGLang's objects of a sidecar entry one after another, else equal cuts
+        let parts = match sglang_objects {
+            Some(objects) => objects.iter().map(|object| object.bytes).collect(),
+            None => vec![page_bytes / suffixes.len(); suffixes.len()],
+        };
+        let parts = parts
+            .iter()
+            .scan(0, |offset, &bytes| {
+                *offset += bytes;
+                Some(*offset - bytes..*offset)
+            })
+            .collect();
+        Ok(Self { before, suffixes, parts, checksum, pattern })
     }
 
     /// How a page's objects are named, for a router: the prefix before `_` and the hash, and the suffixes.
@@ -167,6 +207,11 @@ impl KeyRenderer {
     /// Objects of a page's bytes.
     pub(crate) fn parts(&self) -> usize {
         self.suffixes.len()
+    }
+
+    /// Where part `part`'s bytes lie in the flat page.
+    pub(crate) fn part(&self, part: usize) -> std::ops::Range<usize> {
+        self.parts[part].clone()
     }
 
     /// Whether each page has a checksum object (after its parts).
@@ -209,6 +254,7 @@ mod tests {
     use hicache_core::geometry::{KvDtype, KvGeometry};
     use hicache_core::hash::page_key;
     use hicache_core::layout::HostLayout;
+    use hicache_core::namespace::EntryObject;
 
     use super::*;
 
@@ -307,22 +353,60 @@ mod tests {
     }
 
     /// A sidecar pool's entry is one object of its own namespace under the native scheme (never one of the KV's
-    /// objects, whatever the attention); SGLang's schemes refuse it naming the key scheme.
+    /// objects, whatever the attention). SGLang's 0.5.23 keys need the entry's objects (refused naming the key
+    /// scheme without them); 0.5.2 kept no sidecar pools.
     #[test]
-    fn a_sidecar_entry_is_one_native_object_and_sglang_schemes_refuse_it() {
+    fn a_sidecar_entry_is_one_native_object_and_sglang_schemes_need_its_objects() {
         let key = page_key(None, &[1, 2, 3]);
         for mla in [false, true] {
             let kv = namespace(mla, 1, (0, 1));
             let mamba = kv.sidecar("mamba", 4096).unwrap();
             let renderer = KeyRenderer::new(&KeyScheme::Native, &mamba).unwrap();
             assert_eq!(renderer.parts(), 1);
+            assert_eq!(renderer.part(0), 0..4096);
             assert_eq!(renderer.object_key(&key, 0), format!("{key}_{}", mamba.digest()));
             let kv_keys = KeyRenderer::new(&KeyScheme::Native, &kv).unwrap();
             assert!((0..kv_keys.parts()).all(|part| kv_keys.object_key(&key, part) != renderer.object_key(&key, 0)));
-            for release in [SglangRelease::V0_5_2, SglangRelease::V0_5_23] {
-                let scheme = KeyScheme::Sglang { release, tag: None };
-                let error = KeyRenderer::new(&scheme, &mamba).unwrap_err().to_string();
-                assert!(error.contains("key_scheme") && error.contains("mamba"), "{error}");
+            let error =
+                |release| KeyRenderer::new(&KeyScheme::Sglang { release, tag: None }, &mamba).unwrap_err().to_string();
+            let without = error(SglangRelease::V0_5_23);
+            assert!(without.starts_with("key_scheme:") && without.contains("mamba"), "{without}");
+            let old = error(SglangRelease::V0_5_2);
+            assert!(old.starts_with("sglang_release:") && old.contains("mamba"), "{old}");
+        }
+    }
+
+    /// Under SGLang 0.5.23's keys a sidecar entry is the objects its host pool's buffers make, each named after
+    /// the rank as SGLang's `_get_hybrid_page_component_keys` names it (`mha_suffix` for pools every rank holds
+    /// its own shard of, `mla_suffix` else), each part at its place in the flat entry.
+    #[test]
+    fn sglang_names_a_sidecar_entrys_objects_after_the_rank() {
+        let key = page_key(None, &[4, 5, 6]);
+        let object = |name: &str, bytes, per_rank| EntryObject { name: name.into(), bytes, per_rank };
+        let scheme = KeyScheme::Sglang { release: SglangRelease::V0_5_23, tag: Some("blue".into()) };
+        let mamba = vec![object("temporal", 3000, true), object("conv_0", 1000, true), object("conv_1", 96, true)];
+        let indexer = vec![object("indexer", 528, false)];
+        let swa = vec![object("swa_k", 256, true), object("swa_v", 256, true)];
+        let cases = [
+            // (MLA, rank, stages, pool, objects, suffixes)
+            (false, 1, (0, 1), "mamba", mamba.clone(), vec!["_1_temporal", "_1_conv_0", "_1_conv_1"]),
+            (true, 3, (1, 2), "mamba", mamba, vec!["_3_1_temporal", "_3_1_conv_0", "_3_1_conv_1"]),
+            (true, 3, (0, 1), "indexer", indexer.clone(), vec!["__indexer"]),
+            (true, 3, (1, 2), "indexer", indexer, vec!["_1_indexer"]),
+            (false, 2, (0, 1), "swa", swa, vec!["_2_swa_k", "_2_swa_v"]),
+        ];
+        for (mla, rank, stages, pool, objects, suffixes) in cases {
+            let bytes = objects.iter().map(|object| object.bytes).sum();
+            let sidecar =
+                namespace(mla, rank, stages).sidecar(pool, bytes).unwrap().with_entry_objects(objects.clone()).unwrap();
+            let renderer = KeyRenderer::new(&scheme, &sidecar).unwrap();
+            let want: Vec<String> = suffixes.iter().map(|suffix| format!("blue_org-Model-7B_{key}{suffix}")).collect();
+            assert_eq!(keys(&scheme, &sidecar, &key), want, "{pool}");
+            assert!(!renderer.checksummed());
+            let mut at = 0;
+            for (part, object) in objects.iter().enumerate() {
+                assert_eq!(renderer.part(part), at..at + object.bytes);
+                at += object.bytes;
             }
         }
     }

@@ -7,8 +7,10 @@
 //!   parts in the same batch; a page is present only with it, and read only when its bytes match it
 //!   ([`MooncakeConfig::verify_checksum`]). A hybrid model's sidecar pool ([`StorageNamespace::sidecar`]) keeps one
 //!   object per entry (and its checksum) under the native key scheme, whose namespace digest covers the pool and its
-//!   entry size; SGLang's key schemes refuse sidecar pools (naming `key_scheme`: SGLang splits each pool's entry
-//!   into objects after its host pool's buffers). (A `page_unified` page keeps K and V together inside each layer:
+//!   entry size. Under SGLang 0.5.23's keys an entry is the objects SGLang's own store cuts it into, one per buffer
+//!   of its host pool ([`EntryObject`](hicache_core::namespace::EntryObject): a Mamba state's temporal and conv
+//!   buffers, an MHA sliding window's K and V), each at its place in the flat entry; a pool opened without them is
+//!   refused (naming `key_scheme`), as is any under 0.5.2's (naming `sglang_release`). (A `page_unified` page keeps K and V together inside each layer:
 //!   its halves, still keyed `_k` and `_v`, are its first and second halves of head groups or layers.) Where a part
 //!   is not one contiguous range of the caller's memory (a `layer_first` pool), it goes through a staging buffer,
 //!   counted in `staging_bytes`.
@@ -102,7 +104,6 @@ pub struct MooncakeStorage {
     /// The namespace digest, bound into every page's checksum.
     digest: String,
     page_bytes: usize,
-    part_bytes: usize,
     stats: StatsRecorder,
 }
 
@@ -199,7 +200,6 @@ impl MooncakeStorage {
         let keys = KeyRenderer::new(&config.scheme, &namespace)?;
         // a KV page, or a sidecar pool's entry
         let page_bytes = namespace.page_bytes();
-        let part_bytes = page_bytes / keys.parts();
         let api = sys::load(&sys::resolve_library(config.library.as_deref())).map_err(error)?;
         let client = Replaceable::new(Link::connect(api, &config).map_err(error)?);
         let link = Arc::new(Link {
@@ -215,7 +215,6 @@ impl MooncakeStorage {
             link,
             keys,
             page_bytes,
-            part_bytes,
             stats: StatsRecorder::default(),
         })
     }
@@ -331,7 +330,7 @@ impl MooncakeStorage {
 
     /// The bytes of object `object` of a page: a part's, or the checksum's.
     fn object_bytes(&self, object: usize) -> usize {
-        if object < self.keys.parts() { self.part_bytes } else { CHECKSUM_BYTES }
+        if object < self.keys.parts() { self.keys.part(object).len() } else { CHECKSUM_BYTES }
     }
 
     fn c_keys(&self, keys: &[PageKey]) -> Vec<CString> {
@@ -346,17 +345,18 @@ impl MooncakeStorage {
     /// Where object `part` of a page given as segments (lengths `lens`, starting at `starts`) lies: in place when
     /// the part is inside one segment and the transport may use that memory, else staged.
     fn place(&self, starts: &[usize], lens: &[usize], part: usize, staged: &mut usize) -> Place {
-        if let [(index, within, _)] = range_pieces(lens, part * self.part_bytes, self.part_bytes).as_slice()
-            && self.may_use(starts[*index] + within.start)
+        let range = self.keys.part(part);
+        if let [(index, within, _)] = range_pieces(lens, range.start, range.len()).as_slice()
+            && self.may_use(starts[*index] + within.start, range.len())
         {
             return Place::Direct(starts[*index] + within.start);
         }
         let at = *staged;
-        *staged += self.part_bytes;
+        *staged += range.len();
         Place::Staged(at)
     }
 
-    fn may_use(&self, address: usize) -> bool {
+    fn may_use(&self, address: usize, len: usize) -> bool {
         self.link.config.protocol == "tcp"
             || self
                 .link
@@ -364,7 +364,7 @@ impl MooncakeStorage {
                 .read()
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .iter()
-                .any(|region| region.contains(address, self.part_bytes))
+                .any(|region| region.contains(address, len))
     }
 
     /// Reads object `i` into `sizes[i]` bytes at `addresses[i]`; per object the bytes read or an error code. A key
@@ -579,7 +579,7 @@ fn checksums<S: AsRef<[u8]> + Sync>(digest: &str, pages: &[(&PageKey, &[S])], by
 }
 
 /// The failure of one object with a settled error code.
-fn object_failure(status: i64, master: &str, part_bytes: usize) -> PageFailure {
+fn object_failure(status: i64, master: &str, page_bytes: usize) -> PageFailure {
     match status {
         code::RPC_FAIL | code::RPC_TIMEOUT => PageFailure::new(
             FailureKind::Io,
@@ -590,7 +590,7 @@ fn object_failure(status: i64, master: &str, part_bytes: usize) -> PageFailure {
         }
         code::INVALID_PARAMS => PageFailure::new(
             FailureKind::SizeMismatch,
-            format!("the stored object is larger than a part of this namespace ({part_bytes} bytes)"),
+            format!("a stored object is larger than its part of this namespace's {page_bytes}-byte pages"),
         ),
         _ => PageFailure::new(FailureKind::Io, sys::code_name(status)),
     }
@@ -710,8 +710,8 @@ impl StorageBackend for MooncakeStorage {
                         stored = Some(u64::from_le_bytes(bytes.try_into().expect("a checksum's bytes")));
                         continue;
                     }
-                    scatter_range(bytes, &mut pages[index], object * self.part_bytes);
-                    self.stats.record_staging(self.part_bytes);
+                    scatter_range(bytes, &mut pages[index], self.keys.part(object).start);
+                    self.stats.record_staging(bytes.len());
                 }
                 if let Some(stored) = stored.filter(|_| self.link.config.verify_checksum) {
                     // checked below, all pages at once
@@ -723,7 +723,7 @@ impl StorageBackend for MooncakeStorage {
             } else if let Some(&(_, status, _)) =
                 page.iter().find(|&&(_, status, _)| status < 0 && status != code::OBJECT_NOT_FOUND)
             {
-                GetOutcome::Failed(object_failure(status, master, self.part_bytes))
+                GetOutcome::Failed(object_failure(status, master, self.page_bytes))
             } else if let Some(&(object, status, _)) =
                 page.iter().find(|&&(object, status, _)| (0..whole(object)).contains(&status))
             {
@@ -831,9 +831,10 @@ impl StorageBackend for MooncakeStorage {
                     staging.address(offset)
                 }
                 Place::Staged(offset) => {
-                    let out = &mut staging.bytes[offset..offset + self.part_bytes];
-                    gather_range(&pages[index], part * self.part_bytes, out);
-                    self.stats.record_staging(self.part_bytes);
+                    let range = self.keys.part(part);
+                    let out = &mut staging.bytes[offset..offset + range.len()];
+                    gather_range(&pages[index], range.start, out);
+                    self.stats.record_staging(range.len());
                     staging.address(offset)
                 }
             });
@@ -876,7 +877,7 @@ impl StorageBackend for MooncakeStorage {
             }
             let page = &object_results[index * objects..(index + 1) * objects];
             *outcome = Some(if let Some(&Err(status)) = page.iter().find(|result| result.is_err()) {
-                SetOutcome::Failed(object_failure(status, master, self.part_bytes))
+                SetOutcome::Failed(object_failure(status, master, self.page_bytes))
             } else if page.contains(&Ok(true)) {
                 SetOutcome::Stored
             } else {

@@ -322,7 +322,7 @@ fn layout(args: &LayoutArgs) -> anyhow::Result<()> {
             }
             (None, _) => HitPolicy::AllPages,
         };
-        backends::add_sidecar_layout(&mut layout, backend, &kv, &sidecar.pool, sidecar.entry_bytes, policy, &options)?;
+        backends::add_sidecar_layout(&mut layout, backend, &kv, sidecar, policy, &options)?;
     }
     if args.json {
         return print_json(&layout);

@@ -28,7 +28,7 @@ use super::groups::HitPolicy;
 use super::tiers::{PageObjects, TierEntry, TierFields};
 use super::unified::chunk_namespace;
 use crate::error::Error;
-use crate::namespace::StorageNamespace;
+use crate::namespace::{Sidecar, StorageNamespace};
 use crate::unified_keys::{UnifiedAgreements, UnifiedRank, plan};
 
 /// The layout, or why there is none.
@@ -220,21 +220,22 @@ impl L3Layout {
         })
     }
 
-    /// Adds a hybrid model's sidecar pool `pool` (entries of `entry_bytes`, restored as `policy` says) beside the KV
-    /// of `kv`'s stage: every TP rank's objects of the pool's namespace ([`StorageNamespace::sidecar`]; a Mamba
-    /// state's are per rank even for MLA, an indexer's are not). A disabled layout stays as it is; under the unified
+    /// Adds a hybrid model's sidecar pool `sidecar` (its name, entry size and, for tiers under SGLang's keys, how an
+    /// entry is cut into objects; restored as `policy` says) beside the KV of `kv`'s stage: every TP rank's objects
+    /// of the pool's namespace ([`StorageNamespace::sidecar`]; a Mamba state's are per rank even for MLA, an
+    /// indexer's are not). A disabled layout stays as it is; under the unified
     /// key scheme, which keeps no sidecar pools, the layout is disabled saying so.
     ///
     /// # Errors
     ///
-    /// The namespace's refusal of the pool (naming `pool` or `entry_bytes`); the tier's refusal of its settings.
+    /// The namespace's refusal of the pool (naming `pool`, `entry_bytes` or `objects`); the tier's refusal of its
+    /// settings or of the pool.
     pub fn add_sidecar(
         &mut self,
         tier: &TierEntry,
         fields: &TierFields,
         kv: &StorageNamespace,
-        pool: &str,
-        entry_bytes: usize,
+        sidecar: &Sidecar,
         policy: HitPolicy,
     ) -> Result<(), Error> {
         let Some(objects) = tier.objects.filter(|_| self.enabled) else { return Ok(()) };
@@ -244,7 +245,9 @@ impl L3Layout {
         }
         let mut suffixes: Vec<String> = Vec::new();
         for tp_rank in 0..kv.tp_size {
-            let rank = StorageNamespace { tp_rank, ..kv.clone() }.sidecar(pool, entry_bytes)?;
+            let rank = StorageNamespace { tp_rank, ..kv.clone() }
+                .sidecar(&sidecar.pool, sidecar.entry_bytes)?
+                .with_entry_objects(sidecar.objects.clone())?;
             for suffix in objects(fields, &rank)?.suffixes {
                 if !suffixes.contains(&suffix) {
                     suffixes.push(suffix);
@@ -256,7 +259,7 @@ impl L3Layout {
             HitPolicy::TrailingPages { window } => Some(window.max(1)),
         };
         self.hicache_object_layout.pools.push(PoolLayout {
-            pool: pool.to_owned(),
+            pool: sidecar.pool.clone(),
             suffixes,
             hit_policy: policy.name().to_owned(),
             objects: None,
@@ -335,6 +338,10 @@ pub fn merge(layouts: &[Option<L3Layout>]) -> Option<L3Layout> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pool(name: &str, entry_bytes: usize) -> Sidecar {
+        Sidecar { pool: name.into(), entry_bytes, objects: Vec::new() }
+    }
 
     fn stage(pp_rank: usize, pp_size: usize, suffix: &str) -> L3Layout {
         L3Layout {
@@ -439,8 +446,9 @@ mod tests {
         };
         let fields = TierFields::new();
         let mut layout = L3Layout::describe(&BY_DIGEST, &fields, &kv, None).unwrap();
-        layout.add_sidecar(&BY_DIGEST, &fields, &kv, "indexer", 528, HitPolicy::AllPages).unwrap();
-        layout.add_sidecar(&BY_DIGEST, &fields, &kv, "mamba", 3000, HitPolicy::TrailingPages { window: 0 }).unwrap();
+        layout.add_sidecar(&BY_DIGEST, &fields, &kv, &pool("indexer", 528), HitPolicy::AllPages).unwrap();
+        let mamba = pool("mamba", 3000);
+        layout.add_sidecar(&BY_DIGEST, &fields, &kv, &mamba, HitPolicy::TrailingPages { window: 0 }).unwrap();
         let pools = &layout.hicache_object_layout.pools;
         let digest = |pool: &str, bytes: usize, rank: usize| {
             format!("_{}", StorageNamespace { tp_rank: rank, ..kv.clone() }.sidecar(pool, bytes).unwrap().digest())
@@ -456,10 +464,10 @@ mod tests {
         assert_eq!(json["hicache_object_layout"]["pools"][2]["trailing_pages"], 1);
         assert!(json["hicache_object_layout"]["pools"][1].get("trailing_pages").is_none());
         // a bad pool is named; a disabled layout stays disabled
-        let error = layout.add_sidecar(&BY_DIGEST, &fields, &kv, "Bad", 1, HitPolicy::AllPages).unwrap_err();
+        let error = layout.add_sidecar(&BY_DIGEST, &fields, &kv, &pool("Bad", 1), HitPolicy::AllPages).unwrap_err();
         assert!(error.to_string().starts_with("pool:"), "{error}");
         let mut disabled = L3Layout::disabled("why", None, None);
-        disabled.add_sidecar(&BY_DIGEST, &fields, &kv, "mamba", 1, HitPolicy::AllPages).unwrap();
+        disabled.add_sidecar(&BY_DIGEST, &fields, &kv, &pool("mamba", 1), HitPolicy::AllPages).unwrap();
         assert_eq!(disabled, L3Layout::disabled("why", None, None));
     }
 

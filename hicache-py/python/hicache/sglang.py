@@ -113,7 +113,8 @@ class HiCacheStorage(_SglangStorage):
         entry_bytes = _flat_page_bytes(host_pool.get_dummy_flat_data_page())
         # a Mamba state is held per TP rank even where the KV is replicated (MLA), so every rank writes its own
         writer = self._backend.writer or name == "mamba"
-        sidecar = self._settings.open_sidecar(self._backend, name, entry_bytes, writer)
+        objects = _sglang_entry_objects(host_pool, name, self._rank["is_mla"], entry_bytes)
+        sidecar = self._settings.open_sidecar(self._backend, name, entry_bytes, writer, objects)
         old = self._sidecars.pop(name, None)
         if old is not None:
             old[0].close()
@@ -364,7 +365,7 @@ class HiCacheStorage(_SglangStorage):
                             backend=backend,
                             page_size=page_size,
                         )
-                pools.append((name, sidecar.entry_bytes, policy, window))
+                pools.append((sidecar, policy, window))
             layout = json.loads(self._settings.l3_layout_with_sidecars(self._backend, pools))
         else:
             layout = json.loads(self._backend.l3_layout)
@@ -476,6 +477,62 @@ def _entry_segments(host_pool, indices, entries: int, entry_bytes: int):
     if any(sum(lengths[at : at + per_entry]) != entry_bytes for at in range(0, len(lengths), per_entry)):
         return None
     return addresses, lengths, per_entry
+
+
+def _sglang_entry_objects(host_pool, name: str, is_mla: bool, entry_bytes: int):
+    """How SGLang's Mooncake store cuts an entry of the sidecar pool `name` into objects (its
+    ``_get_hybrid_page_component_keys``, 0.5.23): per object its name after the rank, its bytes, and whether its key
+    carries the TP rank (``mha_suffix``) or only the stage (``mla_suffix``). The bytes are the pool's own buffers of
+    one page (``get_page_buffer_meta``, consecutive buffers packed into one object as SGLang packs them), which
+    follow the flat entry's byte order. None where the pool does not say, or SGLang's store would not keep it."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    single = {str(member.value) for member in PoolName if member.name.startswith("DEEPSEEK_V4_")}
+    single |= {str(PoolName.INDEXER.value), str(PoolName.DRAFT_INDEXER.value)}
+    if name == str(PoolName.MAMBA.value):
+        names = [f"conv_{index}" for index in range(len(getattr(host_pool, "conv_buffer", None) or []))]
+        if getattr(host_pool, "temporal_state_elem_size", 1) > 0:
+            names.insert(0, "temporal")
+        objects = [(object_name, True) for object_name in names]
+    elif name == str(PoolName.DRAFT.value):
+        mla = isinstance(host_pool, MLATokenToKVPoolHost)
+        objects = [("draft_k", False)] if mla else [("draft_k", True), ("draft_v", True)]
+    elif name == str(PoolName.DRAFT_SWA.value):
+        from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+
+        if isinstance(host_pool, (DeepSeekV4PagedHostPool, MLATokenToKVPoolHost)):
+            objects = [(name, False)]
+        elif isinstance(host_pool, MHATokenToKVPoolHost):
+            objects = [(f"{name}_k", True), (f"{name}_v", True)]
+        else:
+            return None
+    elif name in single:
+        objects = [(name, False)]
+    elif name == str(PoolName.SWA.value):
+        if not is_mla and hasattr(host_pool, "v_buffer"):
+            objects = [(f"{name}_k", True), (f"{name}_v", True)]
+        elif is_mla:
+            objects = [(name, False)]
+        else:
+            return None
+    else:
+        return None
+    if not objects:
+        return None
+    try:
+        page = torch.arange(getattr(host_pool, "page_size", 1) or 1, dtype=torch.int64)
+        _, lengths = host_pool.get_page_buffer_meta(page)
+    except (AttributeError, NotImplementedError, ValueError, AssertionError, RuntimeError):
+        return None
+    if not lengths or len(lengths) % len(objects) or any(isinstance(length, (list, tuple)) for length in lengths):
+        return None
+    per_object = len(lengths) // len(objects)
+    sizes = [sum(int(length) for length in lengths[at : at + per_object]) for at in range(0, len(lengths), per_object)]
+    if sum(sizes) != entry_bytes:
+        return None
+    return [(object_name, size, per_rank) for (object_name, per_rank), size in zip(objects, sizes)]
 
 
 def _pool_name(name) -> str:
