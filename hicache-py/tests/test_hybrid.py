@@ -1,6 +1,6 @@
 """Hybrid models through SGLang's v2 storage calls, with SGLang 0.5.23's own host pools built on the CPU: a Mamba
-state pool (``trailing_pages``), a sliding-window KV pool (``trailing_pages``) and a DSA indexer pool (``all_pages``),
-each beside its KV pool. Pages round trip through SGLang's factory byte for byte per pool; a sidecar entry that is
+state pool (``trailing_pages``), a sliding-window KV pool (``trailing_pages``), a DSA indexer pool (``all_pages``) and
+a draft model's KV pool (``all_pages``), each beside its KV pool. Pages round trip through SGLang's factory byte for byte per pool; a sidecar entry that is
 missing, damaged or evicted between the query and the read shrinks what is restored to the last whole group; SGLang's
 own ``HiCacheFile`` reads the groups hicache wrote in the ``sglang`` format, and the reverse."""
 
@@ -52,13 +52,20 @@ def dsa_pools(layout, page_size=64, tokens=40 * 64, layers=2):
 
 
 def cases():
-    """(name, KV host pool, MLA or not, sidecar pool name, its host pool, its hit policy, its window in pages)."""
+    """(name, KV host pool, MLA or not, sidecar pool name, its host pool, its hit policy, its window in pages): a
+    Mamba state, a sliding window and a DSA indexer (of either layout), and a draft model's KV beside an MHA and an
+    MLA target."""
     yield "mamba", support.mha_pool("page_first"), False, PoolName.MAMBA, mamba_pool(), PoolHitPolicy.TRAILING_PAGES, 1
     for layout in ("layer_first", "page_first"):
         swa = support.mha_pool(layout, layers=1, heads=1, head_dim=32)
         yield f"swa/{layout}", support.mha_pool(layout), False, PoolName.SWA, swa, PoolHitPolicy.TRAILING_PAGES, 2
         anchor, indexer = dsa_pools(layout)
         yield f"indexer/{layout}", anchor, True, PoolName.INDEXER, indexer, PoolHitPolicy.ALL_PAGES, 0
+    # a draft model's KV (EAGLE beside an MHA target, MTP beside an MLA one): every page
+    draft = support.mha_pool("page_first", layers=1, heads=1, head_dim=16)
+    yield "draft", support.mha_pool("page_first"), False, PoolName.DRAFT, draft, PoolHitPolicy.ALL_PAGES, 0
+    draft = support.mla_pool("page_first", layers=1)
+    yield "draft/mla", support.mla_pool("page_first"), True, PoolName.DRAFT, draft, PoolHitPolicy.ALL_PAGES, 0
 
 
 def fill(pool, pages, generator):

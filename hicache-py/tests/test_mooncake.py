@@ -240,8 +240,8 @@ class MooncakeTier(unittest.TestCase):
 
     def test_sglangs_own_mooncake_store_and_hicache_read_each_others_groups(self):
         """A hybrid model's page groups under SGLang's Mooncake keys, one case per kind (a Mamba state of two
-        buffers, a sliding window of MHA with its K and V, a DSA indexer beside MLA), on TP rank 1 of 2 (0 for
-        MLA, whose rank 0 writes): SGLang's own MooncakeStore, through Mooncake's official client, writes groups
+        buffers, a sliding window of MHA with its K and V, a DSA indexer beside MLA, a draft model's KV beside MHA
+        and beside MLA), on TP rank 1 of 2 (0 for MLA, whose rank 0 writes): SGLang's own MooncakeStore, through Mooncake's official client, writes groups
         that hicache finds restorable and reads byte for byte per pool, and reads those hicache writes."""
         from test_hybrid import PAGES, cases, fill, page, transfer
 
