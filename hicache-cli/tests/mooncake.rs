@@ -361,7 +361,7 @@ fn a_router_finds_the_stored_pages_from_the_layout_alone() {
     let mla = ["--layers", "3", "--mla", "--kv-lora-rank", "64", "--rope-dim", "32", "--page-size", "16"];
     // a hybrid model's indexer entries beside the KV (every page needs them): 4000 bytes per page and rank
     let indexer = ["--pool", "indexer", "--entry-bytes", "4000"];
-    let cases: [(&str, String, Vec<&str>, usize); 4] = [
+    let cases: [(&str, String, Vec<&str>, usize); 5] = [
         ("native keys, TP2", extra(serde_json::json!({})), [&mha[..], &["--layout", "page-first"]].concat(), 24576),
         (
             "native keys, TP2, an indexer pool beside the KV",
@@ -373,6 +373,13 @@ fn a_router_finds_the_stored_pages_from_the_layout_alone() {
             "SGLang 0.5.23 keys, MLA, the second of two stages",
             extra(serde_json::json!({"key_scheme": "sglang", "extra_backend_tag": "blue"})),
             [&mla[..], &["--layout", "page-first", "--pp-size", "2", "--pp-rank", "1", "--tp-size", "2"]].concat(),
+            9216,
+        ),
+        (
+            // the indexer's entry is one object of the stage, as SGLang's own store names it (`__indexer`)
+            "SGLang 0.5.23 keys, MLA, TP2, an indexer pool beside the KV",
+            extra(serde_json::json!({"key_scheme": "sglang"})),
+            [&mla[..], &["--layout", "page-first", "--tp-size", "2"]].concat(),
             9216,
         ),
         (
@@ -416,8 +423,14 @@ fn a_router_finds_the_stored_pages_from_the_layout_alone() {
                 (pools[1]["pool"].as_str(), pools[1]["hit_policy"].as_str()),
                 (Some("indexer"), Some("all_pages"))
             );
-            // each rank's entry and its checksum
-            assert_eq!(pools[1]["suffixes"].as_array().unwrap().len(), 4, "{layout}");
+            let suffixes: Vec<&str> =
+                pools[1]["suffixes"].as_array().unwrap().iter().map(|suffix| suffix.as_str().unwrap()).collect();
+            if case.contains("SGLang") {
+                assert_eq!(suffixes, ["__indexer"], "{layout}");
+            } else {
+                // each rank's entry and its checksum
+                assert_eq!(suffixes.len(), 4, "{layout}");
+            }
         }
         let found = route(&master, &layout, &hashes);
         let objects = found[0].1;
@@ -426,8 +439,9 @@ fn a_router_finds_the_stored_pages_from_the_layout_alone() {
         assert_eq!(found[1], (objects, objects), "{case}: {layout}");
         assert_eq!(found[3].0, 0, "{case}: a page never stored has objects: {layout}");
         if case.contains("MLA") {
-            // one object per page, the same on every rank: rank 0's alone is the whole page
-            assert_eq!((objects, found[2].0), (1, 1), "{case}: {layout}");
+            // one object per page and pool, the same on every rank: rank 0's alone is the whole page
+            let per_page = if case.contains("indexer") { 2 } else { 1 };
+            assert_eq!((objects, found[2].0), (per_page, per_page), "{case}: {layout}");
         } else {
             // rank 1's objects are missing: the router sees the page as absent
             assert!(found[2].0 > 0 && found[2].0 < objects, "{case}: {found:?}\n{layout}");

@@ -317,6 +317,18 @@ fn a_sidecar_pools_entries_round_trip_beside_the_kv_pages() {
     failure(&store("stat", &storage, &["--pool", "kv", "--entry-bytes", "96"]), 2, "--pool");
     let wrong = ["--pool", "mamba", "--entry-bytes", "96", "--page-bytes", "128"];
     failure(&store("stat", &storage, &wrong), 2, "--entry-bytes 96");
+    // SGLang's Mooncake cut of an entry must add up to it and be NAME:BYTES[:stage]; the bytes stored are the same
+    // whatever the cut, so the file tier's namespace does not change with it
+    fn cut(objects: &str) -> Vec<&str> {
+        vec!["--pool", "mamba", "--entry-bytes", "96", "--entry-objects", objects]
+    }
+    failure(&store("stat", &storage, &cut("temporal:64,conv_0:31")), 2, "add up to 95 bytes, not one entry of 96");
+    failure(&store("stat", &storage, &cut("temporal:64:rank")), 2, "is not `stage`");
+    failure(&store("stat", &storage, &cut("temporal")), 2, "NAME:BYTES");
+    let stat: Value =
+        serde_json::from_str(&ok(store("stat", &storage, &[&cut("temporal:64,conv_0:32")[..], &["--json"]].concat())))
+            .unwrap();
+    assert_eq!(stat["pages"].as_u64(), Some(3));
     // a sliding window's layout needs its width; --trailing-pages needs a pool
     failure(&store("layout", &storage, &["--pool", "swa", "--entry-bytes", "96"]), 2, "--trailing-pages");
     failure(&store("layout", &storage, &["--trailing-pages", "2"]), 2, "--pool");

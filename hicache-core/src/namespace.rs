@@ -65,6 +65,31 @@ pub struct Sidecar {
     pub objects: Vec<EntryObject>,
 }
 
+/// How SGLang 0.5.23's Mooncake store cuts an entry of the sidecar pool `pool` (`entry_bytes`) into objects where
+/// the pool's name and the KV's attention tell (its `_get_hybrid_page_component_keys`): a DSA indexer's or a DeepSeek
+/// V4 pool's entry is one object named after the pool and the stage; a sliding window's (and a draft model's) is its
+/// K and V halves per TP rank beside MHA, one object per stage beside MLA. `None` where only the host pool tells: a
+/// Mamba state (a temporal buffer and conv buffers of the model's sizes), and pools SGLang's store does not keep.
+/// A draft model's pool is taken to have the target's attention (EAGLE beside MHA, MTP beside MLA). What an
+/// operator's tools assume where no host pool is at hand; the Python package reads the objects from the pool.
+pub fn sglang_mooncake_objects(pool: &str, mla: bool, entry_bytes: usize) -> Option<Vec<EntryObject>> {
+    let whole = |name: &str| vec![EntryObject { name: name.to_owned(), bytes: entry_bytes, per_rank: false }];
+    let halves = |k: &str, v: &str| {
+        entry_bytes.is_multiple_of(2).then(|| {
+            [k, v].map(|name| EntryObject { name: name.to_owned(), bytes: entry_bytes / 2, per_rank: true }).to_vec()
+        })
+    };
+    match pool {
+        "indexer" | "draft_indexer" => Some(whole(pool)),
+        _ if pool.starts_with("deepseek_v4_") => Some(whole(pool)),
+        "swa" | "draft_swa" if mla => Some(whole(pool)),
+        "swa" | "draft_swa" => halves(&format!("{pool}_k"), &format!("{pool}_v")),
+        "draft" if mla => Some(whole("draft_k")),
+        "draft" => halves("draft_k", "draft_v"),
+        _ => None,
+    }
+}
+
 /// One object of a sidecar pool's entry as SGLang's Mooncake store names it: the key is
 /// `{hash}_{rank}_{name}`, where the rank is the tensor-parallel rank (with the stage, when there are stages) for a
 /// pool each rank holds its own shard of, else only the stage (SGLang's `mha_suffix` and `mla_suffix`).
@@ -456,5 +481,29 @@ mod tests {
         assert!(error(vec![object("a", usize::MAX), object("b", 2)]).contains("more than usize::MAX"));
         let kv = llama(HostLayout::PageFirst).with_entry_objects(vec![object("k", 1)]).unwrap_err();
         assert!(kv.to_string().starts_with("objects: only a sidecar pool's entries"));
+    }
+
+    /// Without a host pool at hand, SGLang's cut is told by the pool's name and the attention where it can be: the
+    /// objects its `_get_hybrid_page_component_keys` names, every byte of the entry in one of them.
+    #[test]
+    fn sglang_cuts_are_told_by_the_pool_and_the_attention_where_they_can_be() {
+        let cut = |pool, mla, bytes| {
+            sglang_mooncake_objects(pool, mla, bytes)
+                .map(|objects| objects.into_iter().map(|object| (object.name, object.bytes, object.per_rank)).collect())
+        };
+        let named = |objects: &[(&str, usize, bool)]| -> Option<Vec<(String, usize, bool)>> {
+            Some(objects.iter().map(|&(name, bytes, per_rank)| (name.to_owned(), bytes, per_rank)).collect())
+        };
+        assert_eq!(cut("indexer", true, 528), named(&[("indexer", 528, false)]));
+        assert_eq!(cut("deepseek_v4_c4_rope", true, 64), named(&[("deepseek_v4_c4_rope", 64, false)]));
+        assert_eq!(cut("swa", false, 96), named(&[("swa_k", 48, true), ("swa_v", 48, true)]));
+        assert_eq!(cut("swa", true, 96), named(&[("swa", 96, false)]));
+        assert_eq!(cut("draft", false, 64), named(&[("draft_k", 32, true), ("draft_v", 32, true)]));
+        assert_eq!(cut("draft", true, 64), named(&[("draft_k", 64, false)]));
+        assert_eq!(cut("draft_swa", false, 8), named(&[("draft_swa_k", 4, true), ("draft_swa_v", 4, true)]));
+        // a Mamba state's buffers, a K/V pair of odd bytes and an unknown pool are for the host pool to tell
+        assert_eq!(cut("mamba", false, 3000), None);
+        assert_eq!(cut("swa", false, 97), None);
+        assert_eq!(cut("auxiliary_swa", false, 96), None);
     }
 }

@@ -109,14 +109,14 @@ impl KeyRenderer {
                 return Err(Error::InvalidArgument {
                     field: "key_scheme",
                     reason: format!(
-                        "SGLang's Mooncake keys cut a sidecar pool's entry into objects after its host pool's \
-                         buffers, and pool `{}` was opened without them (the Python package gives them); use the \
-                         native key scheme",
+                        "SGLang's Mooncake keys cut an entry of pool `{}` into one object per buffer of its host \
+                         pool, and it was opened without them (the Python package reads them from the pool; the \
+                         CLI takes --entry-objects); or use the native key scheme",
                         sidecar.pool
                     ),
                 });
             }
-            (Some(sidecar), KeyScheme::Sglang { .. }) => Some(&sidecar.objects),
+            (Some(sidecar), KeyScheme::Sglang { .. }) => Some(sidecar.objects.clone()),
             _ => None,
         };
         let (before, suffixes, checksum) = match scheme {
@@ -163,7 +163,7 @@ impl KeyRenderer {
                     namespace.tp_rank.to_string()
                 };
                 let shared = if staged { namespace.pp_rank.to_string() } else { String::new() };
-                let suffixes = if let Some(objects) = sglang_objects {
+                let suffixes = if let Some(objects) = &sglang_objects {
                     objects
                         .iter()
                         .map(|object| {
@@ -182,7 +182,7 @@ impl KeyRenderer {
         let alternatives: Vec<String> = suffixes.iter().chain(&checksum).map(|suffix| escape_regex(suffix)).collect();
         let pattern = format!("^{}[0-9a-f]{{64}}({})$", escape_regex(&before), alternatives.join("|"));
         // a part's place in the page: SGLang's objects of a sidecar entry one after another, else equal cuts
-        let parts = match sglang_objects {
+        let parts = match &sglang_objects {
             Some(objects) => objects.iter().map(|object| object.bytes).collect(),
             None => vec![page_bytes / suffixes.len(); suffixes.len()],
         };

@@ -8,7 +8,7 @@ use clap::{Args, ValueEnum};
 use hicache_core::config::HiCacheConfig;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::hash::{PageHasher, PageKey};
-use hicache_core::namespace::StorageNamespace;
+use hicache_core::namespace::{EntryObject, StorageNamespace, sglang_mooncake_objects};
 use hicache_core::storage::StorageBackend;
 use hicache_core::tokens::parse_tokens;
 
@@ -120,6 +120,13 @@ pub(crate) struct TargetArgs {
     /// Bytes of one entry of the --pool (SGLang's `get_dummy_flat_data_page()` of the pool).
     #[arg(long, value_name = "B", requires = "pool")]
     entry_bytes: Option<usize>,
+    /// How SGLang's Mooncake keys cut an entry of the --pool into objects, one per buffer of its host pool, in the
+    /// entry's byte order: `NAME:BYTES` (the key carries the TP rank) or `NAME:BYTES:stage` (only the stage), comma
+    /// separated, e.g. `temporal:2195456,conv_0:24576` for a Mamba state. Default: what the pool's name and the
+    /// attention tell (an indexer's one object; a sliding window's or a draft model's K and V halves beside MHA, one
+    /// object beside MLA); a Mamba state has none. Only Mooncake under `--key-scheme sglang` uses it.
+    #[arg(long, value_name = "LIST", requires = "pool", value_parser = parse_entry_objects)]
+    entry_objects: Option<EntryObjects>,
     /// Print JSON.
     #[arg(long)]
     pub(super) json: bool,
@@ -235,6 +242,12 @@ pub(super) fn target(args: &TargetArgs, mode: Mode) -> anyhow::Result<Target> {
     let mut page_bytes = geometry.bytes_per_page(page_size);
     if let (Some(pool), Some(entry_bytes)) = (&args.pool, args.entry_bytes) {
         namespace = namespace.sidecar(pool, entry_bytes).map_err(|error| Usage(format!("--pool: {error}")))?;
+        let given = args.entry_objects.clone().map(|EntryObjects(objects)| objects);
+        let objects = given.or_else(|| sglang_mooncake_objects(pool, geometry.is_mla(), entry_bytes));
+        if let Some(objects) = objects {
+            namespace =
+                namespace.with_entry_objects(objects).map_err(|error| Usage(format!("--entry-objects: {error}")))?;
+        }
         page_bytes = entry_bytes;
     }
     if let Some(given) = args.page_bytes
@@ -334,4 +347,31 @@ pub(super) fn read_pages(input: &Path, flag: &str, pages: usize, page_bytes: usi
 /// `count` and `noun`, plural unless the count is 1.
 pub(super) fn plural(count: usize, noun: &str) -> String {
     if count == 1 { format!("1 {noun}") } else { format!("{count} {noun}s") }
+}
+
+/// `--entry-objects`: one value (clap would take a `Vec` for values given one by one).
+#[derive(Clone, Debug)]
+struct EntryObjects(Vec<EntryObject>);
+
+/// `--entry-objects`: `NAME:BYTES[:stage]`, comma separated.
+fn parse_entry_objects(text: &str) -> Result<EntryObjects, String> {
+    text.split(',')
+        .map(|item| {
+            let mut fields = item.split(':');
+            let (Some(name), Some(bytes)) = (fields.next(), fields.next()) else {
+                return Err(format!("{item:?} is not NAME:BYTES or NAME:BYTES:stage"));
+            };
+            let bytes = bytes.parse().map_err(|_| format!("{item:?}: {bytes:?} is not a number of bytes"))?;
+            let per_rank = match fields.next() {
+                None => true,
+                Some("stage") => false,
+                Some(other) => return Err(format!("{item:?}: {other:?} is not `stage`")),
+            };
+            if fields.next().is_some() {
+                return Err(format!("{item:?} is not NAME:BYTES or NAME:BYTES:stage"));
+            }
+            Ok(EntryObject { name: name.to_owned(), bytes, per_rank })
+        })
+        .collect::<Result<_, _>>()
+        .map(EntryObjects)
 }

@@ -484,7 +484,10 @@ def _sglang_entry_objects(host_pool, name: str, is_mla: bool, entry_bytes: int):
     ``_get_hybrid_page_component_keys``, 0.5.23): per object its name after the rank, its bytes, and whether its key
     carries the TP rank (``mha_suffix``) or only the stage (``mla_suffix``). The bytes are the pool's own buffers of
     one page (``get_page_buffer_meta``, consecutive buffers packed into one object as SGLang packs them), which
-    follow the flat entry's byte order. None where the pool does not say, or SGLang's store would not keep it."""
+    follow the flat entry's byte order in page-first layouts. None where the pool does not say, where its buffers
+    may not follow that order (other layouts: SGLang packs a layer-first MHA pool's per-layer K and V buffers into
+    its objects interleaved), or where SGLang's store would not keep it; the Mooncake tier under SGLang's keys then
+    refuses the pool."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -519,7 +522,7 @@ def _sglang_entry_objects(host_pool, name: str, is_mla: bool, entry_bytes: int):
             return None
     else:
         return None
-    if not objects:
+    if not objects or getattr(host_pool, "layout", None) not in ("page_first", "page_first_direct"):
         return None
     try:
         page = torch.arange(getattr(host_pool, "page_size", 1) or 1, dtype=torch.int64)
