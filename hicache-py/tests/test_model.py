@@ -21,6 +21,10 @@ and the output agrees the same way. An engine that meets the reads (it computes 
 reads it from the end, and takes the pages read once its compute reaches them) gives the same output wherever the two
 meet.
 
+A model whose upper layers attend to a sliding window (a tiny Qwen2, the window shorter than every prompt) gives
+the same output as its device-only loop and as its own recompute; a model that asks the attention function for what
+it does not compute (Gemma 2's logit soft-capping) is refused by name.
+
 ``HICACHE_TEST_DEVICE=cuda`` runs the same on a GPU (the wheel built with the ``cuda`` feature).
 """
 
@@ -35,7 +39,7 @@ import time
 import unittest
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import hicache
 from hicache.cache import Cache, token_ids
@@ -406,6 +410,80 @@ class BadInput(unittest.TestCase):
             cache.match([1, 2])
         with self.assertRaisesRegex(ValueError, "closed"):
             load.wait_layer(0)
+
+
+def tiny_qwen2_with_sliding_windows(seed: int):
+    """A tiny Qwen2 whose two upper layers attend to a window of WINDOW tokens (shorter than every prompt)."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=2,
+    )
+    return Qwen2ForCausalLM(config).eval().to(DEVICE)
+
+
+WINDOW = 24
+
+
+class SlidingWindowModelOutputUnchanged(unittest.TestCase):
+    """A hybrid model of full-attention and sliding-window layers: each sliding layer attends to the keys of its
+    window only, as the model's own attention does, whether the prefix stayed on the device or came back from the
+    host or storage."""
+
+    def test_restored_kv_logits_and_tokens_equal_the_device_only_loop_and_a_recompute(self):
+        model = tiny_qwen2_with_sliding_windows(seed=random.randrange(1 << 30))
+        self.assertEqual(
+            model.config.layer_types, ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+        )
+        conversations = Conversations(seed=random.randrange(1 << 30))
+        control_engine = Engine(model, config(None), device_tokens=CLIENTS * TURNS * 200 + 1024)
+        control = conversations.run(control_engine)
+        control_engine.cache.close()
+        with tempfile.TemporaryDirectory() as directory:
+            engine = Engine(model, config(directory), device_tokens=768)
+            served = conversations.run(engine, empty_tiers(engine))
+            engine.cache.close()
+        assert_restored_as_written(self, served)
+        largest, loaded = 0.0, 0
+        for (client, turn), (prompt, result, restored, _written) in served.items():
+            control_prompt, expected, control_kv, _ = control[client, turn]
+            self.assertEqual(prompt, control_prompt)
+            self.assertEqual(result.tokens, expected.tokens, f"client {client} turn {turn}: greedy tokens")
+            self.assertTrue(torch.equal(result.logits, expected.logits), f"client {client} turn {turn}: logits")
+            assert_kv_equal(self, restored, control_kv, result.cached, f"client {client} turn {turn}, control")
+            self.assertGreater(len(prompt), WINDOW)
+            loaded += result.loaded
+            full = recompute_logits(model, prompt)[result.cached :]
+            largest = max(largest, float((full - result.logits).abs().max()))
+        print(f"\nsliding windows of {WINDOW}: {loaded} tokens loaded back; largest logit difference to a full "
+              f"recompute: {largest:.3g}")
+        self.assertGreater(loaded, 0)
+        self.assertLess(largest, TOLERANCE)
+
+    def test_a_layer_asking_for_what_the_engine_does_not_compute_is_refused_by_name(self):
+        torch.manual_seed(0)
+        config_ = Gemma2Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            attn_logit_softcapping=50.0,
+        )
+        engine = Engine(Gemma2ForCausalLM(config_).eval().to(DEVICE), config(None), device_tokens=256)
+        with self.assertRaisesRegex(NotImplementedError, "layer 0 asks for softcap"):
+            engine.serve("r", list(range(40)), 2)
+        engine.cache.close()
 
 
 if __name__ == "__main__":

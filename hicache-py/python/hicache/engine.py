@@ -5,7 +5,10 @@ hook: for each layer it writes the new tokens' K and V (after the model's rotary
 waits for that layer of the request's cached prefix to be loaded (``Load.wait_layer``: on the GPU an event wait on
 the current stream), reads the prefix's and the new tokens' KV from the slots and runs PyTorch's scaled dot-product
 attention over them. Positions are passed to the model, so the rotary embedding of the new tokens continues after the
-prefix.
+prefix. A sliding-window layer (transformers' ``sliding_window``: Mistral, Qwen2 and Qwen3 with ``layer_types``)
+attends to the keys of its window only, as the model's own attention does; its KV is cached whole like any layer's.
+A layer that asks for what this function does not compute (attention sinks, logit soft-capping, chunked attention)
+raises, naming it, rather than compute other output.
 
 A request (``Engine.serve``): fetch from storage what lies beyond the device and host hit (waiting for it; when the
 cache's plan splits the hit, computing its head first while storage reads the tail; with ``prefetch_meet``, computing
@@ -49,11 +52,21 @@ _PLANNED = [SDPBackend.CUDNN_ATTENTION, *_UNPLANNED]
 _MEET_PASS = 1024
 
 
-def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **_kwargs):
+# What transformers passes an attention function that this one does not compute: attention sinks (gpt-oss), logit
+# soft-capping (Gemma 2), chunked attention (Llama 4). A model that sets one is refused, never served other output.
+_UNSERVED = ("s_aux", "sinks", "softcap", "attention_chunk_size")
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
     step = getattr(_ACTIVE, "step", None)
     if step is None:
         raise RuntimeError("hicache attention called outside Engine.forward")
-    return step.attend(module.layer_idx, query, key, value, scaling)
+    unserved = [name for name in _UNSERVED if kwargs.get(name) is not None]
+    if unserved:
+        raise NotImplementedError(
+            f"hicache attention: layer {module.layer_idx} asks for {', '.join(unserved)}, which it does not compute"
+        )
+    return step.attend(module.layer_idx, query, key, value, scaling, sliding_window)
 
 
 AttentionInterface.register("hicache", _attention)
@@ -75,17 +88,36 @@ class _Step:
         # the slow path); one query sees every key
         self.causal = not len(prefix) and queries > 1
         self.mask = causal_lower_right(queries, keys) if len(prefix) and queries > 1 else None
+        self.start = len(prefix)
+        # per sliding window: the keys any query of the pass can see, and which each query sees
+        self.windows = {}
 
-    def attend(self, layer, query, key, value, scaling):
+    def window(self, width: int):
+        """A sliding window of ``width`` keys (transformers' ``sliding_window``: the query at position ``p`` sees the
+        keys at positions ``p - width + 1`` to ``p``): the slots of the keys any query of the pass sees, and the
+        ``[queries, keys]`` mask of which each sees."""
+        if width not in self.windows:
+            first = max(0, self.start - width + 1)
+            device = self.all.device
+            queries = torch.arange(self.start, len(self.all), device=device).unsqueeze(1)
+            keys = torch.arange(first, len(self.all), device=device).unsqueeze(0)
+            self.windows[width] = (self.all[first:], (keys <= queries) & (keys > queries - width))
+        return self.windows[width]
+
+    def attend(self, layer, query, key, value, scaling, sliding_window=None):
         k, v = self.k[layer], self.v[layer]
         k[self.new] = key[0].transpose(0, 1).to(k.dtype)
         v[self.new] = value[0].transpose(0, 1).to(v.dtype)
         if self.load is not None:
             self.load.wait_layer(layer)
-        keys = k[self.all].transpose(0, 1).unsqueeze(0).to(query.dtype)
-        values = v[self.all].transpose(0, 1).unsqueeze(0).to(query.dtype)
+        slots, mask, causal = self.all, self.mask, self.causal
+        if sliding_window is not None and sliding_window < len(self.all):
+            slots, mask = self.window(sliding_window)
+            causal = False
+        keys = k[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
+        values = v[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
         out = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=self.mask, is_causal=self.causal, scale=scaling, enable_gqa=True
+            query, keys, values, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True
         )
         return out.transpose(1, 2).contiguous(), None
 
