@@ -23,7 +23,8 @@ meet.
 
 A model whose upper layers attend to a sliding window (a tiny Qwen2, the window shorter than every prompt) gives
 the same output as its device-only loop and as its own recompute; a model that asks the attention function for what
-it does not compute (Gemma 2's logit soft-capping) is refused by name.
+it does not compute (Gemma 2's logit soft-capping), or whose layers keep a state of their own (Qwen3-Next's linear
+attention), is refused by name.
 
 ``HICACHE_TEST_DEVICE=cuda`` runs the same on a GPU (the wheel built with the ``cuda`` feature).
 """
@@ -39,7 +40,16 @@ import time
 import unittest
 
 import torch
-from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
 
 import hicache
 from hicache.cache import Cache, token_ids
@@ -482,6 +492,32 @@ class SlidingWindowModelOutputUnchanged(unittest.TestCase):
         )
         engine = Engine(Gemma2ForCausalLM(config_).eval().to(DEVICE), config(None), device_tokens=256)
         with self.assertRaisesRegex(NotImplementedError, "layer 0 asks for softcap"):
+            engine.serve("r", list(range(40)), 2)
+        engine.cache.close()
+
+    def test_a_model_with_layers_that_keep_their_own_state_is_refused_by_name(self):
+        # Qwen3-Next: linear-attention layers (a recurrent state) between full-attention ones
+        torch.manual_seed(0)
+        config_ = Qwen3NextConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            linear_num_value_heads=2,
+            linear_num_key_heads=1,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            full_attention_interval=2,
+        )
+        engine = Engine(Qwen3NextForCausalLM(config_).eval().to(DEVICE), config(None), device_tokens=256)
+        with self.assertRaisesRegex(NotImplementedError, re.escape("layers [0, 2] did not attend")):
             engine.serve("r", list(range(40)), 2)
         engine.cache.close()
 

@@ -8,7 +8,8 @@ attention over them. Positions are passed to the model, so the rotary embedding 
 prefix. A sliding-window layer (transformers' ``sliding_window``: Mistral, Qwen2 and Qwen3 with ``layer_types``)
 attends to the keys of its window only, as the model's own attention does; its KV is cached whole like any layer's.
 A layer that asks for what this function does not compute (attention sinks, logit soft-capping, chunked attention)
-raises, naming it, rather than compute other output.
+raises, naming it, rather than compute other output; so does a pass in which a layer did not attend through it (a
+linear-attention or state-space layer, whose state the cache does not hold).
 
 A request (``Engine.serve``): fetch from storage what lies beyond the device and host hit (waiting for it; when the
 cache's plan splits the hit, computing its head first while storage reads the tail; with ``prefetch_meet``, computing
@@ -91,6 +92,8 @@ class _Step:
         self.start = len(prefix)
         # per sliding window: the keys any query of the pass can see, and which each query sees
         self.windows = {}
+        # the layers that attended through the slots in this pass
+        self.attended = set()
 
     def window(self, width: int):
         """A sliding window of ``width`` keys (transformers' ``sliding_window``: the query at position ``p`` sees the
@@ -105,6 +108,7 @@ class _Step:
         return self.windows[width]
 
     def attend(self, layer, query, key, value, scaling, sliding_window=None):
+        self.attended.add(layer)
         k, v = self.k[layer], self.v[layer]
         k[self.new] = key[0].transpose(0, 1).to(k.dtype)
         v[self.new] = value[0].transpose(0, 1).to(v.dtype)
@@ -177,6 +181,14 @@ class Engine:
             long = len(step.new) >= _PLANNED_FROM
             with sdpa_kernel(_PLANNED if long else _UNPLANNED, set_priority=long):
                 output = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+            # a layer that did not attend through the slots keeps a state of its own the cache does not hold (a
+            # linear-attention or state-space layer): after a cached prefix it would start from nothing
+            missing = sorted(set(range(len(self.k))) - step.attended)
+            if missing:
+                raise NotImplementedError(
+                    f"hicache engine: layers {missing} did not attend through the cache (a linear-attention or "
+                    "state-space layer keeps a state of its own, which the cache does not hold yet): not served"
+                )
             return output.logits[0]
         finally:
             _ACTIVE.step = None
