@@ -10,8 +10,9 @@
 //!   entry size. Under SGLang 0.5.23's keys an entry is the objects SGLang's own store cuts it into, one per buffer
 //!   of its host pool ([`EntryObject`](hicache_core::namespace::EntryObject): a Mamba state's temporal and conv
 //!   buffers, an MHA sliding window's K and V), each at its place in the flat entry; a pool opened without them is
-//!   refused (naming `key_scheme`), as is any under 0.5.2's (naming `sglang_release`). (A `page_unified` page keeps K and V together inside each layer:
-//!   its halves, still keyed `_k` and `_v`, are its first and second halves of head groups or layers.) Where a part
+//!   refused (naming `key_scheme`), as is any under 0.5.2's (naming `sglang_release`). (A `page_unified` page keeps
+//!   K and V together inside each layer: its halves, still keyed `_k` and `_v`, are its first and second halves of
+//!   head groups or layers.) Where a part
 //!   is not one contiguous range of the caller's memory (a `layer_first` pool), it goes through a staging buffer,
 //!   counted in `staging_bytes`.
 //! * **Host memory.** The host pool is registered with Mooncake once
