@@ -23,8 +23,8 @@ meet.
 
 A model whose upper layers attend to a sliding window (a tiny Qwen2, the window shorter than every prompt) gives
 the same output as its device-only loop and as its own recompute; a model that asks the attention function for what
-it does not compute (Gemma 2's logit soft-capping), or whose layers keep a state of their own (Qwen3-Next's linear
-attention), is refused by name.
+it does not compute (Gemma 2's logit soft-capping), whose layers keep a state of their own (Qwen3-Next's linear
+attention) or whose window reaches the attention function only as a mask is refused by name.
 
 ``HICACHE_TEST_DEVICE=cuda`` runs the same on a GPU (the wheel built with the ``cuda`` feature).
 """
@@ -516,11 +516,29 @@ class SlidingWindowModelOutputUnchanged(unittest.TestCase):
             shared_expert_intermediate_size=32,
             full_attention_interval=2,
         )
-        engine = Engine(Qwen3NextForCausalLM(config_).eval().to(DEVICE), config(None), device_tokens=256)
-        with self.assertRaisesRegex(NotImplementedError, re.escape("layers [0, 2] did not attend")):
+        with self.assertRaisesRegex(NotImplementedError, "layers of type linear_attention are not served"):
+            Engine(Qwen3NextForCausalLM(config_).eval().to(DEVICE), config(None), device_tokens=256)
+        # chunked attention (Llama 4), which transformers gives the attention function as a mask only
+        chunked = tiny_llama(seed=0)
+        chunked.config.attention_chunk_size = 32
+        with self.assertRaisesRegex(NotImplementedError, "layers of type chunked_attention are not served"):
+            Engine(chunked, config(None), device_tokens=256)
+
+    def test_a_layer_that_does_not_attend_or_give_its_window_is_refused_by_name(self):
+        # a model without layer types whose second layer keeps a state of its own (here: attends to nothing)
+        model = tiny_llama(seed=0)
+        model.model.layers[1].self_attn.forward = lambda hidden_states, *args, **kwargs: (hidden_states * 0, None)
+        engine = Engine(model, config(None), device_tokens=256)
+        with self.assertRaisesRegex(NotImplementedError, re.escape("layers [1] did not attend")):
             engine.serve("r", list(range(40)), 2)
         engine.cache.close()
-
+        # a sliding layer whose window reaches the attention function only as a mask
+        model = tiny_qwen2_with_sliding_windows(seed=0)
+        model.model.layers[3].self_attn.sliding_window = None
+        engine = Engine(model, config(None), device_tokens=256)
+        with self.assertRaisesRegex(NotImplementedError, re.escape("sliding-window layers [3] did not say")):
+            engine.serve("r", list(range(40)), 2)
+        engine.cache.close()
 
 if __name__ == "__main__":
     unittest.main()

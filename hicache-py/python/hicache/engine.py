@@ -7,9 +7,10 @@ the current stream), reads the prefix's and the new tokens' KV from the slots an
 attention over them. Positions are passed to the model, so the rotary embedding of the new tokens continues after the
 prefix. A sliding-window layer (transformers' ``sliding_window``: Mistral, Qwen2 and Qwen3 with ``layer_types``)
 attends to the keys of its window only, as the model's own attention does; its KV is cached whole like any layer's.
-A layer that asks for what this function does not compute (attention sinks, logit soft-capping, chunked attention)
-raises, naming it, rather than compute other output; so does a pass in which a layer did not attend through it (a
-linear-attention or state-space layer, whose state the cache does not hold).
+A model whose ``layer_types`` name other kinds of layer (chunked attention, linear attention, state-space layers) is
+refused at construction, and a layer that asks for what this function does not compute (attention sinks, logit
+soft-capping) raises, naming it, rather than compute other output; so does a pass in which a layer did not attend
+through it (a state-keeping layer of a model without ``layer_types``), or a sliding layer did not give its window.
 
 A request (``Engine.serve``): fetch from storage what lies beyond the device and host hit (waiting for it; when the
 cache's plan splits the hit, computing its head first while storage reads the tail; with ``prefetch_meet``, computing
@@ -54,8 +55,11 @@ _MEET_PASS = 1024
 
 
 # What transformers passes an attention function that this one does not compute: attention sinks (gpt-oss), logit
-# soft-capping (Gemma 2), chunked attention (Llama 4). A model that sets one is refused, never served other output.
-_UNSERVED = ("s_aux", "sinks", "softcap", "attention_chunk_size")
+# soft-capping (Gemma 2). A layer that asks for one is refused, never served other output.
+_UNSERVED = ("s_aux", "softcap")
+# The kinds of layer this function serves (transformers' ``layer_types``); a model with others (chunked attention as
+# in Llama 4, which transformers gives as a mask only; linear attention; state-space layers) is refused.
+_SERVED_LAYERS = ("full_attention", "sliding_attention")
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
@@ -92,8 +96,8 @@ class _Step:
         self.start = len(prefix)
         # per sliding window: the keys any query of the pass can see, and which each query sees
         self.windows = {}
-        # the layers that attended through the slots in this pass
-        self.attended = set()
+        # the layers that attended through the slots in this pass, with the sliding window each asked for (None: none)
+        self.attended = {}
 
     def window(self, width: int):
         """A sliding window of ``width`` keys (transformers' ``sliding_window``: the query at position ``p`` sees the
@@ -108,7 +112,7 @@ class _Step:
         return self.windows[width]
 
     def attend(self, layer, query, key, value, scaling, sliding_window=None):
-        self.attended.add(layer)
+        self.attended[layer] = sliding_window
         k, v = self.k[layer], self.v[layer]
         k[self.new] = key[0].transpose(0, 1).to(k.dtype)
         v[self.new] = value[0].transpose(0, 1).to(v.dtype)
@@ -154,6 +158,15 @@ class Engine:
     def __init__(self, model, config: dict, device_tokens: int, kv_dtype: torch.dtype | None = None):
         self.model = model
         model_config = model.config
+        types = list(getattr(model_config, "layer_types", None) or [])
+        unserved = sorted({kind for kind in types if kind not in _SERVED_LAYERS})
+        if unserved or getattr(model_config, "attention_chunk_size", None):
+            raise NotImplementedError(
+                f"hicache engine: layers of type {', '.join(unserved or ['chunked_attention'])} are not served (only "
+                f"{' and '.join(_SERVED_LAYERS)})"
+            )
+        # the layers that must attend to a sliding window
+        self.sliding = {layer for layer, kind in enumerate(types) if kind == "sliding_attention"}
         model_config._attn_implementation = "hicache"
         device = next(model.parameters()).device
         dtype = kv_dtype or next(model.parameters()).dtype
@@ -183,11 +196,18 @@ class Engine:
                 output = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
             # a layer that did not attend through the slots keeps a state of its own the cache does not hold (a
             # linear-attention or state-space layer): after a cached prefix it would start from nothing
-            missing = sorted(set(range(len(self.k))) - step.attended)
+            missing = sorted(set(range(len(self.k))) - set(step.attended))
             if missing:
                 raise NotImplementedError(
                     f"hicache engine: layers {missing} did not attend through the cache (a linear-attention or "
                     "state-space layer keeps a state of its own, which the cache does not hold yet): not served"
+                )
+            # a sliding layer whose model gives its window only as a mask would attend to every key here
+            windowless = sorted(layer for layer in self.sliding if step.attended.get(layer) is None)
+            if windowless:
+                raise NotImplementedError(
+                    f"hicache engine: sliding-window layers {windowless} did not say their window to the attention "
+                    "function (the model gives it as a mask only): not served"
                 )
             return output.logits[0]
         finally:
