@@ -21,10 +21,11 @@ and the output agrees the same way. An engine that meets the reads (it computes 
 reads it from the end, and takes the pages read once its compute reaches them) gives the same output wherever the two
 meet.
 
-A model whose upper layers attend to a sliding window (a tiny Qwen2, the window shorter than every prompt) gives
-the same output as its device-only loop and as its own recompute; a model that asks the attention function for what
-it does not compute (Gemma 2's logit soft-capping), whose layers keep a state of their own (Qwen3-Next's linear
-attention) or whose window reaches the attention function only as a mask is refused by name.
+A model whose layers attend to a sliding window (a tiny Qwen2, its upper layers; a tiny Gemma 3, every other layer;
+the window shorter than every prompt) gives the same output as its device-only loop and as its own recompute; a
+model that asks the attention function for what it does not compute (Gemma 2's logit soft-capping), whose layers
+keep a state of their own (Qwen3-Next's linear attention) or whose window reaches the attention function only as a
+mask is refused by name.
 
 ``HICACHE_TEST_DEVICE=cuda`` runs the same on a GPU (the wheel built with the ``cuda`` feature).
 """
@@ -43,6 +44,8 @@ import torch
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -440,6 +443,25 @@ def tiny_qwen2_with_sliding_windows(seed: int):
     return Qwen2ForCausalLM(config).eval().to(DEVICE)
 
 
+def tiny_gemma3_with_sliding_windows(seed: int):
+    """A tiny Gemma 3 (text): every other layer attends to a window of WINDOW tokens, each kind with its own rotary
+    base, as Gemma 3 keeps them."""
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        sliding_window=WINDOW,
+        sliding_window_pattern=2,
+    )
+    return Gemma3ForCausalLM(config).eval().to(DEVICE)
+
+
 WINDOW = 24
 
 
@@ -449,10 +471,16 @@ class SlidingWindowModelOutputUnchanged(unittest.TestCase):
     host or storage."""
 
     def test_restored_kv_logits_and_tokens_equal_the_device_only_loop_and_a_recompute(self):
-        model = tiny_qwen2_with_sliding_windows(seed=random.randrange(1 << 30))
-        self.assertEqual(
-            model.config.layer_types, ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
-        )
+        for make, types in (
+            (tiny_qwen2_with_sliding_windows, ["full", "full", "sliding", "sliding"]),
+            (tiny_gemma3_with_sliding_windows, ["sliding", "full", "sliding", "full"]),
+        ):
+            with self.subTest(model=make.__name__):
+                model = make(seed=random.randrange(1 << 30))
+                self.assertEqual(model.config.layer_types, [f"{kind}_attention" for kind in types])
+                self.served_as_computed(model)
+
+    def served_as_computed(self, model):
         conversations = Conversations(seed=random.randrange(1 << 30))
         control_engine = Engine(model, config(None), device_tokens=CLIENTS * TURNS * 200 + 1024)
         control = conversations.run(control_engine)
@@ -473,8 +501,8 @@ class SlidingWindowModelOutputUnchanged(unittest.TestCase):
             loaded += result.loaded
             full = recompute_logits(model, prompt)[result.cached :]
             largest = max(largest, float((full - result.logits).abs().max()))
-        print(f"\nsliding windows of {WINDOW}: {loaded} tokens loaded back; largest logit difference to a full "
-              f"recompute: {largest:.3g}")
+        print(f"\n{type(model).__name__}, sliding windows of {WINDOW}: {loaded} tokens loaded back; largest logit "
+              f"difference to a full recompute: {largest:.3g}")
         self.assertGreater(loaded, 0)
         self.assertLess(largest, TOLERANCE)
 
