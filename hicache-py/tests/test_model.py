@@ -67,9 +67,11 @@ TOLERANCE = 1e-4
 DEVICE = torch.device(os.environ.get("HICACHE_TEST_DEVICE", "cpu"))
 
 
-def tiny_llama(seed: int):
+def tiny(model_class, config_class, seed: int, **more):
+    """A tiny model of random weights (4 layers of 4 heads over 2 KV heads, 128 wide) on DEVICE; `more` sets the
+    rest of its config."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
@@ -77,8 +79,26 @@ def tiny_llama(seed: int):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
+        **more,
     )
-    return LlamaForCausalLM(config).eval().to(DEVICE)
+    return model_class(config).eval().to(DEVICE)
+
+
+def tiny_llama(seed: int):
+    return tiny(LlamaForCausalLM, LlamaConfig, seed)
+
+
+def assert_served_as_control(test, model, prompt, result, restored, control, what) -> float:
+    """One request against the control's: the same prompt, cached prefix, greedy tokens and logits (bit for bit), the
+    restored KV the control's; returns the largest logit difference to a full recompute of the prompt."""
+    control_prompt, expected, control_kv, _ = control
+    test.assertEqual(prompt, control_prompt)
+    test.assertEqual(result.cached, expected.cached, f"{what}: cached prefix")
+    test.assertEqual(result.tokens, expected.tokens, f"{what}: greedy tokens")
+    test.assertTrue(torch.equal(result.logits, expected.logits), f"{what}: logits")
+    assert_kv_equal(test, restored, control_kv, result.cached, f"{what}, control")
+    full = recompute_logits(model, prompt)[result.cached :]
+    return float((full - result.logits).abs().max())
 
 
 def config(directory: str | None) -> dict:
@@ -174,17 +194,13 @@ class ModelOutputUnchanged(unittest.TestCase):
             largest = 0.0
             assert_restored_as_written(self, served)
             for (client, turn), (prompt, result, restored, _written) in served.items():
-                control_prompt, control, control_kv, _ = self.control[client, turn]
-                self.assertEqual(prompt, control_prompt)
-                self.assertEqual(result.cached, control.cached, f"client {client} turn {turn}: cached prefix")
-                self.assertEqual(result.tokens, control.tokens, f"client {client} turn {turn}: greedy tokens")
-                self.assertTrue(torch.equal(result.logits, control.logits), f"client {client} turn {turn}: logits")
-                assert_kv_equal(self, restored, control_kv, result.cached, f"client {client} turn {turn}, control")
+                control = self.control[client, turn]
+                what = f"client {client} turn {turn}"
+                difference = assert_served_as_control(self, self.model, prompt, result, restored, control, what)
+                largest = max(largest, difference)
                 if turn > 0:
                     self.assertEqual(result.loaded, result.cached, "every turn's prefix is loaded back")
                     sources["host" if turn % 2 == 1 else "storage"] += result.loaded
-                full = recompute_logits(self.model, prompt)[result.cached :]
-                largest = max(largest, float((full - result.logits).abs().max()))
             stats = engine.cache.stats()
             engine.cache.close()
         print(f"\nloaded back: {sources['host']} tokens from the host, {sources['storage']} from storage; "
@@ -427,39 +443,17 @@ class BadInput(unittest.TestCase):
 
 def tiny_qwen2_with_sliding_windows(seed: int):
     """A tiny Qwen2 whose two upper layers attend to a window of WINDOW tokens (shorter than every prompt)."""
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        use_sliding_window=True,
-        sliding_window=WINDOW,
-        max_window_layers=2,
+    return tiny(
+        Qwen2ForCausalLM, Qwen2Config, seed, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2
     )
-    return Qwen2ForCausalLM(config).eval().to(DEVICE)
 
 
 def tiny_gemma3_with_sliding_windows(seed: int):
     """A tiny Gemma 3 (text): every other layer attends to a window of WINDOW tokens, each kind with its own rotary
     base, as Gemma 3 keeps them."""
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        sliding_window=WINDOW,
-        sliding_window_pattern=2,
+    return tiny(
+        Gemma3ForCausalLM, Gemma3TextConfig, seed, head_dim=32, sliding_window=WINDOW, sliding_window_pattern=2
     )
-    return Gemma3ForCausalLM(config).eval().to(DEVICE)
 
 
 WINDOW = 24
@@ -492,15 +486,11 @@ class SlidingWindowModelOutputUnchanged(unittest.TestCase):
         assert_restored_as_written(self, served)
         largest, loaded = 0.0, 0
         for (client, turn), (prompt, result, restored, _written) in served.items():
-            control_prompt, expected, control_kv, _ = control[client, turn]
-            self.assertEqual(prompt, control_prompt)
-            self.assertEqual(result.tokens, expected.tokens, f"client {client} turn {turn}: greedy tokens")
-            self.assertTrue(torch.equal(result.logits, expected.logits), f"client {client} turn {turn}: logits")
-            assert_kv_equal(self, restored, control_kv, result.cached, f"client {client} turn {turn}, control")
+            what = f"client {client} turn {turn}"
+            difference = assert_served_as_control(self, model, prompt, result, restored, control[client, turn], what)
+            largest = max(largest, difference)
             self.assertGreater(len(prompt), WINDOW)
             loaded += result.loaded
-            full = recompute_logits(model, prompt)[result.cached :]
-            largest = max(largest, float((full - result.logits).abs().max()))
         print(f"\n{type(model).__name__}, sliding windows of {WINDOW}: {loaded} tokens loaded back; largest logit "
               f"difference to a full recompute: {largest:.3g}")
         self.assertGreater(loaded, 0)
