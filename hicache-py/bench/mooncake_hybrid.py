@@ -35,7 +35,7 @@ def side(spec):
 
     import support
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer
-    from sglang_hybrid import pools  # noqa: F401 (the bench's pools, beside this file)
+    from sglang_hybrid import pools  # the bench's pools, beside this file
     from test_hybrid import fill, page
 
     label, kv_pool, mla, name, side_pool, policy, count = next(case for case in pools() if case[0] == spec["pool"])
@@ -53,7 +53,8 @@ def side(spec):
     backend.register_mem_pool_host(kv_pool)
     backend.register_mem_host_pool_v2(side_pool, name)
     like = side_pool.get_dummy_flat_data_page()
-    gigabytes = count * like.numel() * like.element_size() / 1e9
+    entry_bytes = like.numel() * like.element_size()
+    gigabytes = count * entry_bytes / 1e9
     generator = torch.Generator().manual_seed(spec["seed"])
     sources, targets = list(range(1, count + 1)), list(range(count + 1, 2 * count + 1))
     samples = {"set": [], "query": [], "get": []}
@@ -85,8 +86,7 @@ def side(spec):
             assert support.same_bytes(page(side_pool, index), expected), f"{spec['side']}: entry {index} differs"
         backend.clear()
     backend.close()
-    like = side_pool.get_dummy_flat_data_page()
-    print(json.dumps({"entry_bytes": like.numel() * like.element_size(), "entries": count, "samples": samples}))
+    print(json.dumps({"entry_bytes": entry_bytes, "entries": count, "samples": samples}))
 
 
 def run_side(spec, env):
@@ -107,6 +107,7 @@ def main():
     args = parser.parse_args()
     if args.side:
         return side(json.loads(args.side))
+    import support
     import test_mooncake
 
     test_mooncake.setUpModule()
@@ -132,7 +133,7 @@ def main():
                         "official": test_mooncake.OFFICIAL,
                         "extra_backend_tag": "bench",
                         "hicache": {"backend": "mooncake", "key_scheme": "sglang", "library": test_mooncake.LIBRARY,
-                                    **__import__("support").MODULE},
+                                    **support.MODULE},
                     }
                     runs[who].append(run_side(spec, env))
             first = runs["hicache"][0]
