@@ -318,6 +318,90 @@ fn replay_moves_storage_pages_in_place_under_every_write_policy() {
     }
 }
 
+/// A hybrid model's sidecar pool moves with its KV on every path: its ranks hold pools of its own geometry and make
+/// every decision the KV's ranks make (the lockstep digest), and every byte of every pool that comes back is checked,
+/// under every write policy, with and without storage faults that each rank draws for itself.
+#[test]
+fn hybrid_replays_verify_every_pool_under_every_write_policy_with_and_without_faults() {
+    // each pool's entry on one rank: page 32, 8 layers (the draft model: 1), 2 heads of 64 bf16 values per rank
+    let kinds = [
+        ("dsa", "indexer", 8 * 32 * (128 + 4)),
+        ("eagle", "draft", 2 * 2 * 64 * 2 * 32),
+        ("mtp", "draft", 576 * 2 * 32),
+    ];
+    for (kind, pool, entry_bytes) in kinds {
+        for policy in ["write-through", "write-through-selective", "write-back"] {
+            for faults in [false, true] {
+                let mut args = vec!["--hybrid", kind, "--clients", "24", "--rounds", "3", "--host-tokens", "20480"];
+                args.extend(["--sync-storage", "--write-policy", policy, WHOLE]);
+                if faults {
+                    args.extend(["--tp-size", "2", "--fault-fail-rate", "0.05", "--fault-corrupt-rate", "0.05"]);
+                }
+                let report = replay_json(&args);
+                let case = format!("{kind}, {policy}, faults {faults}");
+                assert_eq!(
+                    (report["verified"].as_bool(), report["lockstep"].as_bool()),
+                    (Some(true), Some(true)),
+                    "{case}: {report}"
+                );
+                let parameters = &report["parameters"];
+                assert_eq!(parameters["hybrid"], kind, "{case}");
+                // (the faulty runs have two TP ranks: an EAGLE draft's heads are split between them, a latent is not)
+                let entry_bytes = if faults && kind == "eagle" { entry_bytes / 2 } else { entry_bytes };
+                assert_eq!(
+                    parameters["sidecars"],
+                    serde_json::json!([{ "pool": pool, "entry_bytes": entry_bytes }]),
+                    "{case}"
+                );
+                if faults {
+                    let injected = &report["faults_injected"];
+                    assert!(injected["failed_pages"].as_u64().unwrap() > 0, "{case}: {report}");
+                } else if policy != "write-through-selective" {
+                    assert!(tokens(&report, "l3") > 0, "{case}: nothing came back from storage: {report}");
+                }
+            }
+        }
+    }
+    assert_usage_error(&hicache(&["replay", "--hybrid", "dsa", "--pp-size", "2"], ""), "one pipeline stage");
+    let refused = hicache(
+        &["replay", "--hybrid", "eagle", "--backend", "memory", "--layout", "page-unified", "--unified-keys"],
+        "",
+    );
+    assert_usage_error(&refused, "keeps no sidecar pools");
+}
+
+/// A page group is restored whole or not at all: with a draft model's entries gone from storage, the KV pages
+/// stored beside them (which a replay of the model alone reads back) restore no prefix of the hybrid model.
+#[test]
+fn a_hybrid_replay_restores_no_kv_page_whose_sidecar_entry_is_gone() {
+    let (hybrid, alone) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let run = |dir: &std::path::Path, hybrid: bool| {
+        let mut args = vec!["--clients", "12", "--rounds", "2", "--sync-storage", WHOLE];
+        args.extend(["--dir", dir.to_str().unwrap()]);
+        if hybrid {
+            args.extend(["--hybrid", "eagle"]);
+        }
+        let report = replay_json(&args);
+        assert_eq!((report["verified"].as_bool(), report["lockstep"].as_bool()), (Some(true), Some(true)), "{report}");
+        // the first round's prompts are new to this run: what they hit in storage, an earlier run left
+        report["rounds"][0]["tokens_from_l3"].as_u64().unwrap()
+    };
+    let namespaces = |dir: &std::path::Path| -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(dir.join("hicache-v1")).unwrap().flatten().map(|entry| entry.path()).collect()
+    };
+    assert_eq!(run(hybrid.path(), true), 0, "a fresh directory");
+    assert_eq!(run(hybrid.path(), true), 12 * 512 / 32 * 32, "every first prompt's pages come back from storage");
+    // the model alone keeps only the KV's namespace: the other one in the hybrid's directory is the draft's
+    run(alone.path(), false);
+    let kv_name = namespaces(alone.path())[0].file_name().unwrap().to_owned();
+    let stored = namespaces(hybrid.path());
+    assert_eq!(stored.len(), 2, "{stored:?}");
+    let draft = stored.iter().find(|path| path.file_name().unwrap() != kv_name).unwrap();
+    std::fs::remove_dir_all(draft).unwrap();
+    assert_eq!(run(hybrid.path(), true), 0, "no KV page came back without its draft entry");
+    assert!(run(hybrid.path(), false) > 0, "the KV pages were there");
+}
+
 #[test]
 fn replay_runs_with_the_host_pool_in_shared_memory() {
     let shm = tempfile::tempdir().unwrap();

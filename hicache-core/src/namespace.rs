@@ -280,11 +280,13 @@ impl StorageNamespace {
     }
 
     /// Checks that this namespace holds the pages of the host pool `host` (a storage backend opened for it serving a
-    /// controller over that pool), naming the first field that differs.
+    /// controller over that pool), naming the first field that differs. A sidecar pool's host pool holds its entries:
+    /// pages of the same tokens whose flat bytes are an entry, whatever their geometry.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] naming `page_size`, `geometry`, `mem_layout` or `head_group`.
+    /// [`Error::InvalidArgument`] naming `page_size`, `geometry`, `mem_layout`, `head_group` or (a sidecar pool's)
+    /// `entry_bytes`.
     pub fn check_pages(&self, host: &HostLayoutMap) -> Result<(), Error> {
         let (geometry, layout, page_size) = (host.geometry(), host.layout(), host.page_size());
         let differ = |field: &'static str, theirs: String, ours: String| {
@@ -298,6 +300,17 @@ impl StorageNamespace {
         };
         if self.page_size != page_size {
             return differ("page_size", format!("pages of {} tokens", self.page_size), format!("pages of {page_size}"));
+        }
+        if let Some(sidecar) = &self.sidecar {
+            let ours = geometry.bytes_per_page(page_size);
+            if sidecar.entry_bytes != ours {
+                return differ(
+                    "entry_bytes",
+                    format!("entries of {} bytes in pool `{}`", sidecar.entry_bytes, sidecar.pool),
+                    format!("pages of {ours} bytes"),
+                );
+            }
+            return Ok(());
         }
         if self.geometry != *geometry {
             return differ("geometry", format!("{:?}", self.geometry), format!("{geometry:?}"));
@@ -481,6 +494,25 @@ mod tests {
         assert!(error(vec![object("a", usize::MAX), object("b", 2)]).contains("more than usize::MAX"));
         let kv = llama(HostLayout::PageFirst).with_entry_objects(vec![object("k", 1)]).unwrap_err();
         assert!(kv.to_string().starts_with("objects: only a sidecar pool's entries"));
+    }
+
+    /// A sidecar pool's host pool holds its entries in a geometry of its own (a DSA indexer's 132 bytes per token and
+    /// layer): its namespace serves a pool whose pages are entries of its size, of the KV's page size, and no other.
+    #[test]
+    fn a_sidecar_namespace_serves_a_host_pool_of_its_entries() {
+        let kv = llama(HostLayout::PageFirst);
+        let indexer_geometry = KvGeometry::mla(32, 128, 4, KvDtype::Fp8E4m3).unwrap();
+        let entry = indexer_geometry.bytes_per_page(64);
+        let pool = |geometry, page_size| HostLayoutMap::new(geometry, HostLayout::LayerFirst, page_size, 4).unwrap();
+        kv.sidecar("indexer", entry).unwrap().check_pages(&pool(indexer_geometry, 64)).unwrap();
+        let error = kv.sidecar("indexer", entry + 1).unwrap().check_pages(&pool(indexer_geometry, 64)).unwrap_err();
+        assert!(error.to_string().starts_with("entry_bytes: "), "{error}");
+        assert!(error.to_string().contains(&format!("pages of {entry} bytes")), "{error}");
+        let error = kv.sidecar("indexer", entry).unwrap().check_pages(&pool(indexer_geometry, 32)).unwrap_err();
+        assert!(error.to_string().starts_with("page_size: "), "{error}");
+        // the KV's own namespace still wants the KV's geometry
+        let error = kv.check_pages(&pool(indexer_geometry, 64)).unwrap_err();
+        assert!(error.to_string().starts_with("geometry: "), "{error}");
     }
 
     /// Without a host pool at hand, SGLang's cut is told by the pool's name and the attention where it can be: the

@@ -1,6 +1,6 @@
 //! The KV bytes a replay writes and checks: every KV head of every item is a function of its token's page key (the
-//! whole prefix up to that page), its place in the page, the model's index of the layer, the part and the model's
-//! index of the head. A prefill writes them; every load is checked against them, so a page that came back from the
+//! whole prefix up to that page), its place in the page, the model's index of the layer, the part, the model's
+//! index of the head and the pool (the KV, or a hybrid model's sidecar pool). A prefill writes them; every load is checked against them, so a page that came back from the
 //! wrong slot, the wrong host page or the wrong storage object (another prefix, another rank's heads, another
 //! stage's layers) shows, and replays of different TP and PP sizes agree on every head's bytes.
 
@@ -14,13 +14,15 @@ use super::device::ReplayEngine;
 /// The seed of a token in a partial last page (never cached, so never checked).
 const PARTIAL: [u8; 32] = [0xa5; 32];
 
-/// Where one head's bytes are: the token's place in its page, the layer, the part and the model's head index.
+/// Where one head's bytes are: the token's place in its page, the layer, the part, the model's head index and the
+/// pool (0 for the KV).
 #[derive(Clone, Copy)]
 struct Place {
     offset: usize,
     layer: usize,
     part: usize,
     head: usize,
+    pool: usize,
 }
 
 /// Fills `out` with the bytes of one item, head by head (`head_bytes` each; the heads from `first_head` on).
@@ -32,10 +34,11 @@ fn derive(key: &[u8; 32], place: Place, head_bytes: usize, out: &mut [u8]) {
 
 /// Fills `out` with the bytes of one head.
 fn derive_head(key: &[u8; 32], place: Place, out: &mut [u8]) {
-    let Place { offset, layer, part, head } = place;
+    let Place { offset, layer, part, head, pool } = place;
     let mut state = u64::from_le_bytes(key[..8].try_into().expect("8 bytes"))
         ^ u64::from_le_bytes(key[8..16].try_into().expect("8 bytes")).rotate_left(17)
-        ^ ((offset as u64) << 40 | (head as u64) << 24 | (layer as u64) << 8 | part as u64);
+        ^ ((offset as u64) << 40 | (head as u64) << 24 | (layer as u64) << 8 | part as u64)
+        ^ (pool as u64).rotate_right(4);
     for chunk in out.chunks_mut(8) {
         // splitmix64
         state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -64,19 +67,27 @@ pub(crate) struct KvPattern {
     first_head: usize,
     /// The model's index of the pool's first layer (its pipeline stage's first).
     first_layer: usize,
+    /// Which pool this is: 0 for the KV, `n` for the n-th sidecar pool of a hybrid model.
+    pool: usize,
     /// Bytes of one head of an item (MLA: the whole latent).
     head_bytes: usize,
 }
 
 impl KvPattern {
-    /// The pattern of a pool of `map`'s geometry whose first head and first layer are the model's `first`.
-    pub(crate) fn new(map: DeviceLayoutMap, page_size: usize, (first_head, first_layer): (usize, usize)) -> Self {
+    /// The pattern of pool `pool` (0: the KV) of `map`'s geometry whose first head and first layer are the model's
+    /// `first`.
+    pub(crate) fn new(
+        map: DeviceLayoutMap,
+        page_size: usize,
+        (first_head, first_layer): (usize, usize),
+        pool: usize,
+    ) -> Self {
         let geometry = *map.geometry();
         let head_bytes = match geometry.attention {
             Attention::Mha { head_dim, .. } => head_dim * geometry.dtype.bytes(),
             Attention::Mla { .. } => geometry.item_bytes(),
         };
-        Self { geometry, page_size, first_head, first_layer, head_bytes }
+        Self { geometry, page_size, first_head, first_layer, pool, head_bytes }
     }
 
     fn place(&self, position: usize, layer: usize, part: KvPart) -> Place {
@@ -85,6 +96,7 @@ impl KvPattern {
             layer: self.first_layer + layer,
             part: part.index(),
             head: self.first_head,
+            pool: self.pool,
         }
     }
 

@@ -5,6 +5,13 @@
 //! small model geometry, and pools smaller than the working set (device < host < all conversations), so the device,
 //! the host and storage all serve hits. Model compute is not run; a compute model turns uncached tokens into a
 //! prefill time for the TTFT estimate.
+//!
+//! A hybrid model (`--hybrid`) keeps sidecar pools beside its KV whose entries every page needs (a sparse-attention
+//! indexer, a draft model's KV). Each pool is held by ranks of its own, one per TP rank, with pools of the pool's
+//! geometry, in lockstep with the KV's ranks: every decision that can differ between them (a storage hit, the pages
+//! fetched, an ack) goes through the tick's one MIN, so each pool's tree makes the same moves on every path (device,
+//! host, storage) and a prefix is used only as far as every pool holds it. Storage keeps each pool's entries in the
+//! pool's own namespace under the KV pages' keys, as SGLang's stores do.
 
 mod device;
 mod kv;
@@ -28,7 +35,8 @@ use hicache_core::extra_config::throttled;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::host_memory::{HostAllocation, HostMemory};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
-use hicache_core::namespace::StorageNamespace;
+use hicache_core::namespace::{StorageNamespace, sglang_mooncake_objects};
+use hicache_core::storage::groups::HitPolicy;
 use hicache_core::storage::l3_layout::{self, L3Layout};
 use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore, StorageBackend};
 use hicache_core::transfer::{Completion, CpuEngine, DeviceLayoutMap};
@@ -85,6 +93,11 @@ pub(crate) struct ReplayArgs {
     /// Head dimension (bf16).
     #[arg(long, default_value_t = 64, value_name = "N")]
     head_dim: usize,
+    /// A hybrid model: sidecar pools beside the KV, each held by ranks of its own in lockstep with the KV's, every
+    /// byte of every pool checked. The MLA kinds use DeepSeek's latent (512 + 64, bf16) instead of --kv-heads and
+    /// --head-dim.
+    #[arg(long, value_enum, value_name = "KIND")]
+    hybrid: Option<HybridArg>,
     /// Host pool layout (default: layer-first; page-first with `--backend mooncake`, as SGLang forces, so each page
     /// part moves to and from the store in place).
     #[arg(long, value_enum)]
@@ -248,6 +261,62 @@ impl ValueEnum for LayoutArg {
     }
 }
 
+/// Hybrid models by kind: the KV and the sidecar pools whose entries every page needs (SGLang's `all_pages`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum HybridArg {
+    /// Sparse attention as DeepSeek V3.2's: MLA KV and an `indexer` pool (128 FP8 values and a 4-byte scale per
+    /// token and layer).
+    Dsa,
+    /// An EAGLE draft model beside the MHA model: its one layer's KV (the model's heads) in a `draft` pool.
+    Eagle,
+    /// A multi-token-prediction layer beside MLA (DeepSeek, GLM): its one layer's latent in a `draft` pool.
+    Mtp,
+}
+
+impl HybridArg {
+    /// Whether the model's KV is MLA's latent.
+    fn mla(self) -> bool {
+        matches!(self, Self::Dsa | Self::Mtp)
+    }
+}
+
+/// DeepSeek's latent: its rank and its rope part, bf16.
+const MLA_LATENT: (usize, usize) = (512, 64);
+
+/// One sidecar pool of a `--hybrid` model as a rank holds it.
+pub(crate) struct SidecarPreset {
+    /// SGLang's name of the pool.
+    pub(crate) name: &'static str,
+    /// The pool's geometry: its entries are its pages.
+    pub(crate) geometry: KvGeometry,
+}
+
+/// The sidecar pools of the `--hybrid` model (none without one), in the order of their ranks.
+pub(crate) fn sidecars(args: &ReplayArgs) -> anyhow::Result<Vec<SidecarPreset>> {
+    let (latent, rope) = MLA_LATENT;
+    let pool = match args.hybrid {
+        None => return Ok(Vec::new()),
+        Some(HybridArg::Dsa) => SidecarPreset {
+            name: "indexer",
+            // as a latent of one value per byte: 128 FP8 values and their 4-byte scale, the same on every rank
+            geometry: KvGeometry::mla(args.layers, 128, 4, KvDtype::Fp8E4m3)?,
+        },
+        Some(HybridArg::Eagle) => SidecarPreset {
+            name: "draft",
+            geometry: KvGeometry::mha(1, (args.kv_heads / args.tp_size).max(1), args.head_dim, KvDtype::Bf16)?,
+        },
+        Some(HybridArg::Mtp) => {
+            SidecarPreset { name: "draft", geometry: KvGeometry::mla(1, latent, rope, KvDtype::Bf16)? }
+        }
+    };
+    Ok(vec![pool])
+}
+
+/// The pools of the replay's model: the KV and its sidecar pools.
+fn pools(args: &ReplayArgs) -> usize {
+    1 + args.hybrid.map_or(0, |_| 1)
+}
+
 /// Write policies by name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 #[expect(clippy::enum_variant_names, reason = "SGLang's names for the policies")]
@@ -381,15 +450,21 @@ fn l3_layout(args: &ReplayArgs, storage: &SharedStorage) -> anyhow::Result<Optio
     let agreements = unified_agreements(args)?;
     let mut layouts = Vec::new();
     for stage in 0..args.pp_size {
-        let namespace = rank_namespace(args, Place { tp_rank: 0, stage })?;
+        let namespace = rank_namespace(args, Place { tp_rank: 0, stage, pool: 0 })?;
         let (first_layer, _) = stage_layers(args.layers, args.pp_size, stage);
         let unified = agreements.map(|agreements| (agreements, backends::stage(&namespace, first_layer as u64)));
-        layouts.push(Some(L3Layout::describe(tier, &fields, &namespace, unified)?));
+        let mut layout = L3Layout::describe(tier, &fields, &namespace, unified)?;
+        for pool in 1..pools(args) {
+            let sidecar = rank_namespace(args, Place { tp_rank: 0, stage, pool })?.sidecar.expect("a sidecar pool");
+            layout.add_sidecar(tier, &fields, &namespace, &sidecar, HitPolicy::AllPages)?;
+        }
+        layouts.push(Some(layout));
     }
     Ok(l3_layout::merge(&layouts))
 }
 
-/// The storage namespace of the rank at `place`.
+/// The storage namespace of the rank at `place`: its stage's KV pages, or a sidecar pool's entries under their keys
+/// (cut into objects as SGLang's Mooncake store cuts them, for its key schemes).
 fn rank_namespace(args: &ReplayArgs, place: Place) -> anyhow::Result<StorageNamespace> {
     let geometry = geometry(args, place.stage)?;
     let mut namespace = StorageNamespace::single_rank("hicache-replay", geometry, layout(args), args.page_size);
@@ -398,7 +473,14 @@ fn rank_namespace(args: &ReplayArgs, place: Place) -> anyhow::Result<StorageName
     namespace.tp_size = args.tp_size;
     namespace.pp_rank = place.stage;
     namespace.pp_size = args.pp_size;
-    Ok(namespace)
+    if place.pool == 0 {
+        return Ok(namespace);
+    }
+    let sidecars = sidecars(args)?;
+    let pool = &sidecars[place.pool - 1];
+    let entry_bytes = pool.geometry.bytes_per_page(args.page_size);
+    let objects = sglang_mooncake_objects(pool.name, geometry.is_mla(), entry_bytes).unwrap_or_default();
+    Ok(namespace.sidecar(pool.name, entry_bytes)?.with_entry_objects(objects)?)
 }
 
 /// How a rank agrees with the others.
@@ -413,24 +495,29 @@ pub(crate) enum RankGroup<'a> {
 /// The most ranks (TP ranks × pipeline stages) a replay runs, each a thread or a process with pools of its own.
 const MAX_RANKS: u64 = 256;
 
-/// The ranks of the replay: --tp-size in each of --pp-size stages.
+/// The ranks of the replay: --tp-size in each of --pp-size stages, for each pool of the model.
 pub(crate) fn ranks(args: &ReplayArgs) -> usize {
-    args.tp_size.saturating_mul(args.pp_size)
+    args.tp_size.saturating_mul(args.pp_size).saturating_mul(pools(args))
 }
 
-/// Where a rank sits: its TP rank within its stage, and its stage. Rank r is TP rank r mod --tp-size of stage
-/// r / --tp-size, so the ranks of stage 0 come first, as SGLang numbers them.
+/// Where a rank sits: its TP rank within its stage, its stage and its pool. Of the ranks of one pool, rank r is TP
+/// rank r mod --tp-size of stage r / --tp-size, so the ranks of stage 0 come first, as SGLang numbers them; the KV's
+/// ranks come first, then each sidecar pool's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Place {
     /// The TP rank within the stage.
     pub(crate) tp_rank: usize,
     /// The pipeline stage.
     pub(crate) stage: usize,
+    /// The pool: 0 for the KV, `n` for the n-th sidecar pool of a hybrid model.
+    pub(crate) pool: usize,
 }
 
 impl Place {
     pub(crate) fn of(args: &ReplayArgs, rank: usize) -> Self {
-        Self { tp_rank: rank % args.tp_size, stage: rank / args.tp_size }
+        let per_pool = args.tp_size * args.pp_size;
+        let (pool, rank) = (rank / per_pool, rank % per_pool);
+        Self { tp_rank: rank % args.tp_size, stage: rank / args.tp_size, pool }
     }
 }
 
@@ -495,8 +582,10 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
         && rank >= ranks(args)
     {
         return usage(format!(
-            "--process-rank {rank} is not a rank of --tp-size {} × --pp-size {}",
-            args.tp_size, args.pp_size
+            "--process-rank {rank} is not a rank of --tp-size {} × --pp-size {} × {} pools",
+            args.tp_size,
+            args.pp_size,
+            pools(args)
         ));
     }
     if args.process_rank.is_some() != args.process_dir.is_some() {
@@ -546,12 +635,25 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
     if args.pp_size > args.layers {
         return usage(format!("--pp-size {} has more stages than --layers {}", args.pp_size, args.layers));
     }
+    if let Some(hybrid) = args.hybrid {
+        let hybrid = crate::value_name(&hybrid);
+        if args.pp_size > 1 {
+            return usage(format!("--hybrid {hybrid} runs one pipeline stage, not --pp-size {}", args.pp_size));
+        }
+        if args.unified_keys {
+            return usage(format!("--hybrid {hybrid}: the unified key scheme keeps no sidecar pools"));
+        }
+    }
     // the last stage holds the most layers
     let geometry = geometry(args, args.pp_size - 1)
         .map_err(|error| Usage(format!("--layers, --kv-heads, --head-dim: {error}")))?;
-    // each rank holds its pools and its copy of the workload (every conversation's tokens, as u32)
+    let sidecars =
+        sidecars(args).map_err(|error| Usage(format!("--hybrid, --layers, --kv-heads, --head-dim: {error}")))?;
+    // each rank holds its pools and its copy of the workload (every conversation's tokens, as u32); a sidecar
+    // pool's ranks hold less than the KV's
     let pools = crate::memory::product(&[(args.device_tokens as u64).saturating_add(args.host_tokens as u64), {
-        geometry.bytes_per_token() as u64
+        let sidecars: usize = sidecars.iter().map(|pool| pool.geometry.bytes_per_token()).sum();
+        (geometry.bytes_per_token() + sidecars).div_ceil(self::pools(args)) as u64
     }]);
     let conversation = (args.request_length as u64)
         .checked_add(args.output_length as u64)
@@ -567,11 +669,24 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The KV geometry of a rank of pipeline stage `stage`: its share of the heads, its stage's layers.
+/// The KV geometry of a rank of pipeline stage `stage`: its share of the heads (MLA: the whole latent), its stage's
+/// layers.
 pub(crate) fn geometry(args: &ReplayArgs, stage: usize) -> anyhow::Result<KvGeometry> {
-    let heads = (args.kv_heads / args.tp_size).max(1);
     let (_, layers) = stage_layers(args.layers, args.pp_size, stage);
+    if args.hybrid.is_some_and(HybridArg::mla) {
+        let (latent, rope) = MLA_LATENT;
+        return Ok(KvGeometry::mla(layers, latent, rope, KvDtype::Bf16)?);
+    }
+    let heads = (args.kv_heads / args.tp_size).max(1);
     Ok(KvGeometry::mha(layers, heads, args.head_dim, KvDtype::Bf16)?)
+}
+
+/// The geometry of the pool a rank at `place` holds: its stage's KV, or a sidecar pool's.
+fn pool_geometry(args: &ReplayArgs, place: Place) -> anyhow::Result<KvGeometry> {
+    if place.pool == 0 {
+        return geometry(args, place.stage);
+    }
+    Ok(sidecars(args)?[place.pool - 1].geometry)
 }
 
 /// What the flags say about the storage tier.
@@ -657,7 +772,7 @@ fn run_one(
     progress: &dyn Fn(u64),
     metrics: Option<&Metrics>,
 ) -> anyhow::Result<rank::RankOutcome> {
-    let geometry = geometry(args, Place::of(args, rank).stage)?;
+    let geometry = pool_geometry(args, Place::of(args, rank))?;
     let page = args.page_size;
     let (device_pages, host_pages) = (args.device_tokens / page, args.host_tokens / page);
     let device_map = DeviceLayoutMap::new(geometry, device_pages * page)?;
@@ -799,9 +914,15 @@ fn run_on<E: device::ReplayEngine>(
         sync_storage: args.sync_storage,
         split: config.prefetch_split,
         meet: config.prefetch_meet,
-        // the heads are split over the ranks in order (each of too few heads held by several ranks)
-        first_head: place.tp_rank * args.kv_heads / args.tp_size,
+        // the heads are split over the ranks in order (each of too few heads held by several ranks); MLA's latent
+        // is the same on every rank
+        first_head: if geometry(args, place.stage)?.is_mla() {
+            0
+        } else {
+            place.tp_rank * args.kv_heads / args.tp_size
+        },
         first_layer,
+        pool: place.pool,
     };
     // the engine's allocator of device slots: the rank allocates its prefills from it and lends it to the tree
     let mut device = hicache_core::device_slots::PagedSlots::new(device_pages, page)?;
@@ -862,7 +983,7 @@ fn describe(args: &ReplayArgs, storage: &SharedStorage) -> String {
         },
         args.tp_size,
         if args.pp_size > 1 { format!(" × PP {}", args.pp_size) } else { String::new() }
-    )
+    ) + &args.hybrid.map(|hybrid| format!(", hybrid {}", crate::value_name(&hybrid))).unwrap_or_default()
 }
 
 #[cfg(test)]

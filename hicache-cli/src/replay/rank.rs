@@ -205,6 +205,8 @@ pub(crate) struct LoopSpec {
     pub(crate) first_head: usize,
     /// The model's index of this rank's first layer (its pipeline stage's first).
     pub(crate) first_layer: usize,
+    /// The pool this rank holds: 0 for the KV, `n` for the n-th sidecar pool of a hybrid model.
+    pub(crate) pool: usize,
 }
 
 struct Waiting {
@@ -354,7 +356,8 @@ pub(crate) fn run_rank<E: ReplayEngine>(
 ) -> anyhow::Result<RankOutcome> {
     let page = tree.page_size();
     let page_bytes = (tree.controller().engine().pool_map().geometry().bytes_per_token() * page) as u64;
-    let pattern = KvPattern::new(tree.controller().engine().pool_map(), page, (spec.first_head, spec.first_layer));
+    let pattern =
+        KvPattern::new(tree.controller().engine().pool_map(), page, (spec.first_head, spec.first_layer), spec.pool);
     let layers = pattern_layers(tree);
     let mut hasher = PageHasher::new();
     let mut outcome = RankOutcome { rounds: vec![Tally::default(); workload.spec.rounds], ..RankOutcome::default() };

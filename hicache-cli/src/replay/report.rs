@@ -57,6 +57,13 @@ struct StorageFailures {
     prefetch_errors: u64,
 }
 
+/// A sidecar pool of a hybrid model.
+#[derive(Debug, Serialize)]
+struct SidecarParameters {
+    pool: &'static str,
+    entry_bytes: u64,
+}
+
 /// The settings a replay ran with, so a saved result reads on its own.
 #[derive(Debug, Serialize)]
 struct Parameters {
@@ -72,8 +79,14 @@ struct Parameters {
     layers: usize,
     kv_heads: usize,
     head_dim: usize,
-    /// Bytes of one page on one rank.
+    /// Bytes of one page on one rank (the KV's).
     page_bytes: u64,
+    /// The hybrid model's kind (`--hybrid`), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hybrid: Option<String>,
+    /// Its sidecar pools: each one's name and the bytes of its entry on one rank (a page's share of the pool).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    sidecars: Vec<SidecarParameters>,
     layout: String,
     device_tokens: usize,
     host_tokens: usize,
@@ -106,7 +119,7 @@ struct Parameters {
     no_meet: bool,
 }
 
-fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
+fn parameters(args: &ReplayArgs, page_bytes: u64, sidecars: Vec<SidecarParameters>) -> Parameters {
     Parameters {
         clients: args.clients,
         rounds: args.rounds,
@@ -121,6 +134,8 @@ fn parameters(args: &ReplayArgs, page_bytes: u64) -> Parameters {
         kv_heads: args.kv_heads,
         head_dim: args.head_dim,
         page_bytes,
+        hybrid: args.hybrid.map(|hybrid| crate::value_name(&hybrid)),
+        sidecars,
         layout: crate::value_name(&super::layout_arg(args)),
         device_tokens: args.device_tokens,
         host_tokens: args.host_tokens,
@@ -292,11 +307,20 @@ pub(super) fn print(
     let first = &outcomes[0];
     let lockstep = outcomes.iter().all(|outcome| outcome.digest == first.digest);
     let page_bytes = (super::geometry(args, 0)?.bytes_per_token() * args.page_size) as u64;
+    let sidecars: Vec<SidecarParameters> = super::sidecars(args)?
+        .iter()
+        .map(|pool| SidecarParameters {
+            pool: pool.name,
+            entry_bytes: pool.geometry.bytes_per_page(args.page_size) as u64,
+        })
+        .collect();
+    // every pool's ranks move the same pages (in lockstep), each page with its entries
+    let group_bytes = page_bytes + sidecars.iter().map(|pool| pool.entry_bytes).sum::<u64>();
     let bytes = Paths {
-        device_to_host: first.pages_device_to_host * page_bytes,
-        host_to_device: first.pages_host_to_device * page_bytes,
-        host_to_storage: first.pages_host_to_storage * page_bytes,
-        storage_to_host: first.pages_storage_to_host * page_bytes,
+        device_to_host: first.pages_device_to_host * group_bytes,
+        host_to_device: first.pages_host_to_device * group_bytes,
+        host_to_storage: first.pages_host_to_storage * group_bytes,
+        storage_to_host: first.pages_storage_to_host * group_bytes,
     };
     let rate = |bytes: u64| bytes as f64 / first.seconds.max(1e-9) / 1e9;
     let gbps = Paths {
@@ -309,7 +333,7 @@ pub(super) fn print(
     let mismatch = outcomes.iter().find_map(|outcome| outcome.mismatch.clone());
     let (slower_than_fetch_whole, slower_than_best) = slower_than_either(outcomes);
     let report = Report {
-        parameters: parameters(args, page_bytes),
+        parameters: parameters(args, page_bytes, sidecars),
         hit_rate: total.hit_rate,
         tokens_from_l1: total.tokens_from_l1,
         tokens_from_l2: total.tokens_from_l2,
