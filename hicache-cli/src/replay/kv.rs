@@ -1,8 +1,9 @@
 //! The KV bytes a replay writes and checks: every KV head of every item is a function of its token's page key (the
 //! whole prefix up to that page), its place in the page, the model's index of the layer, the part, the model's
-//! index of the head and the pool (the KV, or a hybrid model's sidecar pool). A prefill writes them; every load is checked against them, so a page that came back from the
-//! wrong slot, the wrong host page or the wrong storage object (another prefix, another rank's heads, another
-//! stage's layers) shows, and replays of different TP and PP sizes agree on every head's bytes.
+//! index of the head and the pool (the KV, or a hybrid model's sidecar pool). A prefill writes them; every load is
+//! checked against them, so a page that came back from the wrong slot, the wrong host page or the wrong storage
+//! object (another prefix, another rank's heads, another stage's layers, another pool) shows, and replays of
+//! different TP and PP sizes agree on every head's bytes.
 
 use hicache_core::DeviceSlot;
 use hicache_core::geometry::{Attention, KvGeometry, KvPart};

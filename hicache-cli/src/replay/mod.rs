@@ -492,7 +492,8 @@ pub(crate) enum RankGroup<'a> {
     Nccl(hicache_cuda::NcclSettings),
 }
 
-/// The most ranks (TP ranks × pipeline stages) a replay runs, each a thread or a process with pools of its own.
+/// The most ranks (TP ranks × pipeline stages × pools) a replay runs, each a thread or a process with pools of its
+/// own.
 const MAX_RANKS: u64 = 256;
 
 /// The ranks of the replay: --tp-size in each of --pp-size stages, for each pool of the model.
@@ -592,7 +593,11 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
         return usage("--process-rank and --process-dir come together (set by --processes)".into());
     }
     for (name, value, range) in [
-        ("--tp-size × --pp-size", ranks(args) as u64, 1..=MAX_RANKS),
+        (
+            if args.hybrid.is_some() { "--tp-size × --pp-size × pools" } else { "--tp-size × --pp-size" },
+            ranks(args) as u64,
+            1..=MAX_RANKS,
+        ),
         ("--max-parallel", args.max_parallel as u64, 1..=1 << 20),
         ("--fault-latency-us", args.fault_latency_us, 0..=60_000_000),
         ("--fault-hang-ms", args.fault_hang_ms, 0..=600_000),
@@ -649,8 +654,8 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
         .map_err(|error| Usage(format!("--layers, --kv-heads, --head-dim: {error}")))?;
     let sidecars =
         sidecars(args).map_err(|error| Usage(format!("--hybrid, --layers, --kv-heads, --head-dim: {error}")))?;
-    // each rank holds its pools and its copy of the workload (every conversation's tokens, as u32); a sidecar
-    // pool's ranks hold less than the KV's
+    // each rank holds its pools and its copy of the workload (every conversation's tokens, as u32); with a hybrid
+    // model, the ranks of one TP rank and stage hold the KV's pools and each sidecar pool's between them
     let pools = crate::memory::product(&[(args.device_tokens as u64).saturating_add(args.host_tokens as u64), {
         let sidecars: usize = sidecars.iter().map(|pool| pool.geometry.bytes_per_token()).sum();
         (geometry.bytes_per_token() + sidecars).div_ceil(self::pools(args)) as u64
