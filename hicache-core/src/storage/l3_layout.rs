@@ -245,9 +245,7 @@ impl L3Layout {
         }
         let mut suffixes: Vec<String> = Vec::new();
         for tp_rank in 0..kv.tp_size {
-            let rank = StorageNamespace { tp_rank, ..kv.clone() }
-                .sidecar(&sidecar.pool, sidecar.entry_bytes)?
-                .with_entry_objects(sidecar.objects.clone())?;
+            let rank = StorageNamespace { tp_rank, sidecar: Some(sidecar.clone()), ..kv.clone() }.validated()?;
             for suffix in objects(fields, &rank)?.suffixes {
                 if !suffixes.contains(&suffix) {
                     suffixes.push(suffix);
