@@ -443,6 +443,16 @@ fn print_text(description: &str, report: &Report) {
     line("total".into(), &total);
     println!();
     let mb = |bytes: u64| bytes as f64 / 1e6;
+    if !report.parameters.sidecars.is_empty() {
+        let pools: Vec<String> =
+            report.parameters.sidecars.iter().map(|pool| format!("{} {} bytes", pool.pool, pool.entry_bytes)).collect();
+        println!(
+            "pools per page and rank: kv {} bytes, {}; each pool on ranks of its own, in lockstep with the kv's; \
+             the bytes moved count every pool's",
+            report.parameters.page_bytes,
+            pools.join(", ")
+        );
+    }
     println!(
         "moved (rank 0): device→host {:.1} MB, host→device {:.1} MB, host→storage {:.1} MB, storage→host {:.1} MB",
         mb(report.bytes.device_to_host),
