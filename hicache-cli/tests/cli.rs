@@ -323,7 +323,7 @@ fn replay_moves_storage_pages_in_place_under_every_write_policy() {
 /// under every write policy, with and without storage faults that each rank draws for itself.
 #[test]
 fn hybrid_replays_verify_every_pool_under_every_write_policy_with_and_without_faults() {
-    // each pool's entry on one rank: page 32, 8 layers (the draft model: 1), 2 heads of 64 bf16 values per rank
+    // each pool's entry on one rank at TP 1: page 32, 8 layers (the draft model: 1), 2 heads of 64 bf16 values
     let kinds = [
         ("dsa", "indexer", 8 * 32 * (128 + 4)),
         ("eagle", "draft", 2 * 2 * 64 * 2 * 32),
