@@ -33,6 +33,7 @@
 //! assert!(error.to_string().contains("page_size"), "{error}");
 //! ```
 
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use crate::config::HiCacheConfig;
@@ -51,12 +52,13 @@ pub struct HiCacheBuilder<E: TransferEngine> {
     settings: Option<StorageSettings>,
     clock: Option<Arc<dyn Clock>>,
     tp_rank: usize,
+    trailing_window: Option<NonZeroUsize>,
 }
 
 impl<E: TransferEngine> HiCacheBuilder<E> {
     /// A builder for `engine` (its device and host pools decide the sizes) with `config`.
     pub fn new(config: HiCacheConfig, engine: E) -> Self {
-        Self { config, engine, storage: None, settings: None, clock: None, tp_rank: 0 }
+        Self { config, engine, storage: None, settings: None, clock: None, tp_rank: 0, trailing_window: None }
     }
 
     /// Adds a storage tier (L3).
@@ -85,20 +87,39 @@ impl<E: TransferEngine> HiCacheBuilder<E> {
         self
     }
 
+    /// A hybrid model's trailing window in pages ([`TreeSettings::trailing_window`]): matches end only where the
+    /// pools that a prefix needs at its end hold its last pages' entries. Device and host only: [`build`](Self::build)
+    /// refuses it with a storage tier.
+    pub fn with_trailing_window(mut self, pages: NonZeroUsize) -> Self {
+        self.trailing_window = Some(pages);
+        self
+    }
+
     /// The tree, its controller and (with a storage tier) the storage half.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] naming the field when the config is invalid or disagrees with the engine's pools
-    /// (`page_size`, `mem_layout`) or the storage backend's rank (`tp_rank`); [`Error::InvalidArgument`] naming the
+    /// (`page_size`, `mem_layout`) or the storage backend's rank (`tp_rank`), or when a trailing window is set with a
+    /// storage tier (`trailing_window`); [`Error::InvalidArgument`] naming the
     /// field when the backend was opened for other pages than the pools hold (`page_size`, `geometry`,
     /// `mem_layout`); the controller's and the storage settings' errors.
     pub fn build(self) -> Result<HiRadixTree<E>, Error> {
+        let trailing_window = self.trailing_window;
+        if trailing_window.is_some() && self.storage.is_some() {
+            return Err(Error::InvalidConfig {
+                field: "trailing_window".to_owned(),
+                reason: "a tree with a trailing window keeps no storage tier: its storage would have to keep the \
+                         trailing pools' entries only where they are held, which it does not yet"
+                    .to_owned(),
+            });
+        }
         let (controller, config) = self.assemble()?;
         let settings = TreeSettings {
             write_policy: config.write_policy,
             write_through_selective_threshold: config.write_through_selective_threshold,
             load_back_threshold: config.load_back_threshold,
+            trailing_window,
         };
         Ok(HiRadixTree::new(controller, settings))
     }

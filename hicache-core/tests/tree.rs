@@ -842,3 +842,205 @@ fn a_failed_write_leaves_the_node_on_the_device_without_a_host_copy() {
     let matched = rig.tree.match_prefix(&a);
     assert_eq!(matched.device_slots.len() + matched.host_hit_length, 0);
 }
+
+// Trailing windows: the trailing pool's entry of a page is modelled by one item of the page (its last token's V in
+// the last layer), which holds its derived bytes where the engine holds the entry and zeros where it does not. The
+// item travels with the page through every copy, so a match is checked against the bytes themselves.
+
+/// Whether the item at `position`, `layer`, `part` is a page's trailing entry.
+fn trailing_item(position: usize, layer: usize, part: usize) -> bool {
+    position % PAGE == PAGE - 1 && layer == LAYERS - 1 && part == geometry().parts().last().unwrap().index()
+}
+
+fn trailing_rig(device_pages: usize, host_pages: usize, window: usize) -> Rig {
+    let device = DeviceLayoutMap::new(geometry(), device_pages * PAGE).unwrap();
+    let host = HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, host_pages).unwrap();
+    let engine = CpuEngine::new(device, host, Completion::Immediate).unwrap();
+    let config = HiCacheConfig {
+        page_size: PAGE,
+        mem_layout: HostLayout::LayerFirst,
+        write_policy: WritePolicy::WriteThrough,
+        load_back_threshold: 1,
+        ..HiCacheConfig::default()
+    };
+    let tree = HiCacheBuilder::new(config, engine)
+        .with_trailing_window(std::num::NonZeroUsize::new(window).unwrap())
+        .build()
+        .unwrap();
+    Rig { tree, device: PagedSlots::new(device_pages, PAGE).unwrap(), requests: 0 }
+}
+
+impl Rig {
+    /// Writes the KV of `tokens[from..]` into `slots` as [`fill`](Self::fill), with the trailing entries of the pages
+    /// `held` does not name zeroed (`held`: one per page of `tokens`).
+    fn fill_trailing(&self, tokens: &[u32], from: usize, slots: &[DeviceSlot], held: &[bool]) {
+        self.fill(tokens, from, slots);
+        let map = self.tree.controller().engine().device_map();
+        let part = *geometry().parts().last().unwrap();
+        self.tree.controller().engine().with_device(|bytes| {
+            for (index, &slot) in slots.iter().enumerate() {
+                let position = from + index;
+                if trailing_item(position, LAYERS - 1, part.index()) && !held[position / PAGE] {
+                    let at = map.item_offset(slot as usize, LAYERS - 1, part);
+                    bytes[at..at + geometry().item_bytes()].fill(0);
+                }
+            }
+        });
+    }
+
+    /// Checks the KV of `tokens[..slots.len()]` in `slots`: every item but the trailing entries, and the trailing
+    /// entries of the last `window` pages.
+    fn verify_trailing(&self, tokens: &[u32], slots: &[DeviceSlot], window: usize) {
+        let pages = slots.len() / PAGE;
+        let keys = page_keys(&tokens[..slots.len()], PAGE, None, PartialPage::Reject).unwrap();
+        let map = self.tree.controller().engine().device_map();
+        let item = geometry().item_bytes();
+        let mut expected = vec![0u8; item];
+        self.tree.controller().engine().with_device(|bytes| {
+            for (position, &slot) in slots.iter().enumerate() {
+                for layer in 0..LAYERS {
+                    for &part in geometry().parts() {
+                        if trailing_item(position, layer, part.index())
+                            && position / PAGE < pages.saturating_sub(window)
+                        {
+                            continue;
+                        }
+                        derived(keys[position / PAGE].as_bytes(), position % PAGE, layer, part.index(), &mut expected);
+                        let at = map.item_offset(slot as usize, layer, part);
+                        assert_eq!(
+                            &bytes[at..at + item],
+                            &expected[..],
+                            "page {} of {pages}, layer {layer}, part {}: bytes differ",
+                            position / PAGE,
+                            part.index()
+                        );
+                    }
+                }
+            }
+        });
+    }
+
+    /// A request of a model with a trailing window: match, load back, check, compute the rest with the entries of
+    /// `held` (one per page of `tokens`) held, insert. Returns the pages the request got from the cache, `None`
+    /// when the device had no room.
+    fn request_trailing(&mut self, tokens: &[u32], held: &[bool], window: usize) -> Option<usize> {
+        let matched = self.tree.match_prefix(tokens);
+        let mut slots = matched.device_slots.clone();
+        let loaded = self.tree.load_back(matched.last_node, &mut self.device).unwrap();
+        let locked = if loaded.is_empty() { matched.last_device_node } else { matched.last_node };
+        self.tree.inc_lock_ref(locked).unwrap();
+        if loaded.is_empty() {
+            slots.truncate(matched.device_usable);
+        } else {
+            let consumer = self.tree.start_loading().unwrap();
+            self.tree.layers().set_consumer(consumer);
+            for layer in 0..LAYERS {
+                self.tree.layers().wait_until(layer).unwrap();
+            }
+            slots.extend(&loaded);
+        }
+        self.verify_trailing(tokens, &slots, window);
+        let cached = slots.len();
+        let new_pages = (tokens.len() - cached) / PAGE;
+        let fresh = match self.device.alloc_pages(new_pages) {
+            Some(fresh) => fresh,
+            None => {
+                self.tree.evict(new_pages * PAGE, &mut self.device).unwrap();
+                let Some(fresh) = self.device.alloc_pages(new_pages) else {
+                    self.tree.dec_lock_ref(locked).unwrap();
+                    return None;
+                };
+                fresh
+            }
+        };
+        self.fill_trailing(tokens, cached, &fresh, held);
+        slots.extend(&fresh);
+        self.tree.insert_with_trailing(tokens, &slots, &mut self.device, held).unwrap();
+        self.tree.dec_lock_ref(locked).unwrap();
+        Some(cached / PAGE)
+    }
+}
+
+/// Where a request's state is held only at some pages (a Mamba state where requests ended), a match ends at the
+/// deepest page whose state is held; with a sliding window of two pages, where the two pages before it hold theirs.
+#[test]
+fn a_match_ends_where_the_trailing_window_is_held() {
+    let held = [false, false, true, false, false, true];
+    let a = tokens(1, 6);
+    let mut rig = trailing_rig(16, 32, 1);
+    assert_eq!(rig.request_trailing(&a, &held, 1), Some(0));
+    let pages = |rig: &mut Rig, tokens: &[u32]| {
+        let matched = rig.tree.match_prefix(tokens);
+        (matched.device_slots.len() + matched.host_hit_length) / PAGE
+    };
+    assert_eq!(pages(&mut rig, &a), 6);
+    assert_eq!(pages(&mut rig, &a[..5 * PAGE]), 3, "pages 4 and 5 hold no state: the match ends after page 3");
+    assert_eq!(pages(&mut rig, &a[..2 * PAGE]), 0, "no state before page 3");
+    // a second request shares the first four pages: the match gives it three, it computes the rest
+    let mut b = a[..4 * PAGE].to_vec();
+    b.extend(tokens(2, 2));
+    assert_eq!(rig.request_trailing(&b, &[true; 6], 1), Some(3));
+    assert_eq!(pages(&mut rig, &b), 6);
+    assert_eq!(pages(&mut rig, &b[..4 * PAGE]), 3, "a page already in the tree keeps lacking its state");
+    rig.tree.check_invariants().unwrap();
+
+    let held = [false, true, true, false, true, true];
+    let mut rig = trailing_rig(16, 32, 2);
+    rig.request_trailing(&a, &held, 2).unwrap();
+    assert_eq!(pages(&mut rig, &a), 6);
+    assert_eq!(pages(&mut rig, &a[..5 * PAGE]), 3, "the window of pages 2 and 3 is held, that of 4 and 5 is not");
+    assert_eq!(pages(&mut rig, &a[..2 * PAGE]), 0, "page 1 alone is held: the window before page 2 is not whole");
+    // evicted to the host and loaded back, the pages keep their entries (checked byte for byte by the request)
+    rig.tick();
+    rig.tree.evict(6 * PAGE, &mut rig.device).unwrap();
+    assert_eq!(rig.request_trailing(&a, &held, 2), Some(6));
+    rig.tree.check_invariants().unwrap();
+}
+
+/// A trailing window and a storage tier are refused together, naming the field.
+#[test]
+fn a_trailing_window_with_storage_is_refused() {
+    let device = DeviceLayoutMap::new(geometry(), 8 * PAGE).unwrap();
+    let host = HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, 16).unwrap();
+    let engine = CpuEngine::new(device, host, Completion::Immediate).unwrap();
+    let config = HiCacheConfig { page_size: PAGE, mem_layout: HostLayout::LayerFirst, ..HiCacheConfig::default() };
+    let namespace = StorageNamespace::single_rank("tree-test", geometry(), HostLayout::LayerFirst, PAGE);
+    let error = HiCacheBuilder::new(config, engine)
+        .with_storage(Arc::new(MemoryStorage::shared(MemoryStore::new(), &namespace)))
+        .with_trailing_window(std::num::NonZeroUsize::MIN)
+        .build()
+        .unwrap_err();
+    assert!(error.to_string().contains("trailing_window"), "{error}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Random requests holding their trailing entries at random pages, evictions and ticks, with windows of 1 to 3
+    /// pages: every invariant holds, and every prefix a request gets has every byte right, the entries of its
+    /// trailing window included (a match that ended where they are missing would fail the check).
+    #[test]
+    fn every_matched_prefix_holds_its_trailing_window(
+        ops in prop::collection::vec((op(), prop::collection::vec(any::<bool>(), 8)), 1..80),
+        window in 1usize..4,
+    ) {
+        let mut rig = trailing_rig(12, 20, window);
+        for (op, held) in ops {
+            match op {
+                Op::Request { conversation, pages } => {
+                    rig.request_trailing(&tokens(conversation, pages), &held[..pages], window);
+                }
+                Op::Evict(tokens) => {
+                    rig.tree.evict(tokens, &mut rig.device).unwrap();
+                }
+                Op::EvictHost(tokens) => {
+                    rig.tree.evict_host(tokens).unwrap();
+                }
+                Op::Tick => {
+                    rig.tick();
+                }
+            }
+            rig.tree.check_invariants().unwrap();
+        }
+    }
+}

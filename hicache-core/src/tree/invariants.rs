@@ -11,6 +11,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
     /// Checks every invariant of the tree against itself and the controller's allocator.
     ///
     /// * Keys are whole pages; children are keyed by their first page and point back to their parent.
+    /// * Trailing-window flags: one per page with a trailing window, none without.
     /// * Device slots: one per token, never shared; host pages and page keys: one per page, never shared; host pages
     ///   are allocated in the host pool.
     /// * Device residency is prefix-closed; an evicted node is backed up.
@@ -78,6 +79,10 @@ impl<E: TransferEngine> HiRadixTree<E> {
                         return fail(format!("{id:?} holds free {host_page}"));
                     }
                 }
+            }
+            let trailing_pages = if self.settings.trailing_window.is_some() { node_pages } else { 0 };
+            if node.trailing.len() != trailing_pages {
+                return fail(format!("{id:?}: {} trailing flags for {node_pages} pages", node.trailing.len()));
             }
             if self.controller.has_storage() && node.hashes.len() != node_pages {
                 return fail(format!("{id:?}: {} page keys for {node_pages} pages", node.hashes.len()));

@@ -18,6 +18,8 @@ mod evict;
 mod invariants;
 mod storage;
 
+use std::num::NonZeroUsize;
+
 use rustc_hash::FxHashMap as HashMap;
 
 use crate::config::WritePolicy;
@@ -45,6 +47,10 @@ pub struct MatchResult {
     pub last_node: NodeId,
     /// Tokens matched below `last_device_node` that are only on the host (L2 hit).
     pub host_hit_length: usize,
+    /// The tokens of `device_slots` a request may use when it loads nothing back: all of them, except with a
+    /// [trailing window](HiRadixTree#trailing-windows), where the device part may end at a page whose window is not
+    /// held (the match goes on to one on the host): then the deepest usable end before it.
+    pub device_usable: usize,
 }
 
 /// Counters of what the tree did, since it was made or reset.
@@ -71,11 +77,20 @@ pub struct TreeSettings {
     pub write_through_selective_threshold: u32,
     /// Fewest host tokens worth loading back (SGLang: 10).
     pub load_back_threshold: usize,
+    /// The trailing window of a hybrid model whose sidecar pools only the last pages of a prefix need (a Mamba
+    /// state: 1 page, a sliding window: the pages it spans; the largest of the model's such pools), `None` for a
+    /// model without (see [trailing windows](HiRadixTree#trailing-windows)).
+    pub trailing_window: Option<NonZeroUsize>,
 }
 
 impl Default for TreeSettings {
     fn default() -> Self {
-        Self { write_policy: WritePolicy::WriteThrough, write_through_selective_threshold: 2, load_back_threshold: 10 }
+        Self {
+            write_policy: WritePolicy::WriteThrough,
+            write_through_selective_threshold: 2,
+            load_back_threshold: 10,
+            trailing_window: None,
+        }
     }
 }
 
@@ -88,6 +103,9 @@ pub(crate) struct Node {
     pub(crate) host: Option<Vec<HostPageId>>,
     /// One per page when storage is on, else empty.
     pub(crate) hashes: Vec<PageKey>,
+    /// Per page, whether the entries of the trailing-window pools at its end are held: one per page with a trailing
+    /// window, else empty.
+    pub(crate) trailing: Vec<bool>,
     pub(crate) lock_ref: u32,
     pub(crate) host_ref: u32,
     pub(crate) hit_count: u32,
@@ -104,7 +122,40 @@ impl Node {
     }
 }
 
+/// The deepest usable end of a run of pages, given per page whether the trailing window's entries at its end are
+/// held: the most pages `n` whose last `min(n, window)` pages hold them (0 when no page does).
+fn deepest_usable(held: impl Iterator<Item = bool>, window: NonZeroUsize) -> usize {
+    // pages so far, and how many of the last of them are held
+    let (mut pages, mut run, mut usable) = (0, 0, 0);
+    for held in held {
+        pages += 1;
+        run = if held { run + 1 } else { 0 };
+        if run >= pages.min(window.get()) {
+            usable = pages;
+        }
+    }
+    usable
+}
+
 /// The tree and the controller it drives.
+///
+/// # Trailing windows
+///
+/// A hybrid model may keep sidecar pools that a prefix needs only at its end: a Mamba (linear-attention) state is
+/// the state after the prefix's last page, a sliding window's KV that of its last pages. With such a model
+/// ([`TreeSettings::trailing_window`]: `w` pages), the tree knows per page whether the entries of those pools at the
+/// page's end are held (a Mamba state is kept at some pages only: where a request ended, or where the engine saved
+/// one; a sliding window's KV is kept for the pages an engine computed), and a prefix of `n` pages is *usable* only when its last `min(n, w)` pages hold them. A match ends at the deepest
+/// usable end of the cached prefix, so a request is never given a prefix whose state or window is missing: it
+/// recomputes from there.
+///
+/// Which pages hold the entries is the engine's word when it inserts
+/// ([`insert_with_trailing`](Self::insert_with_trailing)); a split divides them; a copy to the host or back, or an
+/// eviction, keeps them. Entries the engine recomputes for pages the tree already holds are not taken (on the
+/// device the tree keeps its slots, which other requests may be reading; an evicted node's host copy keeps its
+/// bytes), so a page that lacks them keeps lacking them until its node leaves the tree. Storage keeps no entries of
+/// these pools yet ([`HiCacheBuilder`](crate::HiCacheBuilder) refuses a trailing window with a storage tier; a page
+/// a prefetch brings holds none).
 #[derive(Debug)]
 pub struct HiRadixTree<E: TransferEngine> {
     controller: CacheController<E>,
@@ -162,6 +213,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
             device: Some(Vec::new()),
             host: Some(Vec::new()),
             hashes: Vec::new(),
+            trailing: Vec::new(),
             lock_ref: 1,
             host_ref: 0,
             hit_count: 0,
@@ -250,12 +302,15 @@ impl<E: TransferEngine> HiRadixTree<E> {
         &tokens[..tokens.len() - tokens.len() % self.page_size]
     }
 
-    /// Finds the longest cached prefix of `tokens` (whole pages), splitting the node where the match ends inside it.
+    /// Finds the longest cached prefix of `tokens` (whole pages) that is usable (with a trailing window: whose last
+    /// pages hold the window's entries), splitting the node where the match ends inside it.
     pub fn match_prefix(&mut self, tokens: &[u32]) -> MatchResult {
         let tokens = self.aligned(tokens);
+        let tokens = &tokens[..self.usable_len(tokens)];
         let now = self.tick_clock();
         let mut node = self.root;
         let mut device_slots = Vec::new();
+        let mut held = Vec::new();
         let mut rest = tokens;
         while !rest.is_empty() {
             let Some(&child) = self.node(node).children.get(&self.child_key(rest)) else { break };
@@ -266,9 +321,17 @@ impl<E: TransferEngine> HiRadixTree<E> {
             if let Some(device) = &entry.device {
                 device_slots.extend_from_slice(device);
             }
+            held.extend_from_slice(&entry.trailing);
             node = child;
             rest = &rest[prefix..];
         }
+        let device_usable = match self.settings.trailing_window {
+            Some(window) => {
+                let device_pages = device_slots.len() / self.page_size;
+                deepest_usable(held[..device_pages].iter().copied(), window) * self.page_size
+            }
+            None => device_slots.len(),
+        };
         let last_node = node;
         let mut host_hit_length = 0;
         let mut last_device_node = last_node;
@@ -281,7 +344,28 @@ impl<E: TransferEngine> HiRadixTree<E> {
         while !self.node(last_host_node).backed_up() {
             last_host_node = self.node(last_host_node).parent.expect("the root is backed up");
         }
-        MatchResult { device_slots, last_device_node, last_host_node, last_node, host_hit_length }
+        MatchResult { device_slots, last_device_node, last_host_node, last_node, host_hit_length, device_usable }
+    }
+
+    /// The tokens of the longest usable cached prefix of `tokens` (whole pages) with a trailing window: the deepest
+    /// page end along the cached path whose last `min(end, window)` pages hold the window's entries. Without a
+    /// trailing window, all of `tokens` (the match itself stops where the tree does).
+    fn usable_len(&self, tokens: &[u32]) -> usize {
+        let Some(window) = self.settings.trailing_window else { return tokens.len() };
+        let (mut node, mut rest) = (self.root, tokens);
+        let mut held = Vec::new();
+        while !rest.is_empty() {
+            let Some(&child) = self.node(node).children.get(&self.child_key(rest)) else { break };
+            let entry = self.node(child);
+            let prefix = self.match_len(&entry.key, rest);
+            held.extend_from_slice(&entry.trailing[..prefix / self.page_size]);
+            if prefix < entry.key.len() {
+                break;
+            }
+            node = child;
+            rest = &rest[prefix..];
+        }
+        deepest_usable(held.into_iter(), window) * self.page_size
     }
 
     /// Splits `child` after `prefix` tokens (whole pages, less than its key): a new node takes the first part and
@@ -299,6 +383,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
             device: node.device.as_mut().map(|device| device.drain(..prefix).collect()),
             host: node.host.as_mut().map(|host| host.drain(..pages).collect()),
             hashes: if node.hashes.is_empty() { Vec::new() } else { node.hashes.drain(..pages).collect() },
+            trailing: if node.trailing.is_empty() { Vec::new() } else { node.trailing.drain(..pages).collect() },
             lock_ref: node.lock_ref,
             host_ref: node.host_ref,
             hit_count: node.hit_count,
@@ -399,8 +484,11 @@ impl<E: TransferEngine> HiRadixTree<E> {
     }
 
     /// Inserts `tokens` (whole pages are kept) whose KV is in `device_slots` (one per token). Nodes already on the
-    /// device keep their slots, and the caller's duplicates go back to the engine's `device` allocator; evicted nodes take the caller's slots again
-    /// (recomputed); the rest becomes a new leaf. Returns the tokens that were already on the device.
+    /// device keep their slots, and the caller's duplicates go back to the engine's `device` allocator; evicted nodes
+    /// take the caller's slots again (recomputed); the rest becomes a new leaf. Returns the tokens that were already
+    /// on the device. With a [trailing window](Self#trailing-windows), the caller holds the window's entries at
+    /// every page it inserts (a sliding window's KV of tokens it computed); see
+    /// [`insert_with_trailing`](Self::insert_with_trailing) for an engine that holds them at some pages only.
     ///
     /// # Errors
     ///
@@ -411,11 +499,39 @@ impl<E: TransferEngine> HiRadixTree<E> {
         device_slots: &[DeviceSlot],
         device: &mut dyn DeviceSlotAllocator,
     ) -> Result<usize, Error> {
+        let pages = tokens.len() / self.page_size;
+        self.insert_with_trailing(tokens, device_slots, device, &vec![true; pages])
+    }
+
+    /// [`insert`](Self::insert), with the pages at whose end the caller holds the entries of the model's
+    /// [trailing-window](Self#trailing-windows) pools (`trailing`, one per whole page of `tokens`: a Mamba state
+    /// where the request ends, or where the engine saved one). A new leaf takes them; pages already on the device
+    /// keep what they hold; an evicted node that takes the caller's slots again holds an entry only where both its
+    /// host copy and the caller do. Without a trailing window, `trailing` is not read.
+    ///
+    /// # Errors
+    ///
+    /// As [`insert`](Self::insert); [`Error::InvalidArgument`] naming `trailing` when a trailing window is set and it
+    /// does not have one value per whole page of `tokens`.
+    pub fn insert_with_trailing(
+        &mut self,
+        tokens: &[u32],
+        device_slots: &[DeviceSlot],
+        device: &mut dyn DeviceSlotAllocator,
+        trailing: &[bool],
+    ) -> Result<usize, Error> {
         let tokens = self.aligned(tokens);
         if device_slots.len() < tokens.len() {
             return Err(Error::InvalidArgument {
                 field: "device_slots",
                 reason: format!("{} slots for {} tokens", device_slots.len(), tokens.len()),
+            });
+        }
+        let pages = tokens.len() / self.page_size;
+        if self.settings.trailing_window.is_some() && trailing.len() != pages {
+            return Err(Error::InvalidArgument {
+                field: "trailing",
+                reason: format!("{} values for {pages} whole pages of tokens", trailing.len()),
             });
         }
         let now = self.tick_clock();
@@ -433,6 +549,12 @@ impl<E: TransferEngine> HiRadixTree<E> {
                 let host = self.node(child).host.clone().expect("evicted nodes are backed up");
                 self.controller.host_resynced(&host)?;
                 let locked = self.node(child).lock_ref > 0;
+                // the device copy is the caller's now and the host copy stays: an entry is held where both hold it
+                let first_page = (tokens.len() - rest.len()) / self.page_size;
+                let callers = trailing.get(first_page..first_page + prefix / self.page_size).unwrap_or_default();
+                for (held, &callers) in self.node_mut(child).trailing.iter_mut().zip(callers) {
+                    *held &= callers;
+                }
                 self.node_mut(child).device = Some(mine.to_vec());
                 if locked {
                     self.protected_tokens += prefix;
@@ -465,6 +587,11 @@ impl<E: TransferEngine> HiRadixTree<E> {
             } else {
                 Vec::new()
             };
+            let trailing = if self.settings.trailing_window.is_some() {
+                trailing[(tokens.len() - rest.len()) / self.page_size..].to_vec()
+            } else {
+                Vec::new()
+            };
             let id = self.new_id();
             let leaf = Node {
                 parent: Some(node),
@@ -473,6 +600,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
                 device: Some(slots.to_vec()),
                 host: None,
                 hashes,
+                trailing,
                 lock_ref: 0,
                 host_ref: 0,
                 hit_count: 0,

@@ -419,6 +419,9 @@ impl<E: TransferEngine> HiRadixTree<E> {
             let id = self.new_id();
             let child_key = self.child_key(rest);
             let hashes = if self.controller.has_storage() { keys[taken..].to_vec() } else { Vec::new() };
+            // storage keeps no entries of trailing-window pools: a page brought from it holds none
+            let trailing =
+                if self.settings.trailing_window.is_some() { vec![false; pages.len() - taken] } else { Vec::new() };
             self.nodes.insert(
                 id,
                 Node {
@@ -428,6 +431,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
                     device: None,
                     host: Some(pages[taken..].to_vec()),
                     hashes,
+                    trailing,
                     lock_ref: 0,
                     host_ref: 0,
                     hit_count: 0,
