@@ -33,11 +33,10 @@
 //! assert!(error.to_string().contains("page_size"), "{error}");
 //! ```
 
-use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use crate::config::HiCacheConfig;
-use crate::controller::{CacheController, StorageSettings};
+use crate::controller::{CacheController, StorageSettings, Trailing};
 use crate::error::Error;
 use crate::rate_limit::{Clock, SystemClock};
 use crate::storage::StorageBackend;
@@ -52,13 +51,13 @@ pub struct HiCacheBuilder<E: TransferEngine> {
     settings: Option<StorageSettings>,
     clock: Option<Arc<dyn Clock>>,
     tp_rank: usize,
-    trailing_window: Option<NonZeroUsize>,
+    trailing: Option<Trailing>,
 }
 
 impl<E: TransferEngine> HiCacheBuilder<E> {
     /// A builder for `engine` (its device and host pools decide the sizes) with `config`.
     pub fn new(config: HiCacheConfig, engine: E) -> Self {
-        Self { config, engine, storage: None, settings: None, clock: None, tp_rank: 0, trailing_window: None }
+        Self { config, engine, storage: None, settings: None, clock: None, tp_rank: 0, trailing: None }
     }
 
     /// Adds a storage tier (L3).
@@ -87,11 +86,12 @@ impl<E: TransferEngine> HiCacheBuilder<E> {
         self
     }
 
-    /// A hybrid model's trailing window in pages ([`TreeSettings::trailing_window`]): matches end only where the
-    /// pools that a prefix needs at its end hold its last pages' entries. Device and host only: [`build`](Self::build)
-    /// refuses it with a storage tier.
-    pub fn with_trailing_window(mut self, pages: NonZeroUsize) -> Self {
-        self.trailing_window = Some(pages);
+    /// A hybrid model's trailing window as this rank sees it ([`Trailing`]): the tree's matches end only where the
+    /// pools that a prefix needs at its end hold its last pages' entries ([`TreeSettings::trailing_window`]), and
+    /// with a storage tier, what this rank stores and reads of them. A hit is then fetched whole: the storage
+    /// settings' `by_cost`, `split` and `meet` are turned off.
+    pub fn with_trailing(mut self, trailing: Trailing) -> Self {
+        self.trailing = Some(trailing);
         self
     }
 
@@ -100,20 +100,11 @@ impl<E: TransferEngine> HiCacheBuilder<E> {
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] naming the field when the config is invalid or disagrees with the engine's pools
-    /// (`page_size`, `mem_layout`) or the storage backend's rank (`tp_rank`), or when a trailing window is set with a
-    /// storage tier (`trailing_window`); [`Error::InvalidArgument`] naming the
+    /// (`page_size`, `mem_layout`) or the storage backend's rank (`tp_rank`); [`Error::InvalidArgument`] naming the
     /// field when the backend was opened for other pages than the pools hold (`page_size`, `geometry`,
     /// `mem_layout`); the controller's and the storage settings' errors.
     pub fn build(self) -> Result<HiRadixTree<E>, Error> {
-        let trailing_window = self.trailing_window;
-        if trailing_window.is_some() && self.storage.is_some() {
-            return Err(Error::InvalidConfig {
-                field: "trailing_window".to_owned(),
-                reason: "a tree with a trailing window keeps no storage tier: its storage would have to keep the \
-                         trailing pools' entries only where they are held, which it does not yet"
-                    .to_owned(),
-            });
-        }
+        let trailing_window = self.trailing.map(|trailing| trailing.window);
         let (controller, config) = self.assemble()?;
         let settings = TreeSettings {
             write_policy: config.write_policy,
@@ -195,12 +186,16 @@ impl<E: TransferEngine> HiCacheBuilder<E> {
                     ),
                 );
             }
-            let settings = match self.settings {
+            let mut settings = match self.settings {
                 Some(settings) => settings,
                 None => {
                     StorageSettings::from_config(&config, host_pages * page, device_pages * page, mla, self.tp_rank)?
                 }
             };
+            if let Some(trailing) = self.trailing {
+                settings =
+                    StorageSettings { trailing: Some(trailing), by_cost: false, split: false, meet: false, ..settings };
+            }
             let clock = self.clock.unwrap_or_else(|| Arc::new(SystemClock::new()));
             controller = controller.with_storage(storage, settings, clock)?;
         }

@@ -89,6 +89,7 @@ fn run_rank(script: &Script, collective: &mut dyn Collective, store: &Arc<Memory
         split: script.by_cost,
         meet: script.meet,
         priors: hicache_core::cost::Priors::UNKNOWN,
+        trailing: None,
     };
     let mut controller = HiCacheBuilder::new(
         HiCacheConfig { page_size: PAGE, mem_layout: HostLayout::PageFirst, ..HiCacheConfig::default() },

@@ -65,6 +65,7 @@ fn settings(policy: PrefetchPolicy) -> StorageSettings {
         split: false,
         meet: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
+        trailing: None,
     }
 }
 

@@ -171,6 +171,7 @@ fn settings() -> StorageSettings {
         split: false,
         meet: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
+        trailing: None,
     }
 }
 

@@ -73,6 +73,7 @@ fn controller_with(
                 split: false,
                 meet: false,
                 priors: hicache_core::cost::Priors::UNKNOWN,
+                trailing: None,
             };
             // this process is the rank the backend was opened for
             let rank = storage.namespace().map_or(0, |namespace| namespace.tp_rank);

@@ -91,6 +91,7 @@ fn rig_on(
             split: false,
             meet: false,
             priors: hicache_core::cost::Priors::UNKNOWN,
+            trailing: None,
         };
         builder = builder.with_storage(backend).with_storage_settings(adjust(settings));
     }
@@ -864,7 +865,10 @@ fn trailing_rig(device_pages: usize, host_pages: usize, window: usize) -> Rig {
         ..HiCacheConfig::default()
     };
     let tree = HiCacheBuilder::new(config, engine)
-        .with_trailing_window(std::num::NonZeroUsize::new(window).unwrap())
+        .with_trailing(hicache_core::controller::Trailing {
+            window: std::num::NonZeroUsize::new(window).unwrap(),
+            pool: false,
+        })
         .build()
         .unwrap();
     Rig { tree, device: PagedSlots::new(device_pages, PAGE).unwrap(), requests: 0 }
@@ -995,22 +999,6 @@ fn a_match_ends_where_the_trailing_window_is_held() {
     rig.tree.evict(6 * PAGE, &mut rig.device).unwrap();
     assert_eq!(rig.request_trailing(&a, &held, 2), Some(6));
     rig.tree.check_invariants().unwrap();
-}
-
-/// A trailing window and a storage tier are refused together, naming the field.
-#[test]
-fn a_trailing_window_with_storage_is_refused() {
-    let device = DeviceLayoutMap::new(geometry(), 8 * PAGE).unwrap();
-    let host = HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, 16).unwrap();
-    let engine = CpuEngine::new(device, host, Completion::Immediate).unwrap();
-    let config = HiCacheConfig { page_size: PAGE, mem_layout: HostLayout::LayerFirst, ..HiCacheConfig::default() };
-    let namespace = StorageNamespace::single_rank("tree-test", geometry(), HostLayout::LayerFirst, PAGE);
-    let error = HiCacheBuilder::new(config, engine)
-        .with_storage(Arc::new(MemoryStorage::shared(MemoryStore::new(), &namespace)))
-        .with_trailing_window(std::num::NonZeroUsize::MIN)
-        .build()
-        .unwrap_err();
-    assert!(error.to_string().contains("trailing_window"), "{error}");
 }
 
 proptest! {

@@ -88,6 +88,7 @@ pub(crate) fn run(args: &BenchControllerArgs) -> anyhow::Result<()> {
         split: false,
         meet: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
+        trailing: None,
     };
     let config = HiCacheConfig { page_size: page, mem_layout: HostLayout::PageFirst, ..HiCacheConfig::default() };
     let mut controller = HiCacheBuilder::new(config, engine)

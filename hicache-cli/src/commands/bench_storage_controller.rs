@@ -105,6 +105,7 @@ pub(super) fn run(
         split: false,
         meet: false,
         priors: hicache_core::cost::Priors::UNKNOWN,
+        trailing: None,
     };
     let config = HiCacheConfig { page_size: 1, mem_layout: HostLayout::PageFirst, ..HiCacheConfig::default() };
     let mut controller = HiCacheBuilder::new(config, engine)

@@ -51,7 +51,7 @@ pub use outcome::{PageBackup, PrefetchExplanation, PrefetchStop, StorageFailure}
 pub use prefetch::{Meeting, PrefetchDone, PrefetchHead, PrefetchStart};
 pub use progress::{Progress, Terminated};
 pub use release::{Release, ReleaseLedger};
-pub use storage::{DEFAULT_TICK_SLOTS, StorageSettings};
+pub use storage::{DEFAULT_TICK_SLOTS, StorageSettings, Trailing};
 pub use tick::{PausedTick, TickProgress, TickReport};
 
 fn lent_error(page: HostPageId, how: Access, operation: &'static str) -> Error {
@@ -102,6 +102,8 @@ pub struct BackupReport {
 struct PendingWrite<E> {
     ack: Ack<E>,
     keys: Option<Vec<PageKey>>,
+    /// Per page, whether the trailing-window pools' entries are held (empty: every page's are).
+    trailing: Vec<bool>,
 }
 
 /// The controller's L1↔L2 half.
@@ -263,6 +265,22 @@ impl<E: TransferEngine> CacheController<E> {
         node_id: NodeId,
         keys: Option<&[PageKey]>,
     ) -> Result<Option<Vec<HostPageId>>, Error> {
+        self.write_held(device_slots, node_id, keys, &[])
+    }
+
+    /// [`write`](Self::write) of a node of a model with a [trailing window](Trailing): its backup to storage is
+    /// [`backup_held`](Self::backup_held) with `trailing`.
+    ///
+    /// # Errors
+    ///
+    /// As [`write`](Self::write).
+    pub fn write_held(
+        &mut self,
+        device_slots: &[DeviceSlot],
+        node_id: NodeId,
+        keys: Option<&[PageKey]>,
+        trailing: &[bool],
+    ) -> Result<Option<Vec<HostPageId>>, Error> {
         if !device_slots.len().is_multiple_of(self.page_size) {
             return Err(Error::InvalidArgument {
                 field: "device_slots",
@@ -300,7 +318,11 @@ impl<E: TransferEngine> CacheController<E> {
             layer_events: Vec::new(),
             start: None,
         };
-        self.write_acks.push_back(PendingWrite { ack, keys: keys.map(<[PageKey]>::to_vec) });
+        self.write_acks.push_back(PendingWrite {
+            ack,
+            keys: keys.map(<[PageKey]>::to_vec),
+            trailing: trailing.to_vec(),
+        });
         Ok(Some(host_pages))
     }
 
@@ -396,7 +418,7 @@ impl<E: TransferEngine> CacheController<E> {
         }
         let writes: Vec<PendingWrite<E::Event>> = self.write_acks.drain(..count).collect();
         let mut acks = Vec::with_capacity(writes.len());
-        for PendingWrite { mut ack, keys } in writes {
+        for PendingWrite { mut ack, keys, trailing } in writes {
             if let Err(error) = ack.finish.wait() {
                 // the host pages hold unspecified bytes: never synced, never backed up; they go back to the pool
                 tracing::error!(nodes = ?ack.node_ids, "a device → host write failed: {error}");
@@ -407,7 +429,7 @@ impl<E: TransferEngine> CacheController<E> {
             }
             self.host.complete_io(&ack.host_pages)?;
             if let Some(keys) = keys {
-                ack.storage_op = self.backup_to_storage(&ack.host_pages, keys, ack.node_ids.clone())?;
+                ack.storage_op = self.backup_held(&ack.host_pages, keys, ack.node_ids.clone(), &trailing)?;
             }
             acks.push(ack);
         }
@@ -437,8 +459,25 @@ impl<E: TransferEngine> CacheController<E> {
         keys: Vec<PageKey>,
         node_ids: Vec<NodeId>,
     ) -> Result<Option<OpId>, Error> {
+        self.backup_held(host_pages, keys, node_ids, &[])
+    }
+
+    /// [`backup_to_storage`](Self::backup_to_storage) of a node of a model with a [trailing window](Trailing):
+    /// `trailing` says per page whether the trailing-window pools' entries at its end are held (a trailing-window
+    /// pool's rank writes only those among the last `window` pages; empty: every page's are).
+    ///
+    /// # Errors
+    ///
+    /// As [`backup_to_storage`](Self::backup_to_storage).
+    pub fn backup_held(
+        &mut self,
+        host_pages: &[HostPageId],
+        keys: Vec<PageKey>,
+        node_ids: Vec<NodeId>,
+        trailing: &[bool],
+    ) -> Result<Option<OpId>, Error> {
         let Some(storage) = &mut self.storage else { return Ok(None) };
-        storage.backup(&self.host, &mut self.ids, host_pages, keys, node_ids).map(Some)
+        storage.backup(&self.host, &mut self.ids, host_pages, keys, node_ids, trailing).map(Some)
     }
 
     /// Backups to storage that are done, counted from the oldest and stopping at the first still running.

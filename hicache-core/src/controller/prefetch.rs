@@ -115,6 +115,9 @@ pub struct PrefetchDone {
     pub host_pages: Vec<HostPageId>,
     /// Their page keys.
     pub keys: Vec<PageKey>,
+    /// With a [trailing window](super::Trailing): the first of `host_pages` whose entries of the trailing-window
+    /// pools were read (those of the hit's last `window` pages only; the same on every rank); 0 without.
+    pub trailing_from: usize,
     /// Everything about how it went.
     pub explanation: PrefetchExplanation,
 }
@@ -184,6 +187,9 @@ pub(super) struct Prefetch {
     pub(super) head_pages: usize,
     /// When the reads of the reserved pages were first queued.
     pub(super) reads_queued_at: Option<Duration>,
+    /// With a trailing window: the length the last round of the ranks' agreement reduced to (`None` before the
+    /// first), which every rank's next proposal stays within ([`Trailing`](super::Trailing)).
+    pub(super) cap: Option<usize>,
     pub(super) explanation: PrefetchExplanation,
 }
 
@@ -287,7 +293,7 @@ impl Tracked {
         match self.stage {
             Stage::Querying(reads) if reads.pages.is_empty() => None,
             Stage::Querying(_) => {
-                workers.fetch(shared.clone(), Vec::new(), Vec::new(), true);
+                workers.fetch(shared.clone(), Vec::new(), Vec::new(), 0, true);
                 Some(shared)
             }
             Stage::Fetching(_) | Stage::Draining(_) => Some(shared),

@@ -36,7 +36,12 @@ impl StorageTier {
             more_keys.reverse();
         }
         self.ledger.extend(op, more.clone())?;
-        self.workers.fetch(prefetch.shared.clone(), more.clone(), more_keys.clone(), last);
+        // a trailing-window pool reads only the window at the hit's end (every page is reserved in one job then)
+        let skip = match self.settings.trailing {
+            Some(trailing) if trailing.pool => more.len().saturating_sub(trailing.window.get()),
+            _ => 0,
+        };
+        self.workers.fetch(prefetch.shared.clone(), more.clone(), more_keys.clone(), skip, last);
         reads.pages.extend(more);
         reads.keys.extend(more_keys);
         Ok(())
@@ -57,7 +62,11 @@ impl StorageTier {
         // by cost: only what the plan for the hit found so far would fetch (reads queued now cannot be taken back);
         // a split waits for the whole hit (its tail is the hit's end), and so do reads from the end
         let planned = self.plan_for(prefetch, pool, agreed_pages, 0, 0);
-        if self.settings.meet || planned.is_some_and(|planned| planned.compute_head_pages > 0) {
+        // with a trailing window the pages to read depend on where the whole hit ends
+        if self.settings.meet
+            || self.settings.trailing.is_some()
+            || planned.is_some_and(|planned| planned.compute_head_pages > 0)
+        {
             return Ok(reads);
         }
         let planned = planned.map(|planned| planned.fetch_pages);
@@ -163,6 +172,10 @@ impl StorageTier {
             if reads.pages.is_empty() && count * pool.page_size < self.settings.prefetch_threshold {
                 // nothing reserved yet, and too few fit (pages reserved while the query ran are being read: they
                 // are resolved below whatever their number, never dropped with their reads under way)
+                return Ok(self.end_empty(prefetch, pool, PrefetchStop::HostPoolFull));
+            }
+            if count < wanted && self.settings.trailing.is_some() {
+                // a shorter prefix would not end where the trailing window was agreed: all or nothing
                 return Ok(self.end_empty(prefetch, pool, PrefetchStop::HostPoolFull));
             }
             if count < wanted && short.is_none() {
@@ -367,11 +380,16 @@ impl StorageTier {
             plan = explanation.plan.map(|plan| plan.reason.name()),
             "prefetch finished"
         );
+        // a trailing window's entries were read for the hit's last pages only
+        let trailing_from = self.settings.trailing.map_or(0, |trailing| {
+            (prefetch.explanation.reserved_tokens / pool.page_size).saturating_sub(trailing.window.get())
+        });
         PrefetchDone {
             request_id: prefetch.request_id.clone(),
             head_tokens,
             host_pages: pages,
             keys,
+            trailing_from,
             explanation: prefetch.explanation.clone(),
         }
     }

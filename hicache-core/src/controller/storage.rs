@@ -75,6 +75,28 @@ pub struct StorageSettings {
     pub meet: bool,
     /// The rates assumed until measured.
     pub priors: Priors,
+    /// A hybrid model's trailing window as this rank sees it ([`Trailing`]), `None` for a model without.
+    pub trailing: Option<Trailing>,
+}
+
+/// A hybrid model's trailing window (a Mamba state, a sliding window: sidecar pools a prefix needs only at its last
+/// pages), as one rank of it sees it. Ranks of such a model run in lockstep (every pool's ranks make the same calls)
+/// and store page groups under the same keys:
+///
+/// * a rank that holds pages every prefix needs (the KV, an all-pages sidecar) stores and reads every page;
+/// * a rank that holds a trailing-window pool ([`pool`](Self::pool)) stores of each backed-up node only the held
+///   entries among its last `window` pages, and reads of a hit of `n` pages only pages `n - window .. n`.
+///
+/// Which prefixes storage can restore is then a set, not a leading run: the ranks agree on the longest length in
+/// every rank's set, in rounds of the tick's reduction (each rank proposes its longest length no longer than the
+/// last round's result, until a round's result is what every rank proposed). A hit is fetched whole: not by cost,
+/// not split, and not at all when the host pool cannot hold it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Trailing {
+    /// Pages the window spans (the largest of the model's trailing-window pools).
+    pub window: std::num::NonZeroUsize,
+    /// This rank holds a trailing-window pool.
+    pub pool: bool,
 }
 
 impl StorageSettings {
@@ -122,6 +144,7 @@ impl StorageSettings {
                 prefill_tokens_per_s: (config.prior_prefill_tokens_per_s > 0.0)
                     .then_some(config.prior_prefill_tokens_per_s),
             },
+            trailing: None,
         })
     }
 
@@ -168,8 +191,22 @@ pub(super) struct HitFound {
     pub(super) pages: usize,
     /// The storage error that ended the query early, if any.
     pub(super) error: Option<StorageFailure>,
+    /// A trailing-window pool's rank: the lengths it can restore, ascending (its entries are held at some pages
+    /// only); `None` where every length up to `pages` is (a leading run).
+    pub(super) lengths: Option<Vec<usize>>,
     /// How long the query took.
     pub(super) elapsed: Duration,
+}
+
+impl HitFound {
+    /// This rank's proposal in a round of the ranks' agreement on a trailing window's hit: the longest length it can
+    /// restore that is no longer than `cap` (the last round's result).
+    pub(super) fn proposal(&self, cap: usize) -> usize {
+        match &self.lengths {
+            Some(lengths) => lengths.iter().rev().copied().find(|&length| length <= cap).unwrap_or(0),
+            None => self.pages.min(cap),
+        }
+    }
 }
 
 /// A prefetch as the I/O threads and the scheduler share it.
@@ -234,6 +271,8 @@ struct FetchJob {
     shared: Arc<PrefetchShared>,
     pages: Vec<HostPageId>,
     keys: Vec<PageKey>,
+    /// Leading pages counted without being read (a trailing-window pool's pages before the window).
+    skip: usize,
     /// The prefetch's last job: the operation is quiet after it.
     last: bool,
 }
@@ -242,6 +281,8 @@ struct BackupJob {
     shared: Arc<BackupShared>,
     pages: Vec<HostPageId>,
     keys: Vec<PageKey>,
+    /// Where each page's outcome goes in the backup's record.
+    positions: Vec<usize>,
 }
 
 /// The three I/O threads. Dropping this closes their channels and waits, up to the read deadline, for them to finish
@@ -286,6 +327,7 @@ struct Io {
     host: Arc<HostMemory>,
     page_size: usize,
     batch_pages: usize,
+    trailing: Option<Trailing>,
     reads: Arc<Mutex<Vec<ReadSample>>>,
     _registration: Arc<Registration>,
     _ended: Sender<()>,
@@ -316,6 +358,7 @@ impl Workers {
             host,
             page_size: settings.page_size,
             batch_pages: settings.batch_pages,
+            trailing: settings.trailing,
             reads: reads.clone(),
             _registration: registration,
             _ended: ended_sender,
@@ -366,14 +409,28 @@ impl Workers {
         send(&self.query, QueryJob { shared, tokens, last_key });
     }
 
-    /// Queues the reads of `pages` (positions after those of earlier jobs of the same prefetch); `last` when no
-    /// more jobs of this prefetch follow.
-    pub(super) fn fetch(&self, shared: Arc<PrefetchShared>, pages: Vec<HostPageId>, keys: Vec<PageKey>, last: bool) {
-        send(&self.fetch, FetchJob { shared, pages, keys, last });
+    /// Queues the reads of `pages` (positions after those of earlier jobs of the same prefetch), the first `skip`
+    /// of them counted without a read; `last` when no more jobs of this prefetch follow.
+    pub(super) fn fetch(
+        &self,
+        shared: Arc<PrefetchShared>,
+        pages: Vec<HostPageId>,
+        keys: Vec<PageKey>,
+        skip: usize,
+        last: bool,
+    ) {
+        send(&self.fetch, FetchJob { shared, pages, keys, skip, last });
     }
 
-    pub(super) fn backup(&self, shared: Arc<BackupShared>, pages: Vec<HostPageId>, keys: Vec<PageKey>) {
-        send(&self.backup, BackupJob { shared, pages, keys });
+    /// Queues the writes of `pages` under `keys`, each page's outcome recorded at its place in `positions`.
+    pub(super) fn backup(
+        &self,
+        shared: Arc<BackupShared>,
+        pages: Vec<HostPageId>,
+        keys: Vec<PageKey>,
+        positions: Vec<usize>,
+    ) {
+        send(&self.backup, BackupJob { shared, pages, keys, positions });
     }
 
     /// The reads the fetch thread made since the last call.
@@ -430,6 +487,7 @@ fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
     for job in jobs {
         let shared = &job.shared;
         let started = std::time::Instant::now();
+        let mut lengths_found = None;
         let error = if shared.progress.is_terminated() {
             None
         } else {
@@ -437,8 +495,13 @@ fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
                 shared.found.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend_from_slice(keys);
                 !shared.progress.is_terminated()
             };
-            let query = guarded(|| {
-                storage_hit_query_with(
+            let query = guarded(|| match io.trailing {
+                Some(trailing) if trailing.pool => {
+                    trailing_query(io, &mut hasher, &job, trailing.window.get(), &mut publish).map(|lengths| {
+                        lengths_found = Some(lengths);
+                    })
+                }
+                _ => storage_hit_query_with(
                     &*io.storage,
                     &mut hasher,
                     &job.tokens,
@@ -447,6 +510,7 @@ fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
                     io.batch_pages,
                     &mut publish,
                 )
+                .map(|_| ()),
             });
             query.err().map(StorageFailure::Call)
         };
@@ -462,14 +526,60 @@ fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
         if let Some(error) = &error {
             tracing::warn!(backend = io.storage.name(), %error, pages, "storage hit query failed; the hit ends there");
         }
-        let _ = shared.hit.set(HitFound { pages, error, elapsed });
+        let lengths = match io.trailing {
+            // a failed query restores nothing: its set may lack lengths it has
+            Some(trailing) if trailing.pool => {
+                Some(if error.is_some() { Vec::new() } else { lengths_found.unwrap_or_default() })
+            }
+            _ => None,
+        };
+        let _ = shared.hit.set(HitFound { pages, error, elapsed, lengths });
     }
+}
+
+/// A trailing-window pool's hit query: which pages of `job`'s tokens storage holds an entry for (every page is
+/// asked, a batch per call), and so which lengths it can restore: those whose last `window` pages it holds (pages
+/// before the prefetch's start count as held: the tree's prefix the prefetch continues ends where they are).
+/// Publishes the keys of the pages up to the longest such length; returns the lengths, ascending.
+fn trailing_query(
+    io: &Io,
+    hasher: &mut PageHasher,
+    job: &QueryJob,
+    window: usize,
+    publish: &mut dyn FnMut(&[PageKey]) -> bool,
+) -> Result<Vec<usize>, Error> {
+    let keys = hasher.page_keys(&job.tokens, io.page_size, job.last_key, crate::hash::PartialPage::Drop)?;
+    let mut held = Vec::with_capacity(keys.len());
+    for batch in keys.chunks(io.batch_pages) {
+        let answers = io.storage.batch_contains(batch)?;
+        if answers.len() != batch.len() {
+            return Err(Error::storage(
+                io.storage.name(),
+                format!("{} answers for {} keys", answers.len(), batch.len()),
+            ));
+        }
+        held.extend(answers);
+    }
+    let lengths: Vec<usize> = (1..=keys.len())
+        .filter(|&length| held[length.saturating_sub(window)..length].iter().all(|&held| held))
+        .collect();
+    let longest = lengths.last().copied().unwrap_or(0);
+    publish(&keys[..longest]);
+    Ok(lengths)
 }
 
 fn run_fetches(io: &Io, jobs: Receiver<FetchJob>) {
     for job in jobs {
         let shared = &job.shared;
-        for (pages, keys) in job.pages.chunks(io.batch_pages).zip(job.keys.chunks(io.batch_pages)) {
+        let skip = job.skip.min(job.pages.len());
+        // pages of a trailing-window pool before the window: nothing to read, counted as they are
+        if skip > 0 && shared.progress.increment((skip * io.page_size) as u64).is_err() {
+            if job.last {
+                shared.quiet.set();
+            }
+            continue;
+        }
+        for (pages, keys) in job.pages[skip..].chunks(io.batch_pages).zip(job.keys[skip..].chunks(io.batch_pages)) {
             // a failure in an earlier job of the prefetch ends the later ones too: counted pages stay a prefix
             if shared.progress.is_terminated() || shared.failure.get().is_some() {
                 break;
@@ -557,8 +667,8 @@ fn run_backups(io: &Io, jobs: Receiver<BackupJob>, mut bucket: Option<TokenBucke
         }
         tracing::debug!(backend = io.storage.name(), pages = job.pages.len(), failed, "backup to storage done");
         let mut recorded = job.shared.pages.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        for (slot, outcome) in recorded.iter_mut().zip(outcomes) {
-            *slot = outcome;
+        for (&position, outcome) in job.positions.iter().zip(outcomes) {
+            recorded[position] = outcome;
         }
         drop(recorded);
         job.shared.done.set();

@@ -279,9 +279,15 @@ impl StorageTier {
                 && now.saturating_sub(prefetch.progress_mark.1) > self.settings.read_deadline;
             // before the query ends, the pages found so far (a lower bound of the hit: they only grow)
             let hit = prefetch.shared.hit.get();
+            let hit_pages = match hit {
+                // with a trailing window, the ranks agree in rounds: each proposes a length it can restore
+                Some(hit) if self.settings.trailing.is_some() => hit.proposal(prefetch.cap.unwrap_or(usize::MAX)),
+                Some(hit) => hit.pages,
+                None => prefetch.shared.found_pages(),
+            };
             let slot = Slot {
                 hit_ready: hit.is_some(),
-                hit_pages: hit.map_or_else(|| prefetch.shared.found_pages(), |hit| hit.pages) as i64,
+                hit_pages: hit_pages as i64,
                 last: quiet || terminated,
                 fetched_tokens: prefetch.shared.progress.completed() as i64,
                 quiet,
@@ -313,7 +319,19 @@ impl StorageTier {
             || prefetch.stalled
             || (prefetch.wanted && (policy == PrefetchPolicy::BestEffort || !slot.in_time));
         let hit_pages = slot.hit_pages as usize;
+        // with a trailing window, every rank's query is done and the proposals reduced to `hit_pages`: it is the
+        // agreed hit once a round reduces to what the last one did (every rank can restore it), or to 0
+        let another_round = self.settings.trailing.is_some()
+            && matches!(stage, Stage::Querying(_))
+            && slot.hit_ready
+            && !prefetch.aborted
+            && hit_pages > 0
+            && prefetch.cap != Some(hit_pages);
+        if another_round {
+            prefetch.cap = Some(hit_pages);
+        }
         let (stage, done) = match stage {
+            Stage::Querying(reads) if another_round => (Stage::Querying(reads), None),
             Stage::Querying(reads) if slot.hit_ready => {
                 match self.reserve(op, &mut prefetch, reads, hit_pages, pool)? {
                     Reserve::Decided(stage, done) => (stage, done),

@@ -128,7 +128,9 @@ impl StorageTier {
     }
 
     /// Starts a backup of `host_pages` (synced or backed up in `host`) under `keys` and pins the pages until it is
-    /// taken; returns its operation id, from `ids`. MLA ranks other than 0 skip the write and finish at once.
+    /// taken; returns its operation id, from `ids`. MLA ranks other than 0 skip the write and finish at once; a
+    /// trailing-window pool's rank writes only the pages among the last `window` whose entries `trailing` says are
+    /// held (one flag per page; empty: every page is), and records the rest as skipped.
     pub(super) fn backup(
         &mut self,
         host: &HostPageAllocator,
@@ -136,6 +138,7 @@ impl StorageTier {
         host_pages: &[HostPageId],
         keys: Vec<PageKey>,
         node_ids: Vec<NodeId>,
+        trailing: &[bool],
     ) -> Result<OpId, Error> {
         if keys.len() != host_pages.len() {
             return Err(Error::InvalidArgument {
@@ -156,12 +159,30 @@ impl StorageTier {
         }
         let op = ids.next_id();
         let shared = Arc::new(BackupShared::new(host_pages.len()));
-        if self.settings.backup_skip {
+        let written: Vec<usize> = match self.settings.trailing {
+            _ if self.settings.backup_skip => Vec::new(),
+            Some(window) if window.pool => {
+                let from = host_pages.len().saturating_sub(window.window.get());
+                (from..host_pages.len()).filter(|&page| trailing.get(page).copied().unwrap_or(true)).collect()
+            }
+            _ => (0..host_pages.len()).collect(),
+        };
+        if written.is_empty() {
             *shared.pages.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) =
                 vec![PageBackup::Skipped; host_pages.len()];
             shared.done.set();
         } else {
-            self.workers.backup(shared.clone(), host_pages.to_vec(), keys);
+            if written.len() < host_pages.len() {
+                let mut recorded = shared.pages.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                for (page, outcome) in recorded.iter_mut().enumerate() {
+                    if !written.contains(&page) {
+                        *outcome = PageBackup::Skipped;
+                    }
+                }
+            }
+            let pages = written.iter().map(|&page| host_pages[page]).collect();
+            let keys = written.iter().map(|&page| keys[page]).collect();
+            self.workers.backup(shared.clone(), pages, keys, written);
         }
         for &page in host_pages {
             *self.pins.entry(page).or_default() += 1;
@@ -296,6 +317,7 @@ impl StorageTier {
             cached_tokens,
             prompt_tokens: cached_tokens + request_tokens,
             head_pages: 0,
+            cap: None,
             reads_queued_at: None,
             explanation,
         };

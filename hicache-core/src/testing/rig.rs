@@ -57,6 +57,7 @@ pub fn controller_over(
         split: false,
         meet: false,
         priors: crate::cost::Priors::UNKNOWN,
+        trailing: None,
     };
     let config = HiCacheConfig { page_size: page, mem_layout: namespace.layout, ..HiCacheConfig::default() };
     HiCacheBuilder::new(config, engine)

@@ -153,9 +153,9 @@ fn deepest_usable(held: impl Iterator<Item = bool>, window: NonZeroUsize) -> usi
 /// ([`insert_with_trailing`](Self::insert_with_trailing)); a split divides them; a copy to the host or back, or an
 /// eviction, keeps them. Entries the engine recomputes for pages the tree already holds are not taken (on the
 /// device the tree keeps its slots, which other requests may be reading; an evicted node's host copy keeps its
-/// bytes), so a page that lacks them keeps lacking them until its node leaves the tree. Storage keeps no entries of
-/// these pools yet ([`HiCacheBuilder`](crate::HiCacheBuilder) refuses a trailing window with a storage tier; a page
-/// a prefetch brings holds none).
+/// bytes), so a page that lacks them keeps lacking them until its node leaves the tree. Storage keeps a node's
+/// window, and a prefetch reads the window at the end of its hit ([`Trailing`](crate::controller::Trailing)): the
+/// pages it brings hold the entries from there on.
 #[derive(Debug)]
 pub struct HiRadixTree<E: TransferEngine> {
     controller: CacheController<E>,
@@ -635,10 +635,11 @@ impl<E: TransferEngine> HiRadixTree<E> {
         let entry = self.node(node);
         let slots = entry.device.clone().expect("only resident nodes are written");
         let keys = (!entry.hashes.is_empty()).then(|| entry.hashes.clone());
-        let mut pages = self.controller.write(&slots, node, keys.as_deref())?;
+        let trailing = entry.trailing.clone();
+        let mut pages = self.controller.write_held(&slots, node, keys.as_deref(), &trailing)?;
         if pages.is_none() {
             self.evict_host(slots.len())?;
-            pages = self.controller.write(&slots, node, keys.as_deref())?;
+            pages = self.controller.write_held(&slots, node, keys.as_deref(), &trailing)?;
         }
         let Some(pages) = pages else {
             tracing::debug!(node = node.0, tokens = slots.len(), "host pool full: backup refused");

@@ -365,7 +365,8 @@ impl<E: TransferEngine> HiRadixTree<E> {
             self.controller.evict_host(&done.host_pages)?;
             return Ok(0);
         };
-        let (duplicates, new) = self.insert_host(below, &tokens[head..head + fetched], done.host_pages, done.keys);
+        let (duplicates, new) =
+            self.insert_host(below, &tokens[head..head + fetched], done.host_pages, done.keys, done.trailing_from);
         if !duplicates.is_empty() {
             self.controller.evict_host(&duplicates)?;
         }
@@ -390,14 +391,15 @@ impl<E: TransferEngine> HiRadixTree<E> {
         Some(node)
     }
 
-    /// Hangs host-only nodes for `tokens` below `anchor`; returns the pages of tokens already there, and the tokens
-    /// added.
+    /// Hangs host-only nodes for `tokens` below `anchor`, the trailing-window pools' entries held from page
+    /// `trailing_from` of them on; returns the pages of tokens already there, and the tokens added.
     fn insert_host(
         &mut self,
         anchor: NodeId,
         tokens: &[u32],
         pages: Vec<HostPageId>,
         keys: Vec<PageKey>,
+        trailing_from: usize,
     ) -> (Vec<HostPageId>, usize) {
         let now = self.tick_clock();
         let mut node = anchor;
@@ -419,9 +421,11 @@ impl<E: TransferEngine> HiRadixTree<E> {
             let id = self.new_id();
             let child_key = self.child_key(rest);
             let hashes = if self.controller.has_storage() { keys[taken..].to_vec() } else { Vec::new() };
-            // storage keeps no entries of trailing-window pools: a page brought from it holds none
-            let trailing =
-                if self.settings.trailing_window.is_some() { vec![false; pages.len() - taken] } else { Vec::new() };
+            let trailing = if self.settings.trailing_window.is_some() {
+                (taken..pages.len()).map(|page| page >= trailing_from).collect()
+            } else {
+                Vec::new()
+            };
             self.nodes.insert(
                 id,
                 Node {
