@@ -323,13 +323,15 @@ fn replay_moves_storage_pages_in_place_under_every_write_policy() {
 /// under every write policy, with and without storage faults that each rank draws for itself.
 #[test]
 fn hybrid_replays_verify_every_pool_under_every_write_policy_with_and_without_faults() {
-    // each pool's entry on one rank at TP 1: page 32, 8 layers (the draft model: 1), 2 heads of 64 bf16 values
+    // each pool's entry on one rank at TP 1: page 32, 8 layers (the draft model: 1; the sliding layers: 4), 2 heads
+    // of 64 bf16 values; a sliding window of 128 tokens is 4 pages
     let kinds = [
-        ("dsa", "indexer", 8 * 32 * (128 + 4)),
-        ("eagle", "draft", 2 * 2 * 64 * 2 * 32),
-        ("mtp", "draft", 576 * 2 * 32),
+        ("dsa", "indexer", 8 * 32 * (128 + 4), None),
+        ("eagle", "draft", 2 * 2 * 64 * 2 * 32, None),
+        ("mtp", "draft", 576 * 2 * 32, None),
+        ("swa", "swa", 4 * 2 * 2 * 64 * 2 * 32, Some(4)),
     ];
-    for (kind, pool, entry_bytes) in kinds {
+    for (kind, pool, entry_bytes, window) in kinds {
         for policy in ["write-through", "write-through-selective", "write-back"] {
             for faults in [false, true] {
                 let mut args = vec!["--hybrid", kind, "--clients", "24", "--rounds", "3", "--host-tokens", "20480"];
@@ -346,23 +348,35 @@ fn hybrid_replays_verify_every_pool_under_every_write_policy_with_and_without_fa
                 );
                 let parameters = &report["parameters"];
                 assert_eq!(parameters["hybrid"], kind, "{case}");
-                // (the faulty runs have two TP ranks: an EAGLE draft's heads are split between them, a latent is not)
-                let entry_bytes = if faults && kind == "eagle" { entry_bytes / 2 } else { entry_bytes };
-                assert_eq!(
-                    parameters["sidecars"],
-                    serde_json::json!([{ "pool": pool, "entry_bytes": entry_bytes }]),
-                    "{case}"
-                );
+                // (the faulty runs have two TP ranks: heads are split between them, a latent is not)
+                let split = faults && matches!(kind, "eagle" | "swa");
+                let entry_bytes = if split { entry_bytes / 2 } else { entry_bytes };
+                let expected = match window {
+                    Some(window) => serde_json::json!([{ "pool": pool, "entry_bytes": entry_bytes,
+                        "hit_policy": "trailing_pages", "window_pages": window }]),
+                    None => {
+                        serde_json::json!([{ "pool": pool, "entry_bytes": entry_bytes, "hit_policy": "all_pages" }])
+                    }
+                };
+                assert_eq!(parameters["sidecars"], expected, "{case}");
                 if faults {
                     let injected = &report["faults_injected"];
                     assert!(injected["failed_pages"].as_u64().unwrap() > 0, "{case}: {report}");
                 } else if policy != "write-through-selective" {
                     assert!(tokens(&report, "l3") > 0, "{case}: nothing came back from storage: {report}");
                 }
+                if window.is_some() && !faults && policy == "write-through" {
+                    // every node is backed up whole: the KV's pages whole, the window pool's only at nodes' ends
+                    let bytes = &report["bytes"];
+                    let (written, stored) =
+                        (bytes["device_to_host"].as_u64().unwrap(), bytes["host_to_storage"].as_u64().unwrap());
+                    assert!(stored * 4 < written * 3, "{case}: {stored} bytes stored of {written} written: {report}");
+                }
             }
         }
     }
     assert_usage_error(&hicache(&["replay", "--hybrid", "dsa", "--pp-size", "2"], ""), "one pipeline stage");
+    assert_usage_error(&hicache(&["replay", "--hybrid", "swa", "--layers", "1"], ""), "--layers of 2 or more");
     let refused = hicache(
         &["replay", "--hybrid", "eagle", "--backend", "memory", "--layout", "page-unified", "--unified-keys"],
         "",

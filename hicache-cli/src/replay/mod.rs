@@ -11,7 +11,10 @@
 //! geometry, in lockstep with the KV's ranks: every decision that can differ between them (a storage hit, the pages
 //! fetched, an ack) goes through the tick's one MIN, so each pool's tree makes the same moves on every path (device,
 //! host, storage) and a prefix is used only as far as every pool holds it. Storage keeps each pool's entries in the
-//! pool's own namespace under the KV pages' keys, as SGLang's stores do.
+//! pool's own namespace under the KV pages' keys, as SGLang's stores do. A sliding-window model (`--hybrid swa`)
+//! keeps its sliding layers' KV in a pool that a prefix needs only in its window: the trees know where the window's
+//! entries are held and end matches there, the pool's ranks store and read only the windows at nodes' ends, and
+//! every rank agrees on a length every rank's storage can restore ([`hicache_core::controller::Trailing`]).
 
 mod device;
 mod kv;
@@ -21,6 +24,7 @@ mod report;
 mod socket_group;
 mod workload;
 
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,6 +34,7 @@ use clap::{Args, ValueEnum};
 use hicache_core::HiCacheBuilder;
 use hicache_core::collective::{Collective, InProcessGroup, SingleRank};
 use hicache_core::config::{HiCacheConfig, MAX_SECONDS, PrefetchPolicy, WritePolicy};
+use hicache_core::controller::Trailing;
 use hicache_core::extra_config::UnifiedAgreements;
 use hicache_core::extra_config::throttled;
 use hicache_core::geometry::{KvDtype, KvGeometry};
@@ -94,10 +99,14 @@ pub(crate) struct ReplayArgs {
     #[arg(long, default_value_t = 64, value_name = "N")]
     head_dim: usize,
     /// A hybrid model: sidecar pools beside the KV, each held by ranks of its own in lockstep with the KV's, every
-    /// byte of every pool checked. The MLA kinds use DeepSeek's latent (512 + 64, bf16) instead of --kv-heads and
+    /// byte a request needs of every pool checked (of a sliding window's, the window). The MLA kinds use DeepSeek's latent (512 + 64, bf16) instead of --kv-heads and
     /// --head-dim.
     #[arg(long, value_enum, value_name = "KIND")]
     hybrid: Option<HybridArg>,
+    /// The sliding window of `--hybrid swa`, in tokens (gpt-oss: 128); storage keeps the window's pages
+    /// (rounded up to whole pages) at each node's end.
+    #[arg(long, default_value_t = 128, value_name = "TOKENS")]
+    swa_window: usize,
     /// Host pool layout (default: layer-first; page-first with `--backend mooncake`, as SGLang forces, so each page
     /// part moves to and from the store in place).
     #[arg(long, value_enum)]
@@ -271,6 +280,9 @@ pub(crate) enum HybridArg {
     Eagle,
     /// A multi-token-prediction layer beside MLA (DeepSeek, GLM): its one layer's latent in a `draft` pool.
     Mtp,
+    /// Sliding-window attention as gpt-oss's: half the layers attend only to the last --swa-window tokens; the
+    /// full layers' KV is the KV pool, the sliding layers' an `swa` pool that a prefix needs only in its window.
+    Swa,
 }
 
 impl HybridArg {
@@ -289,6 +301,8 @@ pub(crate) struct SidecarPreset {
     pub(crate) name: &'static str,
     /// The pool's geometry: its entries are its pages.
     pub(crate) geometry: KvGeometry,
+    /// What restoring a prefix needs of it.
+    pub(crate) policy: HitPolicy,
 }
 
 /// The sidecar pools of the `--hybrid` model (none without one), in the order of their ranks.
@@ -300,16 +314,38 @@ pub(crate) fn sidecars(args: &ReplayArgs) -> anyhow::Result<Vec<SidecarPreset>> 
             name: "indexer",
             // as a latent of one value per byte: 128 FP8 values and their 4-byte scale, the same on every rank
             geometry: KvGeometry::mla(args.layers, 128, 4, KvDtype::Fp8E4m3)?,
+            policy: HitPolicy::AllPages,
         },
         Some(HybridArg::Eagle) => SidecarPreset {
             name: "draft",
-            geometry: KvGeometry::mha(1, (args.kv_heads / args.tp_size).max(1), args.head_dim, KvDtype::Bf16)?,
+            geometry: KvGeometry::mha(1, rank_heads(args), args.head_dim, KvDtype::Bf16)?,
+            policy: HitPolicy::AllPages,
         },
-        Some(HybridArg::Mtp) => {
-            SidecarPreset { name: "draft", geometry: KvGeometry::mla(1, latent, rope, KvDtype::Bf16)? }
-        }
+        Some(HybridArg::Mtp) => SidecarPreset {
+            name: "draft",
+            geometry: KvGeometry::mla(1, latent, rope, KvDtype::Bf16)?,
+            policy: HitPolicy::AllPages,
+        },
+        Some(HybridArg::Swa) => SidecarPreset {
+            name: "swa",
+            geometry: KvGeometry::mha(args.layers / 2, rank_heads(args), args.head_dim, KvDtype::Bf16)?,
+            policy: HitPolicy::TrailingPages { window: args.swa_window.div_ceil(args.page_size) },
+        },
     };
     Ok(vec![pool])
+}
+
+/// A rank's share of the model's KV heads (replicated when fewer than ranks).
+fn rank_heads(args: &ReplayArgs) -> usize {
+    (args.kv_heads / args.tp_size).max(1)
+}
+
+/// The model's trailing window in pages, when a sidecar pool needs only the last pages of a prefix.
+fn trailing_window(args: &ReplayArgs) -> anyhow::Result<Option<NonZeroUsize>> {
+    Ok(sidecars(args)?.iter().find_map(|pool| match pool.policy {
+        HitPolicy::TrailingPages { window } => NonZeroUsize::new(window.max(1)),
+        HitPolicy::AllPages => None,
+    }))
 }
 
 /// The pools of the replay's model: the KV and its sidecar pools.
@@ -456,7 +492,8 @@ fn l3_layout(args: &ReplayArgs, storage: &SharedStorage) -> anyhow::Result<Optio
         let mut layout = L3Layout::describe(tier, &fields, &namespace, unified)?;
         for pool in 1..pools(args) {
             let sidecar = rank_namespace(args, Place { tp_rank: 0, stage, pool })?.sidecar.expect("a sidecar pool");
-            layout.add_sidecar(tier, &fields, &namespace, &sidecar, HitPolicy::AllPages)?;
+            let policy = sidecars(args)?[pool - 1].policy;
+            layout.add_sidecar(tier, &fields, &namespace, &sidecar, policy)?;
         }
         layouts.push(Some(layout));
     }
@@ -648,6 +685,13 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
         if args.unified_keys {
             return usage(format!("--hybrid {hybrid}: the unified key scheme keeps no sidecar pools"));
         }
+        if args.hybrid == Some(HybridArg::Swa) && (args.layers < 2 || args.swa_window == 0) {
+            return usage(format!(
+                "--hybrid {hybrid} needs --layers of 2 or more (half of them sliding) and a --swa-window of 1 or more \
+                 tokens, not {} and {}",
+                args.layers, args.swa_window
+            ));
+        }
     }
     // the last stage holds the most layers
     let geometry = geometry(args, args.pp_size - 1)
@@ -682,8 +726,9 @@ pub(crate) fn geometry(args: &ReplayArgs, stage: usize) -> anyhow::Result<KvGeom
         let (latent, rope) = MLA_LATENT;
         return Ok(KvGeometry::mla(layers, latent, rope, KvDtype::Bf16)?);
     }
-    let heads = (args.kv_heads / args.tp_size).max(1);
-    Ok(KvGeometry::mha(layers, heads, args.head_dim, KvDtype::Bf16)?)
+    // a sliding-window model's KV pool holds its full layers (the sliding ones are the `swa` pool)
+    let layers = if args.hybrid == Some(HybridArg::Swa) { layers - layers / 2 } else { layers };
+    Ok(KvGeometry::mha(layers, rank_heads(args), args.head_dim, KvDtype::Bf16)?)
 }
 
 /// The geometry of the pool a rank at `place` holds: its stage's KV, or a sidecar pool's.
@@ -874,6 +919,7 @@ fn run_on<E: device::ReplayEngine>(
             }
             (opened, _) => (opened.map(Arc::from), None),
         };
+    let trailing = trailing_window(args)?;
     let config = HiCacheConfig {
         page_size: page,
         mem_layout: layout(args),
@@ -886,12 +932,18 @@ fn run_on<E: device::ReplayEngine>(
         },
         prefetch_threshold: args.prefetch_threshold,
         storage_read_deadline_s: args.storage_read_deadline,
-        prefetch_by_cost: !args.fetch_whole_hits,
-        prefetch_split: !args.fetch_whole_hits && !args.no_split,
-        prefetch_meet: !args.fetch_whole_hits && !args.no_split && !args.no_meet,
+        // a trailing window's hit is fetched whole
+        prefetch_by_cost: !args.fetch_whole_hits && trailing.is_none(),
+        prefetch_split: !args.fetch_whole_hits && !args.no_split && trailing.is_none(),
+        prefetch_meet: !args.fetch_whole_hits && !args.no_split && !args.no_meet && trailing.is_none(),
         ..HiCacheConfig::default()
     };
     let mut builder = HiCacheBuilder::new(config.clone(), engine).with_tp_rank(place.tp_rank);
+    // the window pool's ranks store and read only windows; every rank's tree ends matches where they are held
+    let window_pool = place.pool > 0 && trailing.is_some();
+    if let Some(window) = trailing {
+        builder = builder.with_trailing(Trailing { window, pool: window_pool });
+    }
     if let Some(backend) = &backend {
         builder = builder.with_storage(backend.clone());
     }
@@ -928,6 +980,7 @@ fn run_on<E: device::ReplayEngine>(
         },
         first_layer,
         pool: place.pool,
+        window: trailing.filter(|_| window_pool).map(NonZeroUsize::get),
     };
     // the engine's allocator of device slots: the rank allocates its prefills from it and lends it to the tree
     let mut device = hicache_core::device_slots::PagedSlots::new(device_pages, page)?;

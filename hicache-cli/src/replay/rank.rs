@@ -175,7 +175,7 @@ fn drain<E: ReplayEngine>(
     outcome: &mut RankOutcome,
     waiting: &mut [Waiting],
     digest: &mut DefaultHasher,
-    page: (usize, u64),
+    page: (usize, u64, Option<usize>),
     metrics: Option<&Metrics>,
 ) -> anyhow::Result<()> {
     let mut last = Instant::now();
@@ -207,6 +207,9 @@ pub(crate) struct LoopSpec {
     pub(crate) first_layer: usize,
     /// The pool this rank holds: 0 for the KV, `n` for the n-th sidecar pool of a hybrid model.
     pub(crate) pool: usize,
+    /// The pages of a trailing window, when this rank's pool is needed only there (a sliding window's KV): its
+    /// ranks read and check only the window at the end of what a request gets.
+    pub(crate) window: Option<usize>,
 }
 
 struct Waiting {
@@ -403,7 +406,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
             }
         }
         let summary = tick(tree, collective, &mut outcome)?;
-        absorb(&summary, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics);
+        absorb(&summary, &mut outcome, &mut waiting, &mut digest, (page, page_bytes, spec.window), metrics);
         if collective.world_size() > 1 {
             tree.controller().host().states().hash(&mut digest);
         }
@@ -468,7 +471,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
         }
         if spec.sync_storage {
             // every rank has the same backups queued, so every rank loops the same number of ticks
-            drain(tree, collective, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics)?;
+            drain(tree, collective, &mut outcome, &mut waiting, &mut digest, (page, page_bytes, spec.window), metrics)?;
         }
         now += step_compute + spec.decode_ms_per_token * workload.spec.output_length as f64 / 1000.0;
         for request in ran {
@@ -480,7 +483,7 @@ pub(crate) fn run_rank<E: ReplayEngine>(
         }
     }
     // wind down: every backup to storage finished, every ack taken (the same condition on every rank)
-    drain(tree, collective, &mut outcome, &mut waiting, &mut digest, (page, page_bytes), metrics)?;
+    drain(tree, collective, &mut outcome, &mut waiting, &mut digest, (page, page_bytes, spec.window), metrics)?;
     outcome.seconds = started.elapsed().as_secs_f64();
     (outcome.collectives, outcome.collective_ns) = (collective.calls, collective.nanos);
     for round in outcome.rounds.clone() {
@@ -665,8 +668,13 @@ fn run_request<E: ReplayEngine>(
     let loaded = tree.load_back(matched.last_node, device)?;
     let locked = if loaded.is_empty() { matched.last_device_node } else { matched.last_node };
     tree.inc_lock_ref(locked)?;
-    let device_hit = matched.device_slots.len();
+    // without a load, the device part as far as it is usable (with a trailing window, where its window is held)
+    let device_slots =
+        if loaded.is_empty() { &matched.device_slots[..matched.device_usable] } else { &matched.device_slots[..] };
+    let device_hit = device_slots.len();
     let cached = device_hit + loaded.len();
+    // a trailing-window pool holds only the window before the end: the rest is not checked
+    let checked_from = spec.window.map_or(0, |window| (cached / page).saturating_sub(window) * page);
     let new_pages = (sequence.len() - cached).div_ceil(page);
     let mut fresh = device.alloc_pages(new_pages);
     if fresh.is_none() {
@@ -684,7 +692,9 @@ fn run_request<E: ReplayEngine>(
         for layer in 0..layers {
             tree.layers().wait_until(layer)?;
             let check = Instant::now();
-            let checked = pattern.check_layer(tree.controller().engine(), &keys, device_hit, &loaded, layer)?;
+            let from = checked_from.max(device_hit);
+            let engine = tree.controller().engine();
+            let checked = pattern.check_layer(engine, &keys, from, &loaded[from - device_hit..], layer)?;
             record_check(outcome, checked, "loaded", request);
             checking += check.elapsed();
         }
@@ -693,7 +703,8 @@ fn run_request<E: ReplayEngine>(
     let check = Instant::now();
     let mut checked = Ok(0);
     for layer in 0..layers {
-        match pattern.check_layer(tree.controller().engine(), &keys, 0, &matched.device_slots, layer)? {
+        let from = checked_from.min(device_hit);
+        match pattern.check_layer(tree.controller().engine(), &keys, from, &device_slots[from..], layer)? {
             Ok(bytes) => checked = checked.map(|total| total + bytes),
             Err(mismatch) => {
                 checked = Err(mismatch);
@@ -710,7 +721,7 @@ fn run_request<E: ReplayEngine>(
     // prefill and decode: the KV of every new token, then the whole sequence goes into the tree
     let before_prefill = started.elapsed();
     pattern.fill(tree.controller().engine(), &keys, cached, &fresh)?;
-    let mut slots = matched.device_slots.clone();
+    let mut slots = device_slots.to_vec();
     slots.extend(&loaded);
     slots.extend(&fresh);
     let aligned = sequence.len() - sequence.len() % page;
@@ -791,12 +802,13 @@ fn record_check(outcome: &mut RankOutcome, checked: Result<u64, super::kv::Misma
 }
 
 /// What a tick did: counters, prefetch results attributed to their waiting requests, the lockstep digest, metrics.
+/// `window`: the trailing window of this rank's pool, which its prefetches read only at the hit's end.
 fn absorb(
     summary: &TickSummary,
     outcome: &mut RankOutcome,
     waiting: &mut [Waiting],
     digest: &mut DefaultHasher,
-    (page, page_bytes): (usize, u64),
+    (page, page_bytes, window): (usize, u64, Option<usize>),
     metrics: Option<&Metrics>,
 ) {
     outcome.pages_device_to_host += summary.pages_written as u64;
@@ -820,7 +832,12 @@ fn absorb(
                 explanation.tp_min_hit_tokens.saturating_sub(explanation.fetched_tokens) as u64;
         }
         outcome.prefetch_errors += u64::from(explanation.error.is_some());
-        outcome.pages_storage_to_host += (explanation.fetched_tokens / page) as u64;
+        let fetched = explanation.fetched_tokens / page;
+        outcome.pages_storage_to_host += match window {
+            // of a hit's reserved pages, only the window at its end was read
+            Some(window) => fetched.saturating_sub((explanation.reserved_tokens / page).saturating_sub(window)),
+            None => fetched,
+        } as u64;
         if let Some(request) = waiting.iter_mut().find(|request| request.id == explanation.request_id) {
             // the storage reads of a prefetch that brought pages are on the request's critical path (unless the
             // engine met them: its compute up to the meeting is); the hit query overlaps the request's time in the

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::bail;
+use hicache_core::storage::groups::HitPolicy;
 use hicache_core::storage::l3_layout::L3Layout;
 use serde::Serialize;
 
@@ -62,6 +63,11 @@ struct StorageFailures {
 struct SidecarParameters {
     pool: &'static str,
     entry_bytes: u64,
+    /// SGLang's hit policy of the pool: `all_pages`, or `trailing_pages` (only the window at a prefix's end).
+    hit_policy: &'static str,
+    /// The window's pages, for `trailing_pages`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    window_pages: Option<usize>,
 }
 
 /// The settings a replay ran with, so a saved result reads on its own.
@@ -87,6 +93,9 @@ struct Parameters {
     /// Its sidecar pools: each one's name and the bytes of its entry on one rank (a page's share of the pool).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     sidecars: Vec<SidecarParameters>,
+    /// The sliding window of `--hybrid swa`, in tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    swa_window: Option<usize>,
     layout: String,
     device_tokens: usize,
     host_tokens: usize,
@@ -136,6 +145,7 @@ fn parameters(args: &ReplayArgs, page_bytes: u64, sidecars: Vec<SidecarParameter
         page_bytes,
         hybrid: args.hybrid.map(|hybrid| crate::value_name(&hybrid)),
         sidecars,
+        swa_window: (args.hybrid == Some(super::HybridArg::Swa)).then_some(args.swa_window),
         layout: crate::value_name(&super::layout_arg(args)),
         device_tokens: args.device_tokens,
         host_tokens: args.host_tokens,
@@ -312,16 +322,25 @@ pub(super) fn print(
         .map(|pool| SidecarParameters {
             pool: pool.name,
             entry_bytes: pool.geometry.bytes_per_page(args.page_size) as u64,
+            hit_policy: pool.policy.name(),
+            window_pages: match pool.policy {
+                HitPolicy::TrailingPages { window } => Some(window),
+                HitPolicy::AllPages => None,
+            },
         })
         .collect();
-    // every pool's ranks move the same pages (in lockstep), each page with its entries
-    let group_bytes = page_bytes + sidecars.iter().map(|pool| pool.entry_bytes).sum::<u64>();
-    let bytes = Paths {
-        device_to_host: first.pages_device_to_host * group_bytes,
-        host_to_device: first.pages_host_to_device * group_bytes,
-        host_to_storage: first.pages_host_to_storage * group_bytes,
-        storage_to_host: first.pages_storage_to_host * group_bytes,
-    };
+    // each pool's first rank (TP rank 0 of stage 0) moves its pool's pages: in lockstep with the KV's, those every
+    // page needs move the same pages; a trailing window's only its windows to and from storage
+    let per_pool = args.tp_size * args.pp_size;
+    let pools = std::iter::once(page_bytes).chain(sidecars.iter().map(|pool| pool.entry_bytes));
+    let mut bytes = Paths { device_to_host: 0, host_to_device: 0, host_to_storage: 0, storage_to_host: 0 };
+    for (pool, entry_bytes) in pools.enumerate() {
+        let outcome = &outcomes[pool * per_pool];
+        bytes.device_to_host += outcome.pages_device_to_host * entry_bytes;
+        bytes.host_to_device += outcome.pages_host_to_device * entry_bytes;
+        bytes.host_to_storage += outcome.pages_host_to_storage * entry_bytes;
+        bytes.storage_to_host += outcome.pages_storage_to_host * entry_bytes;
+    }
     let rate = |bytes: u64| bytes as f64 / first.seconds.max(1e-9) / 1e9;
     let gbps = Paths {
         device_to_host: rate(bytes.device_to_host),
@@ -444,8 +463,7 @@ fn print_text(description: &str, report: &Report) {
     println!();
     let mb = |bytes: u64| bytes as f64 / 1e6;
     if !report.parameters.sidecars.is_empty() {
-        let pools: Vec<String> =
-            report.parameters.sidecars.iter().map(|pool| format!("{} {} bytes", pool.pool, pool.entry_bytes)).collect();
+        let pools: Vec<String> = report.parameters.sidecars.iter().map(sidecar_text).collect();
         println!(
             "pools per page and rank: kv {} bytes, {}; each pool on ranks of its own, in lockstep with the kv's; \
              the bytes moved count every pool's",
@@ -453,8 +471,9 @@ fn print_text(description: &str, report: &Report) {
             pools.join(", ")
         );
     }
+    let by = if report.parameters.sidecars.is_empty() { "rank 0" } else { "TP rank 0 of each pool" };
     println!(
-        "moved (rank 0): device→host {:.1} MB, host→device {:.1} MB, host→storage {:.1} MB, storage→host {:.1} MB",
+        "moved ({by}): device→host {:.1} MB, host→device {:.1} MB, host→storage {:.1} MB, storage→host {:.1} MB",
         mb(report.bytes.device_to_host),
         mb(report.bytes.host_to_device),
         mb(report.bytes.host_to_storage),
@@ -575,4 +594,12 @@ pub(super) fn slower_than_either(outcomes: &[super::rank::RankOutcome]) -> (u64,
     };
     let fetch_whole = |hit: &super::rank::HitOutcome| hit.fetch_whole_s.unwrap_or(f64::INFINITY);
     (slower(&fetch_whole), slower(&|hit| fetch_whole(hit).min(hit.recompute_s)))
+}
+
+/// A sidecar pool in the text report: its name, its entry's bytes, and a trailing window's pages.
+fn sidecar_text(pool: &SidecarParameters) -> String {
+    match pool.window_pages {
+        Some(window) => format!("{} {} bytes (only the last {window} pages of a prefix)", pool.pool, pool.entry_bytes),
+        None => format!("{} {} bytes", pool.pool, pool.entry_bytes),
+    }
 }
