@@ -176,34 +176,46 @@ fn a_replay_verifies_against_the_master() {
     assert_eq!(report["verified"], true, "{report}");
     assert!(report["tokens_from_l3"].as_u64().unwrap() > 0, "nothing came back from Mooncake: {report}");
     assert_eq!(report["staging_bytes"], 0, "page-first parts move in place: {report}");
-    // a DSA model under SGLang's keys, two TP ranks: the indexer's ranks store its entries as SGLang's own store
-    // names them (one object per page of the stage), and a page comes back only with its indexer entry
+    // hybrid models under SGLang's keys, two TP ranks: a DSA indexer (every page needs it) and a sliding window
+    // (only the window at a prefix's end): each pool's ranks store its entries as SGLang's own store names them,
+    // and a page comes back only with what its group needs
     let mut sglang: serde_json::Value = serde_json::from_str(&extra).unwrap();
     sglang["key_scheme"] = "sglang".into();
-    let output = hicache(&[
-        "replay",
-        "--backend",
-        "mooncake",
-        "--extra-config",
-        &sglang.to_string(),
-        "--hybrid",
-        "dsa",
-        "--tp-size",
-        "2",
-        "--clients",
-        "24",
-        "--json",
-        "--fetch-whole-hits",
-    ]);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
-    assert_eq!((report["verified"].as_bool(), report["lockstep"].as_bool()), (Some(true), Some(true)), "{report}");
-    assert!(report["tokens_from_l3"].as_u64().unwrap() > 0, "nothing came back from Mooncake: {report}");
-    let pools = &report["l3_layout"]["hicache_object_layout"]["pools"];
-    let indexer = pools.as_array().unwrap().iter().find(|pool| pool["pool"] == "indexer");
-    let indexer = indexer.unwrap_or_else(|| panic!("no indexer pool in the layout: {report}"));
-    assert_eq!(indexer["hit_policy"], "all_pages", "{report}");
-    assert_eq!(indexer["suffixes"], serde_json::json!(["__indexer"]), "{report}");
+    for (kind, pool, policy) in [("dsa", "indexer", "all_pages"), ("swa", "swa", "trailing_pages")] {
+        let output = hicache(&[
+            "replay",
+            "--backend",
+            "mooncake",
+            "--extra-config",
+            &sglang.to_string(),
+            "--hybrid",
+            kind,
+            "--tp-size",
+            "2",
+            "--clients",
+            "24",
+            "--json",
+            "--fetch-whole-hits",
+        ]);
+        assert!(output.status.success(), "{kind}: {}", String::from_utf8_lossy(&output.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        let verdict = (report["verified"].as_bool(), report["lockstep"].as_bool());
+        assert_eq!(verdict, (Some(true), Some(true)), "{kind}: {report}");
+        assert!(report["tokens_from_l3"].as_u64().unwrap() > 0, "{kind}: nothing came back from Mooncake: {report}");
+        let pools = &report["l3_layout"]["hicache_object_layout"]["pools"];
+        let found = pools.as_array().unwrap().iter().find(|entry| entry["pool"] == pool);
+        let found = found.unwrap_or_else(|| panic!("{kind}: no {pool} pool in the layout: {report}"));
+        assert_eq!(found["hit_policy"], policy, "{report}");
+        // SGLang's names: the indexer one object of the stage; a window's K and V per TP rank, 4 pages of 32 tokens
+        let suffixes = match kind {
+            "dsa" => serde_json::json!(["__indexer"]),
+            _ => {
+                assert_eq!(found["trailing_pages"], 4, "{report}");
+                serde_json::json!(["_0_swa_k", "_0_swa_v", "_1_swa_k", "_1_swa_v"])
+            }
+        };
+        assert_eq!(found["suffixes"], suffixes, "{report}");
+    }
 }
 
 #[test]
