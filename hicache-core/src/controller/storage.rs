@@ -487,21 +487,20 @@ fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
     for job in jobs {
         let shared = &job.shared;
         let started = std::time::Instant::now();
-        let mut lengths_found = None;
-        let error = if shared.progress.is_terminated() {
-            None
+        // a trailing-window pool's rank answers with the lengths it can restore; a query not run or failed restores
+        // nothing (its set may lack lengths it has)
+        let pool_window = io.trailing.filter(|trailing| trailing.pool).map(|trailing| trailing.window.get());
+        let nothing = || pool_window.map(|_| Vec::new());
+        let (error, lengths) = if shared.progress.is_terminated() {
+            (None, nothing())
         } else {
             let mut publish = |keys: &[PageKey]| {
                 shared.found.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend_from_slice(keys);
                 !shared.progress.is_terminated()
             };
-            let query = guarded(|| match io.trailing {
-                Some(trailing) if trailing.pool => {
-                    trailing_query(io, &mut hasher, &job, trailing.window.get(), &mut publish).map(|lengths| {
-                        lengths_found = Some(lengths);
-                    })
-                }
-                _ => storage_hit_query_with(
+            let query = guarded(|| match pool_window {
+                Some(window) => trailing_query(io, &mut hasher, &job, window, &mut publish).map(Some),
+                None => storage_hit_query_with(
                     &*io.storage,
                     &mut hasher,
                     &job.tokens,
@@ -510,9 +509,12 @@ fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
                     io.batch_pages,
                     &mut publish,
                 )
-                .map(|_| ()),
+                .map(|_| None),
             });
-            query.err().map(StorageFailure::Call)
+            match query {
+                Ok(lengths) => (None, lengths),
+                Err(error) => (Some(StorageFailure::Call(error)), nothing()),
+            }
         };
         let pages = shared.found_pages();
         let elapsed = started.elapsed();
@@ -526,13 +528,6 @@ fn run_queries(io: &Io, jobs: Receiver<QueryJob>) {
         if let Some(error) = &error {
             tracing::warn!(backend = io.storage.name(), %error, pages, "storage hit query failed; the hit ends there");
         }
-        let lengths = match io.trailing {
-            // a failed query restores nothing: its set may lack lengths it has
-            Some(trailing) if trailing.pool => {
-                Some(if error.is_some() { Vec::new() } else { lengths_found.unwrap_or_default() })
-            }
-            _ => None,
-        };
         let _ = shared.hit.set(HitFound { pages, error, elapsed, lengths });
     }
 }

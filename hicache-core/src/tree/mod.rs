@@ -145,9 +145,9 @@ fn deepest_usable(held: impl Iterator<Item = bool>, window: NonZeroUsize) -> usi
 /// the state after the prefix's last page, a sliding window's KV that of its last pages. With such a model
 /// ([`TreeSettings::trailing_window`]: `w` pages), the tree knows per page whether the entries of those pools at the
 /// page's end are held (a Mamba state is kept at some pages only: where a request ended, or where the engine saved
-/// one; a sliding window's KV is kept for the pages an engine computed), and a prefix of `n` pages is *usable* only when its last `min(n, w)` pages hold them. A match ends at the deepest
-/// usable end of the cached prefix, so a request is never given a prefix whose state or window is missing: it
-/// recomputes from there.
+/// one; a sliding window's KV is kept for the pages an engine computed), and a prefix of `n` pages is *usable* only
+/// when its last `min(n, w)` pages hold them. A match ends at the deepest usable end of the cached prefix, so a
+/// request is never given a prefix whose state or window is missing: it recomputes from there.
 ///
 /// Which pages hold the entries is the engine's word when it inserts
 /// ([`insert_with_trailing`](Self::insert_with_trailing)); a split divides them; a copy to the host or back, or an
@@ -306,11 +306,11 @@ impl<E: TransferEngine> HiRadixTree<E> {
     /// pages hold the window's entries), splitting the node where the match ends inside it.
     pub fn match_prefix(&mut self, tokens: &[u32]) -> MatchResult {
         let tokens = self.aligned(tokens);
-        let tokens = &tokens[..self.usable_len(tokens)];
+        let (usable, held) = self.usable_len(tokens);
+        let tokens = &tokens[..usable];
         let now = self.tick_clock();
         let mut node = self.root;
         let mut device_slots = Vec::new();
-        let mut held = Vec::new();
         let mut rest = tokens;
         while !rest.is_empty() {
             let Some(&child) = self.node(node).children.get(&self.child_key(rest)) else { break };
@@ -321,7 +321,6 @@ impl<E: TransferEngine> HiRadixTree<E> {
             if let Some(device) = &entry.device {
                 device_slots.extend_from_slice(device);
             }
-            held.extend_from_slice(&entry.trailing);
             node = child;
             rest = &rest[prefix..];
         }
@@ -348,10 +347,11 @@ impl<E: TransferEngine> HiRadixTree<E> {
     }
 
     /// The tokens of the longest usable cached prefix of `tokens` (whole pages) with a trailing window: the deepest
-    /// page end along the cached path whose last `min(end, window)` pages hold the window's entries. Without a
-    /// trailing window, all of `tokens` (the match itself stops where the tree does).
-    fn usable_len(&self, tokens: &[u32]) -> usize {
-        let Some(window) = self.settings.trailing_window else { return tokens.len() };
+    /// page end along the cached path whose last `min(end, window)` pages hold the window's entries, and the flags of
+    /// the cached pages along the path (at least those of the usable prefix). Without a trailing window, all of
+    /// `tokens` (the match itself stops where the tree does) and no flags.
+    fn usable_len(&self, tokens: &[u32]) -> (usize, Vec<bool>) {
+        let Some(window) = self.settings.trailing_window else { return (tokens.len(), Vec::new()) };
         let (mut node, mut rest) = (self.root, tokens);
         let mut held = Vec::new();
         while !rest.is_empty() {
@@ -365,7 +365,7 @@ impl<E: TransferEngine> HiRadixTree<E> {
             node = child;
             rest = &rest[prefix..];
         }
-        deepest_usable(held.into_iter(), window) * self.page_size
+        (deepest_usable(held.iter().copied(), window) * self.page_size, held)
     }
 
     /// Splits `child` after `prefix` tokens (whole pages, less than its key): a new node takes the first part and
@@ -499,8 +499,12 @@ impl<E: TransferEngine> HiRadixTree<E> {
         device_slots: &[DeviceSlot],
         device: &mut dyn DeviceSlotAllocator,
     ) -> Result<usize, Error> {
-        let pages = tokens.len() / self.page_size;
-        self.insert_with_trailing(tokens, device_slots, device, &vec![true; pages])
+        // without a trailing window the flags are not read: none are made
+        let held = match self.settings.trailing_window {
+            Some(_) => vec![true; tokens.len() / self.page_size],
+            None => Vec::new(),
+        };
+        self.insert_with_trailing(tokens, device_slots, device, &held)
     }
 
     /// [`insert`](Self::insert), with the pages at whose end the caller holds the entries of the model's
