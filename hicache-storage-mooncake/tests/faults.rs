@@ -182,12 +182,17 @@ fn objects_evicted_after_exists_are_misses_never_wrong_bytes() {
     let (first_keys, first_pages) = (random_keys(32), random_pages(32, bytes));
     assert_eq!(put(&backend, &first_keys, &first_pages), vec![SetOutcome::Stored; 32]);
     assert_eq!(backend.batch_exists(&first_keys).unwrap(), 32);
-    let mut refused = 0;
-    for _ in 0..18 {
+    // the master evicts in the background once the cluster is nearly full: keep writing until it has evicted one of
+    // the first pages (at least 18 rounds, 36 MiB, as before), within a deadline
+    let (mut refused, mut rounds) = (0, 0);
+    let deadline = Instant::now() + CALL_DEADLINE;
+    while rounds < 18 || backend.batch_exists(&first_keys).unwrap() == 32 {
+        assert!(Instant::now() < deadline, "no first page evicted after {rounds} rounds (refused puts: {refused})");
         let (keys, pages) = (random_keys(32), random_pages(32, bytes));
         let outcomes = put(&backend, &keys, &pages);
         refused += outcomes.iter().filter(|outcome| !outcome.is_stored()).count();
-        // the master evicts in the background once the cluster is nearly full
+        rounds += 1;
+        // a poll interval, not a guess: the loop ends on the eviction it waits for
         std::thread::sleep(Duration::from_millis(100));
     }
     let (outcomes, buffers) = fetch(&backend, &first_keys, bytes, 0x5A);

@@ -175,7 +175,8 @@ impl StorageTier {
             if written.len() < host_pages.len() {
                 let mut recorded = shared.pages.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
                 for (page, outcome) in recorded.iter_mut().enumerate() {
-                    if !written.contains(&page) {
+                    // `written` is ascending
+                    if written.binary_search(&page).is_err() {
                         *outcome = PageBackup::Skipped;
                     }
                 }
