@@ -68,7 +68,8 @@ impl<E: TransferEngine> HiCacheBuilder<E> {
 
     /// Storage settings to use instead of those the config gives ([`StorageSettings::from_config`]): for a bench or
     /// a test that sets what no config knob reaches (the tick's slots, priors left unknown). Their page size must be
-    /// the config's.
+    /// the config's. A trailing window in them (`trailing`) is taken as [`with_trailing`](Self::with_trailing)
+    /// takes one.
     pub fn with_storage_settings(mut self, settings: StorageSettings) -> Self {
         self.settings = Some(settings);
         self
@@ -192,7 +193,17 @@ impl<E: TransferEngine> HiCacheBuilder<E> {
                     StorageSettings::from_config(&config, host_pages * page, device_pages * page, mla, self.tp_rank)?
                 }
             };
-            if let Some(trailing) = self.trailing {
+            // a window given in the settings is the same as one given with `with_trailing`; two must agree
+            let trailing = match (self.trailing, settings.trailing) {
+                (Some(given), Some(set)) if given != set => {
+                    return mismatch(
+                        "trailing",
+                        format!("the storage settings' {set:?}, but `with_trailing` gave {given:?}"),
+                    );
+                }
+                (given, set) => given.or(set),
+            };
+            if let Some(trailing) = trailing {
                 settings =
                     StorageSettings { trailing: Some(trailing), by_cost: false, split: false, meet: false, ..settings };
             }
@@ -253,5 +264,76 @@ mod tests {
             assert!(named, "{field}: {error}");
         }
         build(&other_rank, 1).unwrap();
+    }
+
+    /// A trailing window given in the storage settings alone is the tree's too (an insert must then say which pages
+    /// hold its entries), and the settings' prefetch by cost is turned off for it as `with_trailing` does; a window
+    /// given both ways must agree.
+    #[test]
+    fn a_trailing_window_in_the_storage_settings_is_the_trees() {
+        use crate::controller::Trailing;
+        use crate::device_slots::{DeviceSlotAllocator, PagedSlots};
+        let namespace = StorageNamespace::single_rank("m", geometry(), HostLayout::LayerFirst, PAGE);
+        let window = |pages| Trailing { window: std::num::NonZeroUsize::new(pages).unwrap(), pool: true };
+        let builder = |settings_window: Option<Trailing>, given: Option<Trailing>| {
+            let engine = CpuEngine::new(
+                DeviceLayoutMap::new(geometry(), 8 * PAGE).unwrap(),
+                HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, 16).unwrap(),
+                Completion::Immediate,
+            )
+            .unwrap();
+            let config = HiCacheConfig {
+                page_size: PAGE,
+                mem_layout: HostLayout::LayerFirst,
+                prefetch_by_cost: true,
+                ..HiCacheConfig::default()
+            };
+            let settings = StorageSettings::from_config(&config, 16 * PAGE, 8 * PAGE, false, 0).unwrap();
+            assert!(settings.by_cost);
+            let builder = HiCacheBuilder::new(config, engine)
+                .with_storage(Arc::new(MemoryStorage::new(&namespace)))
+                .with_storage_settings(StorageSettings { trailing: settings_window, ..settings });
+            match given {
+                Some(given) => builder.with_trailing(given),
+                None => builder,
+            }
+        };
+        let tokens: Vec<u32> = (0..2 * PAGE as u32).collect();
+        for (settings_window, given, windowed) in
+            [(None, None, false), (Some(window(2)), None, true), (None, Some(window(2)), true)]
+        {
+            let mut tree = builder(settings_window, given).build().unwrap();
+            let mut device = PagedSlots::new(8, PAGE).unwrap();
+            let slots = device.alloc_pages(2).unwrap();
+            // one flag for two pages: an error naming `trailing` exactly when the tree has a window
+            let inserted = tree.insert_with_trailing(&tokens, &slots, &mut device, &[true]);
+            match inserted {
+                Err(Error::InvalidArgument { field: "trailing", .. }) => assert!(windowed, "{settings_window:?}"),
+                Ok(_) => assert!(!windowed, "{settings_window:?}"),
+                Err(other) => panic!("{other}"),
+            }
+        }
+        let error = builder(Some(window(3)), Some(window(2))).build().expect_err("two windows").to_string();
+        assert!(error.starts_with("config field `trailing`"), "{error}");
+        builder(Some(window(2)), Some(window(2))).build().unwrap();
+        // a controller made without the builder refuses a window with prefetch by cost
+        let engine = CpuEngine::new(
+            DeviceLayoutMap::new(geometry(), 8 * PAGE).unwrap(),
+            HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, 16).unwrap(),
+            Completion::Immediate,
+        )
+        .unwrap();
+        let config = HiCacheConfig { page_size: PAGE, prefetch_by_cost: true, ..HiCacheConfig::default() };
+        let settings = StorageSettings::from_config(&config, 16 * PAGE, 8 * PAGE, false, 0).unwrap();
+        let controller = CacheController::new(engine, PAGE, 16, 8, geometry().layers).unwrap();
+        let error = controller
+            .with_storage(
+                Arc::new(MemoryStorage::new(&namespace)),
+                StorageSettings { trailing: Some(window(2)), ..settings },
+                Arc::new(SystemClock::new()),
+            )
+            .expect_err("a window with prefetch by cost")
+            .to_string();
+        assert!(error.starts_with("trailing: "), "{error}");
     }
 }

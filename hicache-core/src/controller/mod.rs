@@ -176,7 +176,8 @@ impl<E: TransferEngine> CacheController<E> {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] when the settings' page size differs from the controller's, a batch is empty,
-    /// or the prefetch capacity is zero; [`Error::Internal`] when a thread cannot start.
+    /// the prefetch capacity is zero, or a trailing window comes with `by_cost`, `split` or `meet` (naming
+    /// `trailing`); [`Error::Internal`] when a thread cannot start.
     pub fn with_storage(
         mut self,
         storage: Arc<dyn StorageBackend>,
@@ -193,6 +194,13 @@ impl<E: TransferEngine> CacheController<E> {
             return Err(Error::InvalidArgument {
                 field: "batch_pages",
                 reason: "storage batches and tick slots must be at least 1".into(),
+            });
+        }
+        if settings.trailing.is_some() && (settings.by_cost || settings.split || settings.meet) {
+            // a shorter prefix than the agreed one need not end where a window is held: such a hit is read whole
+            return Err(Error::InvalidArgument {
+                field: "trailing",
+                reason: "a trailing window's hits are fetched whole: by_cost, split and meet must be off".into(),
             });
         }
         if let Some(namespace) = storage.namespace() {
@@ -230,6 +238,12 @@ impl<E: TransferEngine> CacheController<E> {
     /// Whether a storage tier is attached.
     pub fn has_storage(&self) -> bool {
         self.storage.is_some()
+    }
+
+    /// The trailing window of the storage tier's settings ([`StorageSettings::trailing`]), `None` without a tier or
+    /// without a window.
+    pub fn trailing(&self) -> Option<Trailing> {
+        self.storage.as_ref().and_then(|storage| storage.settings.trailing)
     }
 
     /// The prefetch capacity account (tokens held by prefetches, and the limit).

@@ -181,8 +181,13 @@ pub struct HiRadixTree<E: TransferEngine> {
 }
 
 impl<E: TransferEngine> HiRadixTree<E> {
-    /// A tree over `controller`; page keys are computed for new nodes only when the controller has storage.
+    /// A tree over `controller`; page keys are computed for new nodes only when the controller has storage. A
+    /// controller whose storage settings have a [trailing window](Self#trailing-windows) gives the tree its window
+    /// (`settings.trailing_window` is then not read): what storage keeps and reads of a window and where matches end
+    /// come from one value.
     pub fn new(controller: CacheController<E>, settings: TreeSettings) -> Self {
+        let trailing_window = controller.trailing().map(|trailing| trailing.window).or(settings.trailing_window);
+        let settings = TreeSettings { trailing_window, ..settings };
         let root = NodeId(0);
         let mut nodes = HashMap::default();
         nodes.insert(root, Self::root_node());
