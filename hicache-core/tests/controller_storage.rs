@@ -1150,3 +1150,30 @@ fn reads_reserved_while_the_query_ran_are_kept_when_too_few_more_pages_fit() {
     rig.host().check_invariants().unwrap();
     rig.evict_host(&owned).unwrap();
 }
+
+/// A trailing-window pool's hit query asks storage for every page, a batch per call; a prefetch aborted while the
+/// query runs stops it before its next batch (as the query of a model without a window stops).
+#[test]
+fn an_aborted_trailing_window_query_asks_no_further_batch() {
+    let store = MemoryStore::new();
+    let (prompt, _) = seed_storage(&store, 23, 8);
+    let gated = Arc::new(Gated::with_query_gate(memory(&store, 0, 1)));
+    let trailing = hicache_core::controller::Trailing { window: std::num::NonZeroUsize::new(2).unwrap(), pool: true };
+    let settings = StorageSettings { trailing: Some(trailing), ..settings(PrefetchPolicy::WaitComplete) };
+    let mut rig = controller(gated.clone(), settings, Arc::new(SystemClock::new()));
+    rig.prefetch("r", &prompt, None).unwrap();
+    // the query's first page waits at the gate (storage is asked a page at a time within a batch of 2)
+    let gate = gated.queries.as_ref().expect("a query gate");
+    gate.await_caller();
+    assert!(rig.abort_prefetch("r"));
+    const OPENED: usize = 100;
+    gated.open_queries(OPENED);
+    let done = prefetch_result(&mut rig, "r");
+    assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::Aborted, 0));
+    // the one query thread takes its jobs in order: once a later query has ended, so has the aborted one
+    rig.prefetch("later", &tokens(24, 2), None).unwrap();
+    prefetch_result(&mut rig, "later");
+    tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
+    let asked = OPENED - *gate.allowed.lock().unwrap();
+    assert_eq!(asked, 2 + 2, "the aborted query's first batch of 2 pages (not all 8), then the later query's 2");
+}

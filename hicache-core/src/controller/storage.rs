@@ -546,6 +546,10 @@ fn trailing_query(
     let keys = hasher.page_keys(&job.tokens, io.page_size, job.last_key, crate::hash::PartialPage::Drop)?;
     let mut held = Vec::with_capacity(keys.len());
     for batch in keys.chunks(io.batch_pages) {
+        if job.shared.progress.is_terminated() {
+            // the prefetch was stopped (aborted, reset): a query not run to its end restores nothing
+            return Ok(Vec::new());
+        }
         let answers = io.storage.batch_contains(batch)?;
         if answers.len() != batch.len() {
             return Err(Error::storage(
