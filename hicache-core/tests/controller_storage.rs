@@ -1177,3 +1177,42 @@ fn an_aborted_trailing_window_query_asks_no_further_batch() {
     let asked = OPENED - *gate.allowed.lock().unwrap();
     assert_eq!(asked, 2 + 2, "the aborted query's first batch of 2 pages (not all 8), then the later query's 2");
 }
+
+/// A trailing-window pool's query answers whole at its end; while it runs, each batch it asks shows progress, so a
+/// slow query whose every batch comes within the read deadline is not taken for a stuck one, however long it runs.
+#[test]
+fn a_slow_trailing_window_query_that_progresses_is_not_stalled() {
+    let store = MemoryStore::new();
+    let (prompt, _) = seed_storage(&store, 25, 8);
+    let gated = Arc::new(Gated::with_query_gate(memory(&store, 0, 1)));
+    let trailing = hicache_core::controller::Trailing { window: std::num::NonZeroUsize::new(2).unwrap(), pool: true };
+    let settings = StorageSettings { trailing: Some(trailing), ..settings(PrefetchPolicy::WaitComplete) };
+    let clock = Arc::new(ManualClock::new());
+    let mut rig = controller(gated.clone(), settings, clock.clone());
+    let _open = OpenGates(gated.clone());
+    gated.open(100);
+    let gate = gated.queries.as_ref().expect("a query gate");
+    // the query waits at the gate for a batch's first page, every page let through before it taken
+    let await_next_batch = || {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !(*gate.allowed.lock().unwrap() == 0 && gate.waiting.load(Ordering::SeqCst) == 1) {
+            assert!(Instant::now() < deadline, "the query did not reach its next batch");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    rig.prefetch("r", &prompt, None).unwrap();
+    // four batches of two pages, 20 s apart: 80 s in all, against a read deadline of 30 s
+    for batch in 0..4 {
+        await_next_batch();
+        for _ in 0..3 {
+            assert!(rig.tick(&mut SingleRank).unwrap().prefetches.is_empty(), "batch {batch}");
+        }
+        clock.advance(Duration::from_secs(20));
+        gated.open_queries(2);
+    }
+    rig.finish_prefetch("r");
+    let done = prefetch_result(&mut rig, "r");
+    assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::Complete, 8));
+    rig.evict_host(&done.host_pages).unwrap();
+    tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
+}

@@ -216,6 +216,9 @@ pub(super) struct PrefetchShared {
     pub(super) progress: Progress,
     /// Keys of the leading pages found so far, published batch by batch by the query thread; only ever grows.
     pub(super) found: Mutex<Vec<PageKey>>,
+    /// Pages a trailing-window pool's query has asked storage about so far: it publishes its answer whole at its
+    /// end, so this is what shows it progressing meanwhile (the read deadline watches it).
+    pub(super) asked: std::sync::atomic::AtomicU64,
     /// Set once by the query thread when it is done.
     pub(super) hit: OnceLock<HitFound>,
     /// Set by the fetch thread when it is done with the host pages for good.
@@ -558,6 +561,7 @@ fn trailing_query(
             ));
         }
         held.extend(answers);
+        job.shared.asked.fetch_add(batch.len() as u64, std::sync::atomic::Ordering::Relaxed);
     }
     let lengths: Vec<usize> = (1..=keys.len())
         .filter(|&length| held[length.saturating_sub(window)..length].iter().all(|&held| held))

@@ -268,7 +268,9 @@ impl StorageTier {
             let terminated = prefetch.shared.progress.is_terminated();
             // a prefetch whose storage I/O goes on without progress for the read deadline is stuck (a hung mount):
             // it stops under every policy, wait_complete included
-            let progress = prefetch.shared.found_pages() as u64 + prefetch.shared.progress.completed();
+            let progress = prefetch.shared.found_pages() as u64
+                + prefetch.shared.asked.load(std::sync::atomic::Ordering::Relaxed)
+                + prefetch.shared.progress.completed();
             if progress != prefetch.progress_mark.0 {
                 prefetch.progress_mark = (progress, now);
             }
