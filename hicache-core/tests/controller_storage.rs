@@ -1151,16 +1151,23 @@ fn reads_reserved_while_the_query_ran_are_kept_when_too_few_more_pages_fit() {
     rig.evict_host(&owned).unwrap();
 }
 
+/// A rig of a trailing-window pool's rank (a window of 2 pages) over a storage whose existence checks wait at a
+/// gate, and a prompt of 8 pages it holds (`seed`'s).
+fn trailing_window_rig(seed: u32, clock: Arc<dyn Clock>) -> (Rig, Arc<Gated>, Vec<u32>) {
+    let store = MemoryStore::new();
+    let (prompt, _) = seed_storage(&store, seed, 8);
+    let gated = Arc::new(Gated::with_query_gate(memory(&store, 0, 1)));
+    let trailing = hicache_core::controller::Trailing { window: std::num::NonZeroUsize::new(2).unwrap(), pool: true };
+    let settings = StorageSettings { trailing: Some(trailing), ..settings(PrefetchPolicy::WaitComplete) };
+    (controller(gated.clone(), settings, clock), gated, prompt)
+}
+
 /// A trailing-window pool's hit query asks storage for every page, a batch per call; a prefetch aborted while the
 /// query runs stops it before its next batch (as the query of a model without a window stops).
 #[test]
 fn an_aborted_trailing_window_query_asks_no_further_batch() {
-    let store = MemoryStore::new();
-    let (prompt, _) = seed_storage(&store, 23, 8);
-    let gated = Arc::new(Gated::with_query_gate(memory(&store, 0, 1)));
-    let trailing = hicache_core::controller::Trailing { window: std::num::NonZeroUsize::new(2).unwrap(), pool: true };
-    let settings = StorageSettings { trailing: Some(trailing), ..settings(PrefetchPolicy::WaitComplete) };
-    let mut rig = controller(gated.clone(), settings, Arc::new(SystemClock::new()));
+    let (mut rig, gated, prompt) = trailing_window_rig(23, Arc::new(SystemClock::new()));
+    let _open = OpenGates(gated.clone());
     rig.prefetch("r", &prompt, None).unwrap();
     // the query's first page waits at the gate (storage is asked a page at a time within a batch of 2)
     let gate = gated.queries.as_ref().expect("a query gate");
@@ -1182,13 +1189,8 @@ fn an_aborted_trailing_window_query_asks_no_further_batch() {
 /// slow query whose every batch comes within the read deadline is not taken for a stuck one, however long it runs.
 #[test]
 fn a_slow_trailing_window_query_that_progresses_is_not_stalled() {
-    let store = MemoryStore::new();
-    let (prompt, _) = seed_storage(&store, 25, 8);
-    let gated = Arc::new(Gated::with_query_gate(memory(&store, 0, 1)));
-    let trailing = hicache_core::controller::Trailing { window: std::num::NonZeroUsize::new(2).unwrap(), pool: true };
-    let settings = StorageSettings { trailing: Some(trailing), ..settings(PrefetchPolicy::WaitComplete) };
     let clock = Arc::new(ManualClock::new());
-    let mut rig = controller(gated.clone(), settings, clock.clone());
+    let (mut rig, gated, prompt) = trailing_window_rig(25, clock.clone());
     let _open = OpenGates(gated.clone());
     gated.open(100);
     let gate = gated.queries.as_ref().expect("a query gate");
