@@ -182,8 +182,8 @@ fn objects_evicted_after_exists_are_misses_never_wrong_bytes() {
     let (first_keys, first_pages) = (random_keys(32), random_pages(32, bytes));
     assert_eq!(put(&backend, &first_keys, &first_pages), vec![SetOutcome::Stored; 32]);
     assert_eq!(backend.batch_exists(&first_keys).unwrap(), 32);
-    // the master evicts in the background once the cluster is nearly full: keep writing until it has evicted one of
-    // the first pages (at least 18 rounds, 36 MiB, as before), within a deadline
+    // the master evicts in the background once the cluster is nearly full: keep writing (at least 18 rounds, 36 MiB,
+    // over twice the cluster) until it has evicted one of the first pages, within a deadline
     let (mut refused, mut rounds) = (0, 0);
     let deadline = Instant::now() + CALL_DEADLINE;
     while rounds < 18 || backend.batch_exists(&first_keys).unwrap() == 32 {
