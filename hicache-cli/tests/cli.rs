@@ -324,12 +324,14 @@ fn replay_moves_storage_pages_in_place_under_every_write_policy() {
 #[test]
 fn hybrid_replays_verify_every_pool_under_every_write_policy_with_and_without_faults() {
     // each pool's entry on one rank at TP 1: page 32, 8 layers (the draft model: 1; the sliding layers: 4), 2 heads
-    // of 64 bf16 values; a sliding window of 128 tokens is 4 pages
+    // of 64 bf16 values; a sliding window of 128 tokens is 4 pages; a state, of each of the 6 linear layers, per head
+    // a 64 × 64 fp32 matrix and 3 inputs of 3 × 64 bf16 channels, kept at the last page of what a request computed
     let kinds = [
         ("dsa", "indexer", 8 * 32 * (128 + 4), None),
         ("eagle", "draft", 2 * 2 * 64 * 2 * 32, None),
         ("mtp", "draft", 576 * 2 * 32, None),
         ("swa", "swa", 4 * 2 * 2 * 64 * 2 * 32, Some(4)),
+        ("mamba", "mamba", 6 * 2 * (64 * 64 * 4 + 3 * 3 * 64 * 2), Some(1)),
     ];
     for (kind, pool, entry_bytes, window) in kinds {
         for policy in ["write-through", "write-through-selective", "write-back"] {
@@ -339,8 +341,34 @@ fn hybrid_replays_verify_every_pool_under_every_write_policy_with_and_without_fa
                 if faults {
                     args.extend(["--tp-size", "2", "--fault-fail-rate", "0.05", "--fault-corrupt-rate", "0.05"]);
                 }
+                // a prefix every client shares, at whose end no request's compute ends (not under write-back: the
+                // prefix stays on the device, never backed up, and as in SGLang no prefetch starts below a node that
+                // is not, so nothing would come back from storage)
+                let shared = kind == "mamba" && policy != "write-back";
+                if shared {
+                    args.extend(["--system-prompt", "256"]);
+                }
                 let report = replay_json(&args);
                 let case = format!("{kind}, {policy}, faults {faults}");
+                if kind == "mamba" {
+                    // a state is kept only where a request's compute ended (its pages before hold none: a prefill
+                    // writes zeros there, which no check takes for a state); the first prompts share only the
+                    // system prompt, so none restores anything, and the later ones restore their conversation
+                    let rounds = report["rounds"].as_array().unwrap();
+                    if shared {
+                        assert_eq!(rounds[0]["hit_rate"], 0.0, "{case}: a prefix restored without its state: {report}");
+                    }
+                    assert!(rounds[2]["hit_rate"].as_f64().unwrap() > 0.3, "{case}: {report}");
+                    // each state is one request's end, held once per tier
+                    let states = &report["states_peak"];
+                    assert_eq!(states["state_bytes"].as_u64(), Some(entry_bytes as u64 / if faults { 2 } else { 1 }));
+                    for tier in ["device", "host"] {
+                        let held = states[tier].as_u64().unwrap();
+                        assert!(held > 0 && held <= 24 * 3, "{case}: {held} states on the {tier}: {report}");
+                    }
+                } else {
+                    assert!(report.get("states_peak").is_none(), "{case}: {report}");
+                }
                 assert_eq!(
                     (report["verified"].as_bool(), report["lockstep"].as_bool()),
                     (Some(true), Some(true)),
@@ -349,7 +377,7 @@ fn hybrid_replays_verify_every_pool_under_every_write_policy_with_and_without_fa
                 let parameters = &report["parameters"];
                 assert_eq!(parameters["hybrid"], kind, "{case}");
                 // (the faulty runs have two TP ranks: heads are split between them, a latent is not)
-                let split = faults && matches!(kind, "eagle" | "swa");
+                let split = faults && matches!(kind, "eagle" | "swa" | "mamba");
                 let entry_bytes = if split { entry_bytes / 2 } else { entry_bytes };
                 let expected = match window {
                     Some(window) => serde_json::json!([{ "pool": pool, "entry_bytes": entry_bytes,
@@ -377,6 +405,8 @@ fn hybrid_replays_verify_every_pool_under_every_write_policy_with_and_without_fa
     }
     assert_usage_error(&hicache(&["replay", "--hybrid", "dsa", "--pp-size", "2"], ""), "one pipeline stage");
     assert_usage_error(&hicache(&["replay", "--hybrid", "swa", "--layers", "1"], ""), "--layers of 2 or more");
+    assert_usage_error(&hicache(&["replay", "--hybrid", "mamba", "--layers", "3"], ""), "--layers of 4 or more");
+    assert_usage_error(&hicache(&["replay", "--hybrid", "mamba", "--page-size", "128"], ""), "--page-size, --head-dim");
     let refused = hicache(
         &["replay", "--hybrid", "eagle", "--backend", "memory", "--layout", "page-unified", "--unified-keys"],
         "",

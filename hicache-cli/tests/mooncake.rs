@@ -181,7 +181,9 @@ fn a_replay_verifies_against_the_master() {
     // and a page comes back only with what its group needs
     let mut sglang: serde_json::Value = serde_json::from_str(&extra).unwrap();
     sglang["key_scheme"] = "sglang".into();
-    for (kind, pool, policy) in [("dsa", "indexer", "all_pages"), ("swa", "swa", "trailing_pages")] {
+    let kinds =
+        [("dsa", "indexer", "all_pages"), ("swa", "swa", "trailing_pages"), ("mamba", "mamba", "trailing_pages")];
+    for (kind, pool, policy) in kinds {
         let output = hicache(&[
             "replay",
             "--backend",
@@ -208,12 +210,17 @@ fn a_replay_verifies_against_the_master() {
         let found = pools.as_array().unwrap().iter().find(|entry| entry["pool"] == pool);
         let found = found.unwrap_or_else(|| panic!("{kind}: no {pool} pool in the layout: {report}"));
         assert_eq!(found["hit_policy"], policy, "{report}");
-        // SGLang's names: the indexer one object of the stage; a window's K and V per TP rank, 4 pages of 32 tokens
+        // SGLang's names: the indexer one object of the stage; a window's K and V per TP rank, 4 pages of 32 tokens;
+        // a state's recurrent and convolution parts per TP rank, at 1 page
         let suffixes = match kind {
             "dsa" => serde_json::json!(["__indexer"]),
-            _ => {
+            "swa" => {
                 assert_eq!(found["trailing_pages"], 4, "{report}");
                 serde_json::json!(["_0_swa_k", "_0_swa_v", "_1_swa_k", "_1_swa_v"])
+            }
+            _ => {
+                assert_eq!(found["trailing_pages"], 1, "{report}");
+                serde_json::json!(["_0_temporal", "_0_conv_0", "_1_temporal", "_1_conv_0"])
             }
         };
         assert_eq!(found["suffixes"], suffixes, "{report}");

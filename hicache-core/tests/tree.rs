@@ -973,6 +973,7 @@ fn a_match_ends_where_the_trailing_window_is_held() {
     let a = tokens(1, 6);
     let mut rig = trailing_rig(16, 32, 1);
     assert_eq!(rig.request_trailing(&a, &held, 1), Some(0));
+    assert_eq!(rig.tree.trailing_held(), (2, 2), "two states on the device, written through to the host at once");
     let pages = |rig: &mut Rig, tokens: &[u32]| {
         let matched = rig.tree.match_prefix(tokens);
         (matched.device_slots.len() + matched.host_hit_length) / PAGE
@@ -986,6 +987,10 @@ fn a_match_ends_where_the_trailing_window_is_held() {
     assert_eq!(rig.request_trailing(&b, &[true; 6], 1), Some(3));
     assert_eq!(pages(&mut rig, &b), 6);
     assert_eq!(pages(&mut rig, &b[..4 * PAGE]), 3, "a page already in the tree keeps lacking its state");
+    assert_eq!(rig.tree.trailing_held(), (4, 4), "a's at pages 3 and 6, and b's new pages 5 and 6");
+    rig.tick();
+    rig.tree.evict(2 * PAGE, &mut rig.device).unwrap();
+    assert_eq!(rig.tree.trailing_held(), (3, 4), "a's leaf left the device with its state and kept it on the host");
     rig.tree.check_invariants().unwrap();
 
     let held = [false, true, true, false, true, true];

@@ -106,12 +106,15 @@ impl KvPattern {
     }
 
     /// Writes the KV of the tokens at `first..` (of a sequence whose page keys are `keys`) into `slots`, all layers.
+    /// With `only_page` (a state kept where the compute ended), only that page's entry is written and the others'
+    /// bytes are zeros, which no check takes for an entry.
     pub(crate) fn fill(
         &self,
         engine: &impl ReplayEngine,
         keys: &[PageKey],
         first: usize,
         slots: &[DeviceSlot],
+        only_page: Option<usize>,
     ) -> anyhow::Result<()> {
         let item = self.geometry.item_bytes();
         let mut data = vec![0u8; slots.len() * item];
@@ -119,6 +122,9 @@ impl KvPattern {
             for &part in self.geometry.parts() {
                 for (index, bytes) in data.chunks_mut(item).enumerate() {
                     let position = first + index;
+                    if only_page.is_some_and(|page| position / self.page_size != page) {
+                        continue;
+                    }
                     derive(self.seed(keys, position), self.place(position, layer, part), self.head_bytes, bytes);
                 }
                 engine.write_items(layer, part, slots, &data)?;

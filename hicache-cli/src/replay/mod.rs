@@ -14,7 +14,8 @@
 //! pool's own namespace under the KV pages' keys, as SGLang's stores do. A sliding-window model (`--hybrid swa`)
 //! keeps its sliding layers' KV in a pool that a prefix needs only in its window: the trees know where the window's
 //! entries are held and end matches there, the pool's ranks store and read only the windows at nodes' ends, and
-//! every rank agrees on a length every rank's storage can restore ([`hicache_core::controller::Trailing`]).
+//! every rank agrees on a length every rank's storage can restore ([`hicache_core::controller::Trailing`]). A
+//! linear-attention model (`--hybrid mamba`) keeps a state, a window of one page, only where a request's compute ended.
 
 mod device;
 mod kv;
@@ -40,7 +41,7 @@ use hicache_core::extra_config::throttled;
 use hicache_core::geometry::{KvDtype, KvGeometry};
 use hicache_core::host_memory::{HostAllocation, HostMemory};
 use hicache_core::layout::{HostLayout, HostLayoutMap};
-use hicache_core::namespace::{StorageNamespace, sglang_mooncake_objects};
+use hicache_core::namespace::{EntryObject, StorageNamespace, sglang_mooncake_objects};
 use hicache_core::storage::groups::HitPolicy;
 use hicache_core::storage::l3_layout::{self, L3Layout};
 use hicache_core::storage::{FaultPlan, FaultyStorage, MemoryStorage, MemoryStore, StorageBackend};
@@ -283,6 +284,11 @@ pub(crate) enum HybridArg {
     /// Sliding-window attention as gpt-oss's: half the layers attend only to the last --swa-window tokens; the
     /// full layers' KV is the KV pool, the sliding layers' an `swa` pool that a prefix needs only in its window.
     Swa,
+    /// Linear attention as Qwen3-Next's (gated delta net): three layers in four keep a recurrent state instead of KV,
+    /// the fourth attends fully. The full layers' KV is the KV pool; the `mamba` pool holds a request's state (each
+    /// linear layer's --head-dim² fp32 matrix per head, and its convolution's last 3 inputs), kept only where a
+    /// request ended: a prefix is restorable only at a page whose state is held.
+    Mamba,
 }
 
 impl HybridArg {
@@ -294,6 +300,26 @@ impl HybridArg {
 
 /// DeepSeek's latent: its rank and its rope part, bf16.
 const MLA_LATENT: (usize, usize) = (512, 64);
+/// Inputs a linear-attention layer's short convolution keeps (Qwen3-Next's kernel of 4, less the current one).
+const CONV_STATE_INPUTS: usize = 3;
+
+/// The layers of a `--hybrid mamba` model that attend fully (one in four, as Qwen3-Next's); the others keep a state.
+fn full_attention_layers(layers: usize) -> usize {
+    layers / 4
+}
+
+/// The objects of one rank's `--hybrid mamba` state, as SGLang's Mooncake store cuts it: the recurrent (temporal)
+/// state of every linear layer, each head a `head_dim`² fp32 matrix, and the convolution's state, its last
+/// [`CONV_STATE_INPUTS`] inputs of the query, key and value channels in bf16.
+fn mamba_state_objects(args: &ReplayArgs) -> Vec<EntryObject> {
+    let linear = args.layers - full_attention_layers(args.layers);
+    let (heads, dim) = (rank_heads(args), args.head_dim);
+    let object = |name: &str, bytes: usize| EntryObject { name: name.to_owned(), bytes, per_rank: true };
+    vec![
+        object("temporal", linear * heads * dim * dim * 4),
+        object("conv_0", linear * CONV_STATE_INPUTS * 3 * heads * dim * 2),
+    ]
+}
 
 /// One sidecar pool of a `--hybrid` model as a rank holds it.
 pub(crate) struct SidecarPreset {
@@ -303,6 +329,9 @@ pub(crate) struct SidecarPreset {
     pub(crate) geometry: KvGeometry,
     /// What restoring a prefix needs of it.
     pub(crate) policy: HitPolicy,
+    /// Its entry cut into objects as SGLang's Mooncake store cuts it, where the pool's name does not say
+    /// ([`sglang_mooncake_objects`]).
+    pub(crate) objects: Option<Vec<EntryObject>>,
 }
 
 /// The sidecar pools of the `--hybrid` model (none without one), in the order of their ranks.
@@ -315,22 +344,52 @@ pub(crate) fn sidecars(args: &ReplayArgs) -> anyhow::Result<Vec<SidecarPreset>> 
             // as a latent of one value per byte: 128 FP8 values and their 4-byte scale, the same on every rank
             geometry: KvGeometry::mla(args.layers, 128, 4, KvDtype::Fp8E4m3)?,
             policy: HitPolicy::AllPages,
+            objects: None,
         },
         Some(HybridArg::Eagle) => SidecarPreset {
             name: "draft",
             geometry: KvGeometry::mha(1, rank_heads(args), args.head_dim, KvDtype::Bf16)?,
             policy: HitPolicy::AllPages,
+            objects: None,
         },
         Some(HybridArg::Mtp) => SidecarPreset {
             name: "draft",
             geometry: KvGeometry::mla(1, latent, rope, KvDtype::Bf16)?,
             policy: HitPolicy::AllPages,
+            objects: None,
         },
         Some(HybridArg::Swa) => SidecarPreset {
             name: "swa",
             geometry: KvGeometry::mha(args.layers / 2, rank_heads(args), args.head_dim, KvDtype::Bf16)?,
             policy: HitPolicy::TrailingPages { window: args.swa_window.div_ceil(args.page_size) },
+            objects: None,
         },
+        Some(HybridArg::Mamba) => {
+            // a state is one entry of its own size, not so many bytes per token: the pool's geometry is of FP8
+            // bytes, and one page of it (every linear layer's K and V halves) is exactly one state
+            let objects = mamba_state_objects(args);
+            let entry_bytes: usize = objects.iter().map(|object| object.bytes).sum();
+            let linear = args.layers - full_attention_layers(args.layers);
+            let per_layer = entry_bytes / linear;
+            if !per_layer.is_multiple_of(2 * rank_heads(args) * args.page_size) {
+                bail!(
+                    "a layer's state of {per_layer} bytes on each rank does not split into pages of {} tokens \
+                     (--page-size, --head-dim)",
+                    args.page_size
+                );
+            }
+            SidecarPreset {
+                name: "mamba",
+                geometry: KvGeometry::mha(
+                    linear,
+                    rank_heads(args),
+                    per_layer / (2 * rank_heads(args) * args.page_size),
+                    KvDtype::Fp8E4m3,
+                )?,
+                policy: HitPolicy::TrailingPages { window: 1 },
+                objects: Some(objects),
+            }
+        }
     };
     Ok(vec![pool])
 }
@@ -516,7 +575,11 @@ fn rank_namespace(args: &ReplayArgs, place: Place) -> anyhow::Result<StorageName
     let sidecars = sidecars(args)?;
     let pool = &sidecars[place.pool - 1];
     let entry_bytes = pool.geometry.bytes_per_page(args.page_size);
-    let objects = sglang_mooncake_objects(pool.name, geometry.is_mla(), entry_bytes).unwrap_or_default();
+    let objects = pool
+        .objects
+        .clone()
+        .or_else(|| sglang_mooncake_objects(pool.name, geometry.is_mla(), entry_bytes))
+        .unwrap_or_default();
     Ok(namespace.sidecar(pool.name, entry_bytes)?.with_entry_objects(objects)?)
 }
 
@@ -692,6 +755,12 @@ fn check(args: &ReplayArgs) -> anyhow::Result<()> {
                 args.layers, args.swa_window
             ));
         }
+        if args.hybrid == Some(HybridArg::Mamba) && full_attention_layers(args.layers) == 0 {
+            return usage(format!(
+                "--hybrid {hybrid} needs --layers of 4 or more (one in four attending fully), not {}",
+                args.layers
+            ));
+        }
     }
     // the last stage holds the most layers
     let geometry = geometry(args, args.pp_size - 1)
@@ -727,7 +796,12 @@ pub(crate) fn geometry(args: &ReplayArgs, stage: usize) -> anyhow::Result<KvGeom
         return Ok(KvGeometry::mla(layers, latent, rope, KvDtype::Bf16)?);
     }
     // a sliding-window model's KV pool holds its full layers (the sliding ones are the `swa` pool)
-    let layers = if args.hybrid == Some(HybridArg::Swa) { layers - layers / 2 } else { layers };
+    // (a linear-attention model's: its full layers, one in four)
+    let layers = match args.hybrid {
+        Some(HybridArg::Swa) => layers - layers / 2,
+        Some(HybridArg::Mamba) => full_attention_layers(layers),
+        _ => layers,
+    };
     Ok(KvGeometry::mha(layers, rank_heads(args), args.head_dim, KvDtype::Bf16)?)
 }
 
@@ -981,6 +1055,7 @@ fn run_on<E: device::ReplayEngine>(
         first_layer,
         pool: place.pool,
         window: trailing.filter(|_| window_pool).map(NonZeroUsize::get),
+        state_at_end: args.hybrid == Some(HybridArg::Mamba),
     };
     // the engine's allocator of device slots: the rank allocates its prefills from it and lends it to the tree
     let mut device = hicache_core::device_slots::PagedSlots::new(device_pages, page)?;

@@ -11,7 +11,7 @@ use anyhow::{Context as _, bail};
 use hicache_core::collective::{Collective, ReduceOp};
 use hicache_core::controller::{PrefetchExplanation, PrefetchHead, PrefetchStart, PrefetchStop};
 use hicache_core::cost::Rates;
-use hicache_core::device_slots::DeviceSlotAllocator;
+use hicache_core::device_slots::{DeviceSlot, DeviceSlotAllocator};
 use hicache_core::hash::{PageHasher, PartialPage};
 use hicache_core::tree::{HiRadixTree, PrefetchCheck, TickSummary};
 
@@ -89,6 +89,9 @@ pub(crate) struct RankOutcome {
     pub(crate) storage_hits: Vec<HitOutcome>,
     /// The rates the ranks agreed on at the end (the slowest rank's).
     pub(crate) agreed_rates: Option<AgreedRates>,
+    /// With a state kept where requests ended (`--hybrid mamba`): the most pages holding a state on the device and
+    /// on the host, after any batch.
+    pub(crate) states_peak: (usize, usize),
     /// Controller ticks, and the time spent in them.
     pub(crate) ticks: u64,
     pub(crate) tick_ns: u64,
@@ -210,6 +213,35 @@ pub(crate) struct LoopSpec {
     /// The pages of a trailing window, when this rank's pool is needed only there (a sliding window's KV): its
     /// ranks read and check only the window at the end of what a request gets.
     pub(crate) window: Option<usize>,
+    /// The model keeps its trailing-window entries only where a request's compute ended (a Mamba state), not at
+    /// every page it computed (a sliding window's KV): every rank's tree is told so at each insert.
+    pub(crate) state_at_end: bool,
+}
+
+/// On a state pool's rank, the page whose entry a compute of `end` tokens (whole pages) leaves: its last.
+fn state_page(spec: &LoopSpec, end: usize, page: usize) -> Option<usize> {
+    (spec.state_at_end && spec.window.is_some()).then(|| (end / page).saturating_sub(1))
+}
+
+/// Inserts `tokens` (whole pages) into the tree with the pages at whose end the engine holds the trailing-window
+/// entries: all of them for a sliding window's KV, the last for a state kept where the compute ended.
+fn insert<E: ReplayEngine>(
+    tree: &mut HiRadixTree<E>,
+    tokens: &[u32],
+    slots: &[DeviceSlot],
+    device: &mut dyn DeviceSlotAllocator,
+    spec: &LoopSpec,
+) -> anyhow::Result<()> {
+    if !spec.state_at_end {
+        tree.insert(tokens, slots, device)?;
+        return Ok(());
+    }
+    let mut held = vec![false; tokens.len() / tree.page_size()];
+    if let Some(last) = held.last_mut() {
+        *last = true;
+    }
+    tree.insert_with_trailing(tokens, slots, device, &held)?;
+    Ok(())
 }
 
 struct Waiting {
@@ -469,6 +501,10 @@ pub(crate) fn run_rank<E: ReplayEngine>(
             }
             continue;
         }
+        if spec.state_at_end {
+            let (device, host) = tree.trailing_held();
+            outcome.states_peak = (outcome.states_peak.0.max(device), outcome.states_peak.1.max(host));
+        }
         if spec.sync_storage {
             // every rank has the same backups queued, so every rank loops the same number of ticks
             drain(tree, collective, &mut outcome, &mut waiting, &mut digest, (page, page_bytes, spec.window), metrics)?;
@@ -630,11 +666,11 @@ fn compute_head<E: ReplayEngine>(
         tree.dec_lock_ref(locked)?;
         return Ok(false);
     };
-    pattern.fill(tree.controller().engine(), &keys, cached, &fresh)?;
+    pattern.fill(tree.controller().engine(), &keys, cached, &fresh, state_page(spec, upto, page))?;
     let mut slots = matched.device_slots.clone();
     slots.extend(&loaded);
     slots.extend(&fresh);
-    tree.insert(tokens, &slots, device)?;
+    insert(tree, tokens, &slots, device, spec)?;
     tree.dec_lock_ref(locked)?;
     outcome.page_ops += ((cached + upto) / page + new_pages) as u64;
     let computed = upto - cached;
@@ -720,12 +756,12 @@ fn run_request<E: ReplayEngine>(
     };
     // prefill and decode: the KV of every new token, then the whole sequence goes into the tree
     let before_prefill = started.elapsed();
-    pattern.fill(tree.controller().engine(), &keys, cached, &fresh)?;
+    let aligned = sequence.len() - sequence.len() % page;
+    pattern.fill(tree.controller().engine(), &keys, cached, &fresh, state_page(spec, aligned, page))?;
     let mut slots = device_slots.to_vec();
     slots.extend(&loaded);
     slots.extend(&fresh);
-    let aligned = sequence.len() - sequence.len() % page;
-    tree.insert(&sequence[..aligned], &slots[..aligned], device)?;
+    insert(tree, &sequence[..aligned], &slots[..aligned], device, spec)?;
     if slots.len() > aligned {
         device.free(&slots[aligned..])?;
     }

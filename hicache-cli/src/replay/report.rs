@@ -213,6 +213,10 @@ struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     unified_chunks: Option<ChunkCounts>,
     tree: hicache_core::tree::TreeStats,
+    /// With `--hybrid mamba`: the states the cache held at most, after any batch (rank 0; every rank's tree is the
+    /// same), the size of the state pools a deployment needs for this workload's hits.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    states_peak: Option<StatesPeak>,
     /// Mean bytes per contiguous copy (rank 0, CPU engine): what a GPU copy engine would get per copy from the same
     /// pages.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -234,6 +238,16 @@ struct Report {
     /// SGLang's shape (`hicache store layout`); absent without a storage tier.
     #[serde(skip_serializing_if = "Option::is_none")]
     l3_layout: Option<L3Layout>,
+}
+
+/// The states a `--hybrid mamba` run's cache held at most.
+#[derive(Debug, Serialize)]
+struct StatesPeak {
+    /// Pages holding a state on the device, and on the host.
+    device: usize,
+    host: usize,
+    /// Bytes of one state on one rank.
+    state_bytes: u64,
 }
 
 /// What the cost plans decided and how they came out.
@@ -351,6 +365,7 @@ pub(super) fn print(
     let total = round_report(None, &first.total);
     let mismatch = outcomes.iter().find_map(|outcome| outcome.mismatch.clone());
     let (slower_than_fetch_whole, slower_than_best) = slower_than_either(outcomes);
+    let state_bytes = sidecars.first().map(|pool| pool.entry_bytes);
     let report = Report {
         parameters: parameters(args, page_bytes, sidecars),
         hit_rate: total.hit_rate,
@@ -398,6 +413,11 @@ pub(super) fn print(
             })
         }),
         tree: first.tree.clone(),
+        states_peak: (args.hybrid == Some(super::HybridArg::Mamba)).then(|| StatesPeak {
+            device: first.states_peak.0,
+            host: first.states_peak.1,
+            state_bytes: state_bytes.unwrap_or_default(),
+        }),
         bytes_per_copy: {
             let item = super::geometry(args, 0)?.item_bytes() as f64;
             let per = |items: u64, runs: u64| items as f64 * item / runs.max(1) as f64;
@@ -469,6 +489,15 @@ fn print_text(description: &str, report: &Report) {
              the bytes moved count every pool's",
             report.parameters.page_bytes,
             pools.join(", ")
+        );
+    }
+    if let Some(states) = &report.states_peak {
+        println!(
+            "states held at most: {} on the device ({:.1} MB per rank), {} on the host ({:.1} MB per rank)",
+            states.device,
+            mb(states.device as u64 * states.state_bytes),
+            states.host,
+            mb(states.host as u64 * states.state_bytes)
         );
     }
     let by = if report.parameters.sidecars.is_empty() { "rank 0" } else { "TP rank 0 of each pool" };
@@ -599,6 +628,7 @@ pub(super) fn slower_than_either(outcomes: &[super::rank::RankOutcome]) -> (u64,
 /// A sidecar pool in the text report: its name, its entry's bytes, and a trailing window's pages.
 fn sidecar_text(pool: &SidecarParameters) -> String {
     match pool.window_pages {
+        Some(1) => format!("{} {} bytes (only at the last page of a prefix)", pool.pool, pool.entry_bytes),
         Some(window) => format!("{} {} bytes (only the last {window} pages of a prefix)", pool.pool, pool.entry_bytes),
         None => format!("{} {} bytes", pool.pool, pool.entry_bytes),
     }

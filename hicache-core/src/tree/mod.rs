@@ -264,6 +264,23 @@ impl<E: TransferEngine> HiRadixTree<E> {
         &self.stats
     }
 
+    /// Pages whose [trailing-window](Self#trailing-windows) entries the tree holds (a Mamba state, a sliding
+    /// window's KV at a page's end): on the device and on the host, a page of a node held in both counted in each.
+    /// `(0, 0)` without a trailing window. It walks every node.
+    pub fn trailing_held(&self) -> (usize, usize) {
+        let (mut device, mut host) = (0, 0);
+        for node in self.nodes.values() {
+            let held = node.trailing.iter().filter(|&&held| held).count();
+            if node.device.is_some() {
+                device += held;
+            }
+            if node.host.is_some() {
+                host += held;
+            }
+        }
+        (device, host)
+    }
+
     /// Nodes in the tree, the root included.
     pub fn node_count(&self) -> usize {
         self.nodes.len()
