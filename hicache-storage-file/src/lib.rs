@@ -107,6 +107,11 @@ pub struct FileConfig {
     /// before it is written, never read torn. 0 (the default): every batch is written in place before the call
     /// returns. At most [`MAX_WRITE_BEHIND_BYTES`].
     pub write_behind_bytes: u64,
+    /// With `direct_io`: bytes a segment's data file is allocated ahead of its writes (`fallocate`), a step at a
+    /// time, since a direct write that makes a file longer waits for the file system to record the length; 0 lets
+    /// every write lengthen the file. A killed writer leaves at most this much unused; a closed one gives it back.
+    /// At most the segment's size counts.
+    pub preallocate_bytes: u64,
 }
 
 /// The default [`FileConfig::segment_threshold`]: pages below 1 MiB go to segments (creating a file per page costs
@@ -122,6 +127,10 @@ pub const DEFAULT_READ_AHEAD_BYTES: u64 = 8 << 20;
 pub const MAX_READ_AHEAD_BYTES: u64 = 1 << 30;
 /// The largest [`FileConfig::write_behind_bytes`].
 pub const MAX_WRITE_BEHIND_BYTES: u64 = 1 << 30;
+/// The default [`FileConfig::preallocate_bytes`].
+pub const DEFAULT_PREALLOCATE_BYTES: u64 = 16 << 20;
+/// The largest [`FileConfig::preallocate_bytes`].
+pub const MAX_PREALLOCATE_BYTES: u64 = 1 << 30;
 
 impl FileConfig {
     /// `dir` if given, else `$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`, else `/tmp/hicache`, as SGLang.
@@ -149,6 +158,7 @@ impl FileConfig {
             io_uring: true,
             read_ahead_bytes: DEFAULT_READ_AHEAD_BYTES,
             write_behind_bytes: 0,
+            preallocate_bytes: DEFAULT_PREALLOCATE_BYTES,
         }
     }
 }
@@ -296,6 +306,7 @@ impl FileStorage {
                 io_uring: storage.config.io_uring,
                 read_ahead: storage.config.read_ahead_bytes,
                 write_behind: storage.config.write_behind_bytes,
+                preallocate: storage.config.preallocate_bytes,
                 read_only: storage.config.read_only,
                 capacity_bytes: storage.config.capacity_bytes,
                 account: storage.config.capacity_bytes.map(|_| storage.account_path()),

@@ -5,8 +5,9 @@
 //! `"200gb"`; least recently used pages are removed beyond it), `io_threads`, `direct_io`, `read_only`, and for small
 //! native pages `segment_threshold` (pages below it go to segment files; 0 never), `segment_bytes` (the size of one
 //! segment file), `io_uring` (submit segment I/O through io_uring where the kernel allows), `read_ahead` (bytes of
-//! a segment read ahead of a batch that continues a forward walk through it; 0 none) and `write_behind` (bytes of
-//! batches copied and written by the tier's own threads while the caller goes on; 0, the default, none).
+//! a segment read ahead of a batch that continues a forward walk through it; 0 none), `write_behind` (bytes of
+//! batches copied and written by the tier's own threads while the caller goes on; 0, the default, none) and
+//! `preallocate` (with `direct_io`, bytes a segment's data file is allocated ahead of its writes; 0 none).
 
 use std::path::PathBuf;
 
@@ -20,8 +21,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::{
-    FileConfig, FileFormat, FileStorage, MAX_IO_THREADS, MAX_READ_AHEAD_BYTES, MAX_WRITE_BEHIND_BYTES,
-    MIN_SEGMENT_BYTES,
+    FileConfig, FileFormat, FileStorage, MAX_IO_THREADS, MAX_PREALLOCATE_BYTES, MAX_READ_AHEAD_BYTES,
+    MAX_WRITE_BEHIND_BYTES, MIN_SEGMENT_BYTES,
 };
 
 /// The environment variable SGLang reads for the directory.
@@ -46,6 +47,7 @@ struct FileSettings {
     io_uring: Option<bool>,
     read_ahead: Option<Value>,
     write_behind: Option<Value>,
+    preallocate: Option<Value>,
 }
 
 /// A size in bytes, as a number or as text such as `"200gb"`, for the key `key`.
@@ -120,6 +122,10 @@ impl FileConfig {
         {
             config.write_behind_bytes = bytes;
         }
+        if let Some(bytes) = size_at_most("preallocate", settings.preallocate, MAX_PREALLOCATE_BYTES, "preallocation")?
+        {
+            config.preallocate_bytes = bytes;
+        }
         if let Some(threads) = settings.io_threads {
             if !(1..=MAX_IO_THREADS).contains(&threads) {
                 return Err(ConfigError::value("io_threads", format!("{threads} is not in 1..={MAX_IO_THREADS}")));
@@ -159,6 +165,7 @@ pub const FILE_TIER: TierEntry = TierEntry {
         "io_uring",
         "read_ahead",
         "write_behind",
+        "preallocate",
     ],
     check,
     open,
@@ -209,6 +216,9 @@ mod tests {
         assert_eq!(config(r#"{"read_ahead": 0}"#).read_ahead_bytes, 0);
         assert_eq!(config(r#"{"write_behind": "4mb"}"#).write_behind_bytes, 4 << 20);
         assert_eq!(config("{}").write_behind_bytes, 0);
+        assert_eq!(config(r#"{"preallocate": "64mb"}"#).preallocate_bytes, 64 << 20);
+        assert_eq!(config(r#"{"preallocate": 0}"#).preallocate_bytes, 0);
+        assert_eq!(config("{}").preallocate_bytes, crate::DEFAULT_PREALLOCATE_BYTES);
     }
 
     #[test]
@@ -231,6 +241,7 @@ mod tests {
         assert!(error(r#"{"read_ahead": true}"#).contains("key `read_ahead`"));
         assert!(error(r#"{"write_behind": "2gb"}"#).contains("key `write_behind`: 2147483648 is above the largest"));
         assert!(error(r#"{"write_behind": -1}"#).contains("key `write_behind`"));
+        assert!(error(r#"{"preallocate": "2gb"}"#).contains("key `preallocate`: 2147483648 is above the largest"));
         let wrong_type = |json: &str| Settings::parse(json).unwrap_err().wrong_type;
         assert!(wrong_type(r#"{"io_threads": "4"}"#) && wrong_type(r#"{"capacity": [1]}"#));
         assert!(!wrong_type(r#"{"io_threads": 0}"#));

@@ -299,6 +299,7 @@ mod tests {
             io_uring: true,
             read_ahead: 0,
             write_behind,
+            preallocate: 0,
             read_only: false,
             capacity_bytes: None,
             account: None,
