@@ -229,15 +229,20 @@ mod tests {
         KvGeometry::mha(2, 2, 8, KvDtype::Bf16).unwrap()
     }
 
-    /// A builder over fresh pools of `geometry()`, layer-first pages of `PAGE`, with a backend opened for
-    /// `namespace`, on rank `rank`.
-    fn build(namespace: &StorageNamespace, rank: usize) -> Result<HiRadixTree<CpuEngine>, Error> {
-        let engine = CpuEngine::new(
+    /// A CPU engine over fresh pools of `geometry()`: 8 device pages and 16 layer-first host pages of `PAGE`.
+    fn engine() -> CpuEngine {
+        CpuEngine::new(
             DeviceLayoutMap::new(geometry(), 8 * PAGE).unwrap(),
             HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, 16).unwrap(),
             Completion::Immediate,
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    /// A builder over fresh pools of `geometry()`, layer-first pages of `PAGE`, with a backend opened for
+    /// `namespace`, on rank `rank`.
+    fn build(namespace: &StorageNamespace, rank: usize) -> Result<HiRadixTree<CpuEngine>, Error> {
+        let engine = engine();
         let config = HiCacheConfig { page_size: PAGE, mem_layout: HostLayout::LayerFirst, ..HiCacheConfig::default() };
         HiCacheBuilder::new(config, engine)
             .with_storage(Arc::new(MemoryStorage::new(namespace)))
@@ -276,12 +281,6 @@ mod tests {
         let namespace = StorageNamespace::single_rank("m", geometry(), HostLayout::LayerFirst, PAGE);
         let window = |pages| Trailing { window: std::num::NonZeroUsize::new(pages).unwrap(), pool: true };
         let builder = |settings_window: Option<Trailing>, given: Option<Trailing>| {
-            let engine = CpuEngine::new(
-                DeviceLayoutMap::new(geometry(), 8 * PAGE).unwrap(),
-                HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, 16).unwrap(),
-                Completion::Immediate,
-            )
-            .unwrap();
             let config = HiCacheConfig {
                 page_size: PAGE,
                 mem_layout: HostLayout::LayerFirst,
@@ -290,7 +289,7 @@ mod tests {
             };
             let settings = StorageSettings::from_config(&config, 16 * PAGE, 8 * PAGE, false, 0).unwrap();
             assert!(settings.by_cost);
-            let builder = HiCacheBuilder::new(config, engine)
+            let builder = HiCacheBuilder::new(config, engine())
                 .with_storage(Arc::new(MemoryStorage::new(&namespace)))
                 .with_storage_settings(StorageSettings { trailing: settings_window, ..settings });
             match given {
@@ -317,15 +316,9 @@ mod tests {
         assert!(error.starts_with("config field `trailing`"), "{error}");
         builder(Some(window(2)), Some(window(2))).build().unwrap();
         // a controller made without the builder refuses a window with prefetch by cost
-        let engine = CpuEngine::new(
-            DeviceLayoutMap::new(geometry(), 8 * PAGE).unwrap(),
-            HostLayoutMap::new(geometry(), HostLayout::LayerFirst, PAGE, 16).unwrap(),
-            Completion::Immediate,
-        )
-        .unwrap();
         let config = HiCacheConfig { page_size: PAGE, prefetch_by_cost: true, ..HiCacheConfig::default() };
         let settings = StorageSettings::from_config(&config, 16 * PAGE, 8 * PAGE, false, 0).unwrap();
-        let controller = CacheController::new(engine, PAGE, 16, 8, geometry().layers).unwrap();
+        let controller = CacheController::new(engine(), PAGE, 16, 8, geometry().layers).unwrap();
         let error = controller
             .with_storage(
                 Arc::new(MemoryStorage::new(&namespace)),
