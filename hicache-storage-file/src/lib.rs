@@ -112,6 +112,10 @@ pub struct FileConfig {
     /// every write lengthen the file. A killed writer leaves at most this much unused; a closed one gives it back.
     /// At most the segment's size counts.
     pub preallocate_bytes: u64,
+    /// The most bytes of a batch's segment pages one write carries: a longer batch is written as several writes
+    /// submitted together, so a disk that serves several requests at once is kept busy by one caller. 0: one write
+    /// per batch.
+    pub write_split_bytes: u64,
 }
 
 /// The default [`FileConfig::segment_threshold`]: pages below 1 MiB go to segments (creating a file per page costs
@@ -159,6 +163,7 @@ impl FileConfig {
             read_ahead_bytes: DEFAULT_READ_AHEAD_BYTES,
             write_behind_bytes: 0,
             preallocate_bytes: DEFAULT_PREALLOCATE_BYTES,
+            write_split_bytes: 0,
         }
     }
 }
@@ -307,6 +312,7 @@ impl FileStorage {
                 read_ahead: storage.config.read_ahead_bytes,
                 write_behind: storage.config.write_behind_bytes,
                 preallocate: storage.config.preallocate_bytes,
+                write_split: storage.config.write_split_bytes,
                 read_only: storage.config.read_only,
                 capacity_bytes: storage.config.capacity_bytes,
                 account: storage.config.capacity_bytes.map(|_| storage.account_path()),

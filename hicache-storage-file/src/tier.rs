@@ -7,7 +7,8 @@
 //! segment file), `io_uring` (submit segment I/O through io_uring where the kernel allows), `read_ahead` (bytes of
 //! a segment read ahead of a batch that continues a forward walk through it; 0 none), `write_behind` (bytes of
 //! batches copied and written by the tier's own threads while the caller goes on; 0, the default, none) and
-//! `preallocate` (with `direct_io`, bytes a segment's data file is allocated ahead of its writes; 0 none).
+//! `preallocate` (with `direct_io`, bytes a segment's data file is allocated ahead of its writes; 0 none) and
+//! `write_split` (the most bytes of a batch's pages one write carries; 0, the default, one write per batch).
 
 use std::path::PathBuf;
 
@@ -48,6 +49,7 @@ struct FileSettings {
     read_ahead: Option<Value>,
     write_behind: Option<Value>,
     preallocate: Option<Value>,
+    write_split: Option<Value>,
 }
 
 /// A size in bytes, as a number or as text such as `"200gb"`, for the key `key`.
@@ -126,6 +128,9 @@ impl FileConfig {
         {
             config.preallocate_bytes = bytes;
         }
+        if let Some(bytes) = size("write_split", settings.write_split)? {
+            config.write_split_bytes = bytes;
+        }
         if let Some(threads) = settings.io_threads {
             if !(1..=MAX_IO_THREADS).contains(&threads) {
                 return Err(ConfigError::value("io_threads", format!("{threads} is not in 1..={MAX_IO_THREADS}")));
@@ -166,6 +171,7 @@ pub const FILE_TIER: TierEntry = TierEntry {
         "read_ahead",
         "write_behind",
         "preallocate",
+        "write_split",
     ],
     check,
     open,
@@ -219,6 +225,8 @@ mod tests {
         assert_eq!(config(r#"{"preallocate": "64mb"}"#).preallocate_bytes, 64 << 20);
         assert_eq!(config(r#"{"preallocate": 0}"#).preallocate_bytes, 0);
         assert_eq!(config("{}").preallocate_bytes, crate::DEFAULT_PREALLOCATE_BYTES);
+        assert_eq!(config(r#"{"write_split": "2mb"}"#).write_split_bytes, 2 << 20);
+        assert_eq!(config("{}").write_split_bytes, 0);
     }
 
     #[test]

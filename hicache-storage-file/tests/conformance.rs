@@ -13,6 +13,7 @@ struct Files {
     format: FileFormat,
     capacity_bytes: Option<u64>,
     write_behind_bytes: u64,
+    write_split_bytes: u64,
 }
 
 impl Files {
@@ -22,6 +23,7 @@ impl Files {
             format,
             capacity_bytes: None,
             write_behind_bytes: 0,
+            write_split_bytes: 0,
         }
     }
 
@@ -31,6 +33,10 @@ impl Files {
 
     fn writing_behind(format: FileFormat, write_behind_bytes: u64) -> Self {
         Self { write_behind_bytes, ..Self::new(format) }
+    }
+
+    fn splitting_writes(format: FileFormat, write_split_bytes: u64) -> Self {
+        Self { write_split_bytes, ..Self::new(format) }
     }
 
     fn path(&self) -> PathBuf {
@@ -43,6 +49,7 @@ impl Harness for Files {
         let config = FileConfig {
             capacity_bytes: self.capacity_bytes,
             write_behind_bytes: self.write_behind_bytes,
+            write_split_bytes: self.write_split_bytes,
             ..FileConfig::new(self.path(), self.format)
         };
         Box::new(FileStorage::open(config, namespace).expect("opens"))
@@ -75,4 +82,10 @@ mod sglang_layout_with_capacity {
 mod native_writing_behind {
     use super::*;
     hicache_core::storage_conformance_tests!(Files::writing_behind(FileFormat::Native, 64 << 10));
+}
+
+/// Every segment page written by a write of its own, the writes of a batch submitted together.
+mod native_splitting_writes {
+    use super::*;
+    hicache_core::storage_conformance_tests!(Files::splitting_writes(FileFormat::Native, 1));
 }

@@ -300,6 +300,7 @@ mod tests {
             read_ahead: 0,
             write_behind,
             preallocate: 0,
+            write_split: 0,
             read_only: false,
             capacity_bytes: None,
             account: None,

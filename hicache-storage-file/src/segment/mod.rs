@@ -88,6 +88,8 @@ pub(crate) struct SegmentSettings {
     pub(crate) write_behind: u64,
     /// With `O_DIRECT`: bytes the data file is allocated ahead of the writes (0: none).
     pub(crate) preallocate: u64,
+    /// The most bytes of pages one write of a batch carries (0: one write per batch).
+    pub(crate) write_split: u64,
     pub(crate) read_only: bool,
     pub(crate) capacity_bytes: Option<u64>,
     /// The capacity account's file (with a capacity and writes).
@@ -1078,13 +1080,15 @@ impl SegmentStore {
         let (writer, offset) = self.reserve(data_bytes, record::header_len(chunk.len()) as u64, pool)?;
         let file = if direct { writer.direct.as_ref().unwrap_or(&writer.buffered) } else { &writer.buffered };
         let direct = direct && writer.direct.is_some();
-        // the pages, split where an operation would take too many buffers
+        // the pages, split where an operation would take too many buffers or bytes
         let mut ops = Vec::new();
         let mut at = offset;
         let mut buffers: Vec<IoSlice<'_>> = Vec::new();
         let mut start = at;
+        let split = self.settings.write_split;
         for &page in chunk {
-            let full = buffers.len() + pages[page].len() > MAX_BUFFERS - 1;
+            let full = buffers.len() + pages[page].len() > MAX_BUFFERS - 1
+                || (split > 0 && at - start + page_bytes as u64 > split);
             if full && !buffers.is_empty() {
                 ops.push(Op::Write { file, offset: start, buffers: std::mem::take(&mut buffers) });
                 start = at;
