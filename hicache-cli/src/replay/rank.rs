@@ -90,8 +90,8 @@ pub(crate) struct RankOutcome {
     /// The rates the ranks agreed on at the end (the slowest rank's).
     pub(crate) agreed_rates: Option<AgreedRates>,
     /// With a state kept where requests ended (`--hybrid mamba`): the most pages holding a state on the device and
-    /// on the host, after any batch.
-    pub(crate) states_peak: (usize, usize),
+    /// on the host, after any batch; `None` for other models.
+    pub(crate) states_peak: Option<(usize, usize)>,
     /// Controller ticks, and the time spent in them.
     pub(crate) ticks: u64,
     pub(crate) tick_ns: u64,
@@ -395,7 +395,11 @@ pub(crate) fn run_rank<E: ReplayEngine>(
         KvPattern::new(tree.controller().engine().pool_map(), page, (spec.first_head, spec.first_layer), spec.pool);
     let layers = pattern_layers(tree);
     let mut hasher = PageHasher::new();
-    let mut outcome = RankOutcome { rounds: vec![Tally::default(); workload.spec.rounds], ..RankOutcome::default() };
+    let mut outcome = RankOutcome {
+        rounds: vec![Tally::default(); workload.spec.rounds],
+        states_peak: spec.state_at_end.then_some((0, 0)),
+        ..RankOutcome::default()
+    };
     let mut digest = DefaultHasher::new();
     // arrivals in simulated time: (time, client, round), earliest first
     let mut arrivals: Vec<(f64, usize, usize)> =
@@ -501,9 +505,9 @@ pub(crate) fn run_rank<E: ReplayEngine>(
             }
             continue;
         }
-        if spec.state_at_end {
+        if let Some((most_device, most_host)) = &mut outcome.states_peak {
             let (device, host) = tree.trailing_held();
-            outcome.states_peak = (outcome.states_peak.0.max(device), outcome.states_peak.1.max(host));
+            (*most_device, *most_host) = ((*most_device).max(device), (*most_host).max(host));
         }
         if spec.sync_storage {
             // every rank has the same backups queued, so every rank loops the same number of ticks

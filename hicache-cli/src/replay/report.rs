@@ -413,9 +413,9 @@ pub(super) fn print(
             })
         }),
         tree: first.tree.clone(),
-        states_peak: (args.hybrid == Some(super::HybridArg::Mamba)).then(|| StatesPeak {
-            device: first.states_peak.0,
-            host: first.states_peak.1,
+        states_peak: first.states_peak.map(|(device, host)| StatesPeak {
+            device,
+            host,
             state_bytes: state_bytes.unwrap_or_default(),
         }),
         bytes_per_copy: {
