@@ -4,7 +4,9 @@
 //! A batch written in place waits for its write, then for its record and index entries, before the next batch
 //! starts: one write of a batch in flight at a time. For small pages (a batch of 128 pages of 4 KiB is 512 KiB) the
 //! disk then idles between batches. Written behind, two batches are in flight at once and the caller only copies
-//! and checksums.
+//! and checksums. Batches that queue up while the disk is busy, one after another in a segment, are joined into one
+//! write (up to [`MAX_JOINED_BYTES`]): a disk takes a long write faster than the same bytes in many short ones, so
+//! the writes grow as the disk falls behind, as a raw stream's would be long.
 //!
 //! A page written behind is *pending* until its batch's data and record are written and the index holds it. This
 //! process finds pending pages at once (reads copy them from the batch's buffer, checked against their checksums as
@@ -26,11 +28,15 @@ use std::time::{Duration, Instant};
 use hicache_core::hash::PageKey;
 use rustc_hash::FxHashMap;
 
+use super::io::MAX_BUFFERS;
 use super::record::Header;
 use super::{Block, SegmentStore, Spare, WriterHandle};
 
 /// Threads writing batches: two batches in flight keep the disk busy while one's record is written.
 const WRITERS: usize = 2;
+/// The most bytes of batches queued one after another that one write joins (a disk takes one long write faster than
+/// the same bytes in many short ones).
+const MAX_JOINED_BYTES: u64 = 16 << 20;
 /// The longest a batch waits for room under the budget, and a flush for the batches pending.
 pub(crate) const WAIT: Duration = Duration::from_secs(60);
 
@@ -100,6 +106,8 @@ pub(crate) struct Behind {
     jobs: Mutex<Option<Sender<Arc<Flight>>>>,
     /// Pages handed to the writing threads so far.
     sent: AtomicU64,
+    /// Writes made of them so far (batches queued one after another in a segment are joined).
+    writes: AtomicU64,
     /// Buffers of batches written, kept for the next (within the budget).
     spare: Spare,
 }
@@ -115,6 +123,7 @@ impl Behind {
             count: AtomicUsize::new(0),
             jobs: Mutex::new(Some(jobs)),
             sent: AtomicU64::new(0),
+            writes: AtomicU64::new(0),
             spare: Spare::default(),
         });
         let queue = Arc::new(Mutex::new(queue));
@@ -198,6 +207,11 @@ impl Behind {
         self.sent.load(Ordering::Relaxed)
     }
 
+    /// Writes of batches written behind made so far.
+    pub(crate) fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
+    }
+
     /// Waits (up to [`WAIT`]) until no batch is pending.
     pub(crate) fn flush(&self) -> std::io::Result<()> {
         let deadline = Instant::now() + WAIT;
@@ -259,22 +273,51 @@ fn timed_out(what: &str) -> std::io::Error {
 
 fn write_flights(store: &Weak<SegmentStore>, behind: &Behind, queue: &Mutex<Receiver<Arc<Flight>>>) {
     loop {
-        let next = queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).recv();
-        let Ok(flight) = next else { return };
-        match store.upgrade() {
-            Some(store) => {
-                if let Err(error) = store.write_flight(&flight) {
-                    tracing::warn!(%error, pages = flight.header.entries.len(),
-                                   "a batch written behind failed: its pages are not stored");
-                }
+        let flights = {
+            let queue = queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let Ok(first) = queue.recv() else { return };
+            // and every batch queued behind it, up to the most one write joins
+            let mut flights = vec![first];
+            let mut bytes = flights[0].bytes();
+            while bytes < MAX_JOINED_BYTES && flights.len() < MAX_BUFFERS {
+                let Ok(next) = queue.try_recv() else { break };
+                bytes += next.bytes();
+                flights.push(next);
             }
-            None => tracing::warn!(
-                pages = flight.header.entries.len(),
-                "a batch written behind was dropped with its backend: its pages are not stored"
-            ),
+            flights
+        };
+        // each run of batches that follow each other in a segment is written as one write
+        let mut flights = flights.into_iter().peekable();
+        while let Some(first) = flights.next() {
+            let mut run = vec![first];
+            while let Some(next) = flights.next_if(|next| continues(run.last().expect("a batch"), next)) {
+                run.push(next);
+            }
+            behind.writes.fetch_add(1, Ordering::Relaxed);
+            match store.upgrade() {
+                Some(store) => {
+                    if let Err(error) = store.write_flights(&run) {
+                        tracing::warn!(%error, pages = pages(&run),
+                                       "batches written behind failed: their pages are not stored");
+                    }
+                }
+                None => tracing::warn!(
+                    pages = pages(&run),
+                    "batches written behind were dropped with their backend: their pages are not stored"
+                ),
+            }
+            run.into_iter().for_each(|flight| behind.finish(flight));
         }
-        behind.finish(flight);
     }
+}
+
+/// Whether `next` is written right after `before` in the same segment.
+fn continues(before: &Flight, next: &Flight) -> bool {
+    next.writer.id == before.writer.id && next.header.data_at == before.header.data_at + before.header.data_bytes
+}
+
+fn pages(flights: &[Arc<Flight>]) -> usize {
+    flights.iter().map(|flight| flight.header.entries.len()).sum()
 }
 
 #[cfg(test)]
@@ -392,5 +435,37 @@ mod tests {
         assert!(outcomes.iter().all(|outcome| *outcome == GetOutcome::Hit), "{outcomes:?}");
         assert!(buffers == pages);
         assert_eq!(writer.pages_written_behind(), 10);
+    }
+
+    /// Batches queued while the writing threads are held up go to the disk in one write: with both threads held
+    /// (each by a batch of its own) while six batches are set, at most three writes are made, whatever the order the
+    /// threads took them in, and every page reads back whole in another store.
+    #[test]
+    fn batches_queued_behind_each_other_are_written_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let writer = store(dir.path(), 16 << 20);
+        let other = store(dir.path(), 0);
+        let (first_keys, first_pages) = pages(0, 1);
+        let slices: Vec<PageSegments<'_>> = first_pages.iter().map(|page| vec![&page[..]]).collect();
+        assert!(writer.set(&first_keys, &slices, &pool).iter().all(SetOutcome::is_stored));
+        writer.flush().unwrap();
+        let behind = writer.behind.get().unwrap();
+        let before = behind.writes();
+        let handle = writer.writer.lock().unwrap().as_ref().unwrap().files.clone();
+        let (keys, pages) = pages(1, 6 * 5);
+        let slices: Vec<PageSegments<'_>> = pages.iter().map(|page| vec![&page[..]]).collect();
+        {
+            let _records = handle.records.lock().unwrap();
+            for (keys, slices) in keys.chunks(5).zip(slices.chunks(5)) {
+                assert!(writer.set(keys, slices, &pool).iter().all(SetOutcome::is_stored));
+            }
+        }
+        writer.flush().unwrap();
+        let writes = behind.writes() - before;
+        assert!((1..=3).contains(&writes), "6 batches queued behind each other took {writes} writes");
+        let (outcomes, buffers) = read(&other, &keys, &pool);
+        assert!(outcomes.iter().all(|outcome| *outcome == GetOutcome::Hit), "{outcomes:?}");
+        assert!(buffers == pages);
     }
 }

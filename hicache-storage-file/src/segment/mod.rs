@@ -1171,27 +1171,41 @@ impl SegmentStore {
         behind.send(admitted, Flight { buffer, header, writer })
     }
 
-    /// Writes a batch written behind: its pages, then its record, then takes it into the index (before its pages
+    /// Writes batches written behind that follow each other in one segment (`flights`, in the order of their
+    /// places): their pages in one write, then their records, then takes them into the index (before their pages
     /// stop being pending, so a reader that looks among the pending pages first always finds them somewhere).
-    fn write_flight(&self, flight: &Flight) -> std::io::Result<()> {
-        let writer = &flight.writer;
+    fn write_flights(&self, flights: &[Arc<Flight>]) -> std::io::Result<()> {
+        let Some(first) = flights.first() else { return Ok(()) };
+        let writer = &first.writer;
+        debug_assert!(
+            flights.windows(2).all(|pair| pair[1].writer.id == writer.id
+                && pair[1].header.data_at == pair[0].header.data_at + pair[0].header.data_bytes),
+            "batches written together that do not follow each other"
+        );
         // (a batch packed off block boundaries, of pages that are not whole blocks, goes through the page cache)
         let aligned = |bytes: u64| bytes.is_multiple_of(ALIGN as u64);
         let direct = writer.direct.is_some()
             && self.settings.direct_io
-            && aligned(flight.header.data_at)
-            && aligned(flight.header.data_bytes);
+            && flights.iter().all(|flight| aligned(flight.header.data_at) && aligned(flight.header.data_bytes));
         let file = if direct { writer.direct.as_ref().unwrap_or(&writer.buffered) } else { &writer.buffered };
-        let mut op = Op::Write { file, offset: flight.header.data_at, buffers: vec![IoSlice::new(flight.data())] };
-        let written = self.submitter.run_one(&mut op).and_then(|()| self.append_record(writer, &flight.header));
+        let buffers = flights.iter().map(|flight| IoSlice::new(flight.data())).collect();
+        let mut op = Op::Write { file, offset: first.header.data_at, buffers };
+        let written = self
+            .submitter
+            .run_one(&mut op)
+            .and_then(|()| flights.iter().try_for_each(|flight| self.append_record(writer, &flight.header)));
         if let Err(error) = written {
             self.retire(writer.id);
             return Err(error);
         }
+        let pages: usize = flights.iter().map(|flight| flight.header.entries.len()).sum();
         if direct {
-            self.direct_pages.fetch_add(flight.header.entries.len() as u64, Ordering::Relaxed);
+            self.direct_pages.fetch_add(pages as u64, Ordering::Relaxed);
         }
-        self.write_index().apply(writer.id, &flight.header);
+        let mut index = self.write_index();
+        for flight in flights {
+            index.apply(writer.id, &flight.header);
+        }
         Ok(())
     }
 
