@@ -208,6 +208,7 @@ impl Behind {
     }
 
     /// Writes of batches written behind made so far.
+    #[cfg(test)]
     pub(crate) fn writes(&self) -> u64 {
         self.writes.load(Ordering::Relaxed)
     }
