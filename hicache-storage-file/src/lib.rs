@@ -100,12 +100,15 @@ pub struct FileConfig {
     /// (at most 8 times this many bytes in all); without, into the page cache. At most [`MAX_READ_AHEAD_BYTES`].
     pub read_ahead_bytes: u64,
     /// Bytes of batches of segment pages written behind at most: a batch's pages are copied into the backend's
-    /// memory and written by threads of its own while the caller goes on, so several batches are in flight at once
-    /// (small pages: one batch in place leaves the disk idle between batches). This process reads them at once;
-    /// other processes once they are written; a removal, clear or listing, [`StorageBackend::flush`] and dropping
+    /// memory and written by threads of its own while the caller goes on, so several batches are in flight at once,
+    /// and batches that queue up are joined into one write (small pages: a batch in place leaves the disk idle
+    /// between batches, and its write is short). A batch of more than half this many bytes is written in place (it
+    /// keeps the disk busy on its own). This process reads the pages written behind at once; other processes once
+    /// they are written, a batch's write later; a removal, clear or listing, [`StorageBackend::flush`] and dropping
     /// the backend wait for them. A page reported stored can be lost if the process dies (or the write fails)
-    /// before it is written, never read torn. 0 (the default): every batch is written in place before the call
-    /// returns. At most [`MAX_WRITE_BEHIND_BYTES`].
+    /// before it is written, never read torn: a cache's miss. Default [`DEFAULT_WRITE_BEHIND_BYTES`]; 0: every batch
+    /// is written before the call returns, for callers that need other processes to find a page the moment it is
+    /// reported stored. At most [`MAX_WRITE_BEHIND_BYTES`].
     pub write_behind_bytes: u64,
     /// With `direct_io`: bytes a segment's data file is allocated ahead of its writes (`fallocate`), a step at a
     /// time, since a direct write that makes a file longer waits for the file system to record the length; 0 lets
@@ -129,6 +132,8 @@ pub const MIN_SEGMENT_BYTES: u64 = 1 << 20;
 pub const DEFAULT_READ_AHEAD_BYTES: u64 = 8 << 20;
 /// The largest [`FileConfig::read_ahead_bytes`].
 pub const MAX_READ_AHEAD_BYTES: u64 = 1 << 30;
+/// The default [`FileConfig::write_behind_bytes`]: batches of up to 8 MiB (128 pages of 64 KiB) are written behind.
+pub const DEFAULT_WRITE_BEHIND_BYTES: u64 = 16 << 20;
 /// The largest [`FileConfig::write_behind_bytes`].
 pub const MAX_WRITE_BEHIND_BYTES: u64 = 1 << 30;
 /// The default [`FileConfig::preallocate_bytes`].
@@ -161,7 +166,7 @@ impl FileConfig {
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             io_uring: true,
             read_ahead_bytes: DEFAULT_READ_AHEAD_BYTES,
-            write_behind_bytes: 0,
+            write_behind_bytes: DEFAULT_WRITE_BEHIND_BYTES,
             preallocate_bytes: DEFAULT_PREALLOCATE_BYTES,
             write_split_bytes: 0,
         }

@@ -221,7 +221,7 @@ mod tests {
         assert_eq!(file.read_ahead_bytes, crate::DEFAULT_READ_AHEAD_BYTES);
         assert_eq!(config(r#"{"read_ahead": 0}"#).read_ahead_bytes, 0);
         assert_eq!(config(r#"{"write_behind": "4mb"}"#).write_behind_bytes, 4 << 20);
-        assert_eq!(config("{}").write_behind_bytes, 0);
+        assert_eq!(config("{}").write_behind_bytes, crate::DEFAULT_WRITE_BEHIND_BYTES);
         assert_eq!(config(r#"{"preallocate": "64mb"}"#).preallocate_bytes, 64 << 20);
         assert_eq!(config(r#"{"preallocate": 0}"#).preallocate_bytes, 0);
         assert_eq!(config("{}").preallocate_bytes, crate::DEFAULT_PREALLOCATE_BYTES);

@@ -7,12 +7,14 @@ use hicache_core::storage::StorageBackend;
 use hicache_core::testing::conformance::Harness;
 use hicache_storage_file::{FileConfig, FileFormat, FileStorage};
 
-/// Backends of every namespace over one directory, as processes sharing it.
+/// Backends of every namespace over one directory, as processes sharing it (in the default settings, batches of small
+/// pages are written behind).
 struct Files {
     dir: tempfile::TempDir,
     format: FileFormat,
     capacity_bytes: Option<u64>,
-    write_behind_bytes: u64,
+    /// `None`: the default.
+    write_behind_bytes: Option<u64>,
     write_split_bytes: u64,
 }
 
@@ -22,7 +24,7 @@ impl Files {
             dir: tempfile::tempdir().expect("temporary directory"),
             format,
             capacity_bytes: None,
-            write_behind_bytes: 0,
+            write_behind_bytes: None,
             write_split_bytes: 0,
         }
     }
@@ -32,7 +34,7 @@ impl Files {
     }
 
     fn writing_behind(format: FileFormat, write_behind_bytes: u64) -> Self {
-        Self { write_behind_bytes, ..Self::new(format) }
+        Self { write_behind_bytes: Some(write_behind_bytes), ..Self::new(format) }
     }
 
     fn splitting_writes(format: FileFormat, write_split_bytes: u64) -> Self {
@@ -46,11 +48,12 @@ impl Files {
 
 impl Harness for Files {
     fn open(&self, namespace: &StorageNamespace) -> Box<dyn StorageBackend> {
+        let defaults = FileConfig::new(self.path(), self.format);
         let config = FileConfig {
             capacity_bytes: self.capacity_bytes,
-            write_behind_bytes: self.write_behind_bytes,
+            write_behind_bytes: self.write_behind_bytes.unwrap_or(defaults.write_behind_bytes),
             write_split_bytes: self.write_split_bytes,
-            ..FileConfig::new(self.path(), self.format)
+            ..defaults
         };
         Box::new(FileStorage::open(config, namespace).expect("opens"))
     }
@@ -77,8 +80,14 @@ mod sglang_layout_with_capacity {
     hicache_core::storage_conformance_tests!(Files::with_capacity(FileFormat::Sglang, 1 << 30));
 }
 
-/// Segment pages written behind (a budget of a few pages, so batches also wait for room): every promise holds for
-/// the process that wrote them.
+/// Every segment page written before `batch_set` returns.
+mod native_in_place {
+    use super::*;
+    hicache_core::storage_conformance_tests!(Files::writing_behind(FileFormat::Native, 0));
+}
+
+/// Segment pages written behind with a budget of a few pages (so batches also wait for room, and those over half of
+/// it are written in place between them): every promise holds for the process that wrote them.
 mod native_writing_behind {
     use super::*;
     hicache_core::storage_conformance_tests!(Files::writing_behind(FileFormat::Native, 64 << 10));

@@ -49,6 +49,14 @@ fn open(dir: &Path) -> FileStorage {
     open_with(dir, |_| {})
 }
 
+/// `put`, then waits until the pages are written: batches this small are written behind by default, and these tests
+/// look at the files, or read through another backend, right after.
+fn put_flushed(storage: &FileStorage, keys: &[PageKey], pages: &[Vec<u8>]) -> Vec<SetOutcome> {
+    let outcomes = put(storage, keys, pages);
+    storage.flush().expect("the pages written behind are written");
+    outcomes
+}
+
 /// The segments' data files, oldest first.
 fn segment_files(dir: &Path) -> Vec<PathBuf> {
     let mut found = support::files_under(dir, |path| path.extension().is_some_and(|extension| extension == "seg"));
@@ -76,7 +84,9 @@ fn torn_and_damaged_records_never_return_a_wrong_page() {
         for batch in 0..3 {
             let range = batch * 4..batch * 4 + 4;
             assert!(
-                put(&storage, &keys[range.clone()], &pages[range]).iter().all(|outcome| *outcome == SetOutcome::Stored)
+                put_flushed(&storage, &keys[range.clone()], &pages[range])
+                    .iter()
+                    .all(|outcome| *outcome == SetOutcome::Stored)
             );
         }
     }
@@ -105,7 +115,7 @@ fn torn_and_damaged_records_never_return_a_wrong_page() {
     }
     // the damaged page is forgotten, so it is written again
     assert_eq!(storage.batch_exists(&keys).unwrap(), 1);
-    assert_eq!(put(&storage, &keys[1..2], &pages[1..2]), [SetOutcome::Stored]);
+    assert_eq!(put_flushed(&storage, &keys[1..2], &pages[1..2]), [SetOutcome::Stored]);
     assert_eq!(storage.batch_exists(&keys).unwrap(), 8);
     // a damaged record ends what is taken from its index file: the records after it are not read
     drop(storage);
@@ -137,7 +147,11 @@ fn read_back_in_order(direct_io: bool) {
     let writer = open(dir.path());
     for batch in 0..PAGES / BATCH {
         let range = batch * BATCH..(batch + 1) * BATCH;
-        assert!(put(&writer, &keys[range.clone()], &pages[range]).iter().all(|outcome| *outcome == SetOutcome::Stored));
+        assert!(
+            put_flushed(&writer, &keys[range.clone()], &pages[range])
+                .iter()
+                .all(|outcome| *outcome == SetOutcome::Stored)
+        );
     }
     let [segment] = segment_files(dir.path()).try_into().expect("one segment");
     let data = OpenOptions::new().write(true).open(&segment).unwrap();
@@ -155,7 +169,10 @@ fn read_back_in_order(direct_io: bool) {
             data.write_all_at(&[!pages[damaged][7]], (damaged * PAGE + 7) as u64).unwrap();
             data.sync_data().unwrap();
             assert_eq!(writer.remove(&keys[rewritten..=rewritten]).unwrap(), 1);
-            assert_eq!(put(&writer, &keys[rewritten..=rewritten], &[rewritten_page.clone()]), [SetOutcome::Stored]);
+            assert_eq!(
+                put_flushed(&writer, &keys[rewritten..=rewritten], &[rewritten_page.clone()]),
+                [SetOutcome::Stored]
+            );
         }
         let range = batch * BATCH..(batch + 1) * BATCH;
         let (outcomes, buffers) = fetch(&reader, &keys[range.clone()], PAGE, 0);
@@ -185,7 +202,7 @@ fn one_backend_sees_what_another_wrote_removed_and_cleared() {
     let (writer, reader) = (open(dir.path()), open(dir.path()));
     let keys = random_keys(6);
     let pages = random_pages(6, PAGE);
-    put(&writer, &keys[..4], &pages[..4]);
+    put_flushed(&writer, &keys[..4], &pages[..4]);
     // a miss looks at the segments again
     let (outcomes, buffers) = fetch(&reader, &keys[..4], PAGE, 0);
     assert_eq!(outcomes, vec![GetOutcome::Hit; 4]);
@@ -195,7 +212,7 @@ fn one_backend_sees_what_another_wrote_removed_and_cleared() {
     assert_eq!(reader.batch_exists(&keys).unwrap(), 1);
     assert_eq!(fetch(&reader, &keys[1..2], PAGE, 0).0, [GetOutcome::Miss]);
     // written again after its removal, it is there again
-    put(&reader, &keys[1..2], &pages[1..2]);
+    put_flushed(&reader, &keys[1..2], &pages[1..2]);
     assert_eq!(writer.batch_exists(&keys).unwrap(), 4);
     let mut listed: Vec<PageKey> = writer.list().unwrap().into_iter().map(|(key, _)| key).collect();
     listed.sort_unstable();
@@ -205,7 +222,7 @@ fn one_backend_sees_what_another_wrote_removed_and_cleared() {
     // a clear by one is a clear for both, and the writer goes on in a new segment
     assert_eq!(reader.clear().unwrap(), 4);
     assert_eq!(writer.batch_exists(&keys).unwrap(), 0);
-    assert_eq!(put(&writer, &keys[4..], &pages[4..]), vec![SetOutcome::Stored; 2]);
+    assert_eq!(put_flushed(&writer, &keys[4..], &pages[4..]), vec![SetOutcome::Stored; 2]);
     let (outcomes, buffers) = fetch(&reader, &keys[4..], PAGE, 0);
     assert_eq!(outcomes, vec![GetOutcome::Hit; 2]);
     assert_eq!(buffers, pages[4..]);
@@ -258,13 +275,13 @@ fn a_page_read_recently_is_compacted_out_of_an_evicted_segment() {
     let keys = random_keys(96);
     let pages = random_pages(96, PAGE);
     for index in 0..64 {
-        put(&storage, &keys[index..=index], &pages[index..=index]);
+        put_flushed(&storage, &keys[index..=index], &pages[index..=index]);
     }
     assert_eq!(segment_bytes(dir.path()), 64 * RECORD);
     assert_eq!(storage.segment_evictions(), Some((0, 0)));
     // the oldest page is read: it outlives its segment
     assert_eq!(fetch(&storage, &keys[..1], PAGE, 0).0, [GetOutcome::Hit]);
-    put(&storage, &keys[64..65], &pages[64..65]);
+    put_flushed(&storage, &keys[64..65], &pages[64..65]);
     let (evicted, compacted) = storage.segment_evictions().unwrap();
     assert!(evicted >= 1 && compacted == 1, "{evicted} segments evicted, {compacted} pages compacted");
     assert!(segment_bytes(dir.path()) <= 64 * RECORD);

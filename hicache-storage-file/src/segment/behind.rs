@@ -140,6 +140,12 @@ impl Behind {
         self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Whether a batch of `bytes` is written behind: when two of them fit under the budget. A longer batch is
+    /// written in place, as it keeps the disk busy on its own for longer than copying it would save.
+    pub(crate) fn takes(&self, bytes: u64) -> bool {
+        bytes.saturating_mul(2) <= self.budget
+    }
+
     /// A buffer of at least `blocks` blocks, reused where one is spare (its bytes are a former batch's).
     pub(crate) fn buffer(&self, blocks: usize) -> Vec<Block> {
         self.spare.take(blocks)

@@ -84,7 +84,8 @@ pub(crate) struct SegmentSettings {
     pub(crate) io_uring: bool,
     /// Bytes read ahead of a batch that continues a forward walk through a segment (0: none).
     pub(crate) read_ahead: u64,
-    /// Bytes of batches written behind (`behind.rs`) at most; 0 writes every batch in place.
+    /// Bytes of batches written behind (`behind.rs`) at most (a batch of more than half of it is written in place);
+    /// 0 writes every batch in place.
     pub(crate) write_behind: u64,
     /// With `O_DIRECT`: bytes the data file is allocated ahead of the writes (0: none).
     pub(crate) preallocate: u64,
@@ -1069,15 +1070,15 @@ impl SegmentStore {
         chunk: &[usize],
         pool: &rayon::ThreadPool,
     ) -> std::io::Result<()> {
-        if let Some(behind) = self.behind.get() {
-            return self.append_behind(behind, keys, pages, chunk, pool);
-        }
         let page_bytes = self.settings.page_bytes;
-        let direct = chunk.iter().all(|&page| self.direct_fits(&pages[page]));
         // a direct writer keeps every batch on a block boundary; others pack them
         let aligned = self.settings.direct_io && page_bytes.is_multiple_of(ALIGN);
         let data_bytes = record::data_bytes(Kind::Pages, chunk.len(), page_bytes, aligned) as u64;
-        let (writer, offset) = self.reserve(data_bytes, record::header_len(chunk.len()) as u64, pool)?;
+        if let Some(behind) = self.behind.get().filter(|behind| behind.takes(data_bytes)) {
+            return self.append_behind(behind, keys, pages, chunk, pool);
+        }
+        let direct = chunk.iter().all(|&page| self.direct_fits(&pages[page]));
+        let (writer, offset) = self.reserve(data_bytes, record::header_len(chunk.len()) as u64, false, pool)?;
         let file = if direct { writer.direct.as_ref().unwrap_or(&writer.buffered) } else { &writer.buffered };
         let direct = direct && writer.direct.is_some();
         // the pages, split where an operation would take too many buffers or bytes
@@ -1166,7 +1167,7 @@ impl SegmentStore {
         };
         let numbered: Vec<(usize, usize)> = chunk.iter().copied().enumerate().collect();
         let entries = checksums_on(pool, &numbered, page_bytes, checksum);
-        let (writer, offset) = self.reserve(data_bytes as u64, record::header_len(chunk.len()) as u64, pool)?;
+        let (writer, offset) = self.reserve(data_bytes as u64, record::header_len(chunk.len()) as u64, true, pool)?;
         let header = self.header(Kind::Pages, entries, offset, data_bytes as u64);
         behind.send(admitted, Flight { buffer, header, writer })
     }
@@ -1235,11 +1236,12 @@ impl SegmentStore {
 
     /// Reserves `data_bytes` at the end of this process's segment's data file (starting a new segment when it is
     /// full, removed, or there is none), after making room for them and a record of `record_bytes` under the
-    /// capacity.
+    /// capacity; for a batch written `behind`.
     fn reserve(
         &self,
         data_bytes: u64,
         record_bytes: u64,
+        behind: bool,
         pool: &rayon::ThreadPool,
     ) -> std::io::Result<(WriterHandle, u64)> {
         self.make_room(data_bytes + record_bytes, pool)?;
@@ -1268,6 +1270,13 @@ impl SegmentStore {
             if rustix::fs::fallocate(&*current.files.buffered, rustix::fs::FallocateFlags::empty(), 0, target).is_ok() {
                 current.allocated = target;
             }
+        }
+        if behind && self.settings.capacity_bytes.is_some() && current.end > current.allocated {
+            // a batch written behind counts in its data file's length from now on, not from its write: a recount of
+            // the segments (by any process, after an eviction) sees it while it is pending, so the capacity is passed
+            // by no more than the batches being written in place at that moment
+            current.files.buffered.set_len(current.end)?;
+            current.allocated = current.end;
         }
         Ok((current.files.clone(), offset))
     }
@@ -1428,7 +1437,7 @@ impl SegmentStore {
             held = held_now(&self.read_index());
         }
         for chunk in held.chunks(record::MAX_ENTRIES) {
-            let (writer, _) = self.reserve(0, record::header_len(chunk.len()) as u64, pool)?;
+            let (writer, _) = self.reserve(0, record::header_len(chunk.len()) as u64, false, pool)?;
             let header = self.header(Kind::Removals, chunk.iter().map(|key| (*key, 0)).collect(), 0, 0);
             if let Err(error) = self.append_record(&writer, &header) {
                 self.retire(writer.id);
