@@ -125,9 +125,11 @@ class Backend(support.TempDirTest):
         writer = HiCacheStorage(support.storage_config(extra, mla=True, tp_rank=0, tp_size=2), {})
         writer.register_mem_pool_host(pool)
         self.assertEqual(writer.batch_set_v1(keys, support.page_indices([1, 2], 16)), [True, True])
+        # batches of small pages are written behind by default: other processes find them once written, and closing
+        # the writer waits for that
+        writer.close()
         self.assertEqual(follower.batch_exists(keys), 2)  # every rank reads the writer's pages
         follower.close()
-        writer.close()
 
     def test_storage_metrics_reach_sglangs_metrics_object(self):
         pool = support.mha_pool("page_first")

@@ -231,7 +231,10 @@ class Ranks(support.TempDirTest):
         for rank, ends in ((0, (4, 8)), (1, (4, 6))):
             states = mamba_pool()
             fill(states, sources, generator)
-            config = support.storage_config({**support.MODULE, "dir": self.dir}, mla=True, tp_rank=rank, tp_size=2)
+            # written in place: rank 1 reads the latent rank 0 wrote the moment it is stored (batches of small pages
+            # are otherwise written behind, found by other processes once written)
+            extra = {**support.MODULE, "dir": self.dir, "write_behind": 0}
+            config = support.storage_config(extra, mla=True, tp_rank=rank, tp_size=2)
             backend = HiCacheStorage(config, {})
             backend.register_mem_pool_host(kv_pool)
             backend.register_mem_host_pool_v2(states, PoolName.MAMBA)

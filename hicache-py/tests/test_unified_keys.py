@@ -99,6 +99,8 @@ class UnifiedChunks(support.TempDirTest):
             backend = self.backend(pool, rank, 2, head_group=1, layer_partition=2)
             self.assertEqual(backend.batch_set_v1(keys, support.page_indices(sources, self.PAGE)), [True] * 6)
             blocks.append([pool.kv_buffer[page].clone() for page in sources])
+            # small pages are written behind by default; closing the rank waits until they are written
+            backend.close()
         reader = self.pool(1)
         reader.kv_buffer.zero_()
         backend = self.backend(reader, 0, 1, head_group=1, layer_partition=2)

@@ -242,6 +242,8 @@ fn a_writer_killed_between_sidecars_and_kv_leaves_no_group() {
     // the first 4 pages' groups are written whole; the writer then dies writing all 6
     let keys = random_keys(6);
     assert_eq!(write(&groups, &keys[..4], &[2, 4]).unwrap(), 4);
+    // closed: its pages written behind are written before another process looks
+    drop(groups);
     let listed: Vec<String> = keys.iter().map(ToString::to_string).collect();
     let status = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", KILLED_TEST, "--test-threads=1"])

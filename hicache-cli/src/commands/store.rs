@@ -137,6 +137,8 @@ fn put(args: &PutArgs) -> anyhow::Result<()> {
     let bytes = read_pages(&args.input, "--in", keys.len(), opened.page_bytes)?;
     let pages: Vec<PageSegments<'_>> = bytes.chunks(opened.page_bytes).map(|page| vec![page]).collect();
     let outcomes = opened.backend.batch_set(&keys, &pages)?;
+    // reported once written, not only taken (a tier may write small batches behind)
+    opened.backend.flush()?;
     let reports: Vec<PageReport> = keys
         .iter()
         .zip(&outcomes)

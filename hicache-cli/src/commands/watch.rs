@@ -92,6 +92,8 @@ pub(super) fn watch(args: &WatchArgs) -> anyhow::Result<()> {
     let put = |bytes: &[u8]| -> anyhow::Result<usize> {
         let pages: Vec<PageSegments<'_>> = bytes.chunks(opened.page_bytes).map(|page| vec![page]).collect();
         let outcomes = opened.backend.batch_set(&keys, &pages)?;
+        // written, not only taken: other processes (the ones the canary stands for) find the pages from now on
+        opened.backend.flush()?;
         if let Some((key, SetOutcome::Failed(failure))) =
             keys.iter().zip(&outcomes).find(|(_, outcome)| matches!(outcome, SetOutcome::Failed(_)))
         {

@@ -284,7 +284,7 @@ impl GroupStorage {
     /// Writes the groups of the run `keys`: each sidecar pool's entries first (`sidecars[pool]`: the pages it has an
     /// entry for, with the entry; every page for an all-pages pool, the pages ending a window for a trailing one),
     /// then the KV pages, up to the first page whose all-pages sidecar entry was not stored: a KV page is never
-    /// stored without them. A trailing entry that was not stored makes the prefixes it ends unrestorable, which a
+    /// stored without them (the sidecar pools are flushed before the KV is written). A trailing entry that was not stored makes the prefixes it ends unrestorable, which a
     /// query then tells.
     ///
     /// # Errors
@@ -322,6 +322,11 @@ impl GroupStorage {
                 complete = complete.min(outcomes.iter().position(|stored| !stored).unwrap_or(keys.len()));
             }
             stored.push(outcomes);
+        }
+        // written before the KV, not only taken (a backend may write behind): so no process, and no crash, finds a
+        // KV page whose entries are still on their way
+        for pool in &self.sidecars {
+            pool.backend.flush()?;
         }
         let outcomes = self.backend_set(&self.kv, &keys[..complete], &kv[..complete])?;
         let pages = outcomes.iter().position(|stored| !stored).unwrap_or(complete);
