@@ -284,8 +284,8 @@ impl GroupStorage {
     /// Writes the groups of the run `keys`: each sidecar pool's entries first (`sidecars[pool]`: the pages it has an
     /// entry for, with the entry; every page for an all-pages pool, the pages ending a window for a trailing one),
     /// then the KV pages, up to the first page whose all-pages sidecar entry was not stored: a KV page is never
-    /// stored without them (the sidecar pools are flushed before the KV is written). A trailing entry that was not stored makes the prefixes it ends unrestorable, which a
-    /// query then tells.
+    /// stored without them (the sidecar pools are flushed before the KV is written). A trailing entry that was not
+    /// stored makes the prefixes it ends unrestorable, which a query then tells.
     ///
     /// # Errors
     ///
