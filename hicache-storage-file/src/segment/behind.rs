@@ -73,6 +73,16 @@ impl Flight {
     fn bytes(&self) -> u64 {
         self.header.data_bytes
     }
+
+    /// Whether this batch is written right after `before` in the same segment.
+    pub(crate) fn follows(&self, before: &Flight) -> bool {
+        self.writer.id == before.writer.id && self.header.data_at == before.header.data_at + before.header.data_bytes
+    }
+}
+
+/// The pages of `flights`.
+pub(crate) fn pages_of(flights: &[Arc<Flight>]) -> usize {
+    flights.iter().map(|flight| flight.header.entries.len()).sum()
 }
 
 #[derive(Default)]
@@ -297,34 +307,25 @@ fn write_flights(store: &Weak<SegmentStore>, behind: &Behind, queue: &Mutex<Rece
         let mut flights = flights.into_iter().peekable();
         while let Some(first) = flights.next() {
             let mut run = vec![first];
-            while let Some(next) = flights.next_if(|next| continues(run.last().expect("a batch"), next)) {
+            while let Some(next) = flights.next_if(|next| next.follows(run.last().expect("a batch"))) {
                 run.push(next);
             }
             behind.writes.fetch_add(1, Ordering::Relaxed);
             match store.upgrade() {
                 Some(store) => {
                     if let Err(error) = store.write_flights(&run) {
-                        tracing::warn!(%error, pages = pages(&run),
+                        tracing::warn!(%error, pages = pages_of(&run),
                                        "batches written behind failed: their pages are not stored");
                     }
                 }
                 None => tracing::warn!(
-                    pages = pages(&run),
+                    pages = pages_of(&run),
                     "batches written behind were dropped with their backend: their pages are not stored"
                 ),
             }
             run.into_iter().for_each(|flight| behind.finish(flight));
         }
     }
-}
-
-/// Whether `next` is written right after `before` in the same segment.
-fn continues(before: &Flight, next: &Flight) -> bool {
-    next.writer.id == before.writer.id && next.header.data_at == before.header.data_at + before.header.data_bytes
-}
-
-fn pages(flights: &[Arc<Flight>]) -> usize {
-    flights.iter().map(|flight| flight.header.entries.len()).sum()
 }
 
 #[cfg(test)]
@@ -363,6 +364,15 @@ mod tests {
         let keys = (first..first + count).map(|index| page_key(None, &[index, 0xbe])).collect();
         let pages = (first..first + count).map(|index| vec![index as u8 ^ 0x3c; PAGE]).collect();
         (keys, pages)
+    }
+
+    /// Sets `pages` under `keys` in batches of `batch`, each stored whole.
+    fn set_all(store: &SegmentStore, keys: &[hicache_core::hash::PageKey], pages: &[Vec<u8>], batch: usize) {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for (keys, pages) in keys.chunks(batch).zip(pages.chunks(batch)) {
+            let slices: Vec<PageSegments<'_>> = pages.iter().map(|page| vec![&page[..]]).collect();
+            assert!(store.set(keys, &slices, &pool).iter().all(SetOutcome::is_stored));
+        }
     }
 
     fn read(
@@ -407,8 +417,7 @@ mod tests {
         let writer = store(dir.path(), 1 << 20);
         let other = store(dir.path(), 0);
         let (first_keys, first_pages) = pages(0, 4);
-        let slices: Vec<PageSegments<'_>> = first_pages.iter().map(|page| vec![&page[..]]).collect();
-        assert!(writer.set(&first_keys, &slices, &pool).iter().all(SetOutcome::is_stored));
+        set_all(&writer, &first_keys, &first_pages, 4);
         writer.flush().unwrap();
         let handle = writer.writer.lock().unwrap().as_ref().unwrap().files.clone();
         let (keys, pages) = pages(4, 6);
@@ -454,19 +463,15 @@ mod tests {
         let writer = store(dir.path(), 16 << 20);
         let other = store(dir.path(), 0);
         let (first_keys, first_pages) = pages(0, 1);
-        let slices: Vec<PageSegments<'_>> = first_pages.iter().map(|page| vec![&page[..]]).collect();
-        assert!(writer.set(&first_keys, &slices, &pool).iter().all(SetOutcome::is_stored));
+        set_all(&writer, &first_keys, &first_pages, 1);
         writer.flush().unwrap();
         let behind = writer.behind.get().unwrap();
         let before = behind.writes();
         let handle = writer.writer.lock().unwrap().as_ref().unwrap().files.clone();
         let (keys, pages) = pages(1, 6 * 5);
-        let slices: Vec<PageSegments<'_>> = pages.iter().map(|page| vec![&page[..]]).collect();
         {
             let _records = handle.records.lock().unwrap();
-            for (keys, slices) in keys.chunks(5).zip(slices.chunks(5)) {
-                assert!(writer.set(keys, slices, &pool).iter().all(SetOutcome::is_stored));
-            }
+            set_all(&writer, &keys, &pages, 5);
         }
         writer.flush().unwrap();
         let writes = behind.writes() - before;

@@ -1179,8 +1179,7 @@ impl SegmentStore {
         let Some(first) = flights.first() else { return Ok(()) };
         let writer = &first.writer;
         debug_assert!(
-            flights.windows(2).all(|pair| pair[1].writer.id == writer.id
-                && pair[1].header.data_at == pair[0].header.data_at + pair[0].header.data_bytes),
+            flights.windows(2).all(|pair| pair[1].follows(&pair[0])),
             "batches written together that do not follow each other"
         );
         // (a batch packed off block boundaries, of pages that are not whole blocks, goes through the page cache)
@@ -1199,9 +1198,8 @@ impl SegmentStore {
             self.retire(writer.id);
             return Err(error);
         }
-        let pages: usize = flights.iter().map(|flight| flight.header.entries.len()).sum();
         if direct {
-            self.direct_pages.fetch_add(pages as u64, Ordering::Relaxed);
+            self.direct_pages.fetch_add(behind::pages_of(flights) as u64, Ordering::Relaxed);
         }
         let mut index = self.write_index();
         for flight in flights {
