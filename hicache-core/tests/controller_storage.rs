@@ -287,6 +287,20 @@ impl Gate {
         *allowed -= 1;
     }
 
+    /// Waits (real time, bounded) until every call let through has passed and another waits at the gate.
+    fn await_held_caller(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let allowed = self.allowed.lock().unwrap();
+            if *allowed == 0 && self.waiting.load(Ordering::SeqCst) > 0 {
+                return;
+            }
+            drop(allowed);
+            assert!(std::time::Instant::now() < deadline, "no call was held at the gate");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// Waits (real time, bounded) until a caller waits at the gate.
     fn await_caller(&self) {
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -1123,7 +1137,7 @@ fn reads_that_measure_the_tier_are_waited_for_no_longer_than_computing_what_they
 
 #[test]
 fn reads_reserved_while_the_query_ran_are_kept_when_too_few_more_pages_fit() {
-    // the agreed part was reserved from a nearly full pool (fewer pages than the threshold) while the query ran;
+    // the agreed part was reserved from a nearly full pool (as many pages as the threshold) while the query ran;
     // when the whole hit is known and no more pages fit, those reads are resolved, never dropped with their pages
     let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
     let store = MemoryStore::new();
@@ -1131,21 +1145,53 @@ fn reads_reserved_while_the_query_ran_are_kept_when_too_few_more_pages_fit() {
     let gated = Arc::new(Gated::with_query_gate(memory(&store, 0, 1)));
     let mut rig = controller(gated.clone(), settings(PrefetchPolicy::WaitComplete), Arc::new(SystemClock::new()));
     gated.open(100);
-    let owned = fill_host_pool(&mut rig, &mut device, 1);
+    let owned = fill_host_pool(&mut rig, &mut device, 2);
     rig.prefetch("r", &prompt, None).unwrap();
-    // one batch of two pages answered: the one free page is reserved for it and read
+    // one batch of two pages answered: the two free pages are reserved for it and read
     gated.open_queries(1);
-    tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(PAGE));
+    tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(2 * PAGE));
     assert_eq!(rig.host().available(), 0);
     gated.open_queries(10);
     rig.finish_prefetch("r");
     let done = prefetch_result(&mut rig, "r");
-    assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::HostPoolFull, 1));
+    assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::HostPoolFull, 2));
     let page_bytes = rig.engine().host_map().page_bytes();
-    assert_eq!(host_bytes(&rig, &done.host_pages), expected[..page_bytes]);
+    assert_eq!(host_bytes(&rig, &done.host_pages), expected[..2 * page_bytes]);
     rig.evict_host(&done.host_pages).unwrap();
     tick_until(&mut rig, |rig, _| rig.prefetches_in_flight() == 0);
-    assert_eq!(rig.host().available(), 1, "every reserved page came back");
+    assert_eq!(rig.host().available(), 2, "every reserved page came back");
+    assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
+    rig.host().check_invariants().unwrap();
+    rig.evict_host(&owned).unwrap();
+}
+
+#[test]
+fn a_pool_with_fewer_free_pages_than_the_threshold_reserves_nothing_while_the_query_runs() {
+    // the agreed part reaches the threshold while the query runs, but the one free page does not: nothing is
+    // reserved then, and the whole hit ends with nothing reserved, as it does when the query ends before a tick
+    let mut device = PagedSlots::new(DEVICE_PAGES, PAGE).unwrap();
+    let store = MemoryStore::new();
+    let (prompt, _) = seed_storage(&store, 20, 6);
+    let gated = Arc::new(Gated::with_query_gate(memory(&store, 0, 1)));
+    let _open = OpenGates(gated.clone());
+    let mut rig = controller(gated.clone(), settings(PrefetchPolicy::WaitComplete), Arc::new(SystemClock::new()));
+    gated.open(100);
+    let owned = fill_host_pool(&mut rig, &mut device, 1);
+    rig.prefetch("r", &prompt, None).unwrap();
+    // the first batch of two pages is answered and the query waits before its second: every tick now sees the
+    // agreed two pages
+    gated.open_queries(1);
+    gated.queries.as_ref().expect("a query gate").await_held_caller();
+    for _ in 0..3 {
+        let report = rig.tick(&mut SingleRank).unwrap();
+        assert!(report.prefetches.is_empty());
+    }
+    assert_eq!(rig.host().available(), 1, "a read shorter than the threshold was reserved");
+    gated.open_queries(10);
+    let done = prefetch_result(&mut rig, "r");
+    assert_eq!((done.explanation.stop, done.host_pages.len()), (PrefetchStop::HostPoolFull, 0));
+    assert_eq!((done.explanation.tp_min_hit_tokens, done.explanation.reserved_tokens), (6 * PAGE, 0));
+    assert_eq!(rig.host().available(), 1);
     assert_eq!(rig.prefetch_capacity().unwrap().occupied(), 0);
     rig.host().check_invariants().unwrap();
     rig.evict_host(&owned).unwrap();

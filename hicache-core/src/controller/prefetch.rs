@@ -7,8 +7,8 @@
 //! 1. [`prefetch`](CacheController::prefetch) queues a hit query. No host memory is reserved yet (SGLang reserves
 //!    the whole prompt before it knows the hit, and may evict L2 for it: docs/sglang.md#fixed-18).
 //! 2. While the queries run, each tick reserves host pages for the leading hit every rank has found so far (the TP
-//!    minimum of the pages found), once it reaches the threshold, from pages free now, and the fetch thread starts
-//!    reading them: a long hit is read while its later batches are still being asked for. When every rank's query
+//!    minimum of the pages found), once it reaches the threshold, from pages free now (only when the pages reserved
+//!    reach the threshold too), and the fetch thread starts reading them: a long hit is read while its later batches are still being asked for. When every rank's query
 //!    is done, the TP minimum of the hit decides: below the threshold the prefetch is revoked (nothing was reserved
 //!    then); otherwise host pages are reserved for the rest of the hit (evicting through the caller's callback when
 //!    the pool is short; when even that leaves too few, the hit is cut to what fits) and the fetch thread reads them.

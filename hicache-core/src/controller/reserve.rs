@@ -81,7 +81,10 @@ impl StorageTier {
             return Ok(reads);
         }
         let count = agreed_pages.saturating_sub(reads.pages.len()).min(pool.host.available());
-        if count == 0 {
+        // reads start only once what they hold reaches the threshold: a pool with too few free pages waits for the
+        // whole hit, which may make room by eviction or end with nothing reserved, never with reads too short to be
+        // worth their fetch (whichever tick saw the query's progress first)
+        if count == 0 || (reads.pages.len() + count) * pool.page_size < threshold {
             return Ok(reads);
         }
         let more = pool.host.alloc(count).expect("no more than available");
