@@ -449,9 +449,35 @@ fn running_watch(args: &[&str]) -> (std::process::Child, impl Iterator<Item = Va
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    let watchdog = Watchdog::new(child.id());
     let lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()))
-        .map(|line| serde_json::from_str::<Value>(&line.unwrap()).unwrap());
+        .map(|line| serde_json::from_str::<Value>(&line.unwrap()).unwrap())
+        .inspect(move |_| {
+            let _held_while_lines_are_read = &watchdog;
+        });
     (child, lines)
+}
+
+/// Kills a watch still running after [`WATCH_DEADLINE`], so that a test waiting for a line that never comes ends
+/// (its lines end, and the test fails on what it missed) instead of hanging. Dropping it (with the watch's lines)
+/// closes its channel: the thread sees that and lets the watch be.
+struct Watchdog {
+    _stop: std::sync::mpsc::Sender<()>,
+}
+
+const WATCH_DEADLINE: std::time::Duration = std::time::Duration::from_secs(120);
+
+impl Watchdog {
+    fn new(pid: u32) -> Self {
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(WATCH_DEADLINE) {
+                eprintln!("the watch (pid {pid}) ran past {WATCH_DEADLINE:?}: killed");
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            }
+        });
+        Self { _stop: stop }
+    }
 }
 
 /// The JSON lines of a `store watch` that ran to its end.
