@@ -95,9 +95,10 @@ pub struct FileConfig {
     /// I/O threads).
     pub io_uring: bool,
     /// Bytes of a segment read ahead (without waiting) of a batch that continues a forward walk through it, as a
-    /// prefix read back a batch at a time does, in batches under 2 MiB (a longer batch keeps the disk busy on its
-    /// own); 0 reads nothing ahead. With `direct_io`, windows are read with `O_DIRECT` into the backend's own memory
-    /// (at most 8 times this many bytes in all); without, into the page cache. At most [`MAX_READ_AHEAD_BYTES`].
+    /// prefix read back a batch at a time does; 0 reads nothing ahead. With `direct_io`, windows are read with
+    /// `O_DIRECT` into the backend's own memory (at most 8 times this many bytes in all) for batches shorter than
+    /// this; without, into the page cache for batches under 2 MiB (there a longer batch reads faster on its own).
+    /// At most [`MAX_READ_AHEAD_BYTES`].
     pub read_ahead_bytes: u64,
     /// Bytes of batches of segment pages written behind at most: a batch's pages are copied into the backend's
     /// memory and written by threads of its own while the caller goes on, so several batches are in flight at once,
