@@ -196,6 +196,45 @@ fn read_back_in_order(direct_io: bool) {
     }
 }
 
+/// With `O_DIRECT`, batches of 2 MiB and more that are shorter than the window (here 2 MiB in a 4 MiB window) are
+/// read ahead into the backend's own windows and come back whole; through the page cache they read on their own.
+#[test]
+fn long_batches_shorter_than_the_window_are_read_ahead_with_direct_io() {
+    const PAGES: usize = 4096;
+    const BATCH: usize = 512;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = random_keys(PAGES);
+    let pages = random_pages(PAGES, PAGE);
+    let writer = open(dir.path());
+    for batch in 0..PAGES / BATCH {
+        let range = batch * BATCH..(batch + 1) * BATCH;
+        let outcomes = put_flushed(&writer, &keys[range.clone()], &pages[range]);
+        assert!(outcomes.iter().all(|outcome| *outcome == SetOutcome::Stored));
+    }
+    for direct_io in [false, true] {
+        let reader = open_with(dir.path(), |config| {
+            config.read_ahead_bytes = (2 * BATCH * PAGE) as u64;
+            config.direct_io = direct_io;
+        });
+        for batch in 0..PAGES / BATCH {
+            let range = batch * BATCH..(batch + 1) * BATCH;
+            let (outcomes, buffers) = fetch(&reader, &keys[range.clone()], PAGE, 0);
+            for ((index, outcome), buffer) in range.zip(outcomes).zip(buffers) {
+                assert_eq!(outcome, GetOutcome::Hit, "page {index} (direct I/O: {direct_io})");
+                assert!(buffer == pages[index], "page {index} read wrong bytes (direct I/O: {direct_io})");
+            }
+        }
+        let read_ahead = reader.pages_read_ahead();
+        if direct_io {
+            // the walk's first two batches are read on their own, the rest come from windows (but for a window
+            // that took longer than its deadline to arrive, whose batch reads its pages itself)
+            assert!(read_ahead >= (PAGES - 4 * BATCH) as u64, "{read_ahead} pages from windows");
+        } else {
+            assert_eq!(read_ahead, 0);
+        }
+    }
+}
+
 #[test]
 fn one_backend_sees_what_another_wrote_removed_and_cleared() {
     let dir = tempfile::tempdir().unwrap();

@@ -381,9 +381,10 @@ impl SegmentStore {
         let settings_changes = (settings.changes.clone(), settings.base.clone(), !settings.read_only);
         let store = Self {
             submitter: Submitter::new(settings.io_uring),
-            ahead: match settings.direct_io {
-                true => ReadAhead::into_windows(settings.read_ahead),
-                false => ReadAhead::new(settings.read_ahead),
+            ahead: if settings.direct_io {
+                ReadAhead::into_windows(settings.read_ahead)
+            } else {
+                ReadAhead::new(settings.read_ahead)
             },
             windows: match (settings.direct_io, settings.read_ahead) {
                 (true, bytes) if bytes > 0 => Some(Windows::start(bytes.saturating_mul(WINDOW_BUDGET))?),
