@@ -18,8 +18,8 @@
 //! that disk, 32 KiB pages, in batches of 4 MiB, read at 0.47 of the disk through the page cache's window and 0.81
 //! without it). Into the store's own windows only a batch of the whole window or more is long: reading the next
 //! window costs no more than reading the batch, and batches of 4 MiB read on their own leave the disk idle while
-//! each is checked and the next is asked for (32 KiB pages read at 0.74–0.83 of the disk on their own, 0.89–1.15
-//! with the 8 MiB window, on two disks).
+//! each is checked and the next is asked for (32 KiB pages read at 0.74–0.83 of the disk on their own on two disks,
+//! and at 0.86–1.15 with the 8 MiB window on one of them).
 
 use std::sync::Mutex;
 
