@@ -57,6 +57,14 @@ fn put_flushed(storage: &FileStorage, keys: &[PageKey], pages: &[Vec<u8>]) -> Ve
     outcomes
 }
 
+/// Writes `pages` in order, `batch` pages a call, each batch written before the next (a prefix as its writer
+/// stores it): every page is stored.
+fn put_in_batches(storage: &FileStorage, keys: &[PageKey], pages: &[Vec<u8>], batch: usize) {
+    for (keys, pages) in keys.chunks(batch).zip(pages.chunks(batch)) {
+        assert!(put_flushed(storage, keys, pages).iter().all(|outcome| *outcome == SetOutcome::Stored));
+    }
+}
+
 /// The segments' data files, oldest first.
 fn segment_files(dir: &Path) -> Vec<PathBuf> {
     let mut found = support::files_under(dir, |path| path.extension().is_some_and(|extension| extension == "seg"));
@@ -145,14 +153,7 @@ fn read_back_in_order(direct_io: bool) {
     let keys = random_keys(PAGES);
     let pages = random_pages(PAGES, PAGE);
     let writer = open(dir.path());
-    for batch in 0..PAGES / BATCH {
-        let range = batch * BATCH..(batch + 1) * BATCH;
-        assert!(
-            put_flushed(&writer, &keys[range.clone()], &pages[range])
-                .iter()
-                .all(|outcome| *outcome == SetOutcome::Stored)
-        );
-    }
+    put_in_batches(&writer, &keys, &pages, BATCH);
     let [segment] = segment_files(dir.path()).try_into().expect("one segment");
     let data = OpenOptions::new().write(true).open(&segment).unwrap();
     // a window of 8 batches
@@ -206,11 +207,7 @@ fn long_batches_shorter_than_the_window_are_read_ahead_with_direct_io() {
     let keys = random_keys(PAGES);
     let pages = random_pages(PAGES, PAGE);
     let writer = open(dir.path());
-    for batch in 0..PAGES / BATCH {
-        let range = batch * BATCH..(batch + 1) * BATCH;
-        let outcomes = put_flushed(&writer, &keys[range.clone()], &pages[range]);
-        assert!(outcomes.iter().all(|outcome| *outcome == SetOutcome::Stored));
-    }
+    put_in_batches(&writer, &keys, &pages, BATCH);
     for direct_io in [false, true] {
         let reader = open_with(dir.path(), |config| {
             config.read_ahead_bytes = (2 * BATCH * PAGE) as u64;
