@@ -35,6 +35,7 @@ mod account;
 mod index;
 mod page_file;
 mod segment;
+mod threads;
 mod tier;
 
 use std::collections::HashSet;
@@ -205,6 +206,9 @@ pub struct FileStorage {
     /// `io_threads` threads, started once, that every batch's pages are spread over (the controller's query, fetch
     /// and backup threads share them).
     pool: rayon::ThreadPool,
+    /// The pool's threads, joined once the pool (declared before) has been dropped.
+    #[expect(dead_code, reason = "held for its Drop, which joins the threads")]
+    threads: threads::Threads,
 }
 
 impl FileStorage {
@@ -284,6 +288,10 @@ impl FileStorage {
             });
         }
         let config_threads = config.io_threads;
+        let threads = threads::Threads::default();
+        let pool = threads
+            .pool(config_threads, "hicache-file")
+            .map_err(|error| storage_error(format!("starting {config_threads} I/O threads: {error}")))?;
         let mut storage = Self {
             namespace: namespace.clone(),
             config,
@@ -296,11 +304,8 @@ impl FileStorage {
             direct_pages: AtomicU64::new(0),
             segments: None,
             stats: StatsRecorder::default(),
-            pool: rayon::ThreadPoolBuilder::new()
-                .num_threads(config_threads)
-                .thread_name(|index| format!("hicache-file-{index}"))
-                .build()
-                .map_err(|error| storage_error(format!("starting {config_threads} I/O threads: {error}")))?,
+            pool,
+            threads,
         };
         if segmented {
             let settings = segment::SegmentSettings {

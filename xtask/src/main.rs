@@ -69,7 +69,7 @@ fn run(args: &[String]) -> anyhow::Result<()> {
     }
 }
 
-pub(crate) fn project_root() -> PathBuf {
+fn project_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
 }
 

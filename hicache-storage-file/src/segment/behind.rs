@@ -31,6 +31,7 @@ use rustc_hash::FxHashMap;
 use super::io::MAX_BUFFERS;
 use super::record::Header;
 use super::{Block, SegmentStore, Spare, WriterHandle};
+use crate::threads::Threads;
 
 /// Threads writing batches: two batches in flight keep the disk busy while one's record is written.
 const WRITERS: usize = 2;
@@ -123,8 +124,8 @@ pub(crate) struct Behind {
 }
 
 impl Behind {
-    /// Writes behind for `store` with at most `budget` bytes pending, on threads started now.
-    pub(crate) fn start(store: Weak<SegmentStore>, budget: u64) -> std::io::Result<Arc<Self>> {
+    /// Writes behind for `store` with at most `budget` bytes pending, on threads started now through `threads`.
+    pub(crate) fn start(store: Weak<SegmentStore>, budget: u64, threads: &Threads) -> std::io::Result<Arc<Self>> {
         let (jobs, queue) = channel();
         let behind = Arc::new(Self {
             budget,
@@ -139,9 +140,7 @@ impl Behind {
         let queue = Arc::new(Mutex::new(queue));
         for _ in 0..WRITERS {
             let (store, behind, queue) = (store.clone(), behind.clone(), queue.clone());
-            std::thread::Builder::new()
-                .name("hicache-write-behind".into())
-                .spawn(move || write_flights(&store, &behind, &queue))?;
+            threads.spawn("hicache-write-behind".into(), move || write_flights(&store, &behind, &queue))?;
         }
         Ok(behind)
     }
@@ -391,7 +390,8 @@ mod tests {
     /// larger than the budget is admitted when nothing else is pending.
     #[test]
     fn room_is_held_from_admission_and_given_back() {
-        let behind = super::Behind::start(std::sync::Weak::new(), 100).unwrap();
+        let threads = crate::threads::Threads::default();
+        let behind = super::Behind::start(std::sync::Weak::new(), 100, &threads).unwrap();
         let held = |behind: &super::Behind| {
             let pending = behind.lock();
             (pending.bytes, pending.flights)
@@ -405,6 +405,8 @@ mod tests {
         assert_eq!(held(&behind), (500, 1));
         drop(large);
         assert_eq!(held(&behind), (0, 0));
+        // its threads end (and `threads` joins them)
+        behind.close();
     }
 
     /// While a batch cannot be written (its index file held here), its pages are pending: the writer reads them from

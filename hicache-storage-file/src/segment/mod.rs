@@ -52,6 +52,7 @@ use self::io::{MAX_BUFFERS, Op, Submitter};
 use self::record::{ALIGN, Header, Kind};
 use self::window::{Served, Windows};
 use crate::account::SharedAccount;
+use crate::threads::Threads;
 
 /// The folder of a namespace's segments, inside its namespace folder.
 pub(crate) const FOLDER: &str = "segments";
@@ -282,6 +283,8 @@ pub(crate) struct SegmentStore {
     windows: Option<Windows>,
     /// With a write-behind budget: the batches written behind (`behind.rs`).
     behind: OnceLock<Arc<Behind>>,
+    /// The threads writing behind, joined once [`Behind::close`] let them end (as the store is dropped).
+    behind_threads: Threads,
     account: Option<SharedAccount>,
     /// The last stamp given.
     stamp: AtomicU64,
@@ -391,6 +394,7 @@ impl SegmentStore {
                 _ => None,
             },
             behind: OnceLock::new(),
+            behind_threads: Threads::default(),
             settings,
             dir,
             index: RwLock::new(Index::default()),
@@ -415,7 +419,7 @@ impl SegmentStore {
         }
         let store = Arc::new(store);
         if store.settings.write_behind > 0 && !store.settings.read_only {
-            let behind = Behind::start(Arc::downgrade(&store), store.settings.write_behind)?;
+            let behind = Behind::start(Arc::downgrade(&store), store.settings.write_behind, &store.behind_threads)?;
             let _ = store.behind.set(behind);
         }
         Ok(store)
@@ -1491,7 +1495,8 @@ impl SegmentStore {
 
 impl Drop for SegmentStore {
     fn drop(&mut self) {
-        // (the backend flushed before it let go of the store; a batch still queued is dropped by its thread)
+        // (the backend flushed before it let go of the store; a batch still queued is dropped by its thread, and the
+        // threads are joined as `behind_threads` is dropped)
         if let Some(behind) = self.behind.get() {
             behind.close();
         }

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use super::record::ALIGN;
 use super::{Block, Spare, read_at_most};
+use crate::threads::Threads;
 
 /// Threads reading windows: a walk asks for its next window while the one before may still be read, and two reads
 /// in flight keep the disk busy between them.
@@ -111,8 +112,11 @@ pub(crate) struct Windows {
     held: Mutex<Vec<Arc<Window>>>,
     budget: u64,
     spare: Arc<Spare>,
-    /// The reader's queue; the thread ends when this is dropped.
+    /// The readers' queue; the threads end when this is dropped.
     jobs: Mutex<Option<Sender<Arc<Window>>>>,
+    /// The readers, joined once their queue is closed.
+    #[expect(dead_code, reason = "held for its Drop, which joins the threads")]
+    threads: Threads,
 }
 
 impl Windows {
@@ -121,13 +125,12 @@ impl Windows {
         let (jobs, queue) = channel();
         let queue = Arc::new(Mutex::new(queue));
         let spare = Arc::new(Spare::default());
+        let threads = Threads::default();
         for _ in 0..READERS {
             let (queue, spare) = (queue.clone(), spare.clone());
-            std::thread::Builder::new()
-                .name("hicache-read-ahead".into())
-                .spawn(move || read_windows(&queue, &spare))?;
+            threads.spawn("hicache-read-ahead".into(), move || read_windows(&queue, &spare))?;
         }
-        Ok(Self { held: Mutex::new(Vec::new()), budget, spare, jobs: Mutex::new(Some(jobs)) })
+        Ok(Self { held: Mutex::new(Vec::new()), budget, spare, jobs: Mutex::new(Some(jobs)), threads })
     }
 
     /// Reads `[from, to)` of `segment` (through `file`, opened with `O_DIRECT`) ahead, unless that would pass the
@@ -197,7 +200,7 @@ impl Windows {
 
 impl Drop for Windows {
     fn drop(&mut self) {
-        // the reader ends once its queue is empty and closed
+        // the readers end once their queue is empty and closed (and are joined as `threads` is dropped)
         self.jobs.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
     }
 }
