@@ -60,9 +60,7 @@ impl Threads {
             .spawn_handler(|thread| self.spawn(format!("{name}-{}", thread.index()), move || thread.run()))
             .build()
     }
-}
 
-impl Threads {
     /// Waits (up to [`JOIN_WAIT`]) until every thread but the caller has ended, and joins them; whether they all
     /// had.
     fn join(&mut self) -> bool {
