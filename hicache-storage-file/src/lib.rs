@@ -180,6 +180,10 @@ impl FileConfig {
 pub const STALE_TEMPORARY_AGE: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// A file backend for one namespace.
+///
+/// Dropping it waits until the pages written behind are written (up to 60 s) and then until every thread it started
+/// has ended (up to 30 s more; a thread still running then is left to end on its own, with a warning): once it is
+/// dropped, no thread of its own still runs or holds its files.
 #[derive(Debug)]
 pub struct FileStorage {
     /// The namespace it serves.
