@@ -415,9 +415,11 @@ fn best_effort_cuts_off_with_what_arrived_and_releases_the_tail_once_when_the_re
     let mut rig = controller(gated.clone(), settings(PrefetchPolicy::BestEffort), Arc::new(SystemClock::new()));
     rig.prefetch("r", &prompt, None).unwrap();
     gated.open(1);
-    tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(2 * PAGE));
+    // the first batch has arrived, and the hit query (which may still run when it lands) has reserved the whole hit
+    tick_until(&mut rig, |rig, _| {
+        rig.prefetch_progress("r") == Some(2 * PAGE) && rig.host().available() == HOST_PAGES - 6
+    });
     let free_while_fetching = rig.host().available();
-    assert_eq!(free_while_fetching, HOST_PAGES - 6);
     // the fetch thread now waits at the gate holding the second batch's pages
     rig.finish_prefetch("r");
     let reports = tick_until(&mut rig, |_, reports| reports.iter().any(|report| !report.prefetches.is_empty()));
@@ -764,7 +766,12 @@ fn a_stuck_read_or_query_costs_the_read_deadline_under_every_policy() {
         let mut rig = controller(gated.clone(), settings(policy), clock.clone());
         let _open = OpenGates(gated.clone());
         rig.prefetch("r", &prompt, None).unwrap();
-        tick_until(&mut rig, |rig, _| rig.prefetch_progress("r") == Some(2 * PAGE));
+        // the first batch has arrived; with the query let through, it has also reserved the whole hit (it may still
+        // run when the first batch lands, and the next read starts only once it has)
+        tick_until(&mut rig, |rig, _| {
+            rig.prefetch_progress("r") == Some(2 * PAGE)
+                && (stuck == "query" || rig.host().available() == HOST_PAGES - 6)
+        });
         if stuck == "read" {
             // the next read batch is in flight, stuck (on a loaded machine the I/O thread may not have started it)
             gated.gets.await_caller();
