@@ -139,8 +139,14 @@ impl Behind {
         });
         let queue = Arc::new(Mutex::new(queue));
         for _ in 0..WRITERS {
-            let (store, behind, queue) = (store.clone(), behind.clone(), queue.clone());
-            threads.spawn("hicache-write-behind".into(), move || write_flights(&store, &behind, &queue))?;
+            let (store, theirs, queue) = (store.clone(), behind.clone(), queue.clone());
+            if let Err(error) =
+                threads.spawn("hicache-write-behind".into(), move || write_flights(&store, &theirs, &queue))
+            {
+                // the threads started end, and `threads` joins them when it goes
+                behind.close();
+                return Err(error);
+            }
         }
         Ok(behind)
     }

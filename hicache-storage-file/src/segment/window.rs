@@ -122,10 +122,12 @@ pub(crate) struct Windows {
 impl Windows {
     /// Windows of at most `budget` bytes in all, read by a thread started now.
     pub(crate) fn start(budget: u64) -> std::io::Result<Self> {
+        // (made first, so dropped last: should a thread fail to start, the queue closes before the readers started
+        // are joined)
+        let threads = Threads::default();
         let (jobs, queue) = channel();
         let queue = Arc::new(Mutex::new(queue));
         let spare = Arc::new(Spare::default());
-        let threads = Threads::default();
         for _ in 0..READERS {
             let (queue, spare) = (queue.clone(), spare.clone());
             threads.spawn("hicache-read-ahead".into(), move || read_windows(&queue, &spare))?;
