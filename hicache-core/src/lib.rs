@@ -40,6 +40,7 @@ pub mod storage;
 mod sync;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod threads;
 pub mod tokens;
 pub mod transfer;
 pub mod tree;

@@ -292,9 +292,8 @@ impl FileStorage {
             });
         }
         let config_threads = config.io_threads;
-        let threads = threads::Threads::default();
-        let pool = threads
-            .pool(config_threads, "hicache-file")
+        let threads = threads::threads();
+        let pool = threads::pool(&threads, config_threads, "hicache-file")
             .map_err(|error| storage_error(format!("starting {config_threads} I/O threads: {error}")))?;
         let mut storage = Self {
             namespace: namespace.clone(),

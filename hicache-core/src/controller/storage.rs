@@ -23,9 +23,8 @@
 //!
 //! The threads never touch the allocators: they report through shared records the scheduler reads at its tick.
 
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::hit_query::storage_hit_query_with;
@@ -39,6 +38,7 @@ use crate::host_memory::{HostMemory, MemoryRegion};
 use crate::host_pool::HostPageId;
 use crate::rate_limit::{Admission, Clock, SystemClock, TokenBucket};
 use crate::storage::{GetOutcome, SetOutcome, StorageBackend};
+use crate::threads::Threads;
 
 /// How the storage half behaves: SGLang's knobs (all configurable here) and this rank's role.
 #[derive(Clone, Debug, PartialEq)]
@@ -295,11 +295,8 @@ pub(super) struct Workers {
     query: Option<Sender<QueryJob>>,
     fetch: Option<Sender<FetchJob>>,
     backup: Option<Sender<BackupJob>>,
-    threads: Vec<JoinHandle<()>>,
-    /// Disconnected once every thread has ended (each holds a sender it never sends on).
-    ended: Receiver<()>,
-    /// How long dropping waits for the threads.
-    close_deadline: Duration,
+    /// Joined when dropped, after the senders (up to the read deadline: a thread stuck in a storage call is left).
+    threads: Threads,
     reads: Arc<Mutex<Vec<ReadSample>>>,
 }
 
@@ -320,7 +317,7 @@ impl Drop for Registration {
 
 impl std::fmt::Debug for Workers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Workers").field("threads", &self.threads.len()).finish()
+        f.debug_struct("Workers").field("threads", &self.threads).finish()
     }
 }
 
@@ -333,7 +330,6 @@ struct Io {
     trailing: Option<Trailing>,
     reads: Arc<Mutex<Vec<ReadSample>>>,
     _registration: Arc<Registration>,
-    _ended: Sender<()>,
 }
 
 /// Storage calls an I/O thread made for a prefetch: how many, the bytes they brought (0 for a hit query's
@@ -355,7 +351,6 @@ impl Workers {
         storage.register_host_memory(&region)?;
         let registration = Arc::new(Registration { storage: storage.clone(), region, _host: host.clone() });
         let reads = Arc::new(Mutex::new(Vec::new()));
-        let (ended_sender, ended) = channel();
         let io = Io {
             storage,
             host,
@@ -364,7 +359,6 @@ impl Workers {
             trailing: settings.trailing,
             reads: reads.clone(),
             _registration: registration,
-            _ended: ended_sender,
         };
         let (query, query_jobs) = channel();
         let (fetch, fetch_jobs) = channel();
@@ -375,36 +369,34 @@ impl Workers {
         };
         // on failure, dropping `workers` stops the threads started (no job was sent yet) and, with the last of them,
         // the registration
-        let mut workers = Self {
+        let workers = Self {
             query: Some(query),
             fetch: Some(fetch),
             backup: Some(backup),
-            threads: Vec::new(),
-            ended,
-            close_deadline: settings.read_deadline,
+            threads: Threads::new("the controller's storage I/O", settings.read_deadline),
             reads,
         };
-        let spawn = |name: &str, body: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new()
-                .name(name.into())
-                .spawn(body)
+        let spawn = |name: &str, work: Box<dyn FnOnce() + Send>| {
+            workers
+                .threads
+                .spawn(name.into(), work)
                 .map_err(|error| Error::Internal(format!("cannot start the {name} thread: {error}")))
         };
-        workers.threads.push(spawn(
+        spawn(
             "hicache-query",
             Box::new({
                 let io = io.clone();
                 move || run_queries(&io, query_jobs)
             }),
-        )?);
-        workers.threads.push(spawn(
+        )?;
+        spawn(
             "hicache-fetch",
             Box::new({
                 let io = io.clone();
                 move || run_fetches(&io, fetch_jobs)
             }),
-        )?);
-        workers.threads.push(spawn("hicache-backup", Box::new(move || run_backups(&io, backup_jobs, bucket)))?);
+        )?;
+        spawn("hicache-backup", Box::new(move || run_backups(&io, backup_jobs, bucket)))?;
         Ok(workers)
     }
 
@@ -449,27 +441,11 @@ fn send<T>(sender: &Option<Sender<T>>, job: T) {
 
 impl Drop for Workers {
     fn drop(&mut self) {
+        // the threads end once their queues close; `threads`, dropped next, waits for them (each lets its share of
+        // the registration go before it counts as ended, so the last one tells the backend to forget the pool)
         self.query.take();
         self.fetch.take();
         self.backup.take();
-        // nothing is ever sent: the wait ends when the last thread drops its sender, or at the deadline
-        if let Err(RecvTimeoutError::Disconnected) = self.ended.recv_timeout(self.close_deadline) {
-            for thread in self.threads.drain(..) {
-                let _ = thread.join();
-            }
-            return;
-        }
-        let running: Vec<&str> = self
-            .threads
-            .iter()
-            .filter(|thread| !thread.is_finished())
-            .filter_map(|thread| thread.thread().name())
-            .collect();
-        tracing::warn!(
-            threads = ?running,
-            waited_ms = self.close_deadline.as_millis() as u64,
-            "storage I/O threads still in a storage call at close; left to end on their own"
-        );
     }
 }
 

@@ -396,7 +396,7 @@ mod tests {
     /// larger than the budget is admitted when nothing else is pending.
     #[test]
     fn room_is_held_from_admission_and_given_back() {
-        let threads = crate::threads::Threads::default();
+        let threads = crate::threads::threads();
         let behind = super::Behind::start(std::sync::Weak::new(), 100, &threads).unwrap();
         let held = |behind: &super::Behind| {
             let pending = behind.lock();

@@ -394,7 +394,7 @@ impl SegmentStore {
                 _ => None,
             },
             behind: OnceLock::new(),
-            behind_threads: Threads::default(),
+            behind_threads: crate::threads::threads(),
             settings,
             dir,
             index: RwLock::new(Index::default()),

@@ -124,7 +124,7 @@ impl Windows {
     pub(crate) fn start(budget: u64) -> std::io::Result<Self> {
         // (made first, so dropped last: should a thread fail to start, the queue closes before the readers started
         // are joined)
-        let threads = Threads::default();
+        let threads = crate::threads::threads();
         let (jobs, queue) = channel();
         let queue = Arc::new(Mutex::new(queue));
         let spare = Arc::new(Spare::default());
