@@ -116,25 +116,10 @@ impl Drop for Threads {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::mpsc::channel;
 
     use super::*;
-
-    /// Raised when a thread's thread-local value is freed, the last thing a thread does.
-    static FREED: AtomicUsize = AtomicUsize::new(0);
-
-    struct Local;
-
-    impl Drop for Local {
-        fn drop(&mut self) {
-            FREED.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    thread_local! {
-        static LOCAL: Local = const { Local };
-    }
+    use crate::testing::thread_ends;
 
     fn threads() -> Threads {
         Threads::new("a test", Duration::from_secs(30))
@@ -149,17 +134,17 @@ mod tests {
             let queue = queue.clone();
             threads
                 .spawn(format!("test-{index}"), move || {
-                    LOCAL.with(|_| ());
+                    thread_ends::mark();
                     while queue.lock().unwrap().recv().is_ok() {}
                 })
                 .unwrap();
         }
         jobs.send(()).unwrap();
-        assert_eq!(FREED.load(Ordering::SeqCst), 0, "no thread has ended yet");
+        assert_eq!(thread_ends::freed(), 0, "no thread has ended yet");
         // what feeds them stops first, as in their owners
         drop(jobs);
         drop(threads);
-        assert_eq!(FREED.load(Ordering::SeqCst), 3, "every thread's thread-local state is freed");
+        assert_eq!(thread_ends::freed(), 3, "every thread's thread-local state is freed");
     }
 
     #[test]

@@ -29,34 +29,19 @@ pub(crate) fn pool(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use hicache_core::testing::thread_ends;
 
     use super::*;
-
-    /// Raised when a thread's thread-local value is freed, the last thing a thread does.
-    static FREED: AtomicUsize = AtomicUsize::new(0);
-
-    struct Local;
-
-    impl Drop for Local {
-        fn drop(&mut self) {
-            FREED.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    thread_local! {
-        static LOCAL: Local = const { Local };
-    }
 
     #[test]
     fn dropping_a_pool_then_its_threads_leaves_no_pool_thread_running() {
         let threads = threads();
         let pool = pool(&threads, 3, "test-pool").unwrap();
-        pool.broadcast(|_| LOCAL.with(|_| ()));
-        assert_eq!(FREED.load(Ordering::SeqCst), 0, "no thread has ended yet");
+        pool.broadcast(|_| thread_ends::mark());
+        assert_eq!(thread_ends::freed(), 0, "no thread has ended yet");
         // the pool first, as in the tier's owners
         drop(pool);
         drop(threads);
-        assert_eq!(FREED.load(Ordering::SeqCst), 3, "every pool thread's thread-local state is freed");
+        assert_eq!(thread_ends::freed(), 3, "every pool thread's thread-local state is freed");
     }
 }
