@@ -4,8 +4,10 @@
 //! The writers are this test binary re-run as a child process (the test notices the environment variable and
 //! writes until it is killed).
 
+use std::io::PipeWriter;
 use std::path::Path;
-use std::process::{Child, Command};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use hicache_core::geometry::{KvDtype, KvGeometry};
@@ -100,7 +102,9 @@ enum Isolation {
     PidNamespace,
 }
 
-fn spawn_writer(dir: &Path, format: FileFormat, isolation: Isolation, behind: bool) -> Child {
+/// Starts a writer whose standard output is `ends`: every process of the writer (in a PID namespace, `unshare` and
+/// the writer inside it) holds it open until it exits.
+fn spawn_writer(dir: &Path, format: FileFormat, isolation: Isolation, behind: bool, ends: &PipeWriter) -> Child {
     let test_binary = std::env::current_exe().expect("test binary");
     let mut command = match isolation {
         Isolation::Process => Command::new(test_binary),
@@ -118,6 +122,7 @@ fn spawn_writer(dir: &Path, format: FileFormat, isolation: Isolation, behind: bo
     if behind {
         command.env(BEHIND_ENV, "1");
     }
+    command.stdout(Stdio::from(ends.try_clone().expect("pipe duplicated")));
     command.spawn().expect("child writer starts")
 }
 
@@ -158,7 +163,16 @@ fn kill_and_verify(format: FileFormat, writers: usize, pages: usize, isolation: 
 /// [`kill_and_verify`], the writers writing behind when `behind`.
 fn kill_and_verify_writers(format: FileFormat, writers: usize, pages: usize, isolation: Isolation, behind: bool) {
     let dir = tempfile::tempdir().expect("temporary directory");
-    let mut guard = Writers((0..writers).map(|_| spawn_writer(dir.path(), format, isolation, behind)).collect());
+    // the writers' ends: their output pipe reads to its end once the last process holding it has exited
+    let (mut output, ends) = std::io::pipe().expect("pipe");
+    let mut guard = Writers((0..writers).map(|_| spawn_writer(dir.path(), format, isolation, behind, &ends)).collect());
+    drop(ends);
+    let (ended, all_ended) = mpsc::channel();
+    std::thread::spawn(move || {
+        // (read to the end, so that no writer ever waits on a full pipe)
+        let _ = std::io::copy(&mut output, &mut std::io::sink());
+        let _ = ended.send(());
+    });
     let children = &mut guard.0;
     let started = Instant::now();
     while stored_pages(dir.path(), format) < pages && started.elapsed() < Duration::from_secs(60) {
@@ -175,18 +189,9 @@ fn kill_and_verify_writers(format: FileFormat, writers: usize, pages: usize, iso
         child.kill().expect("SIGKILL");
         child.wait().expect("reaped");
     }
-    if isolation == Isolation::PidNamespace {
-        // the writers inside die with their parents, asynchronously: wait until nothing grows any more
-        let mut last = stored_pages(dir.path(), format);
-        loop {
-            std::thread::sleep(Duration::from_millis(50));
-            let now = stored_pages(dir.path(), format);
-            if now == last {
-                break;
-            }
-            last = now;
-        }
-    }
+    // a writer in a PID namespace dies after its `unshare` parent (killed by the kernel once the parent is gone):
+    // wait until every writer process has exited, so nothing writes while the pages are checked
+    all_ended.recv_timeout(Duration::from_secs(60)).expect("every writer process exited within 60 s of the kill");
     let written = stored_pages(dir.path(), format);
     assert!(written >= pages, "{format:?}: the writers wrote only {written} pages in 60 s");
     let storage = open(dir.path(), format);
