@@ -51,14 +51,14 @@ struct RankDescription {
 impl PySettings {
     /// Reads the extra config (JSON text) and checks what can be checked before the host pool is known: the keys
     /// and their types, the backend's name, the file tier's directory (made when missing, as SGLang does, and
-    /// written to once), Mooncake's settings.
+    /// written to once; with `read_only`, only found), Mooncake's settings.
     #[new]
     pub(crate) fn new(extra_config: &str) -> PyResult<Self> {
         guard::run(|| {
             let settings = Settings::parse(extra_config).map_err(guard::config_to_py)?;
             if settings.tier.is_named("file") {
                 let file = FileConfig::from_fields(&settings.fields).map_err(guard::config_to_py)?;
-                check_directory(&file.dir).map_err(guard::config_to_py)?;
+                check_directory(&file.dir, file.read_only).map_err(guard::config_to_py)?;
             }
             Ok(Self { settings })
         })
@@ -195,9 +195,16 @@ impl PySettings {
 }
 
 /// Makes the directory when missing and writes a file there once, so a directory that cannot be used is an error
-/// naming the key now, not failed pages later.
-fn check_directory(dir: &Path) -> Result<(), ConfigError> {
+/// naming the key now, not failed pages later. A tier opened `read_only` changes nothing: its directory must exist.
+fn check_directory(dir: &Path, read_only: bool) -> Result<(), ConfigError> {
     let bad = |reason: String| ConfigError::value("dir", format!("{}: {reason}", dir.display()));
+    if read_only {
+        return match std::fs::metadata(dir) {
+            Ok(found) if found.is_dir() => Ok(()),
+            Ok(_) => Err(bad("is not a directory (`read_only` opens an existing one)".to_owned())),
+            Err(error) => Err(bad(format!("cannot be opened (`read_only` makes nothing): {error}"))),
+        };
+    }
     std::fs::create_dir_all(dir).map_err(|error| bad(format!("cannot be made: {error}")))?;
     let probe = dir.join(format!(".hicache-probe-{}", std::process::id()));
     std::fs::write(&probe, b"").map_err(|error| bad(format!("cannot be written: {error}")))?;

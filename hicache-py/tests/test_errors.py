@@ -61,6 +61,19 @@ class Errors(support.TempDirTest):
         self.construct(dir=target)
         self.assertTrue(os.path.isdir(target))
 
+    def test_a_read_only_tier_makes_and_writes_nothing(self):
+        target = os.path.join(self.dir, "absent")
+        with self.assertRaisesRegex(ValueError, "key `dir`: .*`read_only` makes nothing"):
+            self.construct(dir=target, read_only=True)
+        self.assertFalse(os.path.exists(target))
+        blocker = os.path.join(self.dir, "a-file")
+        open(blocker, "w").close()
+        with self.assertRaisesRegex(ValueError, "key `dir`: .*is not a directory"):
+            self.construct(dir=blocker, read_only=True)
+        os.mkdir(target)
+        self.construct(dir=target, read_only=True)
+        self.assertEqual(os.listdir(target), [], "a read-only tier wrote into its directory")
+
     def test_a_pool_other_than_the_config_says_is_refused_at_registration(self):
         backend = self.construct(pool={"head_num": 4, "layout": "page_first"})
         with self.assertRaisesRegex(ValueError, "key `pool.head_num`: the host pool has 2, the config says 4"):

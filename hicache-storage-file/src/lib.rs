@@ -98,7 +98,7 @@ pub struct FileConfig {
     /// Bytes of a segment read ahead (without waiting) of a batch that continues a forward walk through it, as a
     /// prefix read back a batch at a time does; 0 reads nothing ahead. With `direct_io`, windows are read with
     /// `O_DIRECT` into the backend's own memory (at most 8 times this many bytes in all) for batches shorter than
-    /// this; without, into the page cache for batches under 2 MiB (there a longer batch reads faster on its own).
+    /// this (or than 2 MiB, for a smaller window); without, into the page cache for batches under 2 MiB (there a longer batch reads faster on its own).
     /// At most [`MAX_READ_AHEAD_BYTES`].
     pub read_ahead_bytes: u64,
     /// Bytes of batches of segment pages written behind at most: a batch's pages are copied into the backend's
@@ -117,9 +117,10 @@ pub struct FileConfig {
     /// every write lengthen the file. A killed writer leaves at most this much unused; a closed one gives it back.
     /// At most the segment's size counts.
     pub preallocate_bytes: u64,
-    /// The most bytes of a batch's segment pages one write carries: a longer batch is written as several writes
-    /// submitted together, so a disk that serves several requests at once is kept busy by one caller. 0: one write
-    /// per batch.
+    /// The most bytes of a batch's segment pages one write carries, for batches written in place (see
+    /// [`FileConfig::write_behind_bytes`]; batches written behind are joined instead): a longer batch is written as
+    /// several writes submitted together, so a disk that serves several requests at once is kept busy by one caller.
+    /// 0: one write per batch.
     pub write_split_bytes: u64,
 }
 

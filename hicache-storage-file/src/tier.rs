@@ -6,7 +6,8 @@
 //! native pages `segment_threshold` (pages below it go to segment files; 0 never), `segment_bytes` (the size of one
 //! segment file), `io_uring` (submit segment I/O through io_uring where the kernel allows), `read_ahead` (bytes of
 //! a segment read ahead of a batch that continues a forward walk through it; 0 none), `write_behind` (bytes of
-//! batches copied and written by the tier's own threads while the caller goes on; 0, the default, none),
+//! batches copied and written by the tier's own threads while the caller goes on; 16 MiB by default, a batch of
+//! more than half of it written in place; 0 none),
 //! `preallocate` (with `direct_io`, bytes a segment's data file is allocated ahead of its writes; 0 none) and
 //! `write_split` (the most bytes of a batch's pages one write carries; 0, the default, one write per batch).
 

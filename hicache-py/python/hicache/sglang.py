@@ -16,7 +16,9 @@ without ``interface_v1`` (``get``/``set``/``batch_get``/``batch_set`` with tenso
 Keys of the extra config: ``backend`` (a tier of ``hicache.BACKENDS``: ``file``, the default; ``memory``;
 ``mooncake``; ``3fs``, also named ``hf3fs``), then the tier's own keys, read by it: for the file tier ``dir``,
 ``format`` (``native``, the default, or ``sglang``: SGLang's own ``HiCacheFile`` names and bytes, so both read one
-directory), ``capacity`` (bytes or e.g. ``"200gb"``), ``io_threads``, ``direct_io``; for Mooncake SGLang's Mooncake
+directory), ``capacity`` (bytes or e.g. ``"200gb"``), ``io_threads``, ``direct_io``, ``read_only`` (inspection:
+nothing is made or written) and the small pages' ``segment_threshold``, ``segment_bytes``, ``io_uring``,
+``read_ahead``, ``write_behind``, ``preallocate``, ``write_split``; for Mooncake SGLang's Mooncake
 keys (``master_server_address``, ...); for 3FS SGLang's 3FS keys (``file_path_prefix``, ...); ``pool`` (what the host pool must be: ``page_size``, ``layout``, ``dtype``,
 ``layer_num``, ``head_num``, ``head_dim``, ``kv_lora_rank``, ``qk_rope_head_dim``).
 

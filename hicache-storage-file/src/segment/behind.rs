@@ -5,7 +5,7 @@
 //! starts: one write of a batch in flight at a time. For small pages (a batch of 128 pages of 4 KiB is 512 KiB) the
 //! disk then idles between batches. Written behind, two batches are in flight at once and the caller only copies
 //! and checksums. Batches that queue up while the disk is busy, one after another in a segment, are joined into one
-//! write (up to [`MAX_JOINED_BYTES`]): a disk takes a long write faster than the same bytes in many short ones, so
+//! write (joined until it carries [`MAX_JOINED_BYTES`], the last batch joined taking it past): a disk takes a long write faster than the same bytes in many short ones, so
 //! the writes grow as the disk falls behind, as a raw stream's would be long.
 //!
 //! A page written behind is *pending* until its batch's data and record are written and the index holds it. This
@@ -35,8 +35,8 @@ use crate::threads::Threads;
 
 /// Threads writing batches: two batches in flight keep the disk busy while one's record is written.
 const WRITERS: usize = 2;
-/// The most bytes of batches queued one after another that one write joins (a disk takes one long write faster than
-/// the same bytes in many short ones).
+/// Bytes of batches queued one after another past which one write joins no more (the last batch joined may take it
+/// past; a disk takes one long write faster than the same bytes in many short ones).
 const MAX_JOINED_BYTES: u64 = 16 << 20;
 /// The longest a batch waits for room under the budget, and a flush for the batches pending.
 pub(crate) const WAIT: Duration = Duration::from_secs(60);

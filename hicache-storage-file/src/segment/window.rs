@@ -1,7 +1,7 @@
 //! Windows of segments read ahead into this process's own memory, for a store that reads with `O_DIRECT`.
 //!
-//! `ahead.rs` decides which ranges of a segment a forward walk will want next; here those ranges are read by a
-//! thread of the store's own, with `O_DIRECT`, into buffers of the store's, while the walk's batches go on. A batch
+//! `ahead.rs` decides which ranges of a segment a forward walk will want next; here those ranges are read by two
+//! threads of the store's own, with `O_DIRECT`, into buffers of the store's, while the walk's batches go on. A batch
 //! whose pages lie in a window that arrived copies them from it (and checks each page's checksum, as any read does),
 //! instead of waiting for the disk once per batch. Through the page cache (the kernel's read-ahead, asked for with
 //! `fadvise`) the same walk also costs the kernel's page bookkeeping, and it fills the page cache that `O_DIRECT` was
