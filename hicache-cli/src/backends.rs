@@ -156,14 +156,15 @@ pub(crate) struct BackendOptions {
 /// The tier's settings as SGLang takes them, and Mooncake's key flags.
 #[derive(Clone, Debug, Default, clap::Args)]
 pub(crate) struct NetworkArgs {
-    /// The backend's settings as a JSON object, SGLang's --hicache-storage-backend-extra-config, read strictly by
-    /// the tier (a key a flag such as --dir also gives is refused; throttle_read_gbps holds any tier's reads). file: dir, format, capacity, io_threads, direct_io,
-    /// read_only, segment_threshold, segment_bytes, io_uring, read_ahead, write_behind, preallocate, write_split. nixl: dir, plugin, plugin_params, lib_dir, max_open_files, max_registered_regions. mooncake:
-    /// master_server_address, protocol, device_name, global_segment_size, local_buffer_size, metadata_server,
-    /// local_hostname, replica_num, key_scheme, sglang_release, extra_backend_tag, ... 3fs: file_path_prefix,
-    /// file_size, numjobs, entries, metadata_server_url (redis://host:port), io_timeout_s, metadata_timeout_s,
-    /// library_dir, verify_checksum. Default: the config file's, else SGLang's variables (MOONCAKE_MASTER, ... or
-    /// MOONCAKE_CONFIG_PATH; SGLANG_HICACHE_HF3FS_CONFIG_PATH).
+    /// The backend's settings as a JSON object, SGLang's --hicache-storage-backend-extra-config, read strictly by the
+    /// tier (a key a flag such as --dir also gives is refused; throttle_read_gbps holds any tier's reads). file: dir
+    /// (or SGLang's file_storage_path), format, capacity, io_threads, direct_io, read_only, segment_threshold,
+    /// segment_bytes, io_uring, read_ahead, write_behind, preallocate, write_split. nixl: dir, plugin, plugin_params,
+    /// lib_dir, max_open_files, max_registered_regions. mooncake: master_server_address, protocol, device_name,
+    /// global_segment_size, local_buffer_size, metadata_server, local_hostname, replica_num, key_scheme,
+    /// sglang_release, extra_backend_tag, ... 3fs: file_path_prefix, file_size, numjobs, entries, metadata_server_url
+    /// (redis://host:port), io_timeout_s, metadata_timeout_s, library_dir, verify_checksum. Default: the config file's,
+    /// else SGLang's variables (MOONCAKE_MASTER, ... or MOONCAKE_CONFIG_PATH; SGLANG_HICACHE_HF3FS_CONFIG_PATH).
     #[arg(long, value_name = "JSON")]
     pub(crate) extra_config: Option<String>,
     /// Object keys: hicache's namespaced ones, or SGLang's (to share one store with SGLang).
