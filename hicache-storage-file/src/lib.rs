@@ -95,11 +95,11 @@ pub struct FileConfig {
     /// Submit segment reads and writes through io_uring when the kernel allows it (else `preadv`/`pwritev` on the
     /// I/O threads).
     pub io_uring: bool,
-    /// Bytes of a segment read ahead (without waiting) of a batch that continues a forward walk through it, as a
-    /// prefix read back a batch at a time does; 0 reads nothing ahead. With `direct_io`, windows are read with
-    /// `O_DIRECT` into the backend's own memory (at most 8 times this many bytes in all) for batches shorter than
-    /// this (or than 2 MiB, for a smaller window); without, into the page cache for batches under 2 MiB (there a longer batch reads faster on its own).
-    /// At most [`MAX_READ_AHEAD_BYTES`].
+    /// Bytes of a segment read ahead (without waiting) of a batch that continues a forward walk through it, as a prefix
+    /// read back a batch at a time does; 0 reads nothing ahead. With `direct_io`, windows are read with `O_DIRECT` into
+    /// the backend's own memory (at most 8 times this many bytes in all) for batches shorter than this (or than 2 MiB,
+    /// for a smaller window); without, into the page cache for batches under 2 MiB (there a longer batch reads faster
+    /// on its own). At most [`MAX_READ_AHEAD_BYTES`].
     pub read_ahead_bytes: u64,
     /// Bytes of batches of segment pages written behind at most: a batch's pages are copied into the backend's
     /// memory and written by threads of its own while the caller goes on, so several batches are in flight at once,

@@ -1,12 +1,12 @@
 //! Writing behind: a batch's pages are copied into the store's own memory and written to the segment by threads of
 //! the store's, so the caller goes on with its next batch while the disk takes this one.
 //!
-//! A batch written in place waits for its write, then for its record and index entries, before the next batch
-//! starts: one write of a batch in flight at a time. For small pages (a batch of 128 pages of 4 KiB is 512 KiB) the
-//! disk then idles between batches. Written behind, two batches are in flight at once and the caller only copies
-//! and checksums. Batches that queue up while the disk is busy, one after another in a segment, are joined into one
-//! write (joined until it carries [`MAX_JOINED_BYTES`], the last batch joined taking it past): a disk takes a long write faster than the same bytes in many short ones, so
-//! the writes grow as the disk falls behind, as a raw stream's would be long.
+//! A batch written in place waits for its write, then for its record and index entries, before the next batch starts:
+//! one write of a batch in flight at a time. For small pages (a batch of 128 pages of 4 KiB is 512 KiB) the disk then
+//! idles between batches. Written behind, two batches are in flight at once and the caller only copies and checksums.
+//! Batches that queue up while the disk is busy, one after another in a segment, are joined into one write (joined
+//! until it carries [`MAX_JOINED_BYTES`], the last batch joined taking it past): a disk takes a long write faster than
+//! the same bytes in many short ones, so the writes grow as the disk falls behind, as a raw stream's would be long.
 //!
 //! A page written behind is *pending* until its batch's data and record are written and the index holds it. This
 //! process finds pending pages at once (reads copy them from the batch's buffer, checked against their checksums as
